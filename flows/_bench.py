@@ -1,0 +1,126 @@
+"""Benchmark reporting shared by every ``scanforest bench ...`` command.
+
+A benchmark measures its figures and the baseline in the same run and hands rows to
+:class:`BenchReport`, which prints one table (figure, value, unit, device, baseline, ratio) and
+writes the whole record (rows, environment, parameters) as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DIR = Path("bench-results")
+
+
+@dataclass
+class BenchRow:
+    figure: str                 # what was measured, e.g. "P-BANNS queries/s (N=10M, d=352)"
+    value: float
+    unit: str
+    device: str                 # "cpu (2 cores)" / "gpu (NVIDIA H100 80GB HBM3)"
+    baseline: str | None = None  # name of the baseline row measured in the same run
+    baseline_value: float | None = None
+    higher_is_better: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        """Speed-up over the baseline (>1 means better than the baseline)."""
+        if self.baseline_value in (None, 0) or self.value in (None, 0):
+            return None
+        r = self.value / self.baseline_value
+        return r if self.higher_is_better else 1.0 / r
+
+
+def environment() -> dict[str, Any]:
+    from scanforest.kernels._backend import gpu_available, gpu_name
+
+    env = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "gpu": gpu_name() if gpu_available() else None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    try:
+        import numpy
+
+        env["numpy"] = numpy.__version__
+        import cupy  # noqa: F401
+
+        env["cupy"] = cupy.__version__
+    except Exception:
+        pass
+    return env
+
+
+class BenchReport:
+    """Collect rows, print them as a table, write JSON to ``out`` (a file or a folder)."""
+
+    def __init__(self, name: str, params: dict[str, Any] | None = None):
+        self.name = name
+        self.params = dict(params or {})
+        self.rows: list[BenchRow] = []
+        self.notes: list[str] = []
+        self.started = time.time()
+
+    def add(self, figure: str, value: float, unit: str, device: str, *, baseline: str | None = None,
+            baseline_value: float | None = None, higher_is_better: bool = True, **extra) -> BenchRow:
+        row = BenchRow(figure, float(value), unit, device, baseline,
+                       None if baseline_value is None else float(baseline_value), higher_is_better, extra)
+        self.rows.append(row)
+        return row
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def table(self) -> str:
+        head = ("figure", "value", "unit", "device", "baseline", "ratio")
+        body = []
+        for r in self.rows:
+            ratio = r.ratio
+            body.append((r.figure, _fmt(r.value), r.unit, r.device, r.baseline or "-",
+                         "-" if ratio is None else f"{ratio:.2f}x"))
+        widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+        out = [f"scanforest bench {self.name}", line(head), line(["-" * w for w in widths])]
+        out += [line(b) for b in body]
+        out += [f"note: {n}" for n in self.notes]
+        return "\n".join(out)
+
+    def write(self, out: str | os.PathLike | None = None) -> Path:
+        path = Path(out) if out else DEFAULT_DIR
+        if path.suffix != ".json":
+            path.mkdir(parents=True, exist_ok=True)
+            path = path / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "bench": self.name,
+            "params": self.params,
+            "environment": environment(),
+            "seconds": time.time() - self.started,
+            "rows": [dict(asdict(r), ratio=r.ratio) for r in self.rows],
+            "notes": self.notes,
+        }
+        path.write_text(json.dumps(record, indent=2, default=str))
+        return path
+
+    def finish(self, out: str | os.PathLike | None = None) -> Path:
+        """Print the table and write the JSON; returns the JSON path."""
+        print(self.table())
+        path = self.write(out)
+        print(f"wrote {path}")
+        return path
+
+
+def _fmt(v: float) -> str:
+    if v == 0 or 1e-3 <= abs(v) < 1e7:
+        return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return f"{v:.3e}"

@@ -1,0 +1,32 @@
+"""Exception types shared by every layer of scanforest.
+
+Every error a user can cause derives from :class:`ScanforestError`, so a caller can catch one
+type; the concrete classes also derive from the matching built-in (``ValueError``,
+``MemoryError``) so generic handlers keep working.
+"""
+from __future__ import annotations
+
+
+class ScanforestError(Exception):
+    """Base class of every error scanforest raises on purpose."""
+
+
+class InputError(ScanforestError, ValueError):
+    """An argument or an input array is not acceptable (shape, dtype, NaN, empty, ...)."""
+
+
+class ScanReadError(ScanforestError, ValueError):
+    """A scan file could not be read. ``path`` names the file, ``reason`` says why."""
+
+    def __init__(self, path, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+
+class DeviceError(ScanforestError, RuntimeError):
+    """A GPU was asked for but none is usable (no CuPy, no device, driver problem)."""
+
+
+class OutOfMemory(ScanforestError, MemoryError):
+    """A computation would not fit in (device or host) memory; the message gives the sizes."""

@@ -1,0 +1,39 @@
+"""Shared fixtures: GPU skipping, the real PCL data folder, seeded randomness."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PCL_DIR = Path(os.environ.get("SCANFOREST_PCL_DATA", REPO.parent / "shared" / "data" / "pcl"))
+
+
+def _gpu() -> bool:
+    from scanforest.kernels._backend import gpu_available
+
+    return gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _gpu():
+        return
+    skip = pytest.mark.skip(reason="needs CuPy and a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def pcl_dir() -> Path:
+    """The PCL test clouds (../shared/data/pcl); tests using it skip when it is absent."""
+    if not PCL_DIR.is_dir():
+        pytest.skip(f"real data folder {PCL_DIR} is absent")
+    return PCL_DIR
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(12345)
