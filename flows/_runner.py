@@ -1,0 +1,198 @@
+"""Where flows run: a Dask cluster for the compute, Prefect's API for the orchestration record.
+
+Execution model (measured, see README "Orchestration"): a flow's Prefect tasks run on a thread
+pool in the flow process and each hands its unit of work (a plain function from
+``scanforest.tasks``) to the Dask cluster with ``client.submit``. Prefect records every task
+run, retries and states; Dask places the work, moves data and reschedules work lost with a dead
+worker. Running the Prefect task engine itself inside Dask workers (``DaskTaskRunner``) cost
+~250 ms per task on a 2-core machine versus ~25 ms this way, so workers never need a Prefect API;
+they still receive the flow's API URL (a worker plugin sets ``PREFECT_API_URL``) so any Prefect
+call made there talks to the flow's server instead of starting a temporary one.
+
+The embedded default needs no infrastructure: a ``LocalCluster`` of processes (or
+``LocalCUDACluster``, one worker per GPU, when dask-cuda is installed and GPUs are visible) and
+Prefect's temporary local API, started once per process. ``scheduler=ADDRESS`` uses an existing
+Dask cluster instead; ``PREFECT_API_URL`` set in the environment uses that Prefect server.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from typing import Iterator
+
+log = logging.getLogger("scanforest")
+
+_server_lock = threading.Lock()
+_server = None
+
+
+def ensure_prefect_api() -> str:
+    """The Prefect API URL the flows report to, starting a temporary local server if none is set.
+
+    The URL is exported in ``os.environ`` so worker processes started afterwards inherit it.
+    """
+    global _server
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    url = os.environ.get("PREFECT_API_URL")
+    if url:
+        return url
+    with _server_lock:
+        if _server is None:
+            from prefect.server.api.server import SubprocessASGIServer
+
+            srv = SubprocessASGIServer()
+            srv.start()
+            _server = srv
+            import atexit
+
+            atexit.register(_stop_server)
+        os.environ["PREFECT_API_URL"] = _server.api_url
+        return _server.api_url
+
+
+def _stop_server() -> None:
+    global _server
+    if _server is not None:
+        logging.disable(logging.INFO)  # at interpreter exit the log streams may already be closed
+        with contextlib.suppress(Exception):
+            _server.stop()
+        logging.disable(logging.NOTSET)
+        _server = None
+        os.environ.pop("PREFECT_API_URL", None)
+
+
+def _prefect_env_plugin(env: dict[str, str]):
+    """Worker plugin: give every worker (present and future) the flow's Prefect API URL."""
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    class PrefectEnv(WorkerPlugin):
+        name = "scanforest-prefect-env"
+
+        def __init__(self, env):
+            self.env = env
+
+        def setup(self, worker):
+            os.environ.update(self.env)
+
+    return PrefectEnv(env)
+
+
+def _want_gpu_cluster(device: str) -> bool:
+    if device == "cpu":
+        return False
+    from scanforest.kernels._backend import gpu_available
+
+    if not gpu_available():
+        return False
+    try:
+        import dask_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
+                threads_per_worker: int = 1, device: str = "auto",
+                memory_limit: str | None = "auto") -> Iterator:
+    """A Dask client: connect to ``scheduler`` or start a local cluster for the duration.
+
+    Parameters
+    ----------
+    scheduler : str, optional
+        Address of an existing scheduler (``tcp://host:8786``). Its workers are used as they are.
+    n_workers : int, optional
+        Local workers (default: one per core, at most 8; one per GPU with ``LocalCUDACluster``).
+    device : {"auto", "cpu", "gpu"}
+        ``gpu``/``auto`` with dask-cuda and a visible GPU start ``LocalCUDACluster``.
+    """
+    from distributed import Client
+
+    env = {k: os.environ[k] for k in ("PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED") if k in os.environ}
+    if scheduler:
+        client = Client(scheduler, timeout="30s")
+        cluster = None
+    elif _want_gpu_cluster(device):
+        from dask_cuda import LocalCUDACluster
+
+        cluster = LocalCUDACluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
+                                   dashboard_address=None)
+        client = Client(cluster)
+    else:
+        from distributed import LocalCluster
+
+        n = n_workers or max(1, min(8, os.cpu_count() or 1))
+        cluster = LocalCluster(n_workers=n, threads_per_worker=threads_per_worker, processes=True,
+                               dashboard_address=None, memory_limit=memory_limit, silence_logs=logging.ERROR)
+        client = Client(cluster)
+    quiet_prefect_logs()
+    try:
+        if env:
+            with contextlib.suppress(Exception):
+                client.register_plugin(_prefect_env_plugin(env), name="scanforest-prefect-env")
+        yield client
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def n_workers(client) -> int:
+    return len(client.scheduler_info(n_workers=-1)["workers"])
+
+
+def quiet_prefect_logs() -> None:
+    """Keep the terminal for our progress bar: Prefect's per-task INFO lines go to the API only."""
+    for name in ("prefect.task_runs", "prefect.flow_runs", "httpx"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for name in ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
+                 "distributed.worker", "distributed.batched", "distributed.http.proxy"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def map_units(task, kwargs_list: list[dict], *, label: str, progress: bool = True) -> list:
+    """Submit one Prefect task run per item on the flow's thread-pool task runner (each run
+    dispatches its work to Dask) and collect the results in input order, with a progress bar."""
+    from prefect.futures import as_completed
+
+    results: list = [None] * len(kwargs_list)
+    if not kwargs_list:
+        return results
+    futures = {task.submit(**kw): i for i, kw in enumerate(kwargs_list)}
+    with _Bar(label, len(kwargs_list), progress) as bar:
+        for fut in as_completed(list(futures)):
+            results[futures[fut]] = fut.result()
+            bar.advance()
+    return results
+
+
+class _Bar:
+    """A rich progress bar on the terminal (silent when stderr is not a terminal)."""
+
+    def __init__(self, label: str, total: int, enabled: bool):
+        import sys
+
+        self.enabled = enabled and sys.stderr.isatty()
+        self.total = total
+        self.label = label
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+
+            self._p = Progress("[bold]{task.description}", BarColumn(), MofNCompleteColumn(),
+                               TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+            self._p.__enter__()
+            self._t = self._p.add_task(self.label, total=self.total)
+        return self
+
+    def advance(self):
+        if self.enabled:
+            self._p.advance(self._t)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._p.__exit__(*exc)

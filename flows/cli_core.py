@@ -1,0 +1,183 @@
+"""Core commands: ingest, info, demo, and ``bench ingest``."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+SchedulerOpt = typer.Option(None, "--scheduler", help="Address of an existing Dask scheduler "
+                            "(tcp://host:8786); default: a local cluster started for this command.")
+WorkersOpt = typer.Option(None, "--workers", "-w", help="Local Dask workers (default: one per core, max 8).")
+DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | gpu: auto uses the GPU when one is visible.")
+
+
+def choose_device(device: str) -> str:
+    """Resolve --device and say what was chosen (stderr), e.g. 'device: gpu (NVIDIA H100 80GB HBM3)'."""
+    from scanforest.kernels._backend import describe_device, resolve_device
+
+    dev = resolve_device(device)
+    typer.echo(f"device: {describe_device(dev)}" + (" [auto]" if device == "auto" else ""), err=True)
+    return dev
+
+
+def print_summary(title: str, summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    for key in ("files", "ingested", "skipped", "quarantined", "points", "bytes", "seconds", "workers"):
+        if key in summary:
+            value = summary[key]
+            if key == "bytes":
+                value = f"{value / 1e6:,.1f} MB"
+            elif key == "seconds":
+                value = f"{value:.2f} s"
+            elif isinstance(value, int):
+                value = f"{value:,}"
+            table.add_row(key, str(value))
+    Console().print(table)
+    for q in summary.get("quarantine_reasons", []):
+        typer.secho(f"quarantined: {q['source']}: {q['reason']}", fg=typer.colors.YELLOW)
+
+
+def register(app: typer.Typer, bench: typer.Typer) -> None:
+    @app.command()
+    def ingest(
+        source: str = typer.Argument(..., help="A folder, a glob ('scans/**/*.pcd') or an archive (.tar, .tar.gz, .zip)."),
+        store: str = typer.Argument(..., help="The Zarr scan store (created if missing)."),
+        units: str = typer.Option("m", help="Length unit recorded for the scans."),
+        scheduler: Optional[str] = SchedulerOpt,
+        workers: Optional[int] = WorkersOpt,
+        json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the summary as JSON."),
+    ):
+        """Ingest scans (PCD, PLY, LAS/LAZ, XYZ/CSV, NPY) into a Zarr v3 store; resumable.
+
+        Unchanged files already in the store are skipped; unreadable files are quarantined with
+        the reason and the batch goes on.
+        """
+        from .ingest import run_ingest
+
+        summary = run_ingest(source, store, scheduler=scheduler, workers=workers, units=units)
+        print_summary(f"ingest {source} -> {store}", summary)
+        if json_out:
+            json_out.write_text(json.dumps(summary, indent=2))
+
+    @app.command()
+    def info(store: str = typer.Argument(..., help="The Zarr scan store."),
+             scans: bool = typer.Option(False, "--scans", help="List every scan.")):
+        """Summarise a store: scans, points, formats, stages done, quarantine, runs."""
+        from scanforest.tasks.store import ScanStore
+
+        st = ScanStore(store, mode="r")
+        typer.echo(json.dumps(st.info(), indent=2))
+        if scans:
+            for sid in st.scans():
+                a = st.attrs(sid)
+                typer.echo(f"{sid}\t{a.get('n_points', 0):>10,}\t{a.get('format')}\t{','.join(a.get('stages', {}))}")
+        for q in st.quarantined():
+            typer.secho(f"quarantined: {q['source']}: {q['reason']}", fg=typer.colors.YELLOW)
+
+    @app.command()
+    def demo(
+        workdir: Path = typer.Option(Path("scanforest-demo"), help="Folder for the synthetic archive and the store."),
+        scenes: int = typer.Option(6, help="Synthetic scenes."),
+        models: int = typer.Option(4, help="Library models."),
+        points: int = typer.Option(60_000, help="Points per scene."),
+        device: str = DeviceOpt,
+        scheduler: Optional[str] = SchedulerOpt,
+        workers: Optional[int] = WorkersOpt,
+    ):
+        """End to end on synthetic data: make an archive (with one corrupt file), ingest it, summarise."""
+        from scanforest.tasks.synth import corrupt_copy, write_archive
+
+        from .ingest import run_ingest
+
+        dev = choose_device(device)
+        t0 = time.perf_counter()
+        archive = workdir / "archive"
+        made = write_archive(archive, n_models=models, n_scenes=scenes, points_per_scene=points)
+        corrupt_copy(made["scenes"][0], archive / "scenes" / "broken_scan.pcd", 0.4)
+        typer.echo(f"synthetic archive: {len(made['models'])} models, {len(made['scenes'])} scenes "
+                   f"(+1 corrupt file) in {archive} ({time.perf_counter() - t0:.1f} s)")
+        store = workdir / "store.zarr"
+        summary = run_ingest(str(archive), str(store), scheduler=scheduler, workers=workers)
+        print_summary(f"ingest {archive} -> {store}", summary)
+        _demo_stages(store, dev)
+
+    @bench.command("ingest")
+    def bench_ingest(
+        scans: int = typer.Option(100, help="Synthetic scans in the archive."),
+        points: int = typer.Option(300_000, help="Points per scan."),
+        workers: Optional[int] = WorkersOpt,
+        scheduler: Optional[str] = SchedulerOpt,
+        workdir: Path = typer.Option(Path("bench-ingest"), help="Scratch folder (archive + store)."),
+        out: Optional[Path] = typer.Option(None, "--out", help="JSON file or folder (default bench-results/)."),
+    ):
+        """Ingest throughput (MB/s, points/s) for an archive of synthetic scans, on the CPU.
+
+        The baseline row is the same files read and written by one process in a plain loop
+        (no Dask, no Prefect), measured in the same run.
+        """
+        import shutil
+
+        from scanforest.kernels import synthetic
+        from scanforest.tasks.ingest import Source, ingest_file
+        from scanforest.tasks.readers import write_cloud
+
+        from ._bench import BenchReport
+        from .ingest import run_ingest
+
+        rep = BenchReport("ingest", {"scans": scans, "points": points})
+        src = workdir / "archive"
+        src.mkdir(parents=True, exist_ok=True)
+        lib = synthetic.model_library(4, 10_000, seed=7)
+        t0 = time.perf_counter()
+        for i in range(scans):
+            p = src / f"scan_{i:04d}.pcd"
+            if not p.exists():
+                sc = synthetic.make_scene(lib, n_instances=3, n_points=points, seed=i, occlusion=False)
+                write_cloud(p, sc.points, encoding="binary_compressed")
+        files = sorted(src.glob("*.pcd"))
+        nbytes = sum(f.stat().st_size for f in files)
+        rep.note(f"archive: {len(files)} binary_compressed PCD files, {nbytes / 1e6:.1f} MB, made in "
+                 f"{time.perf_counter() - t0:.1f} s")
+        # baseline: one process, plain loop, same unit of work
+        base_store = workdir / "baseline.zarr"
+        shutil.rmtree(base_store, ignore_errors=True)
+        t0 = time.perf_counter()
+        npts = 0
+        for f in files:
+            npts += ingest_file(str(base_store), Source(str(f), f.name))["points"]
+        t_base = time.perf_counter() - t0
+        store = workdir / "store.zarr"
+        shutil.rmtree(store, ignore_errors=True)
+        summary = run_ingest(str(src), str(store), scheduler=scheduler, workers=workers, progress=False)
+        t_flow = summary["seconds"]
+        t0 = time.perf_counter()
+        again = run_ingest(str(src), str(store), scheduler=scheduler, workers=workers, progress=False)
+        t_skip = time.perf_counter() - t0
+        cpu = f"cpu ({os.cpu_count()} cores, {summary['workers']} dask workers)"
+        rep.add("ingest MB/s (flow)", nbytes / 1e6 / t_flow, "MB/s", cpu, baseline="1 process loop",
+                baseline_value=nbytes / 1e6 / t_base)
+        rep.add("ingest points/s (flow)", summary["points"] / t_flow, "points/s", cpu,
+                baseline="1 process loop", baseline_value=npts / t_base)
+        rep.add("ingest MB/s (1 process loop, baseline)", nbytes / 1e6 / t_base, "MB/s", "cpu (1 process)")
+        rep.add("re-ingest of unchanged archive", t_skip, "s", cpu, higher_is_better=False,
+                skipped=again["skipped"])
+        rep.add("dask workers", summary["workers"], "workers", cpu)
+        rep.note(f"flow wall {t_flow:.2f} s, summed task time {summary['task_seconds']:.2f} s; "
+                 f"ingested {summary['ingested']}, skipped {summary['skipped']}, quarantined {summary['quarantined']}")
+        rep.finish(out)
+
+
+def _demo_stages(store: Path, device: str) -> None:
+    """Later stages of the demo, run when their modules are present."""
+    from scanforest.tasks.store import ScanStore
+
+    info = ScanStore(str(store), mode="r").info()
+    typer.echo(f"store {store}: {info['scans']} scans, {info['points']:,} points, "
+               f"{info['quarantined']} quarantined")

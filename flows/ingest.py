@@ -1,0 +1,83 @@
+"""The ingest flow: a folder, glob or archive of scans -> the Zarr scan store."""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from scanforest.tasks.ingest import discover
+from scanforest.tasks.prefect_tasks import ingest_scan
+from scanforest.tasks.store import ScanStore, scan_id_for
+
+from ._runner import dask_client, ensure_prefect_api, map_units, n_workers, quiet_prefect_logs
+
+
+@flow(name="scanforest-ingest", task_runner=ThreadPoolTaskRunner(max_workers=32))
+def ingest_flow(source: str, store: str, units: str = "m", progress: bool = True) -> dict[str, Any]:
+    """Ingest every scan under ``source`` into ``store``; runs on the current Dask client.
+
+    Returns the summary: counts of ingested / skipped / quarantined files, points, bytes, seconds.
+    """
+    t0 = time.perf_counter()
+    st = ScanStore(store)
+    staging = Path(str(store).rstrip("/") + ".staging")
+    sources, problems = discover(source, staging)
+    for prob in problems:
+        st.quarantine(prob["source"], prob["reason"], key=scan_id_for(prob["source"].replace("::", "/").lstrip("/")))
+    records = map_units(ingest_scan, [dict(store=store, source=s, units=units) for s in sources],
+                        label="ingest", progress=progress)
+    summary = summarize(records, time.perf_counter() - t0)
+    summary["quarantined"] += len(problems)
+    summary["quarantine_reasons"] += [{"source": p["source"], "reason": p["reason"]} for p in problems]
+    if staging.exists() and summary["quarantined"] == len(problems):
+        shutil.rmtree(staging, ignore_errors=True)
+    st.write_run(f"ingest-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}",
+                 {"flow": "ingest", "source": str(source), "units": units, "summary": summary,
+                  "versions": versions()})
+    return summary
+
+
+def summarize(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    by = {"ingested": 0, "skipped": 0, "quarantined": 0}
+    for r in records:
+        by[r["status"]] = by.get(r["status"], 0) + 1
+    ingested = [r for r in records if r["status"] == "ingested"]
+    return {
+        **by,
+        "files": len(records),
+        "points": int(sum(r["points"] for r in ingested)),
+        "bytes": int(sum(r["bytes"] for r in ingested)),
+        "seconds": seconds,
+        "task_seconds": float(sum(r.get("seconds", 0.0) for r in records)),
+        "quarantine_reasons": [{"source": r["source"], "reason": r["reason"]}
+                               for r in records if r["status"] == "quarantined"],
+    }
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("scanforest", "numpy", "zarr", "dask", "distributed", "prefect"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def run_ingest(source: str, store: str, *, scheduler: str | None = None, workers: int | None = None,
+               units: str = "m", progress: bool = True) -> dict[str, Any]:
+    """Ingest with the embedded defaults: a local Dask cluster (or ``scheduler``) and Prefect's API."""
+    ensure_prefect_api()
+    quiet_prefect_logs()
+    with dask_client(scheduler, n_workers=workers, device="cpu") as client:
+        summary = ingest_flow(source=str(source), store=str(store), units=units, progress=progress)
+        summary["workers"] = n_workers(client)
+    return summary

@@ -1,0 +1,169 @@
+"""Ingest flow on a real local Dask cluster with Prefect's API: folders, archives, quarantine, resume."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scanforest.flows.ingest import run_ingest
+from scanforest.kernels import synthetic
+from scanforest.tasks.ingest import Source, discover, ingest_file
+from scanforest.tasks.readers import read_cloud, write_cloud
+from scanforest.tasks.store import ScanStore
+from scanforest.tasks.synth import corrupt_copy, write_archive
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory):
+    root = tmp_path_factory.mktemp("arch")
+    made = write_archive(root, n_models=3, n_scenes=3, points_per_scene=5_000, points_per_model=2_000)
+    return root, made
+
+
+def test_folder_with_one_corrupt_file(tmp_path, archive):
+    root, made = archive
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in made["scenes"]:
+        (src / p.name).write_bytes(p.read_bytes())
+        (src / p.with_name(p.stem + ".gt.json").name).write_bytes(p.with_name(p.stem + ".gt.json").read_bytes())
+    corrupt_copy(made["scenes"][0], src / "broken.pcd", 0.3)
+    (src / "notes.doc").write_text("not a scan")
+    store = tmp_path / "s.zarr"
+    summary = run_ingest(str(src), str(store), workers=2, progress=False)
+    assert summary["ingested"] == 3 and summary["quarantined"] == 2 and summary["skipped"] == 0
+    st = ScanStore(store, mode="r")
+    assert st.scans() == ["scene_0000.pcd", "scene_0001.pcd", "scene_0002.pcd"]
+    reasons = {q["id"]: q["reason"] for q in st.quarantined()}
+    assert reasons["broken.pcd"].startswith("truncated binary")  # lzf falls back to binary for noise
+    assert "unknown format '.doc'" in reasons["notes.doc"]
+    # the good scans are exact and carry their ground truth and attributes
+    for p in made["scenes"]:
+        np.testing.assert_array_equal(st.read(p.name), read_cloud(p).points)
+        a = st.attrs(p.name)
+        assert a["complete"] and a["n_points"] == len(read_cloud(p)) and len(a["sha256"]) == 64 and a["units"] == "m"
+        assert len(a["ground_truth"]) == 3 and np.asarray(a["ground_truth"][0]["pose"]).shape == (4, 4)
+        assert a["bbox"]["min"] == st.read(p.name).min(0).tolist()
+    # re-ingesting unchanged files is a no-op
+    again = run_ingest(str(src), str(store), workers=2, progress=False)
+    assert again["skipped"] == 3 and again["ingested"] == 0
+    assert st.scans() == ["scene_0000.pcd", "scene_0001.pcd", "scene_0002.pcd"]
+    assert len(ScanStore(store).runs()) == 2
+
+
+@pytest.mark.parametrize("kind", ["tar.gz", "zip"])
+def test_archives_and_globs(tmp_path, archive, kind):
+    root, made = archive
+    arc = tmp_path / f"batch.{kind}"
+    files = made["scenes"] + [p.with_name(p.stem + ".gt.json") for p in made["scenes"]]
+    if kind == "zip":
+        with zipfile.ZipFile(arc, "w") as zf:
+            for p in files:
+                zf.write(p, f"scenes/{p.name}")
+    else:
+        with tarfile.open(arc, "w:gz") as tf:
+            for p in files:
+                tf.add(p, f"scenes/{p.name}")
+    store = tmp_path / "s.zarr"
+    summary = run_ingest(str(arc), str(store), workers=1, progress=False)
+    assert summary["ingested"] == 3 and summary["quarantined"] == 0
+    st = ScanStore(store, mode="r")
+    assert st.scans() == ["batch__scenes__scene_0000.pcd", "batch__scenes__scene_0001.pcd",
+                          "batch__scenes__scene_0002.pcd"]
+    assert "ground_truth" in st.attrs("batch__scenes__scene_0001.pcd")
+    assert not Path(str(store) + ".staging").exists()  # staging removed after a clean ingest
+
+
+def test_truncated_archive_is_quarantined(tmp_path, archive):
+    root, made = archive
+    arc = tmp_path / "t.tar.gz"
+    with tarfile.open(arc, "w:gz") as tf:
+        for p in made["models"]:
+            tf.add(p, p.name)
+    corrupt_copy(arc, tmp_path / "cut.tar.gz", 0.6)
+    srcs, problems = discover(tmp_path / "cut.tar.gz", tmp_path / "staging")
+    assert problems and "corrupt or truncated archive" in problems[0]["reason"]
+
+
+def test_glob_source(tmp_path, archive):
+    root, made = archive
+    items, _ = discover(str(root / "scenes" / "*.pcd"), tmp_path / "st")
+    assert [s.scan_id for s in items] == ["scene_0000.pcd", "scene_0001.pcd", "scene_0002.pcd"]
+
+
+def test_incomplete_scan_is_invisible_and_replaced(tmp_path, rng):
+    p = write_cloud(tmp_path / "a.npy", rng.normal(size=(100, 3)).astype(np.float32))
+    store = ScanStore(tmp_path / "s.zarr")
+    # simulate a writer killed after creating the group and some arrays, before the complete flag
+    grp = store.root["scans"].create_group("a.npy")
+    grp.attrs.update({"complete": False, "sha256": "x"})
+    grp.create_array("points", shape=(10, 3), dtype="f4")
+    assert store.scans() == [] and store.info()["incomplete"] == ["a.npy"]
+    rec = ingest_file(str(tmp_path / "s.zarr"), Source(str(p), "a.npy"))
+    assert rec["status"] == "ingested"
+    assert store.scans() == ["a.npy"] and store.read("a.npy").shape == (100, 3)
+
+
+def test_ingest_killed_midway_and_rerun(tmp_path):
+    """A real process kill (SIGKILL of the whole process group) during ingest, then a rerun."""
+    src = tmp_path / "src"
+    src.mkdir()
+    lib = synthetic.model_library(2, 2_000, seed=3)
+    for i in range(40):
+        sc = synthetic.make_scene(lib, n_instances=2, n_points=120_000, seed=i, occlusion=False)
+        write_cloud(src / f"s{i:03d}.pcd", sc.points, encoding="binary")
+    store = tmp_path / "s.zarr"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "scanforest.flows.cli", "ingest", str(src), str(store),
+                             "--workers", "1"], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if store.exists() and len(ScanStore(store, mode="r").scans()) >= 3:
+                break
+            if proc.poll() is not None:
+                pytest.fail("ingest finished before it could be killed")
+            time.sleep(0.2)
+        else:
+            pytest.fail("ingest made no progress")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    st = ScanStore(store, mode="r")
+    done = st.scans()
+    assert 3 <= len(done) < 40
+    for sid in done:  # every visible scan is whole
+        np.testing.assert_array_equal(st.read(sid), read_cloud(src / sid).points)
+    summary = run_ingest(str(src), str(store), workers=2, progress=False)
+    assert summary["skipped"] == len(done)
+    assert summary["ingested"] == 40 - len(done) and summary["quarantined"] == 0
+    st = ScanStore(store, mode="r")
+    assert st.scans() == sorted(f"s{i:03d}.pcd" for i in range(40))
+    assert st.info()["incomplete"] == []
+
+
+def test_cli_info_and_bad_store(tmp_path):
+    from typer.testing import CliRunner
+
+    from scanforest.flows.cli import app
+
+    store = ScanStore(tmp_path / "s.zarr")
+    store.write_scan("x", {"points": np.zeros((5, 3), np.float32)}, {"n_points": 5, "format": "npy"})
+    res = CliRunner().invoke(app, ["info", str(tmp_path / "s.zarr")])
+    assert res.exit_code == 0 and json.loads(res.stdout[: res.stdout.rindex("}") + 1])["scans"] == 1
+    res = subprocess.run([sys.executable, "-m", "scanforest.flows.cli", "info", str(tmp_path / "nope.zarr")],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr

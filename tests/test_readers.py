@@ -1,0 +1,248 @@
+"""Readers: every PCL file, every encoding, round trips, and every kind of bad input."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from scanforest.kernels.errors import ScanReadError
+from scanforest.tasks.readers import read_cloud, write_cloud
+from scanforest.tasks.store import ScanStore
+
+PCL_FILES = ["bun0.pcd", "bunny.pcd", "cturtle.pcd", "five_people.pcd", "milk.pcd",
+             "milk_cartoon_all_small_clorox.pcd", "milk_color.pcd", "office1.pcd", "rops_cloud.pcd",
+             "table_scene_mug_stereo_textured.pcd"]
+
+
+def _independent_pcd_xyz(path) -> tuple[int, np.ndarray]:
+    """A minimal PCD decoder written from the format spec (not pypcd4): (declared points, finite xyz)."""
+    import lzf
+
+    data = path.read_bytes()
+    header, pos = {}, 0
+    while True:
+        end = data.index(b"\n", pos)
+        line = data[pos:end].decode().strip()
+        pos = end + 1
+        if not line or line.startswith("#"):
+            continue
+        k, _, v = line.partition(" ")
+        header[k] = v.split()
+        if k == "DATA":
+            break
+    fields, sizes = header["FIELDS"], [int(s) for s in header["SIZE"]]
+    types, n = header["TYPE"], int(header["POINTS"][0])
+    enc = header["DATA"][0]
+    dt = np.dtype([(f, {("F", 4): "<f4", ("F", 8): "<f8", ("U", 4): "<u4", ("U", 1): "u1"}[(t, s)])
+                   for f, t, s in zip(fields, types, sizes)])
+    body = data[pos:]
+    if enc == "ascii":
+        table = np.loadtxt(io.StringIO(body.decode()), ndmin=2)
+        xyz = table[:, [fields.index(c) for c in "xyz"]]
+    elif enc == "binary_compressed":
+        csize, usize = np.frombuffer(body[:8], "<u4")
+        raw = lzf.decompress(body[8:8 + csize], int(usize))
+        cols, off = {}, 0
+        for f, s in zip(fields, sizes):  # column-major: all x, then all y, ...
+            cols[f] = np.frombuffer(raw[off:off + s * n], dtype=dt[f])
+            off += s * n
+        xyz = np.stack([cols["x"], cols["y"], cols["z"]], 1)
+    else:
+        xyz = np.frombuffer(body[: dt.itemsize * n], dt)
+        xyz = np.stack([xyz["x"], xyz["y"], xyz["z"]], 1)
+    return n, xyz[np.isfinite(xyz).all(1)]
+
+
+@pytest.mark.parametrize("name", PCL_FILES)
+def test_every_pcl_file_reads_with_right_count(pcl_dir, name):
+    path = pcl_dir / name
+    declared, finite = _independent_pcd_xyz(path)
+    cloud = read_cloud(path)
+    assert len(cloud) == len(finite)
+    assert cloud.meta["n_source_points"] == declared
+    np.testing.assert_array_equal(cloud.points, finite.astype(np.float32))
+    if cloud.meta.get("organized"):
+        assert cloud.pixel_index is not None and len(cloud.pixel_index) == len(cloud)
+        assert cloud.pixel_index.max() < cloud.meta["width"] * cloud.meta["height"]
+        assert np.all(np.diff(cloud.pixel_index) > 0)
+
+
+def test_known_counts_and_fields(pcl_dir):
+    bun = read_cloud(pcl_dir / "bun0.pcd")
+    assert len(bun) == 397 and bun.normals.shape == (397, 3) and "curvature" in bun.extra
+    assert len(read_cloud(pcl_dir / "milk.pcd")) == 13704
+    assert read_cloud(pcl_dir / "milk_color.pcd").colors.shape == (13704, 3)
+    assert read_cloud(pcl_dir / "cturtle.pcd").intensity.shape == (167198,)
+    scene = read_cloud(pcl_dir / "milk_cartoon_all_small_clorox.pcd")
+    assert scene.meta["width"] == 640 and scene.meta["height"] == 480 and len(scene) < 307200
+    assert read_cloud(pcl_dir / "bunny.pcd").meta["pcd_version"] == ".5"  # old header, still read
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "binary", "binary_compressed"])
+def test_pcd_round_trip_through_store_is_exact(tmp_path, rng, encoding):
+    pts = rng.normal(size=(1234, 3)).astype(np.float32)
+    nrm = rng.normal(size=(1234, 3)).astype(np.float32)
+    col = rng.integers(0, 256, size=(1234, 3)).astype(np.uint8)
+    path = write_cloud(tmp_path / f"c_{encoding}.pcd", pts, normals=nrm, colors=col, encoding=encoding)
+    cloud = read_cloud(path)
+    if encoding == "ascii":  # ascii PCD is written with 8 significant digits (as PCL does)
+        np.testing.assert_allclose(cloud.points, pts, rtol=2e-7, atol=1e-12)
+    else:
+        np.testing.assert_array_equal(cloud.points, pts)
+        np.testing.assert_array_equal(cloud.normals, nrm)
+    np.testing.assert_array_equal(cloud.colors, col)
+    store = ScanStore(tmp_path / "s.zarr")
+    store.write_scan("c", cloud.arrays(), {"n_points": len(cloud)})
+    back = store.read_cloud("c")  # file -> store -> array is bit-exact
+    np.testing.assert_array_equal(back.points, cloud.points)
+    np.testing.assert_array_equal(back.normals, cloud.normals)
+    np.testing.assert_array_equal(back.colors, col)
+
+
+@pytest.mark.parametrize("ascii_", [True, False])
+def test_ply_round_trip_is_exact(tmp_path, rng, ascii_):
+    pts = rng.normal(size=(500, 3)).astype(np.float32)
+    nrm = rng.normal(size=(500, 3)).astype(np.float32)
+    col = rng.integers(0, 256, size=(500, 3)).astype(np.uint8)
+    path = write_cloud(tmp_path / "c.ply", pts, normals=nrm, colors=col, encoding="ascii" if ascii_ else "binary")
+    cloud = read_cloud(path)
+    np.testing.assert_array_equal(cloud.points, pts)
+    np.testing.assert_array_equal(cloud.normals, nrm)
+    np.testing.assert_array_equal(cloud.colors, col)
+    store = ScanStore(tmp_path / "s.zarr")
+    store.write_scan("c", cloud.arrays(), {})
+    np.testing.assert_array_equal(store.read("c", "points"), pts)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_npy_round_trip_is_exact(tmp_path, rng, dtype):
+    pts = rng.normal(size=(777, 3)).astype(dtype)
+    np.save(tmp_path / "c.npy", pts)
+    cloud = read_cloud(tmp_path / "c.npy")
+    assert cloud.points.dtype == dtype
+    store = ScanStore(tmp_path / "s.zarr")
+    store.write_scan("c", cloud.arrays(), {})
+    back = store.read("c", "points")
+    assert back.dtype == dtype
+    np.testing.assert_array_equal(back, pts)
+
+
+def test_xyz_and_csv_text(tmp_path, rng):
+    pts = np.round(rng.normal(size=(50, 3)), 6)
+    nrm = rng.normal(size=(50, 3))
+    nrm /= np.linalg.norm(nrm, axis=1, keepdims=True)
+    np.savetxt(tmp_path / "a.xyz", np.hstack([pts, nrm]), fmt="%.9f")
+    c = read_cloud(tmp_path / "a.xyz")
+    np.testing.assert_allclose(c.points, pts, atol=1e-9)
+    np.testing.assert_allclose(c.normals, nrm, atol=1e-6)
+    col = rng.integers(0, 256, size=(50, 3))
+    (tmp_path / "b.csv").write_text("x,y,z,red,green,blue\n" + "\n".join(
+        f"{p[0]},{p[1]},{p[2]},{r},{g},{b}" for p, (r, g, b) in zip(pts, col)))
+    c = read_cloud(tmp_path / "b.csv")
+    np.testing.assert_allclose(c.points, pts)
+    np.testing.assert_array_equal(c.colors, col)
+
+
+def test_las_and_laz(tmp_path, rng):
+    import laspy
+
+    pts = rng.uniform(0, 100, size=(300, 3))
+    for suffix in ("las", "laz"):
+        hdr = laspy.LasHeader(point_format=3, version="1.2")
+        hdr.scales = [0.001] * 3
+        hdr.offsets = [0.0] * 3
+        las = laspy.LasData(hdr)
+        las.x, las.y, las.z = pts[:, 0], pts[:, 1], pts[:, 2]
+        las.intensity = np.arange(300, dtype=np.uint16)
+        las.red = las.green = las.blue = np.full(300, 65535, np.uint16)
+        las.write(tmp_path / f"a.{suffix}")
+        c = read_cloud(tmp_path / f"a.{suffix}")
+        np.testing.assert_allclose(c.points, pts, atol=1e-3)
+        np.testing.assert_array_equal(c.intensity, np.arange(300))
+        assert (c.colors == 255).all() and c.meta["encoding"] == suffix
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+def _pcd(tmp_path, name, body: bytes):
+    p = tmp_path / name
+    p.write_bytes(body)
+    return p
+
+
+def test_truncated_binary_compressed(tmp_path, pcl_dir):
+    data = (pcl_dir / "milk.pcd").read_bytes()
+    p = _pcd(tmp_path, "trunc.pcd", data[: len(data) // 2])
+    with pytest.raises(ScanReadError, match=r"trunc\.pcd: truncated binary_compressed PCD"):
+        read_cloud(p)
+
+
+def test_truncated_binary(tmp_path, rng):
+    p = write_cloud(tmp_path / "b.pcd", rng.normal(size=(100, 3)).astype(np.float32), encoding="binary")
+    data = p.read_bytes()
+    p.write_bytes(data[:-50])
+    with pytest.raises(ScanReadError, match="truncated binary PCD"):
+        read_cloud(p)
+
+
+HEADER = ("VERSION 0.7\nFIELDS x y z\nSIZE 4 4 4\nTYPE F F F\nCOUNT 1 1 1\nWIDTH {n}\nHEIGHT 1\n"
+          "VIEWPOINT 0 0 0 1 0 0 0\nPOINTS {n}\nDATA ascii\n")
+
+
+def test_header_data_mismatch(tmp_path):
+    p = _pcd(tmp_path, "mismatch.pcd", (HEADER.format(n=10) + "1 2 3\n4 5 6\n").encode())
+    with pytest.raises(ScanReadError, match=r"mismatch\.pcd: PCD header/data mismatch: 2 ascii rows, POINTS says 10"):
+        read_cloud(p)
+    bad = HEADER.format(n=4).replace("WIDTH 4", "WIDTH 3")
+    p = _pcd(tmp_path, "wh.pcd", (bad + "1 2 3\n" * 4).encode())
+    with pytest.raises(ScanReadError, match="WIDTH\\*HEIGHT"):
+        read_cloud(p)
+
+
+def test_empty_file(tmp_path):
+    p = _pcd(tmp_path, "empty.pcd", b"")
+    with pytest.raises(ScanReadError, match=r"empty\.pcd: empty file"):
+        read_cloud(p)
+
+
+def test_zero_point_cloud(tmp_path):
+    p = _pcd(tmp_path, "zero.pcd", HEADER.format(n=0).encode())
+    with pytest.raises(ScanReadError, match="zero-point cloud"):
+        read_cloud(p)
+    np.save(tmp_path / "zero.npy", np.zeros((0, 3), np.float32))
+    with pytest.raises(ScanReadError, match="zero-point"):
+        read_cloud(tmp_path / "zero.npy")
+
+
+def test_all_nan_cloud(tmp_path):
+    p = _pcd(tmp_path, "nan.pcd", (HEADER.format(n=3) + "nan nan nan\n" * 3).encode())
+    with pytest.raises(ScanReadError, match="all 3 points are NaN"):
+        read_cloud(p)
+
+
+def test_unknown_extension(tmp_path):
+    p = tmp_path / "scan.foo"
+    p.write_bytes(b"123")
+    with pytest.raises(ScanReadError, match=r"scan\.foo: unknown format '\.foo'"):
+        read_cloud(p)
+
+
+def test_garbage_and_wrong_shape(tmp_path):
+    p = _pcd(tmp_path, "junk.pcd", b"\x00\x01garbage")
+    with pytest.raises(ScanReadError, match="junk.pcd"):
+        read_cloud(p)
+    np.save(tmp_path / "flat.npy", np.zeros(12))
+    with pytest.raises(ScanReadError, match=r"flat\.npy: NPY array must be \(N, 3\)"):
+        read_cloud(tmp_path / "flat.npy")
+    (tmp_path / "bad.ply").write_bytes(b"ply\nformat ascii 1.0\nelement vertex 3\nend_header\n")
+    with pytest.raises(ScanReadError, match="bad.ply"):
+        read_cloud(tmp_path / "bad.ply")
+
+
+def test_nan_holes_are_dropped_with_pixel_index(tmp_path):
+    body = "VERSION 0.7\nFIELDS x y z\nSIZE 4 4 4\nTYPE F F F\nCOUNT 1 1 1\nWIDTH 2\nHEIGHT 2\nPOINTS 4\nDATA ascii\n"
+    body += "1 1 1\nnan nan nan\n2 2 2\n3 3 nan\n"
+    c = read_cloud(_pcd(tmp_path, "org.pcd", body.encode()))
+    np.testing.assert_array_equal(c.points, [[1, 1, 1], [2, 2, 2]])
+    np.testing.assert_array_equal(c.pixel_index, [0, 2])
