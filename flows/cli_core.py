@@ -175,9 +175,17 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
 
 def _demo_stages(store: Path, device: str) -> None:
-    """Later stages of the demo, run when their modules are present."""
+    """Later stages of the demo on the ingested store."""
+    from scanforest.tasks.describe import DescribeParams
     from scanforest.tasks.store import ScanStore
+
+    from .describe import run_describe
 
     info = ScanStore(str(store), mode="r").info()
     typer.echo(f"store {store}: {info['scans']} scans, {info['points']:,} points, "
                f"{info['quarantined']} quarantined")
+    # synthetic models are ~0.15-0.25 m across with ~1.5 mm resolution
+    params = DescribeParams(normal_k=10, keypoint_radius=0.01, shot_radius=0.03)
+    d = run_describe(str(store), params=params, device=device)
+    typer.echo(f"describe: {d['described']} scans described ({d['skipped']} already done), "
+               f"{d['keypoints']:,} keypoints with SHOT352 in {d['seconds']:.1f} s on {d['workers']} workers")

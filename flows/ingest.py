@@ -19,11 +19,20 @@ from ._runner import dask_client, ensure_prefect_api, map_units, n_workers, quie
 
 
 @flow(name="scanforest-ingest", task_runner=ThreadPoolTaskRunner(max_workers=32))
-def ingest_flow(source: str, store: str, units: str = "m", progress: bool = True) -> dict[str, Any]:
-    """Ingest every scan under ``source`` into ``store``; runs on the current Dask client.
+def ingest_flow(source: str, store: str, units: str = "m", scheduler: str | None = None,
+                workers: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Ingest every scan under ``source`` (folder, glob or archive) into ``store``.
 
-    Returns the summary: counts of ingested / skipped / quarantined files, points, bytes, seconds.
+    Runs its tasks on the Dask cluster at ``scheduler`` or on a local cluster of ``workers``
+    processes. Returns the summary: ingested / skipped / quarantined, points, bytes, seconds.
     """
+    with dask_client(scheduler, n_workers=workers, device="cpu") as client:
+        summary = _ingest(source, store, units, progress)
+        summary["workers"] = n_workers(client)
+    return summary
+
+
+def _ingest(source: str, store: str, units: str, progress: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     st = ScanStore(store)
     staging = Path(str(store).rstrip("/") + ".staging")
@@ -77,7 +86,5 @@ def run_ingest(source: str, store: str, *, scheduler: str | None = None, workers
     """Ingest with the embedded defaults: a local Dask cluster (or ``scheduler``) and Prefect's API."""
     ensure_prefect_api()
     quiet_prefect_logs()
-    with dask_client(scheduler, n_workers=workers, device="cpu") as client:
-        summary = ingest_flow(source=str(source), store=str(store), units=units, progress=progress)
-        summary["workers"] = n_workers(client)
-    return summary
+    return ingest_flow(source=str(source), store=str(store), units=units, scheduler=scheduler,
+                       workers=workers, progress=progress)

@@ -39,3 +39,11 @@ def on_cluster(fn: Callable, *args, key: str | None = None, resources: dict | No
 def ingest_scan(store: str, source: Source, units: str = "m") -> dict[str, Any]:
     """Ingest one scan file (skip when unchanged, quarantine when unreadable)."""
     return on_cluster(ingest_file, store, source, units=units, key=f"ingest-{source.scan_id}-{id(source):x}")
+
+
+@task(name="describe-scan", retries=2, retry_delay_seconds=RETRY_DELAYS, task_run_name="describe {scan_id}")
+def describe_scan_task(store: str, scan_id: str, params, device: str = "auto") -> dict[str, Any]:
+    """Normals, keypoints, frames and SHOT352 of one stored scan (skipped when already done)."""
+    from .describe import describe_scan
+
+    return on_cluster(describe_scan, store, scan_id, params, device=device, key=f"describe-{scan_id}-{id(params):x}")

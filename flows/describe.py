@@ -1,0 +1,45 @@
+"""The describe flow: every scan in the store -> normals, keypoints, frames, SHOT352."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from scanforest.tasks.describe import DescribeParams
+from scanforest.tasks.prefect_tasks import describe_scan_task
+from scanforest.tasks.store import ScanStore
+
+from ._runner import dask_client, ensure_prefect_api, map_units, n_workers
+
+
+@flow(name="scanforest-describe", task_runner=ThreadPoolTaskRunner(max_workers=32))
+def describe_flow(store: str, scans: list[str] | None = None, params: DescribeParams | None = None,
+                  device: str = "auto", scheduler: str | None = None, workers: int | None = None,
+                  progress: bool = True) -> dict[str, Any]:
+    """Normals, keypoints, frames and SHOT352 for ``scans`` (default: every scan) of ``store``."""
+    with dask_client(scheduler, n_workers=workers, device=device) as client:
+        summary = _describe(store, scans, params, device, progress)
+        summary["workers"] = n_workers(client)
+    return summary
+
+
+def _describe(store, scans, params, device, progress) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    st = ScanStore(store)
+    ids = scans or st.scans()
+    params = params or DescribeParams()
+    recs = map_units(describe_scan_task, [dict(store=store, scan_id=s, params=params, device=device) for s in ids],
+                     label="describe", progress=progress)
+    done = [r for r in recs if r["status"] == "described"]
+    return {"scans": len(ids), "described": len(done), "skipped": len(ids) - len(done),
+            "keypoints": int(sum(r["keypoints"] for r in done)), "seconds": time.perf_counter() - t0,
+            "task_seconds": float(sum(r["seconds"] for r in recs))}
+
+
+def run_describe(store: str, *, scans=None, params: DescribeParams | None = None, device: str = "auto",
+                 scheduler: str | None = None, workers: int | None = None, progress: bool = True) -> dict[str, Any]:
+    ensure_prefect_api()
+    return describe_flow(store=str(store), scans=scans, params=params, device=device, scheduler=scheduler,
+                         workers=workers, progress=progress)
