@@ -1,0 +1,95 @@
+"""Flows on a real `dask scheduler` + two `dask worker` processes on loopback (--scheduler),
+with one worker killed mid-run (a real SIGKILL): results complete and identical."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from scanforest.flows.describe import run_describe
+from scanforest.flows.ingest import run_ingest
+from scanforest.kernels import synthetic
+from scanforest.tasks.describe import DescribeParams, describe_cloud
+from scanforest.tasks.readers import write_cloud
+from scanforest.tasks.store import ScanStore
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    port = _port()
+    addr = f"tcp://127.0.0.1:{port}"
+    bindir = os.path.dirname(sys.executable)
+    dask = [os.path.join(bindir, "dask")] if os.path.exists(os.path.join(bindir, "dask")) else \
+        [sys.executable, "-m", "dask"]
+    procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", str(port),
+                                      "--dashboard-address", ":0"], start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "sched.log", "w"))]
+    time.sleep(1.0)
+    for i in range(2):
+        procs.append(subprocess.Popen(dask + ["worker", addr, "--nthreads", "1", "--name", f"w{i}",
+                                              "--dashboard-address", ":0", "--no-nanny"],
+                                      start_new_session=True, stdout=subprocess.DEVNULL,
+                                      stderr=open(tmp_path / f"w{i}.log", "w")))
+    from distributed import Client
+
+    with Client(addr, timeout="60s") as c:
+        c.wait_for_workers(2, timeout=60)
+    try:
+        yield addr, procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+def test_describe_on_external_cluster_survives_worker_kill(tmp_path, cluster):
+    addr, procs = cluster
+    lib = synthetic.model_library(2, 3_000, seed=4)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        sc = synthetic.make_scene(lib, n_instances=2, n_points=20_000, seed=i)
+        write_cloud(src / f"s{i}.npy", sc.points)
+    store = str(tmp_path / "s.zarr")
+    assert run_ingest(str(src), store, scheduler=addr, progress=False)["ingested"] == 8
+    params = DescribeParams(normal_k=10, keypoint_radius=0.05, shot_radius=0.04)
+    import threading
+
+    at_kill = []
+
+    def killer():
+        st = ScanStore(store, mode="r")
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            done = sum(st.has_stage(s, "describe") for s in st.scans())
+            if done >= 1:
+                at_kill.append(done)
+                os.killpg(procs[2].pid, signal.SIGKILL)  # worker w1 dies mid-run
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    summary = run_describe(store, params=params, device="cpu", scheduler=addr, progress=False)
+    t.join()
+    assert procs[2].poll() is not None and at_kill and at_kill[0] < 8, "the worker was not killed mid-run"
+    assert summary["described"] + summary["skipped"] == 8
+    st = ScanStore(store, mode="r")
+    for sid in st.scans():
+        assert st.has_stage(sid, "describe")
+        ref = describe_cloud(st.read(sid), params, device="cpu")["arrays"]
+        for name, arr in ref.items():
+            np.testing.assert_array_equal(st.read(sid, name), arr, err_msg=f"{sid}:{name}")
