@@ -56,6 +56,9 @@ def ensure_prefect_api() -> str:
 def _stop_server() -> None:
     global _server
     if _server is not None:
+        import time
+
+        time.sleep(1.0)  # let the server's event recorder flush before it is terminated
         logging.disable(logging.INFO)  # at interpreter exit the log streams may already be closed
         with contextlib.suppress(Exception):
             _server.stop()
@@ -161,12 +164,53 @@ def map_units(task, kwargs_list: list[dict], *, label: str, progress: bool = Tru
     results: list = [None] * len(kwargs_list)
     if not kwargs_list:
         return results
+    import time
+
     futures = {task.submit(**kw): i for i, kw in enumerate(kwargs_list)}
     with _Bar(label, len(kwargs_list), progress) as bar:
         for fut in as_completed(list(futures)):
-            results[futures[fut]] = fut.result()
+            res = fut.result()
+            if isinstance(res, dict):
+                res.setdefault("finished_at", time.time())
+            results[futures[fut]] = res
             bar.advance()
     return results
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("scanforest", "numpy", "numba", "zarr", "dask", "distributed", "prefect", "cupy-cuda12x",
+                 "cupy-cuda13x", "dask-cuda"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+_RECORD_KEYS = ("scan_id", "status", "seconds", "finished_at", "points", "keypoints", "reason", "detections")
+
+
+def record_run(store, flow: str, parameters: dict, summary: dict, records: list[dict]) -> str:
+    """Write the run manifest into the store and a Prefect table artifact for the run."""
+    import time
+    import uuid
+
+    run_id = f"{flow}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    slim = [{k: r[k] for k in _RECORD_KEYS if k in r} for r in records]
+    store.write_run(run_id, {"flow": flow, "parameters": parameters, "summary": summary,
+                             "versions": versions(), "records": slim,
+                             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    try:
+        from prefect.artifacts import create_table_artifact
+
+        rows = [{"figure": k, "value": str(v)} for k, v in summary.items() if not isinstance(v, (list, dict))]
+        create_table_artifact(rows, key=f"scanforest-{flow}", description=f"{flow} summary ({run_id})")
+    except Exception:  # outside a flow run, or the API refused: the manifest is what counts
+        pass
+    return run_id
 
 
 class _Bar:

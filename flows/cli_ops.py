@@ -43,6 +43,17 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         deps = runner_deployments(only, parameters=_parse_params(param), schedules=not no_schedules)
         prefect_serve(*deps, limit=limit)
 
+    @app.command()
+    def report(
+        store: str = typer.Argument(..., help="The Zarr scan store."),
+        out: str = typer.Option("scanforest-report.html", "--out", "-o", help="HTML file to write."),
+        bench_dir: str = typer.Option("bench-results", help="Folder of `scanforest bench` JSON files."),
+    ):
+        """Write an HTML report: runs, throughput over time, benchmark curves, detections, failures."""
+        from .report import write_report
+
+        typer.echo(f"wrote {write_report(store, out, bench_dir=bench_dir)}")
+
     @app.command("run")
     def run_(
         deployment: str = typer.Argument(..., help="Deployment name (ingest, describe, ...) or FLOW/NAME."),

@@ -11,7 +11,7 @@ from scanforest.tasks.describe import DescribeParams
 from scanforest.tasks.prefect_tasks import describe_scan_task
 from scanforest.tasks.store import ScanStore
 
-from ._runner import dask_client, ensure_prefect_api, map_units, n_workers
+from ._runner import dask_client, ensure_prefect_api, map_units, n_workers, record_run
 
 
 @flow(name="scanforest-describe", task_runner=ThreadPoolTaskRunner(max_workers=32))
@@ -33,9 +33,11 @@ def _describe(store, scans, params, device, progress) -> dict[str, Any]:
     recs = map_units(describe_scan_task, [dict(store=store, scan_id=s, params=params, device=device) for s in ids],
                      label="describe", progress=progress)
     done = [r for r in recs if r["status"] == "described"]
-    return {"scans": len(ids), "described": len(done), "skipped": len(ids) - len(done),
-            "keypoints": int(sum(r["keypoints"] for r in done)), "seconds": time.perf_counter() - t0,
-            "task_seconds": float(sum(r["seconds"] for r in recs))}
+    summary = {"scans": len(ids), "described": len(done), "skipped": len(ids) - len(done),
+               "keypoints": int(sum(r["keypoints"] for r in done)), "seconds": time.perf_counter() - t0,
+               "task_seconds": float(sum(r["seconds"] for r in recs))}
+    record_run(st, "describe", {**params.as_dict(), "device": device}, summary, recs)
+    return summary
 
 
 def run_describe(store: str, *, scans=None, params: DescribeParams | None = None, device: str = "auto",

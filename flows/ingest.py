@@ -1,10 +1,8 @@
 """The ingest flow: a folder, glob or archive of scans -> the Zarr scan store."""
 from __future__ import annotations
 
-import os
 import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,7 @@ from scanforest.tasks.ingest import discover
 from scanforest.tasks.prefect_tasks import ingest_scan
 from scanforest.tasks.store import ScanStore, scan_id_for
 
-from ._runner import dask_client, ensure_prefect_api, map_units, n_workers, quiet_prefect_logs
+from ._runner import dask_client, ensure_prefect_api, map_units, n_workers, quiet_prefect_logs, record_run
 
 
 @flow(name="scanforest-ingest", task_runner=ThreadPoolTaskRunner(max_workers=32))
@@ -46,9 +44,7 @@ def _ingest(source: str, store: str, units: str, progress: bool) -> dict[str, An
     summary["quarantine_reasons"] += [{"source": p["source"], "reason": p["reason"]} for p in problems]
     if staging.exists() and summary["quarantined"] == len(problems):
         shutil.rmtree(staging, ignore_errors=True)
-    st.write_run(f"ingest-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}",
-                 {"flow": "ingest", "source": str(source), "units": units, "summary": summary,
-                  "versions": versions()})
+    record_run(st, "ingest", {"source": str(source), "units": units}, summary, records)
     return summary
 
 
@@ -67,18 +63,6 @@ def summarize(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
         "quarantine_reasons": [{"source": r["source"], "reason": r["reason"]}
                                for r in records if r["status"] == "quarantined"],
     }
-
-
-def versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for name in ("scanforest", "numpy", "zarr", "dask", "distributed", "prefect"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 def run_ingest(source: str, store: str, *, scheduler: str | None = None, workers: int | None = None,
