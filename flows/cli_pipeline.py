@@ -34,3 +34,60 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                 approximate=approximate)
         summary = run_describe(store, scans=scan, params=params, device=dev, scheduler=scheduler, workers=workers)
         typer.echo(json.dumps(summary, indent=2))
+
+    index_app = typer.Typer(help="Nearest-neighbour indexes over stored descriptors.", no_args_is_help=True)
+    app.add_typer(index_app, name="index")
+
+    @index_app.command("build")
+    def index_build(
+        store: str = typer.Argument(..., help="The Zarr scan store."),
+        reference: list[str] = typer.Option(..., "--reference", "-r",
+                                            help="Reference scan ids or glob patterns on ids (repeatable), e.g. 'models__*'."),
+        name: str = typer.Option("default", help="Index name."),
+        shards: int = typer.Option(1, help="Shards (one per GPU worker)."),
+        method: str = typer.Option("banns", help="banns | anns | exact."),
+        leaf_size: int = typer.Option(64, help="KD-tree leaf size."),
+        backtracks: Optional[int] = typer.Option(None, help="Leaf visits per query (None = exact search)."),
+        random_dims: Optional[int] = typer.Option(None, help="Randomized split among the F widest dimensions."),
+        seed: int = typer.Option(0),
+    ):
+        """Build a sharded KD-forest index over the SHOT descriptors of the reference scans (kept when unchanged)."""
+        import fnmatch
+
+        from scanforest.tasks.store import ScanStore
+
+        from .match import run_index_build
+
+        ids = ScanStore(store, mode="r").scans()
+        chosen = sorted({s for pat in reference for s in ids if fnmatch.fnmatchcase(s, pat)})
+        if not chosen:
+            raise typer.BadParameter(f"no scan id matches {reference}")
+        params = {"method": method, "leaf_size": leaf_size, "backtracks": backtracks,
+                  "random_dims": random_dims, "seed": seed}
+        typer.echo(json.dumps(run_index_build(store, chosen, name=name, shards=shards, params=params), indent=2))
+
+    @app.command("match")
+    def match_cmd(
+        store: str = typer.Argument(..., help="The Zarr scan store."),
+        queries: Optional[list[str]] = typer.Option(None, "--queries", "-q",
+                                                    help="Query scan ids or glob patterns (default: every described non-reference scan)."),
+        k: int = typer.Option(4, "-k", help="Neighbours per descriptor (P)."),
+        name: str = typer.Option("default", help="Index name."),
+        device: str = DeviceOpt,
+        scheduler: Optional[str] = SchedulerOpt,
+        workers: Optional[int] = WorkersOpt,
+    ):
+        """Match query scans' descriptors against an index on the Dask cluster; writes match_ids/match_dist."""
+        import fnmatch
+
+        from scanforest.tasks.store import ScanStore
+
+        from .match import run_match
+
+        dev = choose_device(device)
+        chosen = None
+        if queries:
+            ids = ScanStore(store, mode="r").scans()
+            chosen = sorted({s for pat in queries for s in ids if fnmatch.fnmatchcase(s, pat)})
+        typer.echo(json.dumps(run_match(store, queries=chosen, k=k, name=name, device=dev,
+                                        scheduler=scheduler, workers=workers), indent=2))

@@ -93,3 +93,42 @@ def test_describe_on_external_cluster_survives_worker_kill(tmp_path, cluster):
         ref = describe_cloud(st.read(sid), params, device="cpu")["arrays"]
         for name, arr in ref.items():
             np.testing.assert_array_equal(st.read(sid, name), arr, err_msg=f"{sid}:{name}")
+
+
+def test_match_on_external_cluster_survives_worker_kill(tmp_path, cluster):
+    """Shards resident on two workers; one is SIGKILLed mid-match; the answer is complete and exact."""
+    import threading
+
+    from distributed import Client
+
+    from scanforest.flows.match import DistributedIndex
+    from scanforest.kernels.bruteforce import knn_bruteforce
+    from scanforest.tasks import index as idx
+
+    addr, procs = cluster
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(20_000, 32)).astype(np.float32)
+    Q = rng.normal(size=(3_000, 32)).astype(np.float32)
+    store = str(tmp_path / "s.zarr")
+    idx.build_index(store, "t", X, shards=3, params={"method": "anns", "leaf_size": 64})
+    bd, bi = knn_bruteforce(X, Q, 4, device="cpu")
+    with Client(addr) as client:
+        di = DistributedIndex(client, store, "t", device="cpu")
+        client.gather(di.shards)  # shards resident
+        victim = di.placement[1]
+        killed = []
+
+        def killer():
+            time.sleep(0.5)
+            pid = client.run(os.getpid, workers=[victim])[victim]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(time.time())
+
+        t = threading.Thread(target=killer)
+        t.start()
+        d, i = di.query(Q, 4, block=100)
+        finished = time.time()
+        t.join()
+    assert killed and killed[0] < finished, "the worker was not killed during the match"
+    np.testing.assert_array_equal(i, bi)
+    np.testing.assert_array_equal(d, bd)

@@ -1,0 +1,194 @@
+"""A persisted, sharded KD-forest index in the scan store, and the worker-side shard operations.
+
+Layout::
+
+    STORE/indexes/<name>/
+        reference   (N, d) float32   the reference descriptors, chunked by shard
+        ref_scan    (N,)   int32     which reference scan each row came from (index into attrs.scans)
+        ref_row     (N,)   int64     the row within that scan's descriptor array (keypoint number)
+        shard_<i>/  perm child split_dim split_val start end lo hi  (the tree of shard i, built once)
+      attrs: params, shards [[start, stop], ...], n, d, content_hash, scans, complete
+
+The content hash covers the reference bytes and the parameters; building again with the same
+reference and parameters is a no-op, and a change rebuilds. Workers load their shard (the rows
+and the persisted tree) from the store, so shards never travel through the scheduler.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from scanforest.kernels.errors import InputError, OutOfMemory
+from scanforest.kernels.sharded import Shard, shard_ranges
+from scanforest.kernels.topk import merge_topk
+
+from .store import ScanStore, _jsonable
+
+TREE_ARRAYS = ("perm", "child", "split_dim", "split_val", "start", "end", "lo", "hi")
+FOREST_KEYS = ("n_trees", "leaf_size", "backtracks", "method", "random_dims", "seed", "max_depth", "sliding_window")
+
+
+def content_hash(reference: np.ndarray, params: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(_jsonable(params), sort_keys=True).encode())
+    h.update(str(reference.shape).encode())
+    step = 1 << 16
+    for a in range(0, reference.shape[0], step):
+        h.update(np.ascontiguousarray(reference[a:a + step]).tobytes())
+    return h.hexdigest()
+
+
+def collect_reference(store: ScanStore, scans: list[str], array: str = "kp_shot"):
+    """Stack the (finite) descriptor rows of ``scans``; returns reference, ref_scan, ref_row."""
+    refs, sid, rows = [], [], []
+    for j, s in enumerate(scans):
+        a = store.read(s, array).astype(np.float32, copy=False)
+        ok = np.flatnonzero(np.isfinite(a).all(axis=1))
+        refs.append(a[ok])
+        sid.append(np.full(len(ok), j, np.int32))
+        rows.append(ok.astype(np.int64))
+    if not refs or sum(len(r) for r in refs) == 0:
+        raise InputError(f"no finite {array!r} rows in the reference scans {scans[:5]}...")
+    return np.concatenate(refs), np.concatenate(sid), np.concatenate(rows)
+
+
+def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: int = 1,
+                params: dict[str, Any] | None = None, ref_scan=None, ref_row=None, scans=None,
+                build_trees: bool = True, device: str = "cpu") -> dict[str, Any]:
+    """Write ``reference`` as a sharded index ``name`` (no-op if the content hash matches)."""
+    store = ScanStore(store_path)
+    params = {k: v for k, v in (params or {}).items() if k in FOREST_KEYS}
+    if reference.ndim != 2 or reference.shape[0] == 0:
+        raise InputError(f"reference must be a non-empty (N, d) array, got {reference.shape}")
+    if not np.isfinite(reference).all():
+        raise InputError("reference has NaN or infinite rows; drop them first")
+    ranges = shard_ranges(reference.shape[0], shards)
+    digest = content_hash(reference, {**params, "shards": shards})
+    idx = store.root.require_group("indexes")
+    if name in idx and idx[name].attrs.get("complete") and idx[name].attrs.get("content_hash") == digest:
+        return {"name": name, "status": "unchanged", "content_hash": digest, "n": int(reference.shape[0])}
+    if name in idx:
+        del idx[name]
+    g = idx.create_group(name)
+    g.attrs.update({"complete": False})
+    t0 = time.perf_counter()
+    rows = max(1, min(1 << 16, ranges[0][1] - ranges[0][0]))
+    z = g.create_array("reference", shape=reference.shape, dtype="float32", chunks=(rows, reference.shape[1]))
+    z[...] = reference.astype(np.float32, copy=False)
+    if ref_scan is not None:
+        store._write_array(g, "ref_scan", np.asarray(ref_scan, np.int32))
+        store._write_array(g, "ref_row", np.asarray(ref_row, np.int64))
+    build_s = []
+    if build_trees and params.get("method", "banns") != "exact":
+        for i, (a, b) in enumerate(ranges):
+            t = time.perf_counter()
+            forest = _fit_forest(reference[a:b], params, i, device)
+            _write_tree(store, g.require_group(f"shard_{i}"), forest.tree_)
+            build_s.append(time.perf_counter() - t)
+    g.attrs.update({"params": _jsonable(params), "shards": [list(r) for r in ranges], "n": int(reference.shape[0]),
+                    "d": int(reference.shape[1]), "content_hash": digest, "scans": list(scans or []),
+                    "build_seconds": build_s, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "complete": True})
+    return {"name": name, "status": "built", "content_hash": digest, "n": int(reference.shape[0]),
+            "shards": len(ranges), "seconds": time.perf_counter() - t0, "tree_seconds": build_s}
+
+
+def index_attrs(store_path: str, name: str) -> dict[str, Any]:
+    store = ScanStore(store_path, mode="r")
+    idx = store.root["indexes"] if "indexes" in store.root else None
+    if idx is None or name not in idx or not idx[name].attrs.get("complete"):
+        raise InputError(f"{store_path}: no complete index {name!r} (build it with `scanforest index build`)")
+    return dict(idx[name].attrs)
+
+
+def _fit_forest(X, params: dict[str, Any], shard: int, device: str):
+    from scanforest.kernels.kdforest import KDForest
+
+    p = dict(params)
+    p["seed"] = int(p.get("seed", 0)) + shard
+    return KDForest(device=device, **p).fit(X)
+
+
+def _write_tree(store: ScanStore, grp, tree) -> None:
+    from scanforest.kernels._backend import to_numpy
+
+    for name in TREE_ARRAYS:
+        store._write_array(grp, name, to_numpy(getattr(tree, name)))
+    grp.attrs.update({"depth": int(tree.depth), "leaf_size": int(tree.leaf_size), "params": _jsonable(tree.params)})
+
+
+def load_shard(store_path: str, name: str, shard: int, device: str = "auto") -> Shard:
+    """Load shard ``shard`` of index ``name`` on this worker (GPU when ``device`` resolves to it).
+
+    The persisted tree is used as it is; an index written without trees builds the shard's
+    tree here.
+    """
+    from scanforest.kernels._backend import resolve_device
+    from scanforest.kernels.kdforest import KDForest
+    from scanforest.kernels.kdtree import KDTree
+
+    attrs = index_attrs(store_path, name)
+    a, b = attrs["shards"][shard]
+    store = ScanStore(store_path, mode="r")
+    g = store.root["indexes"][name]
+    X = g["reference"][a:b]
+    dev = resolve_device(device)
+    params = dict(attrs["params"])
+    if params.get("method", "banns") == "exact" or f"shard_{shard}" not in g:
+        return Shard(a, b, _fit_forest(X, params, shard, dev))
+    tg = g[f"shard_{shard}"]
+    if dev == "gpu":
+        import cupy as xp
+    else:
+        xp = np
+    arrays = {k: xp.asarray(tg[k][...]) for k in TREE_ARRAYS}
+    Xd = xp.asarray(X)
+    tree = KDTree(dev, points=Xd[arrays["perm"]], depth=int(tg.attrs["depth"]), leaf_size=int(tg.attrs["leaf_size"]),
+                  params=dict(tg.attrs.get("params", {})), data=Xd, **arrays)
+    p = dict(params)
+    p["seed"] = int(p.get("seed", 0)) + shard
+    forest = KDForest(device=dev, **p)
+    forest._validate()
+    forest.device_, forest.n_samples_fit_, forest.n_features_in_ = dev, int(b - a), int(X.shape[1])
+    forest._fit_X, forest.tree_, forest.stats_ = Xd, tree, {}
+    return Shard(a, b, forest)
+
+
+def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256):
+    """Top-k of one shard for a query block, on the host as numpy; an out-of-memory error splits
+    the block in halves and retries (down to ``min_block`` rows) instead of failing the run."""
+    from scanforest.kernels._backend import to_numpy
+
+    try:
+        d, i = shard.query(Q, k)
+        return to_numpy(d), to_numpy(i)
+    except (MemoryError, OutOfMemory) as exc:
+        err = exc
+    except Exception as exc:  # cupy.cuda.memory.OutOfMemoryError is not a MemoryError subclass
+        if "OutOfMemory" not in type(exc).__name__:
+            raise
+        err = exc
+    if len(Q) <= min_block:
+        raise OutOfMemory(f"shard [{shard.start}, {shard.stop}) cannot search even {len(Q)} queries: {err}")
+    _free_gpu_pool()
+    h = len(Q) // 2
+    a = search_shard(shard, Q[:h], k, min_block=min_block)
+    b = search_shard(shard, Q[h:], k, min_block=min_block)
+    return np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]])
+
+
+def _free_gpu_pool() -> None:
+    try:
+        import cupy as cp
+
+        cp.get_default_memory_pool().free_all_blocks()
+    except Exception:
+        pass
+
+
+def merge_parts(*parts, k: int):
+    return merge_topk(list(parts), k)

@@ -1,0 +1,87 @@
+"""Sharded and distributed matching equals the single-device brute force exactly."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scanforest.flows.match import DistributedIndex, match
+from scanforest.kernels.bruteforce import knn_bruteforce
+from scanforest.kernels.errors import InputError
+from scanforest.kernels.sharded import ShardedIndex, shard_ranges
+from scanforest.kernels.topk import merge_topk
+from scanforest.tasks import index as idx
+
+
+def _data(rng, n=3000, m=400, d=24, dup=True):
+    X = rng.normal(size=(n, d)).astype(np.float32)
+    if dup:  # duplicates across shard borders make the tie rule matter
+        X[n // 2: n // 2 + 50] = X[:50]
+        X[-20:] = X[100:120]
+    Q = rng.normal(size=(m, d)).astype(np.float32)
+    Q[:30] = X[:30]
+    return X, Q
+
+
+def test_merge_topk_orders_by_distance_then_id():
+    d1 = np.array([[1.0, 2.0]], np.float32)
+    i1 = np.array([[7, 3]])
+    d2 = np.array([[1.0, 0.5]], np.float32)
+    i2 = np.array([[2, 9]])
+    d, i = merge_topk([(d1, i1), (d2, i2)], 3)
+    np.testing.assert_array_equal(i, [[9, 2, 7]])
+    np.testing.assert_array_equal(d, [[0.5, 1.0, 1.0]])
+
+
+def test_shard_ranges():
+    assert shard_ranges(10, 3) == [(0, 3), (3, 7), (7, 10)]
+    with pytest.raises(InputError):
+        shard_ranges(2, 3)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+@pytest.mark.parametrize("method", ["exact", "anns"])
+def test_sharded_equals_bruteforce(rng, shards, method):
+    X, Q = _data(rng)
+    bd, bi = knn_bruteforce(X, Q, 8, device="cpu")
+    index = ShardedIndex(shards=shards, method=method, leaf_size=32, backtracks=None, device="cpu").fit(X)
+    d, i = index.query(Q, 8)
+    np.testing.assert_array_equal(i, bi)
+    np.testing.assert_array_equal(d, bd)
+
+
+@pytest.fixture(scope="module")
+def local_client():
+    from scanforest.flows._runner import dask_client
+
+    with dask_client(None, n_workers=2, device="cpu") as c:
+        yield c
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_distributed_equals_bruteforce(tmp_path, rng, local_client, shards):
+    X, Q = _data(rng)
+    bd, bi = knn_bruteforce(X, Q, 4, device="cpu")
+    store = str(tmp_path / "s.zarr")
+    res = idx.build_index(store, "t", X, shards=shards, params={"method": "anns", "leaf_size": 32})
+    assert res["status"] == "built"
+    assert idx.build_index(store, "t", X, shards=shards, params={"method": "anns", "leaf_size": 32})["status"] == "unchanged"
+    d, i = match(Q, (store, "t"), 4, client=local_client)
+    np.testing.assert_array_equal(i, bi)
+    np.testing.assert_array_equal(d, bd)
+    # small blocks: many reductions in flight
+    di = DistributedIndex(local_client, store, "t")
+    d2, i2 = di.query(Q, 4, block=97)
+    np.testing.assert_array_equal(i2, bi)
+    di.close()
+
+
+def test_index_rebuilds_when_reference_changes(tmp_path, rng):
+    X, _ = _data(rng, n=500)
+    store = str(tmp_path / "s.zarr")
+    h1 = idx.build_index(store, "t", X, shards=2, params={"method": "anns"})["content_hash"]
+    X[0, 0] += 1
+    r = idx.build_index(store, "t", X, shards=2, params={"method": "anns"})
+    assert r["status"] == "built" and r["content_hash"] != h1
+    with pytest.raises(InputError, match="NaN"):
+        X[3, 3] = np.nan
+        idx.build_index(store, "u", X)
