@@ -149,6 +149,10 @@ def n_workers(client) -> int:
 
 def quiet_prefect_logs() -> None:
     """Keep the terminal for our progress bar: Prefect's per-task INFO lines go to the API only."""
+    import warnings
+
+    # query blocks are embedded in their tasks on purpose: a lost worker's block is recomputable
+    warnings.filterwarnings("ignore", message=".*Sending large graph.*")
     for name in ("prefect.task_runs", "prefect.flow_runs", "httpx"):
         logging.getLogger(name).setLevel(logging.WARNING)
     for name in ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",

@@ -184,8 +184,19 @@ def _demo_stages(store: Path, device: str) -> None:
     info = ScanStore(str(store), mode="r").info()
     typer.echo(f"store {store}: {info['scans']} scans, {info['points']:,} points, "
                f"{info['quarantined']} quarantined")
-    # synthetic models are ~0.15-0.25 m across with ~1.5 mm resolution
-    params = DescribeParams(normal_k=10, keypoint_radius=0.01, shot_radius=0.03)
+    # synthetic models are ~0.15-0.25 m across
+    params = DescribeParams(normal_k=10, keypoint_radius=0.02, shot_radius=0.04)
     d = run_describe(str(store), params=params, device=device)
     typer.echo(f"describe: {d['described']} scans described ({d['skipped']} already done), "
                f"{d['keypoints']:,} keypoints with SHOT352 in {d['seconds']:.1f} s on {d['workers']} workers")
+    from .match import run_index_build, run_match
+
+    st = ScanStore(str(store), mode="r")
+    models = [s for s in st.scans() if s.startswith("models__")]
+    b = run_index_build(str(store), models, name="models", shards=2,
+                        params={"method": "anns", "leaf_size": 64, "backtracks": None})
+    typer.echo(f"index 'models': {b['n']:,} reference descriptors from {len(models)} models, "
+               f"{b.get('shards', 2)} shards ({b['status']})")
+    m = run_match(str(store), k=4, name="models", device=device, progress=True)
+    typer.echo(f"match: {m['queries']:,} scene descriptors x top-{m['k']} over {m['shards']} shards "
+               f"on {m['workers']} workers in {m['seconds']:.1f} s")

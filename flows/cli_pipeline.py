@@ -35,6 +35,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         summary = run_describe(store, scans=scan, params=params, device=dev, scheduler=scheduler, workers=workers)
         typer.echo(json.dumps(summary, indent=2))
 
+    from .bench_match import register_bench
+
+    register_bench(bench)
+
     index_app = typer.Typer(help="Nearest-neighbour indexes over stored descriptors.", no_args_is_help=True)
     app.add_typer(index_app, name="index")
 
@@ -91,3 +95,27 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             chosen = sorted({s for pat in queries for s in ids if fnmatch.fnmatchcase(s, pat)})
         typer.echo(json.dumps(run_match(store, queries=chosen, k=k, name=name, device=dev,
                                         scheduler=scheduler, workers=workers), indent=2))
+
+    @app.command("align-store")
+    def align_store(
+        store: str = typer.Argument(..., help="The Zarr scan store."),
+        pair: list[str] = typer.Option(..., "--pair", help="OBSERVED:REFERENCE scan ids (repeatable)."),
+        model: str = typer.Option("rigid", help="2-D: euclidean|similarity|affine|projective; 3-D: rigid|similarity|affine."),
+        chain: bool = typer.Option(False, help="Coarse-to-fine chain of models ending at --model."),
+        loss: str = typer.Option("l2", help="l2 | huber."),
+        device: str = DeviceOpt,
+        scheduler: Optional[str] = SchedulerOpt,
+        workers: Optional[int] = WorkersOpt,
+    ):
+        """Parametric chamfer alignment for a batch of scan pairs in the store (results stored per scan)."""
+        from .align import run_align
+
+        pairs = []
+        for p in pair:
+            if ":" not in p:
+                raise typer.BadParameter(f"--pair takes OBSERVED:REFERENCE, got {p!r}")
+            pairs.append(p.split(":", 1))
+        dev = choose_device(device)
+        res = run_align(store, pairs, model=model, chain=chain, loss=loss, device=dev, scheduler=scheduler,
+                        workers=workers)
+        typer.echo(json.dumps(res, indent=2, default=str))

@@ -39,6 +39,13 @@ DEPLOYMENTS: dict[str, DeploymentSpec] = {
         DeploymentSpec("describe", "scanforest.flows.describe:describe_flow",
                        "Normals, keypoints, frames and SHOT352 for scans not yet described.",
                        cron="15 * * * *"),
+        DeploymentSpec("index-build", "scanforest.flows.match:index_build_flow",
+                       "Build (or keep, when unchanged) the sharded KD-forest index over the model library."),
+        DeploymentSpec("match", "scanforest.flows.match:match_flow",
+                       "Match described scans against the index; writes top-k ids and distances.",
+                       cron="30 * * * *"),
+        DeploymentSpec("align", "scanforest.flows.align:align_flow",
+                       "Parametric chamfer alignment of scan pairs (PChA, GPU when present)."),
     )
 }
 

@@ -47,3 +47,12 @@ def describe_scan_task(store: str, scan_id: str, params, device: str = "auto") -
     from .describe import describe_scan
 
     return on_cluster(describe_scan, store, scan_id, params, device=device, key=f"describe-{scan_id}-{id(params):x}")
+
+
+@task(name="align-pair", retries=2, retry_delay_seconds=RETRY_DELAYS, task_run_name="align {observed} -> {reference}")
+def align_pair_task(store: str, observed: str, reference: str, options: dict | None = None) -> dict[str, Any]:
+    """Parametric chamfer alignment of one stored scan onto another (skipped when already done)."""
+    from .align import align_pair
+
+    return on_cluster(align_pair, store, observed, reference, **(options or {}),
+                      key=f"align-{observed}-{reference}-{id(options):x}")

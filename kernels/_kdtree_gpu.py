@@ -1,0 +1,714 @@
+"""GPU backend of :mod:`scanforest.kernels.kdtree`: level-by-level construction, P-ANNS, P-BANNS.
+
+Construction (one host sync per level, for the number of nodes split):
+
+1. ``split_level``: one thread per node of the level chooses (dim, value) from the node box
+   (same rule and hash as the numba build);
+2. child ids by an exclusive scan of the split flags (children numbered breadth first);
+3. ``mark_left``: one thread per point position tests ``x[dim] <= value`` of its owner node;
+4. one global inclusive scan of the left flags gives, inside every node range, the stable
+   partition destination of each position (``scatter_level``), so child ranges stay contiguous;
+5. ``box_level``: child boxes by a chunked segmented min/max over the new ranges (one block per
+   chunk of positions, threads over dimensions, order-preserving float->uint atomics).
+
+This replaces the paper's K presorted index lists (K x N words per array, 14 GB per array at
+N = 10M, d = 352) by one scan over the N positions per level.
+
+Search kernels keep the numba semantics bit for bit (canonical distance, (dist, id) keys, the
+same binary heap), so P-ANNS on the GPU returns what the CPU returns, for any budget.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+
+from .bruteforce import _CUDA_COMMON, decode_keys, knn_bruteforce
+
+HCAP = 256   # heap capacity (kept equal to kdtree.HEAP_CAP)
+QB = 64      # queries per block of the "tile" leaf kernel (one per thread)
+RQ = 32      # queries per block of the "rotate" leaf kernel
+RP = 64      # leaf points per tile (= threads) of the "rotate" leaf kernel
+WINDOW_KERNEL = "rotate"  # sliding-window leaf kernel: "rotate" (threads over points) or "tile"
+PB = 32      # leaf points per shared-memory tile
+DC = 32      # dimensions per shared-memory chunk
+
+_SRC = _CUDA_COMMON + r"""
+#define HCAP 256
+#define RQ 32
+#define RP 64
+#define QB 64
+#define PB 32
+#define DC 32
+#define F_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ unsigned long long sf_hash(unsigned long long seed, unsigned long long node) {
+    unsigned long long z = seed * 0x9E3779B97F4A7C15ULL + node + 0x632BE59BD9B4E019ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+__device__ __forceinline__ unsigned int f2o(float f) {
+    unsigned int u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float o2f(unsigned int e) {
+    return __uint_as_float((e & 0x80000000u) ? (e & 0x7fffffffu) : ~e);
+}
+
+extern "C" __global__ void split_level(const float* __restrict__ lo, const float* __restrict__ hi, int d,
+        const long long* __restrict__ start, const long long* __restrict__ end, int l0, int nl,
+        long long leaf_size, int depth, int max_depth, int rand_f, unsigned long long seed,
+        int* __restrict__ dims, float* __restrict__ vals) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= nl) return;
+    int i = l0 + t;
+    dims[t] = -1; vals[t] = 0.0f;
+    if (!(end[i] - start[i] > leaf_size && depth < max_depth)) return;
+    const float* L = lo + (long long)i * d;
+    const float* H = hi + (long long)i * d;
+    int dim = -1;
+    if (rand_f <= 1) {
+        float bext = 0.0f;
+        for (int j = 0; j < d; ++j) { float e = __fsub_rn(H[j], L[j]); if (e > bext) { bext = e; dim = j; } }
+    } else {
+        int topd[32]; float tope[32]; int cnt = 0;
+        for (int j = 0; j < d; ++j) {
+            float e = __fsub_rn(H[j], L[j]);
+            if (!(e > 0.0f)) continue;
+            int pos;
+            if (cnt < rand_f) { pos = cnt++; }
+            else if (e > tope[rand_f - 1]) { pos = rand_f - 1; }
+            else continue;
+            while (pos > 0 && tope[pos - 1] < e) { tope[pos] = tope[pos - 1]; topd[pos] = topd[pos - 1]; --pos; }
+            tope[pos] = e; topd[pos] = j;
+        }
+        if (cnt > 0) dim = topd[(int)(sf_hash(seed, (unsigned long long)i) % (unsigned long long)cnt)];
+    }
+    if (dim < 0) return;
+    float a = L[dim], b = H[dim];
+    float v = __fadd_rn(__fmul_rn(0.5f, a), __fmul_rn(0.5f, b));
+    if (!(v < b)) v = a;
+    dims[t] = dim; vals[t] = v;
+}
+
+extern "C" __global__ void mark_left(const float* __restrict__ X, int d, const long long* __restrict__ perm,
+        const int* __restrict__ owner, const int* __restrict__ sdim, const float* __restrict__ sval,
+        long long n, long long* __restrict__ isleft) {
+    long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= n) return;
+    int o = owner[p];
+    long long r = 0;
+    if (o >= 0) {
+        int dm = sdim[o];
+        if (dm >= 0) r = X[perm[p] * d + dm] <= sval[o] ? 1 : 0;
+    }
+    isleft[p] = r;
+}
+
+extern "C" __global__ void scatter_level(const long long* __restrict__ perm, const int* __restrict__ owner,
+        const int* __restrict__ sdim, const int* __restrict__ child, const long long* __restrict__ start,
+        const long long* __restrict__ end, const long long* __restrict__ isleft, const long long* __restrict__ C,
+        long long n, long long* __restrict__ nperm, int* __restrict__ nowner) {
+    long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= n) return;
+    int o = owner[p];
+    if (o < 0 || sdim[o] < 0) { nperm[p] = perm[p]; nowner[p] = -1; return; }
+    long long s = start[o], e = end[o];
+    long long base = C[s] - isleft[s];
+    long long lb = (C[p] - isleft[p]) - base;
+    long long nleft = C[e - 1] - base;
+    long long dest;
+    int c = child[o];
+    if (isleft[p]) { dest = s + lb; }
+    else { dest = s + nleft + (p - s - lb); c += 1; }
+    nperm[dest] = perm[p];
+    nowner[dest] = c;
+}
+
+extern "C" __global__ void ranges_level(const int* __restrict__ child, const int* __restrict__ sdim,
+        const long long* __restrict__ isleft, const long long* __restrict__ C, int l0, int nl,
+        long long* __restrict__ start, long long* __restrict__ end) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= nl) return;
+    int i = l0 + t;
+    if (sdim[i] < 0) return;
+    long long s = start[i], e = end[i];
+    long long nleft = C[e - 1] - (C[s] - isleft[s]);
+    int c = child[i];
+    start[c] = s; end[c] = s + nleft; start[c + 1] = s + nleft; end[c + 1] = e;
+}
+
+extern "C" __global__ void box_level(const float* __restrict__ X, int d, const long long* __restrict__ perm,
+        const int* __restrict__ owner, long long n, int chunk, int first,
+        unsigned int* __restrict__ elo, unsigned int* __restrict__ ehi) {
+    long long p0 = (long long)blockIdx.x * chunk;
+    long long p1 = p0 + chunk < n ? p0 + chunk : n;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        int cur = -1; float mn = F_INF, mx = -F_INF;
+        for (long long p = p0; p < p1; ++p) {
+            int o = owner[p];
+            if (o != cur) {
+                if (cur >= 0) {
+                    atomicMin(elo + (long long)(cur - first) * d + j, f2o(mn));
+                    atomicMax(ehi + (long long)(cur - first) * d + j, f2o(mx));
+                }
+                cur = o; mn = F_INF; mx = -F_INF;
+            }
+            if (o >= 0) {
+                float v = __fadd_rn(X[perm[p] * d + j], 0.0f);
+                mn = fminf(mn, v); mx = fmaxf(mx, v);
+            }
+        }
+        if (cur >= 0) {
+            atomicMin(elo + (long long)(cur - first) * d + j, f2o(mn));
+            atomicMax(ehi + (long long)(cur - first) * d + j, f2o(mx));
+        }
+    }
+}
+
+extern "C" __global__ void decode_box(const unsigned int* __restrict__ e, long long n, float* __restrict__ out) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < n) out[t] = o2f(e[t]);
+}
+
+// ---------------------------------------------------------------------------- search helpers
+__device__ __forceinline__ float box_dist(const float* __restrict__ q, const float* __restrict__ L,
+                                          const float* __restrict__ H, int d) {
+    float acc = 0.0f;
+    for (int j = 0; j < d; ++j) {
+        float v = q[j], t;
+        float l = L[j], h = H[j];
+        if (v < l) t = __fsub_rn(l, v);
+        else if (v > h) t = __fsub_rn(v, h);
+        else t = 0.0f;
+        acc = __fadd_rn(acc, __fmul_rn(t, t));
+    }
+    return acc;
+}
+__device__ __forceinline__ void top_insert(unsigned long long* top, int& cnt, int k, unsigned long long key) {
+    int pos;
+    if (cnt == k) { if (key >= top[k - 1]) return; pos = k - 1; }
+    else pos = cnt++;
+    while (pos > 0 && top[pos - 1] > key) { top[pos] = top[pos - 1]; --pos; }
+    top[pos] = key;
+}
+__device__ __forceinline__ int heap_push(float* hd, int* hn, int size, float dv, int nv) {
+    int pos = size;
+    while (pos > 0) {
+        int par = (pos - 1) >> 1;
+        if (hd[par] <= dv) break;
+        hd[pos] = hd[par]; hn[pos] = hn[par]; pos = par;
+    }
+    hd[pos] = dv; hn[pos] = nv;
+    return size + 1;
+}
+__device__ __forceinline__ int heap_pop(float* hd, int* hn, int size) {
+    size -= 1;
+    float dv = hd[size]; int nv = hn[size];
+    int pos = 0;
+    while (true) {
+        int c = 2 * pos + 1;
+        if (c >= size) break;
+        if (c + 1 < size && hd[c + 1] < hd[c]) c += 1;
+        if (hd[c] >= dv) break;
+        hd[pos] = hd[c]; hn[pos] = hn[c]; pos = c;
+    }
+    if (size > 0) { hd[pos] = dv; hn[pos] = nv; }
+    return size;
+}
+// keeps the HCAP closest boxes: when full the farthest entry is replaced by a closer new one;
+// returns the evicted distance (or -1)
+__device__ __forceinline__ float heap_push_bounded(float* hd, int* hn, int& size, float dv, int nv) {
+    if (size < HCAP) { size = heap_push(hd, hn, size, dv, nv); return -1.0f; }
+    int mi = size >> 1;
+    for (int i = (size >> 1) + 1; i < size; ++i) if (hd[i] > hd[mi]) mi = i;
+    if (!(dv < hd[mi])) return dv;
+    float ev = hd[mi];
+    int pos = mi;
+    while (pos > 0) {
+        int par = (pos - 1) >> 1;
+        if (hd[par] <= dv) break;
+        hd[pos] = hd[par]; hn[pos] = hn[par]; pos = par;
+    }
+    hd[pos] = dv; hn[pos] = nv;
+    return ev;
+}
+// descend from `node` to a leaf, pushing far siblings; returns the leaf
+__device__ __forceinline__ int descend(int node, const float* __restrict__ q, int d, const int* __restrict__ child,
+        const int* __restrict__ sdim, const float* __restrict__ sval, const float* __restrict__ lo,
+        const float* __restrict__ hi, float worst, float* hd, int* hn, int& hs, int& ovf) {
+    while (child[node] >= 0) {
+        int c = child[node];
+        int near_, far_;
+        if (q[sdim[node]] <= sval[node]) { near_ = c; far_ = c + 1; } else { near_ = c + 1; far_ = c; }
+        float bd = box_dist(q, lo + (long long)far_ * d, hi + (long long)far_ * d, d);
+        if (bd <= worst) {
+            float ev = heap_push_bounded(hd, hn, hs, bd, far_);
+            if (ev >= 0.0f && ev <= worst) ovf = 1;
+        }
+        node = near_;
+    }
+    return node;
+}
+
+// ---------------------------------------------------------------------------- P-ANNS
+extern "C" __global__ void anns(const float* __restrict__ points, const long long* __restrict__ perm,
+        const int* __restrict__ child, const int* __restrict__ sdim, const float* __restrict__ sval,
+        const long long* __restrict__ start, const long long* __restrict__ end, const float* __restrict__ lo,
+        const float* __restrict__ hi, int d, const float* __restrict__ Q, int m, int k, int budget,
+        unsigned long long* __restrict__ out, int* __restrict__ overflow) {
+    int qi = blockIdx.x * blockDim.x + threadIdx.x;
+    if (qi >= m) return;
+    const float* q = Q + (long long)qi * d;
+    unsigned long long top[__KP__];
+    int cnt = 0;
+    float hd[HCAP]; int hn[HCAP]; int hs = 0;
+    int ovf = 0, visits = 0, node = 0;
+    while (true) {
+        float worst = cnt == k ? key_dist(top[k - 1]) : F_INF;
+        node = descend(node, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf);
+        for (long long p = start[node]; p < end[node]; ++p) {
+            unsigned long long key = make_key(canon_dist(q, points + p * d, d), perm[p]);
+            if (cnt < k || key < top[k - 1]) top_insert(top, cnt, k, key);
+        }
+        visits += 1;
+        if (budget > 0 && visits >= budget) break;
+        worst = cnt == k ? key_dist(top[k - 1]) : F_INF;
+        bool found = false;
+        while (hs > 0) {
+            float bd = hd[0]; int nd = hn[0];
+            hs = heap_pop(hd, hn, hs);
+            if (bd <= worst) { node = nd; found = true; break; }
+            hs = 0;
+        }
+        if (!found) break;
+    }
+    for (int j = 0; j < k; ++j) out[(long long)qi * k + j] = j < cnt ? top[j] : KEY_NONE;
+    overflow[qi] = ovf;
+}
+
+// ---------------------------------------------------------------------------- P-BANNS
+extern "C" __global__ void banns_descend(const int* __restrict__ active, int na, const float* __restrict__ Q, int d,
+        const int* __restrict__ child, const int* __restrict__ sdim, const float* __restrict__ sval,
+        const float* __restrict__ lo, const float* __restrict__ hi, int k,
+        const unsigned long long* __restrict__ top, const int* __restrict__ target,
+        float* __restrict__ HD, int* __restrict__ HN, int* __restrict__ HS, int* __restrict__ OVF,
+        int* __restrict__ leaf_of) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= na) return;
+    int qi = active[i];
+    const float* q = Q + (long long)qi * d;
+    float worst = key_dist(top[(long long)qi * k + k - 1]);
+    int hs = HS[qi], ovf = OVF[qi];
+    int leaf = descend(target[qi], q, d, child, sdim, sval, lo, hi, worst,
+                       HD + (long long)qi * HCAP, HN + (long long)qi * HCAP, hs, ovf);
+    HS[qi] = hs; OVF[qi] = ovf;
+    leaf_of[i] = leaf;
+}
+
+// one block per (leaf, chunk of <= QB buffered queries); thread t owns query t of the chunk.
+// Leaf points are staged in shared memory PB at a time, DC dimensions at a time; in slide s thread
+// t pairs its query with point (t + s) mod PB, so a warp reads 32 different rows (no bank conflict
+// with the +1 padding) and every query's top-P list has a single writer.
+extern "C" __global__ void __launch_bounds__(QB) banns_leaf_window(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
+        const float* __restrict__ Q, const float* __restrict__ points, const long long* __restrict__ perm,
+        const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
+        unsigned long long* __restrict__ top) {
+    __shared__ float qs[QB][DC + 1];
+    __shared__ float ps[PB][DC + 1];
+    __shared__ int qid[QB];
+    int b = blockIdx.x, t = threadIdx.x;
+    int leaf = blk_leaf[b], f = blk_first[b], qc = blk_cnt[b];
+    if (t < qc) qid[t] = sorted_q[f + t];
+    __syncthreads();
+    long long p_beg = start[leaf], p_end = end[leaf];
+    unsigned long long* mytop = t < qc ? top + (long long)qid[t] * k : NULL;
+    int cnt = 0;
+    if (mytop) while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
+    for (long long p0 = p_beg; p0 < p_end; p0 += PB) {
+        int np = (int)(p_end - p0 < PB ? p_end - p0 : PB);
+        float acc[PB];
+#pragma unroll
+        for (int s = 0; s < PB; ++s) acc[s] = 0.0f;
+        for (int c0 = 0; c0 < d; c0 += DC) {
+            for (int idx = t; idx < QB * DC; idx += QB) {
+                int r = idx / DC, j = idx % DC;
+                qs[r][j] = (r < qc && c0 + j < d) ? Q[(long long)qid[r] * d + c0 + j] : 0.0f;
+            }
+            for (int idx = t; idx < PB * DC; idx += QB) {
+                int r = idx / DC, j = idx % DC;
+                ps[r][j] = (r < np && c0 + j < d) ? points[(p0 + r) * d + c0 + j] : 0.0f;
+            }
+            __syncthreads();
+            if (t < qc) {
+                for (int j = 0; j < DC; ++j) {
+                    float qv = qs[t][j];
+#pragma unroll
+                    for (int s = 0; s < PB; ++s) {
+                        float df = __fsub_rn(qv, ps[(t + s) & (PB - 1)][j]);
+                        acc[s] = __fadd_rn(acc[s], __fmul_rn(df, df));
+                    }
+                }
+            }
+            __syncthreads();
+        }
+        if (t < qc) {
+#pragma unroll
+            for (int s = 0; s < PB; ++s) {
+                int p = (t + s) & (PB - 1);
+                if (p < np) {
+                    unsigned long long key = make_key(acc[s], perm[p0 + p]);
+                    if (cnt < k || key < mytop[k - 1]) top_insert(mytop, cnt, k, key);
+                }
+            }
+        }
+    }
+}
+
+// Sliding window with threads over the leaf points (the paper's "threads = the shorter list" for
+// leaves with more points than buffered queries): block of RP threads, chunk of <= RQ queries.
+// Slide s pairs thread t (point t of the tile) with query (t + s) mod qc; the qc x np distances
+// go to shared memory and thread r then merges row r into query r's top-P list (one writer).
+extern "C" __global__ void __launch_bounds__(RP) banns_leaf_rotate(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
+        const float* __restrict__ Q, const float* __restrict__ points, const long long* __restrict__ perm,
+        const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
+        unsigned long long* __restrict__ top) {
+    __shared__ float qs[RQ][DC + 1];
+    __shared__ float ps[RP][DC + 1];
+    __shared__ float dist[RQ][RP + 1];
+    __shared__ int qid[RQ];
+    __shared__ long long pid[RP];
+    int b = blockIdx.x, t = threadIdx.x;
+    int leaf = blk_leaf[b], f = blk_first[b], qc = blk_cnt[b];
+    if (t < qc) qid[t] = sorted_q[f + t];
+    __syncthreads();
+    long long p_beg = start[leaf], p_end = end[leaf];
+    unsigned long long* mytop = t < qc ? top + (long long)qid[t] * k : NULL;
+    int cnt = 0;
+    if (mytop) while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
+    int roff[RQ];  // slide s: thread t pairs with query (t + s) mod qc, whose row starts at roff[s]
+    {
+        int r0 = t % qc;
+#pragma unroll
+        for (int s = 0; s < RQ; ++s) {
+            int r = r0 + s;
+            while (r >= qc) r -= qc;
+            roff[s] = r * (DC + 1);
+        }
+    }
+    const float* qsf = &qs[0][0];
+    float* distf = &dist[0][0];
+    for (long long p0 = p_beg; p0 < p_end; p0 += RP) {
+        int np = (int)(p_end - p0 < RP ? p_end - p0 : RP);
+        if (t < np) pid[t] = perm[p0 + t];
+        float acc[RQ];
+#pragma unroll
+        for (int s = 0; s < RQ; ++s) acc[s] = 0.0f;
+        for (int c0 = 0; c0 < d; c0 += DC) {
+            for (int idx = t; idx < qc * DC; idx += RP) {
+                int r = idx / DC, j = idx % DC;
+                qs[r][j] = (c0 + j < d) ? Q[(long long)qid[r] * d + c0 + j] : 0.0f;
+            }
+            for (int idx = t; idx < np * DC; idx += RP) {
+                int r = idx / DC, j = idx % DC;
+                ps[r][j] = (c0 + j < d) ? points[(p0 + r) * d + c0 + j] : 0.0f;
+            }
+            __syncthreads();
+            if (t < np) {
+                for (int j = 0; j < DC; ++j) {
+                    float pv = ps[t][j];
+#pragma unroll
+                    for (int s = 0; s < RQ; ++s) {
+                        if (s < qc) {
+                            float df = __fsub_rn(qsf[roff[s] + j], pv);
+                            acc[s] = __fadd_rn(acc[s], __fmul_rn(df, df));
+                        }
+                    }
+                }
+            }
+            __syncthreads();
+        }
+        if (t < np) {
+#pragma unroll
+            for (int s = 0; s < RQ; ++s) {
+                if (s < qc) distf[(roff[s] / (DC + 1)) * (RP + 1) + t] = acc[s];
+            }
+        }
+        __syncthreads();
+        if (t < qc) {
+            for (int p = 0; p < np; ++p) {
+                unsigned long long key = make_key(dist[t][p], pid[p]);
+                if (cnt < k || key < mytop[k - 1]) top_insert(mytop, cnt, k, key);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// the same work without staging: each thread reads its query and the leaf points from global memory
+extern "C" __global__ void banns_leaf_plain(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
+        const float* __restrict__ Q, const float* __restrict__ points, const long long* __restrict__ perm,
+        const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
+        unsigned long long* __restrict__ top) {
+    int b = blockIdx.x, t = threadIdx.x;
+    int leaf = blk_leaf[b], f = blk_first[b], qc = blk_cnt[b];
+    if (t >= qc) return;
+    int qi = sorted_q[f + t];
+    const float* q = Q + (long long)qi * d;
+    unsigned long long* mytop = top + (long long)qi * k;
+    int cnt = 0;
+    while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
+    for (long long p = start[leaf]; p < end[leaf]; ++p) {
+        unsigned long long key = make_key(canon_dist(q, points + p * d, d), perm[p]);
+        if (cnt < k || key < mytop[k - 1]) top_insert(mytop, cnt, k, key);
+    }
+}
+
+extern "C" __global__ void banns_advance(const int* __restrict__ active, int na, int k, int budget,
+        const unsigned long long* __restrict__ top, float* __restrict__ HD, int* __restrict__ HN,
+        int* __restrict__ HS, int* __restrict__ visits, int* __restrict__ target, unsigned char* __restrict__ keep) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= na) return;
+    int qi = active[i];
+    int v = visits[qi] + 1;
+    visits[qi] = v;
+    keep[i] = 0;
+    if (budget > 0 && v >= budget) return;
+    float worst = key_dist(top[(long long)qi * k + k - 1]);
+    float* hd = HD + (long long)qi * HCAP;
+    int* hn = HN + (long long)qi * HCAP;
+    int hs = HS[qi];
+    while (hs > 0) {
+        float bd = hd[0]; int nd = hn[0];
+        hs = heap_pop(hd, hn, hs);
+        if (bd <= worst) { target[qi] = nd; keep[i] = 1; break; }
+        hs = 0;
+    }
+    HS[qi] = hs;
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _module(kp: int):
+    import cupy as cp
+
+    return cp.RawModule(code=_SRC.replace("__KP__", str(kp)), options=("--std=c++14",))
+
+
+def _kp(k: int) -> int:
+    return max(8, 1 << (int(k) - 1).bit_length())
+
+
+def _grid(n: int, threads: int = 256):
+    return (max(1, (int(n) + threads - 1) // threads),)
+
+
+# ----------------------------------------------------------------------------------------------
+# construction
+# ----------------------------------------------------------------------------------------------
+def build(X, leaf_size, max_depth, rand_f, seed, params):
+    import cupy as cp
+
+    from .kdtree import KDTree
+
+    mod = _module(8)
+    k_split = mod.get_function("split_level")
+    k_mark = mod.get_function("mark_left")
+    k_scatter = mod.get_function("scatter_level")
+    k_ranges = mod.get_function("ranges_level")
+    k_box = mod.get_function("box_level")
+    k_dec = mod.get_function("decode_box")
+    n, d = X.shape
+    cap = max(3, 4 * (n // max(leaf_size, 1)) + 3)
+    child = cp.full(cap, -1, cp.int32)
+    sdim = cp.full(cap, -1, cp.int32)
+    sval = cp.zeros(cap, cp.float32)
+    start = cp.zeros(cap, cp.int64)
+    end = cp.zeros(cap, cp.int64)
+    lo = cp.empty((cap, d), cp.float32)
+    hi = cp.empty((cap, d), cp.float32)
+    perm = cp.arange(n, dtype=cp.int64)
+    owner = cp.zeros(n, cp.int32)
+    end[0] = n
+    lo[0] = X.min(axis=0) + cp.float32(0)
+    hi[0] = X.max(axis=0) + cp.float32(0)
+    isleft = cp.empty(n, cp.int64)
+    nperm = cp.empty_like(perm)
+    nowner = cp.empty_like(owner)
+    bt = min(256, max(32, (d + 31) // 32 * 32))
+    chunk = max(32, 16384 // d)
+    l0, l1, depth = 0, 1, 0
+    while True:
+        nl = l1 - l0
+        dims = cp.empty(nl, cp.int32)
+        vals = cp.empty(nl, cp.float32)
+        k_split(_grid(nl), (256,), (lo, hi, np.int32(d), start, end, np.int32(l0), np.int32(nl),
+                                    np.int64(leaf_size), np.int32(depth), np.int32(max_depth),
+                                    np.int32(rand_f), np.uint64(seed), dims, vals))
+        fl = dims >= 0
+        cs = cp.cumsum(fl, dtype=cp.int32)
+        ns = int(cs[-1])  # the one host sync of this level
+        if ns == 0:
+            break
+        need = l1 + 2 * ns
+        if need > child.shape[0]:
+            newcap = max(need, 2 * child.shape[0])
+            child, sdim, sval, start, end, lo, hi = [_grow(a, newcap) for a in (child, sdim, sval, start, end, lo, hi)]
+            child[l1:] = -1
+            sdim[l1:] = -1
+        child[l0:l1] = cp.where(fl, l1 + 2 * (cs - 1), -1)
+        sdim[l0:l1] = dims
+        sval[l0:l1] = vals
+        k_mark(_grid(n), (256,), (X, np.int32(d), perm, owner, sdim, sval, np.int64(n), isleft))
+        C = cp.cumsum(isleft)
+        k_scatter(_grid(n), (256,), (perm, owner, sdim, child, start, end, isleft, C, np.int64(n), nperm, nowner))
+        k_ranges(_grid(nl), (256,), (child, sdim, isleft, C, np.int32(l0), np.int32(nl), start, end))
+        elo = cp.full((2 * ns, d), 0xFFFFFFFF, cp.uint32)
+        ehi = cp.zeros((2 * ns, d), cp.uint32)
+        k_box(((n + chunk - 1) // chunk,), (bt,), (X, np.int32(d), nperm, nowner, np.int64(n), np.int32(chunk),
+                                                  np.int32(l1), elo, ehi))
+        k_dec(_grid(elo.size), (256,), (elo, np.int64(elo.size), lo[l1:l1 + 2 * ns]))
+        k_dec(_grid(ehi.size), (256,), (ehi, np.int64(ehi.size), hi[l1:l1 + 2 * ns]))
+        perm, nperm = nperm, perm
+        owner, nowner = nowner, owner
+        l0, l1 = l1, need
+        depth += 1
+    nn = l1
+    points = cp.take(X, perm, axis=0)
+    tree = KDTree("gpu", points, perm, child[:nn].copy(), sdim[:nn].copy(), sval[:nn].copy(),
+                  start[:nn].copy(), end[:nn].copy(), cp.ascontiguousarray(lo[:nn]),
+                  cp.ascontiguousarray(hi[:nn]), depth, leaf_size, params, data=X)
+    return tree
+
+
+def _grow(a, cap):
+    import cupy as cp
+
+    b = cp.empty((cap,) + a.shape[1:], a.dtype)
+    b[: a.shape[0]] = a
+    return b
+
+
+# ----------------------------------------------------------------------------------------------
+# search
+# ----------------------------------------------------------------------------------------------
+def _tree_args(tree):
+    return (tree.child, tree.split_dim, tree.split_val)
+
+
+def _exact_redo(tree, queries, idx, k, out_d, out_i):
+    """Exact brute force for the queries ``idx`` (heap overflow or residual)."""
+    d2, i2 = knn_bruteforce(tree.data, queries[idx], k, device="gpu")
+    out_d[idx] = d2
+    out_i[idx] = i2
+
+
+def anns(tree, queries, k, budget):
+    """P-ANNS: one thread per query, private heap and top-k in local memory."""
+    import cupy as cp
+
+    m, d = queries.shape
+    kp = _kp(k)
+    fn = _module(kp).get_function("anns")
+    out = cp.empty((m, k), cp.uint64)
+    ovf = cp.zeros(m, cp.int32)
+    threads = 64
+    fn(((m + threads - 1) // threads,), (threads,), (
+        tree.points, tree.perm, tree.child, tree.split_dim, tree.split_val, tree.start, tree.end,
+        tree.lo, tree.hi, np.int32(d), queries, np.int32(m), np.int32(k), np.int32(budget), out, ovf))
+    out_d, out_i = decode_keys(out)
+    n_ovf = int(ovf.sum())
+    if n_ovf and budget == 0:
+        _exact_redo(tree, queries, cp.nonzero(ovf)[0], k, out_d, out_i)
+    return out_d, out_i, {"heap_overflow": n_ovf}
+
+
+def banns(tree, queries, k, budget, sliding_window, finish_below):
+    """P-BANNS: rounds of descend -> bucket by leaf -> one block per leaf chunk -> advance."""
+    import cupy as cp
+
+    m, d = queries.shape
+    mod = _module(_kp(k))
+    f_desc = mod.get_function("banns_descend")
+    if not sliding_window:
+        f_leaf, qb, threads = mod.get_function("banns_leaf_plain"), QB, QB
+    elif WINDOW_KERNEL == "tile":
+        f_leaf, qb, threads = mod.get_function("banns_leaf_window"), QB, QB
+    else:
+        f_leaf, qb, threads = mod.get_function("banns_leaf_rotate"), RQ, RP
+    f_adv = mod.get_function("banns_advance")
+    if finish_below is None:
+        finish_below = max(32, m // 256)
+    top = cp.full((m, k), np.uint64(0xFFFFFFFFFFFFFFFF), cp.uint64)
+    HD = cp.empty((m, HCAP), cp.float32)
+    HN = cp.empty((m, HCAP), cp.int32)
+    HS = cp.zeros(m, cp.int32)
+    OVF = cp.zeros(m, cp.int32)
+    visits = cp.zeros(m, cp.int32)
+    target = cp.zeros(m, cp.int32)
+    active = cp.arange(m, dtype=cp.int32)
+    na = m
+    rounds = 0
+    ev = []  # (phase, start event, end event) per round, read once at the end
+    E = cp.cuda.Event
+    while na > finish_below:
+        e0 = E(); e0.record()
+        leaf_of = cp.empty(na, cp.int32)
+        f_desc(_grid(na, 128), (128,), (active, np.int32(na), queries, np.int32(d), tree.child, tree.split_dim,
+                                       tree.split_val, tree.lo, tree.hi, np.int32(k), top, target, HD, HN, HS,
+                                       OVF, leaf_of))
+        e1 = E(); e1.record()
+        order = cp.argsort(leaf_of)
+        sorted_q = active[order]
+        sleaf = leaf_of[order]
+        brk = cp.nonzero(sleaf[1:] != sleaf[:-1])[0].astype(cp.int32) + 1
+        gstart = cp.concatenate([cp.zeros(1, cp.int32), brk])
+        gend = cp.concatenate([brk, cp.full(1, na, cp.int32)])
+        nblk_g = (gend - gstart + qb - 1) // qb
+        bcum = cp.cumsum(nblk_g)
+        nb = int(bcum[-1])
+        bidx = cp.arange(nb, dtype=cp.int32)
+        bg = cp.searchsorted(bcum, bidx, side="right").astype(cp.int32)
+        first = gstart[bg] + (bidx - (bcum[bg] - nblk_g[bg]).astype(cp.int32)) * qb
+        cnt = cp.minimum(qb, gend[bg] - first).astype(cp.int32)
+        bleaf = sleaf[gstart[bg]]
+        e2 = E(); e2.record()
+        f_leaf((nb,), (threads,), (bleaf, first.astype(cp.int32), cnt, sorted_q, queries, tree.points, tree.perm,
+                              tree.start, tree.end, np.int32(d), np.int32(k), top))
+        e3 = E(); e3.record()
+        keep = cp.empty(na, cp.uint8)
+        f_adv(_grid(na, 128), (128,), (active, np.int32(na), np.int32(k), np.int32(budget), top, HD, HN, HS,
+                                      visits, target, keep))
+        active = active[keep.astype(cp.bool_)]
+        na = int(active.size)
+        e4 = E(); e4.record()
+        ev.append((e0, e1, e2, e3, e4, nb))
+        rounds += 1
+    phase = np.zeros(4)
+    leaf_blocks = 0
+    if ev:
+        ev[-1][4].synchronize()
+        for e0, e1, e2, e3, e4, nb in ev:
+            phase += [cp.cuda.get_elapsed_time(a, b) for a, b in ((e0, e1), (e1, e2), (e2, e3), (e3, e4))]
+            leaf_blocks += nb
+    t0 = time.perf_counter()
+    out_d, out_i = decode_keys(top)
+    n_ovf = int(OVF.sum())
+    redo = active
+    if n_ovf and budget == 0:
+        redo = cp.unique(cp.concatenate([active, cp.nonzero(OVF)[0].astype(cp.int32)]))
+    if int(redo.size):
+        _exact_redo(tree, queries, redo, k, out_d, out_i)
+    cp.cuda.Device().synchronize()
+    t_fin = (time.perf_counter() - t0) * 1e3
+    return out_d, out_i, {"rounds": rounds, "finished_by_bruteforce": int(active.size), "heap_overflow": n_ovf,
+                          "leaf_blocks": leaf_blocks,
+                          "ms_descend": round(float(phase[0]), 3), "ms_bucket": round(float(phase[1]), 3),
+                          "ms_leaf_scan": round(float(phase[2]), 3), "ms_advance": round(float(phase[3]), 3),
+                          "ms_finish": round(t_fin, 3)}

@@ -1,0 +1,575 @@
+"""Exact k-nearest neighbours by brute force (squared L2), CPU and GPU backends.
+
+Semantics shared by every neighbour search in scanforest (brute force, P-ANNS, P-BANNS):
+
+* the distance is the *canonical* float32 squared L2 distance, summed in dimension order
+  ``acc = acc + (q[j] - x[j])**2`` with correctly rounded float32 operations and no fused
+  multiply-add, so the CPU (numba) and GPU (CUDA ``__fadd_rn``/``__fmul_rn``) backends give
+  bit-identical distances;
+* rows are sorted ascending by ``(distance, id)`` (ties broken by the smaller id).
+
+The brute force runs in two passes. A coarse pass computes ``||q||^2 - 2 q.b + ||b||^2`` with a
+float32 GEMM (BLAS on the CPU, cuBLAS on the GPU) on mean-centred data, per query block and base
+block, and keeps a candidate superset of ``k' = 2k + 16`` per query (a per-tile top-k' merged
+across tiles; on the GPU a fused warp-select kernel). The candidates are re-ranked with the
+canonical distance. A rigorous float32 rounding-error bound then checks that no point outside
+the candidate set can enter the top k; for the queries where the check fails (near ties, many
+duplicates) every point whose coarse distance lies within the bound is re-ranked as well, so
+the result is exact.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import njit, prange
+
+from ._backend import is_cupy, resolve_device, to_numpy
+from .errors import InputError, OutOfMemory
+
+__all__ = ["knn_bruteforce", "recall", "check_points", "MAX_K"]
+
+MAX_K = 256
+_U = 2.0 ** -24
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------
+def check_points(a, name: str, *, dim: int | None = None, xp=None):
+    """Validate a (n, d) point array and return it as C-contiguous float32 on its own device.
+
+    Raises :class:`InputError` for non-2-D input, an empty set, a wrong dimension or rows with
+    NaN/inf values (the message names the first bad row).
+    """
+    if xp is None:
+        if is_cupy(a):
+            import cupy as xp
+        else:
+            xp = np
+    if not hasattr(a, "shape"):
+        a = np.asarray(a)
+    if a.ndim != 2:
+        raise InputError(f"{name} must be a 2-D array (n_points, n_dims), got shape {tuple(a.shape)}")
+    n, d = a.shape
+    if n == 0:
+        raise InputError(f"{name} is empty (shape {tuple(a.shape)}): at least one point is needed")
+    if d == 0:
+        raise InputError(f"{name} has 0 dimensions (shape {tuple(a.shape)})")
+    if dim is not None and d != dim:
+        raise InputError(f"{name} has {d} dimensions but the index was built on {dim}-D points")
+    if a.dtype.kind not in "fiub":
+        raise InputError(f"{name} must hold real numbers, got dtype {a.dtype}")
+    a = xp.ascontiguousarray(a, dtype=xp.float32)
+    bad = ~xp.isfinite(a).all(axis=1)
+    if bool(bad.any()):
+        rows = to_numpy(xp.nonzero(bad)[0][:5]).tolist()
+        raise InputError(f"{name} has {int(bad.sum())} row(s) with NaN or inf values (first: {rows})")
+    return a
+
+
+def check_k(k, n: int, *, max_k: int = MAX_K) -> int:
+    """Validate the number of neighbours ``k`` against the size ``n`` of the indexed set."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise InputError(f"k must be an integer, got {k!r}")
+    k = int(k)
+    if k < 1:
+        raise InputError(f"k must be >= 1, got {k}")
+    if k > n:
+        raise InputError(f"k={k} is larger than the number of indexed points ({n})")
+    if k > max_k:
+        raise InputError(f"k={k} is above the supported maximum of {max_k}")
+    return k
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU kernels (numba)
+# ----------------------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _sqdist(q, x):
+    acc = np.float32(0.0)
+    for j in range(q.shape[0]):
+        t = q[j] - x[j]
+        acc += t * t
+    return acc
+
+
+@njit(cache=True, inline="always")
+def _insert(dist, ids, cnt, k, dv, iv):
+    """Insert (dv, iv) into the ascending (dist, id) list of length cnt <= k; returns new cnt."""
+    if cnt == k:
+        last = k - 1
+        if dv > dist[last] or (dv == dist[last] and iv >= ids[last]):
+            return cnt
+        pos = last
+    else:
+        pos = cnt
+        cnt += 1
+    while pos > 0 and (dist[pos - 1] > dv or (dist[pos - 1] == dv and ids[pos - 1] > iv)):
+        dist[pos] = dist[pos - 1]
+        ids[pos] = ids[pos - 1]
+        pos -= 1
+    dist[pos] = dv
+    ids[pos] = iv
+    return cnt
+
+
+@njit(cache=True, parallel=True)
+def _rerank_cpu(base, queries, cand, k, out_d, out_i):
+    """Canonical distances of candidate ids (-1 = none) -> sorted top k per query."""
+    m, c = cand.shape
+    for qi in prange(m):
+        dist = np.empty(k, np.float32)
+        ids = np.empty(k, np.int64)
+        cnt = 0
+        q = queries[qi]
+        for j in range(c):
+            b = cand[qi, j]
+            if b < 0:
+                continue
+            cnt = _insert(dist, ids, cnt, k, _sqdist(q, base[b]), b)
+        for j in range(k):
+            if j < cnt:
+                out_d[qi, j] = dist[j]
+                out_i[qi, j] = ids[j]
+            else:
+                out_d[qi, j] = np.inf
+                out_i[qi, j] = -1
+
+
+@njit(cache=True, parallel=True)
+def _rerank_pairs_cpu(base, queries, starts, cols, k, out_d, out_i):
+    """Like _rerank_cpu for a CSR list of candidates: row r holds cols[starts[r]:starts[r+1]]."""
+    m = starts.shape[0] - 1
+    for qi in prange(m):
+        dist = np.empty(k, np.float32)
+        ids = np.empty(k, np.int64)
+        cnt = 0
+        q = queries[qi]
+        for j in range(starts[qi], starts[qi + 1]):
+            b = cols[j]
+            cnt = _insert(dist, ids, cnt, k, _sqdist(q, base[b]), b)
+        for j in range(k):
+            out_d[qi, j] = dist[j] if j < cnt else np.inf
+            out_i[qi, j] = ids[j] if j < cnt else -1
+
+
+@njit(cache=True, parallel=True)
+def exact_scan_cpu(base, queries, k):
+    """Reference exact scan with the canonical distance (O(M N d)); used for small inputs."""
+    m = queries.shape[0]
+    out_d = np.empty((m, k), np.float32)
+    out_i = np.empty((m, k), np.int64)
+    for qi in prange(m):
+        dist = np.empty(k, np.float32)
+        ids = np.empty(k, np.int64)
+        cnt = 0
+        q = queries[qi]
+        for b in range(base.shape[0]):
+            cnt = _insert(dist, ids, cnt, k, _sqdist(q, base[b]), b)
+        for j in range(k):
+            out_d[qi, j] = dist[j]
+            out_i[qi, j] = ids[j]
+    return out_d, out_i
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU kernels (CUDA source, compiled lazily)
+# ----------------------------------------------------------------------------------------------
+_CUDA_COMMON = r"""
+#define KEY_NONE 0xffffffffffffffffULL
+__device__ __forceinline__ unsigned long long make_key(float d, long long id) {
+    d = d > 0.0f ? d : 0.0f;
+    return ((unsigned long long)__float_as_uint(d) << 32) | (unsigned long long)(unsigned int)id;
+}
+__device__ __forceinline__ float key_dist(unsigned long long k) {
+    return k == KEY_NONE ? __int_as_float(0x7f800000) : __uint_as_float((unsigned int)(k >> 32));
+}
+__device__ __forceinline__ float canon_dist(const float* __restrict__ q, const float* __restrict__ x, int d) {
+    float acc = 0.0f;
+    for (int j = 0; j < d; ++j) {
+        float t = __fsub_rn(q[j], x[j]);
+        acc = __fadd_rn(acc, __fmul_rn(t, t));
+    }
+    return acc;
+}
+"""
+
+_SELECT_SRC = _CUDA_COMMON + r"""
+// One warp per row: every lane keeps a sorted list of its KP best keys, then the 32 lists are
+// merged with KP rounds of a warp-wide min.  mode 0: d = D[r, c]; mode 1: d = qn[r] + bn[c] - 2 D[r, c].
+__device__ __forceinline__ void lane_push(unsigned long long* list, int& cnt, int kp, unsigned long long key) {
+    int pos;
+    if (cnt == kp) {
+        if (key >= list[kp - 1]) return;
+        pos = kp - 1;
+    } else {
+        pos = cnt++;
+    }
+    while (pos > 0 && list[pos - 1] > key) { list[pos] = list[pos - 1]; --pos; }
+    list[pos] = key;
+}
+extern "C" __global__ void select_topk(const float* __restrict__ D, long long ldd, int nrows, int ncols,
+        const float* __restrict__ qn, const float* __restrict__ bn, int mode, long long col_offset,
+        const unsigned long long* __restrict__ prev, int kp, unsigned long long* __restrict__ out) {
+    int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (row >= nrows) return;
+    unsigned long long list[KMAX];
+    int cnt = 0;
+    if (prev != NULL) {
+        for (int i = lane; i < kp; i += 32) {
+            unsigned long long key = prev[(long long)row * kp + i];
+            if (key != KEY_NONE) lane_push(list, cnt, kp, key);
+        }
+    }
+    const float* Drow = D + (long long)row * ldd;
+    float qv = mode ? qn[row] : 0.0f;
+    for (int c = lane; c < ncols; c += 32) {
+        float g = Drow[c];
+        float d = mode ? (qv + bn[c]) - 2.0f * g : g;
+        unsigned long long key = make_key(d, col_offset + c);
+        if (cnt < kp || key < list[kp - 1]) lane_push(list, cnt, kp, key);
+    }
+    int h = 0;
+    for (int r = 0; r < kp; ++r) {
+        unsigned long long mine = h < cnt ? list[h] : KEY_NONE;
+        unsigned long long best = mine;
+        for (int off = 16; off > 0; off >>= 1) {
+            unsigned long long o = __shfl_xor_sync(0xffffffffu, best, off);
+            best = o < best ? o : best;
+        }
+        if (best != KEY_NONE && mine == best) ++h;
+        if (lane == 0) out[(long long)row * kp + r] = best;
+    }
+}
+"""
+
+_PAIR_SRC = _CUDA_COMMON + r"""
+// canonical distance of (query row qi[t], base row bi[t]); bi < 0 gives +inf
+extern "C" __global__ void pair_dist(const float* __restrict__ X, const float* __restrict__ Q,
+        const long long* __restrict__ qi, const long long* __restrict__ bi, long long npairs, int d,
+        float* __restrict__ out) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= npairs) return;
+    long long b = bi[t];
+    if (b < 0) { out[t] = __int_as_float(0x7f800000); return; }
+    out[t] = canon_dist(Q + qi[t] * (long long)d, X + b * (long long)d, d);
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _select_kernel(kmax: int):
+    import cupy as cp
+
+    return cp.RawKernel(_SELECT_SRC.replace("KMAX", str(kmax)), "select_topk")
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_kernel():
+    import cupy as cp
+
+    return cp.RawKernel(_PAIR_SRC, "pair_dist")
+
+
+def _select_gpu(D, k, *, qn=None, bn=None, col_offset=0, prev=None):
+    """Per-row top-k (k <= 1024) keys of a distance (mode 0) or dot-product (mode 1) tile."""
+    import cupy as cp
+
+    nrows, ncols = D.shape
+    kmax = max(8, 1 << (int(k) - 1).bit_length())
+    out = cp.empty((nrows, k), dtype=cp.uint64)
+    mode = 0 if qn is None else 1
+    dummy = cp.empty(1, dtype=cp.float32)
+    threads = 128
+    grid = (nrows * 32 + threads - 1) // threads
+    _select_kernel(kmax)((grid,), (threads,), (
+        D, np.int64(D.strides[0] // 4), np.int32(nrows), np.int32(ncols),
+        dummy if qn is None else qn, dummy if bn is None else bn, np.int32(mode),
+        np.int64(col_offset), prev if prev is not None else np.uint64(0), np.int32(k), out))
+    return out
+
+
+def decode_keys(keys):
+    """Split uint64 (dist_bits << 32 | id) keys into float32 distances and int64 ids."""
+    xp = np
+    if is_cupy(keys):
+        import cupy as xp
+    none = keys == np.uint64(0xFFFFFFFFFFFFFFFF)
+    d = (keys >> np.uint64(32)).astype(xp.uint32).view(xp.float32)
+    i = (keys & np.uint64(0xFFFFFFFF)).astype(xp.int64)
+    d = xp.where(none, xp.float32(np.inf), d)
+    i = xp.where(none, -1, i)
+    return d, i
+
+
+def pair_dist_gpu(base, queries, qi, bi):
+    """Canonical distances of (queries[qi], base[bi]) pairs on the GPU (bi < 0 -> inf)."""
+    import cupy as cp
+
+    qi = cp.ascontiguousarray(qi, dtype=cp.int64).ravel()
+    bi = cp.ascontiguousarray(bi, dtype=cp.int64).ravel()
+    out = cp.empty(qi.size, dtype=cp.float32)
+    if qi.size:
+        _pair_kernel()(((qi.size + 255) // 256,), (256,),
+                       (base, queries, qi, bi, np.int64(qi.size), np.int32(base.shape[1]), out))
+    return out
+
+
+def topk_keys_rows(keys, k):
+    """Sorted top-k (ascending) of each row of a uint64 key matrix."""
+    import cupy as cp
+
+    s = cp.sort(keys, axis=1)
+    return s[:, :k]
+
+
+# ----------------------------------------------------------------------------------------------
+# driver
+# ----------------------------------------------------------------------------------------------
+def _gamma(d: int) -> float:
+    n = d + 8
+    return n * _U / (1.0 - n * _U)
+
+
+def _blocks(n_rows: int, n_base: int, d: int, budget_bytes: int, block):
+    """(query_block, base_block) sizes whose coarse tile fits in ``budget_bytes``."""
+    if block is not None:
+        if isinstance(block, (tuple, list)):
+            qb, bb = int(block[0]), int(block[1])
+        else:
+            qb, bb = int(block), n_base
+        if qb < 1 or bb < 1:
+            raise InputError(f"block sizes must be >= 1, got {block!r}")
+        return max(1, min(qb, n_rows)), max(1, min(bb, n_base))
+    bb = min(n_base, 1 << 18)
+    qb = max(1, min(n_rows, budget_bytes // (4 * bb)))
+    if qb < 256 and bb > 4096:
+        bb = max(4096, budget_bytes // (4 * 256))
+        bb = min(bb, n_base)
+        qb = max(1, min(n_rows, budget_bytes // (4 * bb)))
+    return qb, bb
+
+
+def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None):
+    """Exact k nearest neighbours of every query in ``base`` (squared L2).
+
+    Parameters
+    ----------
+    base : (N, d) array_like
+        Indexed points (numpy or CuPy; converted to float32).
+    queries : (M, d) array_like
+        Query points.
+    k : int
+        Neighbours per query, ``1 <= k <= min(N, 256)``.
+    device : {"auto", "cpu", "gpu"}, keyword-only
+        ``auto`` follows the array type of the inputs.
+    block : int or (int, int), optional, keyword-only
+        Query block (and base block) size of the coarse GEMM tiles; by default sized to fit a
+        tile budget (512 MiB on the CPU, 2 GiB on the GPU).
+
+    Returns
+    -------
+    dist2 : (M, k) float32
+        Canonical squared distances, ascending.
+    ids : (M, k) int64
+        Row indices into ``base``; ties broken by the smaller id.
+    """
+    dev = resolve_device(device, base, queries)
+    if dev == "gpu":
+        import cupy as xp
+    else:
+        xp = np
+    conv = to_numpy if dev == "cpu" else xp.asarray
+    base = check_points(conv(base), "base", xp=xp)
+    queries = check_points(conv(queries), "queries", dim=base.shape[1], xp=xp)
+    k = check_k(k, base.shape[0])
+    if dev == "gpu":
+        return _bf_gpu(base, queries, k, block)
+    return _bf_cpu(base, queries, k, block)
+
+
+def _candidates(k: int, n: int) -> int:
+    return min(n, 2 * k + 16)
+
+
+def _bf_cpu(base, queries, k, block):
+    n, d = base.shape
+    m = queries.shape[0]
+    kc = _candidates(k, n)
+    mu = base.mean(axis=0, dtype=np.float64).astype(np.float32)
+    bc = base - mu
+    bn = np.einsum("ij,ij->i", bc, bc, dtype=np.float32)
+    bnmax = float(bn.max())
+    qb, bb = _blocks(m, n, d, 512 << 20, block)
+    out_d = np.empty((m, k), np.float32)
+    out_i = np.empty((m, k), np.int64)
+    g = _gamma(d)
+    for q0 in range(0, m, qb):
+        qs = queries[q0:q0 + qb]
+        qc = qs - mu
+        qn = np.einsum("ij,ij->i", qc, qc, dtype=np.float32)
+        cand = None
+        cand_d = None
+        for b0 in range(0, n, bb):
+            D = qc @ bc[b0:b0 + bb].T
+            D *= -2.0
+            D += qn[:, None]
+            D += bn[None, b0:b0 + bb]
+            np.maximum(D, 0, out=D)
+            ids = np.broadcast_to(np.arange(b0, b0 + D.shape[1], dtype=np.int64), D.shape)
+            if cand is not None:
+                D = np.concatenate([cand_d, D], axis=1)
+                ids = np.concatenate([cand, ids], axis=1)
+            if D.shape[1] > kc:
+                part = np.argpartition(D, kc - 1, axis=1)[:, :kc]
+                cand_d = np.take_along_axis(D, part, axis=1)
+                cand = np.take_along_axis(ids, part, axis=1)
+            else:
+                cand_d, cand = D, np.array(ids)
+        rd = np.empty((qs.shape[0], k), np.float32)
+        ri = np.empty((qs.shape[0], k), np.int64)
+        _rerank_cpu(base, qs, np.ascontiguousarray(cand), k, rd, ri)
+        if kc < n:
+            clast = cand_d.max(axis=1).astype(np.float64)
+            err = 4 * g * (qn.astype(np.float64) + bnmax) + 2 * g * rd[:, -1] + 1e-30
+            bad = np.nonzero(~(rd[:, -1].astype(np.float64) + err < clast))[0]
+            if bad.size:
+                thr = rd[bad, -1].astype(np.float64) + err[bad]
+                _fix_cpu(base, qs, bad, thr, mu, bc, bn, bb, k, rd, ri)
+        out_d[q0:q0 + qb] = rd
+        out_i[q0:q0 + qb] = ri
+    return out_d, out_i
+
+
+def _fix_cpu(base, qs, bad, thr, mu, bc, bn, bb, k, rd, ri):
+    """Re-rank every point whose coarse distance is within the error bound (exact fallback)."""
+    qc = qs[bad] - mu
+    qn = np.einsum("ij,ij->i", qc, qc, dtype=np.float32)
+    rows, cols = [], []
+    for b0 in range(0, base.shape[0], bb):
+        D = (qn[:, None] + bn[None, b0:b0 + bb]) - 2.0 * (qc @ bc[b0:b0 + bb].T)
+        r, c = np.nonzero(D <= thr[:, None])
+        rows.append(r)
+        cols.append(c.astype(np.int64) + b0)
+    rows = np.concatenate(rows)
+    cols = np.concatenate(cols)
+    order = np.argsort(rows, kind="stable")
+    cols = cols[order]
+    starts = np.searchsorted(rows[order], np.arange(bad.size + 1))
+    fd = np.empty((bad.size, k), np.float32)
+    fi = np.empty((bad.size, k), np.int64)
+    _rerank_pairs_cpu(base, np.ascontiguousarray(qs[bad]), starts.astype(np.int64), cols, k, fd, fi)
+    rd[bad] = fd
+    ri[bad] = fi
+
+
+def _bf_gpu(base, queries, k, block):
+    import cupy as cp
+
+    n, d = base.shape
+    m = queries.shape[0]
+    kc = _candidates(k, n)
+    mu = base.mean(axis=0, dtype=cp.float64).astype(cp.float32)
+    bc = base - mu
+    bn = cp.einsum("ij,ij->i", bc, bc)
+    bnmax = float(bn.max())
+    free = cp.cuda.Device().mem_info[0]
+    budget = int(min(2 << 30, max(64 << 20, free // 4)))
+    if bc.nbytes > free * 0.8:
+        raise OutOfMemory(f"the centred copy of base ({bc.nbytes / 2**30:.1f} GiB) does not fit the "
+                          f"free GPU memory ({free / 2**30:.1f} GiB)")
+    qb, bb = _blocks(m, n, d, budget, block)
+    out_d = cp.empty((m, k), cp.float32)
+    out_i = cp.empty((m, k), cp.int64)
+    g = _gamma(d)
+    for q0 in range(0, m, qb):
+        qs = queries[q0:q0 + qb]
+        qc = qs - mu
+        qn = cp.einsum("ij,ij->i", qc, qc)
+        keys = None
+        for b0 in range(0, n, bb):
+            G = qc @ bc[b0:b0 + bb].T
+            keys = _select_gpu(G, kc, qn=qn, bn=bn[b0:b0 + bb], col_offset=b0, prev=keys)
+        cd, ci = decode_keys(keys)
+        clast = cd[:, -1].astype(cp.float64)
+        nq = qs.shape[0]
+        qidx = cp.repeat(cp.arange(nq, dtype=cp.int64), kc)
+        dist = pair_dist_gpu(base, qs, qidx, ci).reshape(nq, kc)
+        rkeys = _keys_from(dist, ci)
+        top = topk_keys_rows(rkeys, k)
+        rd, ri = decode_keys(top)
+        if kc < n:
+            err = 4 * g * (qn.astype(cp.float64) + bnmax) + 2 * g * rd[:, -1] + 1e-30
+            bad = cp.nonzero(~(rd[:, -1].astype(cp.float64) + err < clast))[0]
+            if int(bad.size):
+                thr = rd[bad, -1].astype(cp.float64) + err[bad]
+                _fix_gpu(base, qs, bad, thr, mu, bc, bn, bb, k, rd, ri)
+        out_d[q0:q0 + qb] = rd
+        out_i[q0:q0 + qb] = ri
+    return out_d, out_i
+
+
+def _keys_from(dist, ids):
+    """uint64 (dist_bits << 32 | id) keys; id < 0 or non-finite distance -> KEY_NONE."""
+    import cupy as cp
+
+    dist = cp.maximum(dist, cp.float32(0))
+    k = (dist.view(cp.uint32).astype(cp.uint64) << np.uint64(32)) | ids.astype(cp.uint64) & np.uint64(0xFFFFFFFF)
+    none = (ids < 0) | ~cp.isfinite(dist)
+    return cp.where(none, np.uint64(0xFFFFFFFFFFFFFFFF), k)
+
+
+def _fix_gpu(base, qs, bad, thr, mu, bc, bn, bb, k, rd, ri):
+    import cupy as cp
+
+    qsub = cp.ascontiguousarray(qs[bad])
+    qc = qsub - mu
+    qn = cp.einsum("ij,ij->i", qc, qc)
+    rows, cols = [], []
+    for b0 in range(0, bc.shape[0], bb):
+        D = (qn[:, None] + bn[None, b0:b0 + bb]) - 2.0 * (qc @ bc[b0:b0 + bb].T)
+        r, c = cp.nonzero(D <= thr[:, None].astype(cp.float32) * (1 + 1e-6))
+        rows.append(r.astype(cp.int64))
+        cols.append(c.astype(cp.int64) + b0)
+    rows = cp.concatenate(rows)
+    cols = cp.concatenate(cols)
+    dist = pair_dist_gpu(base, qsub, rows, cols)
+    keys = _keys_from(dist, cols)
+    o1 = cp.argsort(keys)
+    o2 = cp.argsort(rows[o1])  # cupy sorts are stable
+    order = o1[o2]
+    rows = rows[order]
+    keys = keys[order]
+    starts = cp.searchsorted(rows, cp.arange(bad.size, dtype=cp.int64))
+    take = starts[:, None] + cp.arange(k)[None, :]
+    ends = cp.searchsorted(rows, cp.arange(bad.size, dtype=cp.int64), side="right")
+    ok = take < ends[:, None]
+    sel = cp.where(ok, keys[cp.minimum(take, keys.size - 1)], np.uint64(0xFFFFFFFFFFFFFFFF))
+    fd, fi = decode_keys(sel)
+    rd[bad] = fd
+    ri[bad] = fi
+
+
+# ----------------------------------------------------------------------------------------------
+# recall
+# ----------------------------------------------------------------------------------------------
+def recall(dist_found, dist_exact, k: int | None = None) -> float:
+    """Recall@k of an approximate search against exact distances.
+
+    A returned neighbour counts when its distance is ``<=`` the exact k-th distance of its query
+    (so ties count). Returns the fraction over all queries and the first ``k`` returned slots
+    (missing neighbours, +inf or id -1, never count).
+    """
+    f = np.asarray(to_numpy(dist_found), dtype=np.float64)
+    e = np.asarray(to_numpy(dist_exact), dtype=np.float64)
+    if f.ndim != 2 or e.ndim != 2 or f.shape[0] != e.shape[0]:
+        raise InputError(f"dist_found {f.shape} and dist_exact {e.shape} must be (M, k) arrays with "
+                         "the same number of rows")
+    k = min(f.shape[1], e.shape[1]) if k is None else int(k)
+    if not 1 <= k <= min(f.shape[1], e.shape[1]):
+        raise InputError(f"k={k} must be within 1..{min(f.shape[1], e.shape[1])}")
+    thr = e[:, k - 1:k]
+    hit = np.isfinite(f[:, :k]) & (f[:, :k] <= thr)
+    return float(hit.mean())

@@ -1,0 +1,552 @@
+"""Array-based KD-tree (structure of arrays) with CPU (numba) and GPU (CuPy) backends.
+
+Layout (same on both devices, nodes numbered breadth first):
+
+* ``child[i]``: index of the left child (the right child is ``child[i] + 1``), ``-1`` for a leaf;
+* ``split_dim[i]``, ``split_val[i]``: a point goes left when ``x[split_dim] <= split_val``;
+* ``start[i]``, ``end[i]``: the node's points are ``perm[start:end]`` (every node, not only the
+  leaves, owns a contiguous range because each level is a stable partition of its parent range);
+* ``lo[i]``, ``hi[i]``: the tight axis-aligned bounding box of the node's points (``(n_nodes, d)``);
+* ``perm``: point ids ordered leaf by leaf; ``points`` = ``X[perm]`` (rows contiguous per leaf).
+
+Split rule (Hu 2017, Ch. 3-4): the dimension of largest box extent, cut at the box midpoint
+``0.5 lo + 0.5 hi``. When the midpoint rounds onto ``hi`` (``lo`` and ``hi`` adjacent floats) the
+cut moves to ``lo`` so both children are non-empty; a node whose box has zero extent (all its
+points equal) or that reaches ``max_depth`` stays a leaf, so duplicates never loop. The
+randomized variant (``random_dims=F``) picks the split dimension uniformly among the F widest
+(ties by smaller dimension) with a counter-based hash of ``(seed, node)``, so the CPU and GPU
+builds give the same tree.
+
+Search: P-ANNS (per query: descend to the nearest leaf pushing far siblings with their box
+distance on a bounded min-heap, scan leaves, pop the closest box, stop when the heap is empty,
+the popped box is farther than the current P-th distance, or ``backtracks`` leaves were scanned)
+and, on the GPU, P-BANNS (:mod:`scanforest.kernels._kdtree_gpu`). Distances are the canonical
+float32 squared L2 of :mod:`scanforest.kernels.bruteforce`, so with an unlimited budget the
+searches return exactly the brute-force answer, ties included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from ._backend import resolve_device, to_numpy
+from .bruteforce import _insert, _sqdist, check_k, check_points
+from .errors import InputError
+
+__all__ = ["KDTree", "build_kdtree", "query_kdtree", "HEAP_CAP", "DEFAULT_MAX_DEPTH"]
+
+HEAP_CAP = 256          # capacity of the per-query priority queue of pending boxes
+DEFAULT_MAX_DEPTH = 64  # nodes at this depth stay leaves
+MAX_RANDOM_DIMS = 32
+
+
+@dataclass
+class KDTree:
+    """A built KD-tree. Arrays live on ``device`` (numpy for ``"cpu"``, CuPy for ``"gpu"``)."""
+
+    device: str
+    points: Any       # (N, d) float32, rows ordered by ``perm``
+    perm: Any         # (N,) int64
+    child: Any        # (n_nodes,) int32
+    split_dim: Any    # (n_nodes,) int32
+    split_val: Any    # (n_nodes,) float32
+    start: Any        # (n_nodes,) int64
+    end: Any          # (n_nodes,) int64
+    lo: Any           # (n_nodes, d) float32
+    hi: Any           # (n_nodes, d) float32
+    depth: int
+    leaf_size: int
+    params: dict = field(default_factory=dict)
+    data: Any = None  # (N, d) float32 points in input order (exact fallbacks use it)
+
+    @property
+    def n_points(self) -> int:
+        return int(self.perm.shape[0])
+
+    @property
+    def n_dims(self) -> int:
+        return int(self.points.shape[1])
+
+    @property
+    def n_nodes(self) -> int:
+        return int(self.child.shape[0])
+
+    @property
+    def n_leaves(self) -> int:
+        return int((self.child < 0).sum())
+
+    def to_numpy(self) -> "KDTree":
+        """A copy of the tree with every array on the host."""
+        conv = {k: to_numpy(getattr(self, k)) for k in
+                ("points", "perm", "child", "split_dim", "split_val", "start", "end", "lo", "hi")}
+        return KDTree("cpu", depth=self.depth, leaf_size=self.leaf_size, params=dict(self.params),
+                      data=None if self.data is None else to_numpy(self.data), **conv)
+
+
+# ----------------------------------------------------------------------------------------------
+# shared split rule (mirrored in CUDA in _kdtree_gpu.py)
+# ----------------------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _hash(seed, node):
+    z = np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(node) + np.uint64(0x632BE59BD9B4E019)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(cache=True)
+def _choose_split(lo, hi, node, rand_f, seed, topd, tope):
+    """(dim, value) of the split of a node with box (lo, hi); dim = -1 means: make a leaf."""
+    d = lo.shape[0]
+    if rand_f <= 1:
+        best = -1
+        bext = np.float32(0.0)
+        for j in range(d):
+            e = hi[j] - lo[j]
+            if e > bext:
+                bext = e
+                best = j
+        dim = best
+    else:
+        cnt = 0
+        for j in range(d):
+            e = hi[j] - lo[j]
+            if not (e > 0):
+                continue
+            if cnt < rand_f:
+                pos = cnt
+                cnt += 1
+            elif e > tope[rand_f - 1]:
+                pos = rand_f - 1
+            else:
+                continue
+            while pos > 0 and tope[pos - 1] < e:
+                tope[pos] = tope[pos - 1]
+                topd[pos] = topd[pos - 1]
+                pos -= 1
+            tope[pos] = e
+            topd[pos] = j
+        if cnt == 0:
+            dim = -1
+        else:
+            dim = topd[np.int64(_hash(seed, node) % np.uint64(cnt))]
+    if dim < 0:
+        return -1, np.float32(0.0)
+    a = lo[dim]
+    b = hi[dim]
+    v = np.float32(0.5) * a + np.float32(0.5) * b
+    if not (v < b):
+        v = a
+    return dim, v
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU build (level by level, same numbering as the GPU build)
+# ----------------------------------------------------------------------------------------------
+@njit(cache=True)
+def _box(X, perm, s, e, lo, hi):
+    d = X.shape[1]
+    for j in range(d):
+        lo[j] = np.inf
+        hi[j] = -np.inf
+    for p in range(s, e):
+        x = X[perm[p]]
+        for j in range(d):
+            v = x[j] + np.float32(0.0)  # -0 -> +0, as on the GPU
+            if v < lo[j]:
+                lo[j] = v
+            if v > hi[j]:
+                hi[j] = v
+
+
+@njit(cache=True, parallel=True)
+def _level_split(X, perm, tmp, child, sdim, sval, start, end, lo, hi, l0, l1, next_id,
+                 leaf_size, depth, max_depth, rand_f, seed):
+    """Split the nodes l0..l1-1 of one level; children get ids from next_id upward."""
+    nl = l1 - l0
+    dims = np.full(nl, -1, np.int32)
+    vals = np.zeros(nl, np.float32)
+    for t in prange(nl):
+        i = l0 + t
+        if end[i] - start[i] > leaf_size and depth < max_depth:
+            topd = np.empty(max(rand_f, 1), np.int64)
+            tope = np.empty(max(rand_f, 1), np.float32)
+            dm, v = _choose_split(lo[i], hi[i], i, rand_f, seed, topd, tope)
+            dims[t] = dm
+            vals[t] = v
+    nid = next_id
+    for t in range(nl):
+        if dims[t] >= 0:
+            i = l0 + t
+            child[i] = nid
+            sdim[i] = dims[t]
+            sval[i] = vals[t]
+            nid += 2
+    for t in prange(nl):
+        if dims[t] < 0:
+            continue
+        i = l0 + t
+        s = start[i]
+        e = end[i]
+        dm = dims[t]
+        v = vals[t]
+        nleft = 0
+        for p in range(s, e):
+            if X[perm[p], dm] <= v:
+                nleft += 1
+        a = s
+        b = s + nleft
+        for p in range(s, e):
+            pid = perm[p]
+            if X[pid, dm] <= v:
+                tmp[a] = pid
+                a += 1
+            else:
+                tmp[b] = pid
+                b += 1
+        for p in range(s, e):
+            perm[p] = tmp[p]
+        c = child[i]
+        start[c] = s
+        end[c] = s + nleft
+        start[c + 1] = s + nleft
+        end[c + 1] = e
+    for c in prange(next_id, nid):
+        _box(X, perm, start[c], end[c], lo[c], hi[c])
+    return nid
+
+
+def _grow(arrs, need):
+    out = []
+    for a in arrs:
+        if a.shape[0] >= need:
+            out.append(a)
+            continue
+        cap = max(need, 2 * a.shape[0])
+        b = np.empty((cap,) + a.shape[1:], a.dtype)
+        b[: a.shape[0]] = a
+        out.append(b)
+    return out
+
+
+def _build_cpu(X, leaf_size, max_depth, rand_f, seed):
+    n, d = X.shape
+    cap = max(3, 4 * (n // max(leaf_size, 1)) + 3)
+    child = np.full(cap, -1, np.int32)
+    sdim = np.full(cap, -1, np.int32)
+    sval = np.zeros(cap, np.float32)
+    start = np.zeros(cap, np.int64)
+    end = np.zeros(cap, np.int64)
+    lo = np.empty((cap, d), np.float32)
+    hi = np.empty((cap, d), np.float32)
+    perm = np.arange(n, dtype=np.int64)
+    tmp = np.empty(n, np.int64)
+    start[0], end[0] = 0, n
+    lo[0] = X.min(axis=0) + np.float32(0.0)
+    hi[0] = X.max(axis=0) + np.float32(0.0)
+    l0, l1, depth = 0, 1, 0
+    while l1 > l0:
+        need = l1 + 2 * (l1 - l0)
+        if need > child.shape[0]:
+            child, sdim, sval, start, end, lo, hi = _grow([child, sdim, sval, start, end, lo, hi], need)
+            child[l1:] = -1
+            sdim[l1:] = -1
+        nid = _level_split(X, perm, tmp, child, sdim, sval, start, end, lo, hi, l0, l1, l1,
+                           leaf_size, depth, max_depth, rand_f, seed)
+        l0, l1 = l1, nid
+        depth += 1
+    nn = l1
+    return (perm, child[:nn].copy(), sdim[:nn].copy(), sval[:nn].copy(), start[:nn].copy(),
+            end[:nn].copy(), lo[:nn].copy(), hi[:nn].copy(), depth - 1)
+
+
+def _check_build_params(leaf_size, max_depth, random_dims, seed):
+    if isinstance(leaf_size, bool) or not isinstance(leaf_size, (int, np.integer)) or leaf_size < 1:
+        raise InputError(f"leaf_size must be an integer >= 1, got {leaf_size!r}")
+    if max_depth is None:
+        max_depth = DEFAULT_MAX_DEPTH
+    if isinstance(max_depth, bool) or not isinstance(max_depth, (int, np.integer)) or max_depth < 0:
+        raise InputError(f"max_depth must be an integer >= 0 or None, got {max_depth!r}")
+    if random_dims is None:
+        rand_f = 0
+    elif isinstance(random_dims, bool) or not isinstance(random_dims, (int, np.integer)) or \
+            not 1 <= random_dims <= MAX_RANDOM_DIMS:
+        raise InputError(f"random_dims must be None or an integer in 1..{MAX_RANDOM_DIMS}, got {random_dims!r}")
+    else:
+        rand_f = int(random_dims)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InputError(f"seed must be an integer >= 0, got {seed!r}")
+    return int(leaf_size), int(max_depth), rand_f, int(seed)
+
+
+def build_kdtree(X, *, leaf_size: int = 64, max_depth: int | None = None, random_dims: int | None = None,
+                 seed: int = 0, device: str = "auto") -> KDTree:
+    """Build the array KD-tree of ``X``.
+
+    Parameters
+    ----------
+    X : (N, d) array_like
+        Points (numpy or CuPy, converted to float32; no NaN/inf).
+    leaf_size : int, keyword-only
+        A node with more than ``leaf_size`` points is split.
+    max_depth : int, optional
+        Nodes at this depth stay leaves (default 64).
+    random_dims : int, optional
+        ``None``: split on the widest dimension (the paper's rule). ``F``: split on a dimension
+        drawn among the F widest, seeded by ``seed`` and the node id.
+    seed : int
+        Seed of the randomized variant.
+    device : {"auto", "cpu", "gpu"}
+
+    Returns
+    -------
+    KDTree
+    """
+    dev = resolve_device(device, X)
+    leaf_size, max_depth, rand_f, seed = _check_build_params(leaf_size, max_depth, random_dims, seed)
+    params = dict(leaf_size=leaf_size, max_depth=max_depth, random_dims=rand_f or None, seed=seed)
+    if dev == "gpu":
+        import cupy as cp
+
+        from . import _kdtree_gpu
+
+        X = check_points(cp.asarray(X), "X", xp=cp)
+        return _kdtree_gpu.build(X, leaf_size, max_depth, rand_f, seed, params)
+    X = check_points(to_numpy(X), "X", xp=np)
+    perm, child, sdim, sval, start, end, lo, hi, depth = _build_cpu(X, leaf_size, max_depth, rand_f, seed)
+    return KDTree("cpu", np.ascontiguousarray(X[perm]), perm, child, sdim, sval, start, end, lo, hi,
+                  depth, leaf_size, params, data=X)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU P-ANNS (mirrored in CUDA)
+# ----------------------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _box_dist(q, lo, hi):
+    acc = np.float32(0.0)
+    for j in range(q.shape[0]):
+        v = q[j]
+        if v < lo[j]:
+            t = lo[j] - v
+        elif v > hi[j]:
+            t = v - hi[j]
+        else:
+            t = np.float32(0.0)
+        acc += t * t
+    return acc
+
+
+@njit(cache=True, inline="always")
+def _heap_push(hd, hn, size, dv, nv):
+    pos = size
+    while pos > 0:
+        par = (pos - 1) >> 1
+        if hd[par] <= dv:
+            break
+        hd[pos] = hd[par]
+        hn[pos] = hn[par]
+        pos = par
+    hd[pos] = dv
+    hn[pos] = nv
+    return size + 1
+
+
+@njit(cache=True, inline="always")
+def _heap_pop(hd, hn, size):
+    """Remove the root; returns the new size (the caller read hd[0], hn[0] before)."""
+    size -= 1
+    dv = hd[size]
+    nv = hn[size]
+    pos = 0
+    while True:
+        c = 2 * pos + 1
+        if c >= size:
+            break
+        if c + 1 < size and hd[c + 1] < hd[c]:
+            c += 1
+        if hd[c] >= dv:
+            break
+        hd[pos] = hd[c]
+        hn[pos] = hn[c]
+        pos = c
+    if size > 0:
+        hd[pos] = dv
+        hn[pos] = nv
+    return size
+
+
+@njit(cache=True, inline="always")
+def _heap_push_bounded(hd, hn, size, cap, dv, nv):
+    """Push onto a heap that keeps the ``cap`` closest boxes; returns (size, evicted distance).
+
+    When full, the farthest entry (a leaf of the heap) is replaced if the new one is closer;
+    the evicted distance (the old maximum or the new entry) is returned, else -1.
+    """
+    if size < cap:
+        return _heap_push(hd, hn, size, dv, nv), np.float32(-1.0)
+    mi = size >> 1
+    for i in range((size >> 1) + 1, size):
+        if hd[i] > hd[mi]:
+            mi = i
+    if not (dv < hd[mi]):
+        return size, dv
+    ev = hd[mi]
+    pos = mi
+    while pos > 0:
+        par = (pos - 1) >> 1
+        if hd[par] <= dv:
+            break
+        hd[pos] = hd[par]
+        hn[pos] = hn[par]
+        pos = par
+    hd[pos] = dv
+    hn[pos] = nv
+    return size, ev
+
+
+@njit(cache=True, parallel=True)
+def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, queries, k, budget, heap_cap,
+              out_d, out_i, overflow):
+    m = queries.shape[0]
+    for qi in prange(m):
+        q = queries[qi]
+        dist = np.empty(k, np.float32)
+        ids = np.empty(k, np.int64)
+        cnt = 0
+        hd = np.empty(heap_cap, np.float32)
+        hn = np.empty(heap_cap, np.int32)
+        hs = 0
+        node = 0
+        visits = 0
+        ovf = False
+        while True:
+            while child[node] >= 0:
+                c = child[node]
+                if q[sdim[node]] <= sval[node]:
+                    near = c
+                    far = c + 1
+                else:
+                    near = c + 1
+                    far = c
+                worst = dist[k - 1] if cnt == k else np.float32(np.inf)
+                bd = _box_dist(q, lo[far], hi[far])
+                if bd <= worst:
+                    hs, ev = _heap_push_bounded(hd, hn, hs, heap_cap, bd, far)
+                    if ev >= 0 and ev <= worst:
+                        ovf = True
+                node = near
+            for p in range(start[node], end[node]):
+                cnt = _insert(dist, ids, cnt, k, _sqdist(q, points[p]), perm[p])
+            visits += 1
+            if budget > 0 and visits >= budget:
+                break
+            worst = dist[k - 1] if cnt == k else np.float32(np.inf)
+            found = False
+            while hs > 0:
+                bd = hd[0]
+                nd = hn[0]
+                hs = _heap_pop(hd, hn, hs)
+                if bd <= worst:
+                    node = nd
+                    found = True
+                    break
+                hs = 0
+            if not found:
+                break
+        for j in range(k):
+            out_d[qi, j] = dist[j] if j < cnt else np.inf
+            out_i[qi, j] = ids[j] if j < cnt else -1
+        overflow[qi] = ovf
+
+
+def _check_budget(backtracks):
+    if backtracks is None:
+        return 0
+    if isinstance(backtracks, bool) or not isinstance(backtracks, (int, np.integer)) or backtracks < 1:
+        raise InputError(f"backtracks must be None (unlimited: exact) or an integer >= 1, got {backtracks!r}")
+    return int(backtracks)
+
+
+def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtracks: int | None = None,
+                 sliding_window: bool = True, finish_below: int | None = None, return_stats: bool = False):
+    """The ``k`` nearest indexed points of every query (squared L2, ascending, ties by id).
+
+    Parameters
+    ----------
+    tree : KDTree
+        From :func:`build_kdtree`; the search runs on ``tree.device``.
+    queries : (M, d) array_like
+    k : int
+        ``1 <= k <= min(N, 256)``.
+    method : {"anns", "banns"}, keyword-only
+        ``"anns"``: one query per thread with a private priority queue (CPU and GPU).
+        ``"banns"``: buffered rounds with per-leaf query buckets (GPU); on the CPU it runs the
+        same traversal as ``"anns"`` (the leaf visit order per query is identical).
+    backtracks : int or None
+        Maximum number of leaves scanned per query; ``None`` means unlimited, which returns the
+        exact brute-force answer.
+    sliding_window : bool
+        P-BANNS only: shared-memory tiles with the rotating schedule (True) or the naive
+        per-thread global-memory scan (False).
+    finish_below : int, optional
+        P-BANNS only: when at most this many queries are still active they are finished by exact
+        brute force (default ``max(32, M // 256)``).
+    return_stats : bool
+        Also return a dict of search statistics.
+    """
+    if not isinstance(tree, KDTree):
+        raise InputError("tree must be a KDTree from build_kdtree()")
+    if method not in ("anns", "banns"):
+        raise InputError(f"method must be 'anns' or 'banns', got {method!r}")
+    budget = _check_budget(backtracks)
+    if tree.device == "gpu":
+        import cupy as cp
+
+        from . import _kdtree_gpu
+
+        queries = check_points(cp.asarray(queries), "queries", dim=tree.n_dims, xp=cp)
+        k = check_k(k, tree.n_points)
+        if method == "banns":
+            res = _kdtree_gpu.banns(tree, queries, k, budget, sliding_window, finish_below)
+        else:
+            res = _kdtree_gpu.anns(tree, queries, k, budget)
+        return res if return_stats else res[:2]
+    queries = check_points(to_numpy(queries), "queries", dim=tree.n_dims, xp=np)
+    k = check_k(k, tree.n_points)
+    m = queries.shape[0]
+    out_d = np.empty((m, k), np.float32)
+    out_i = np.empty((m, k), np.int64)
+    ovf = np.zeros(m, np.bool_)
+    _anns_cpu(tree.points, tree.perm, tree.child, tree.split_dim, tree.split_val, tree.start, tree.end,
+              tree.lo, tree.hi, queries, k, budget, HEAP_CAP, out_d, out_i, ovf)
+    n_ovf = int(ovf.sum())
+    if n_ovf and budget == 0:
+        # queue overflow lost boxes: redo those queries exactly (canonical scan of the leaf order)
+        idx = np.nonzero(ovf)[0]
+        d2, i2 = _exact_scan_ids(tree.points, tree.perm, queries[idx], k)
+        out_d[idx] = d2
+        out_i[idx] = i2
+    stats = {"heap_overflow": n_ovf}
+    return (out_d, out_i, stats) if return_stats else (out_d, out_i)
+
+
+@njit(cache=True, parallel=True)
+def _exact_scan_ids(points, ids_of, queries, k):
+    """Exact canonical scan of ``points`` whose ids are ``ids_of`` (ties by id)."""
+    m = queries.shape[0]
+    out_d = np.empty((m, k), np.float32)
+    out_i = np.empty((m, k), np.int64)
+    for qi in prange(m):
+        dist = np.empty(k, np.float32)
+        ids = np.empty(k, np.int64)
+        cnt = 0
+        q = queries[qi]
+        for b in range(points.shape[0]):
+            cnt = _insert(dist, ids, cnt, k, _sqdist(q, points[b]), ids_of[b])
+        for j in range(k):
+            out_d[qi, j] = dist[j]
+            out_i[qi, j] = ids[j]
+    return out_d, out_i

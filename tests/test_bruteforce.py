@@ -1,0 +1,119 @@
+"""Exact brute-force kNN: float64 oracle, ties by id, blocking, validation, recall, GPU parity."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scanforest.kernels.bruteforce import exact_scan_cpu, knn_bruteforce, recall
+from scanforest.kernels.errors import InputError
+
+
+def oracle(base, queries, k):
+    """float64 reference, sorted by (distance, id)."""
+    b = base.astype(np.float64)
+    q = queries.astype(np.float64)
+    D = ((q[:, None, :] - b[None, :, :]) ** 2).sum(-1)
+    ids = np.empty((q.shape[0], k), np.int64)
+    for r in range(q.shape[0]):
+        ids[r] = np.lexsort((np.arange(b.shape[0]), D[r]))[:k]
+    return np.take_along_axis(D, ids, 1), ids, D
+
+
+@pytest.mark.parametrize("n,m,d,k", [(700, 31, 5, 1), (900, 17, 64, 10), (300, 9, 2, 40), (64, 5, 130, 64)])
+def test_matches_float64_oracle(rng, n, m, d, k):
+    base = rng.standard_normal((n, d)).astype(np.float32)
+    queries = rng.standard_normal((m, d)).astype(np.float32)
+    dist, ids = knn_bruteforce(base, queries, k, device="cpu")
+    od, oi, D = oracle(base, queries, k)
+    assert dist.dtype == np.float32 and ids.dtype == np.int64 and dist.shape == (m, k)
+    np.testing.assert_allclose(dist, od, rtol=2e-5, atol=1e-6)
+    # ids agree except where float32 rounding reorders near-ties: those must be true near-ties
+    mism = ids != oi
+    if mism.any():
+        alt = np.take_along_axis(D, ids, 1)
+        np.testing.assert_allclose(alt[mism], od[mism], rtol=1e-5)
+    assert np.all(np.diff(dist, axis=1) >= 0)
+    # identical to the canonical float32 scan, bit for bit
+    cd, ci = exact_scan_cpu(base, queries, k)
+    np.testing.assert_array_equal(ids, ci)
+    np.testing.assert_array_equal(dist, cd)
+
+
+def test_duplicates_ties_broken_by_id(rng):
+    base = rng.integers(0, 3, (400, 3)).astype(np.float32)  # 27 distinct points, ~15 copies each
+    queries = rng.integers(0, 3, (25, 3)).astype(np.float32)
+    k = 40
+    dist, ids = knn_bruteforce(base, queries, k, device="cpu", block=(7, 50))
+    od, oi, _ = oracle(base, queries, k)
+    np.testing.assert_array_equal(ids, oi)
+    np.testing.assert_array_equal(dist, od.astype(np.float32))
+
+
+def test_blocking_does_not_change_result(rng):
+    base = (rng.standard_normal((1500, 12)) * 3 + 50).astype(np.float32)  # far from the origin
+    queries = (rng.standard_normal((60, 12)) * 3 + 50).astype(np.float32)
+    a = knn_bruteforce(base, queries, 9, device="cpu")
+    b = knn_bruteforce(base, queries, 9, device="cpu", block=(8, 100))
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_array_equal(a[0], b[0])
+    cd, ci = exact_scan_cpu(base, queries, 9)
+    np.testing.assert_array_equal(a[1], ci)
+
+
+def test_self_query_distance_zero(rng):
+    base = rng.standard_normal((200, 7)).astype(np.float32)
+    dist, ids = knn_bruteforce(base, base, 1, device="cpu")
+    np.testing.assert_array_equal(ids[:, 0], np.arange(200))
+    assert np.all(dist[:, 0] == 0)
+
+
+@pytest.mark.parametrize("base,queries,k,msg", [
+    (np.zeros((5,), np.float32), np.zeros((1, 5), np.float32), 1, "2-D"),
+    (np.zeros((0, 3), np.float32), np.zeros((1, 3), np.float32), 1, "empty"),
+    (np.zeros((5, 3), np.float32), np.zeros((1, 4), np.float32), 1, "dimensions"),
+    (np.zeros((5, 3), np.float32), np.zeros((1, 3), np.float32), 6, "larger than"),
+    (np.zeros((5, 3), np.float32), np.zeros((1, 3), np.float32), 0, ">= 1"),
+    (np.zeros((300, 3), np.float32), np.zeros((1, 3), np.float32), 257, "maximum"),
+    (np.array([[0, 1.0], [np.nan, 0]], np.float32), np.zeros((1, 2), np.float32), 1, "NaN"),
+    (np.zeros((5, 3), np.float32), np.array([[0, 0, np.inf]], np.float32), 1, "NaN or inf"),
+])
+def test_validation(base, queries, k, msg):
+    with pytest.raises(InputError, match=msg):
+        knn_bruteforce(base, queries, k, device="cpu")
+
+
+def test_recall_counts_ties():
+    exact = np.array([[0.0, 1.0, 1.0], [0.0, 2.0, 3.0]], np.float32)
+    found = np.array([[0.0, 1.0, 1.0], [0.0, 3.0, 5.0]], np.float32)
+    assert recall(found, exact) == pytest.approx(5 / 6)
+    assert recall(found, exact, k=1) == 1.0
+    assert recall(np.full((2, 3), np.inf), exact) == 0.0
+    with pytest.raises(InputError):
+        recall(found, exact, k=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,m,d,k", [(5000, 300, 3, 4), (20000, 513, 352, 16), (3000, 100, 1024, 256),
+                                     (7, 4, 2, 7)])
+def test_gpu_equals_cpu(rng, n, m, d, k):
+    import cupy as cp
+
+    base = rng.standard_normal((n, d)).astype(np.float32)
+    queries = rng.standard_normal((m, d)).astype(np.float32)
+    cd, ci = knn_bruteforce(base, queries, k, device="cpu")
+    gd, gi = knn_bruteforce(cp.asarray(base), cp.asarray(queries), k)
+    assert isinstance(gd, cp.ndarray)
+    np.testing.assert_array_equal(gi.get(), ci)
+    np.testing.assert_array_equal(gd.get(), cd)
+
+
+@pytest.mark.gpu
+def test_gpu_duplicates_and_blocks(rng):
+    import cupy as cp
+
+    base = rng.integers(0, 3, (3000, 4)).astype(np.float32)
+    queries = rng.integers(0, 3, (50, 4)).astype(np.float32)
+    od, oi, _ = oracle(base, queries, 100)
+    gd, gi = knn_bruteforce(cp.asarray(base), cp.asarray(queries), 100, block=(16, 1000))
+    np.testing.assert_array_equal(gi.get(), oi)
+    np.testing.assert_array_equal(gd.get(), od.astype(np.float32))

@@ -1,0 +1,291 @@
+"""Array KD-tree: construction invariants, exact search == brute force, CPU/GPU parity, KDForest."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scanforest.kernels.bruteforce import exact_scan_cpu, knn_bruteforce, recall
+from scanforest.kernels.errors import InputError
+from scanforest.kernels.kdforest import KDForest
+from scanforest.kernels.kdtree import build_kdtree, query_kdtree
+
+LEAF = 8
+
+
+def check_invariants(tree, X, leaf_size):
+    """Every point in exactly one leaf, boxes tight around their points, consistent splits."""
+    t = tree.to_numpy()
+    n, d = X.shape
+    assert sorted(t.perm.tolist()) == list(range(n))
+    np.testing.assert_array_equal(t.points, X[t.perm])
+    leaves = np.nonzero(t.child < 0)[0]
+    cover = np.zeros(n, np.int64)
+    for i in leaves:
+        assert t.end[i] > t.start[i], "empty leaf"
+        cover[t.start[i]:t.end[i]] += 1
+    assert np.all(cover == 1), "leaf ranges must partition the points"
+    for i in range(t.n_nodes):
+        pts = t.points[t.start[i]:t.end[i]]
+        np.testing.assert_array_equal(t.lo[i], pts.min(0))
+        np.testing.assert_array_equal(t.hi[i], pts.max(0))
+        c = t.child[i]
+        if c >= 0:
+            assert t.start[c] == t.start[i] and t.end[c] == t.start[c + 1] and t.end[c + 1] == t.end[i]
+            assert t.end[c] > t.start[c] and t.end[c + 1] > t.start[c + 1]
+            dm, v = t.split_dim[i], t.split_val[i]
+            assert np.all(t.points[t.start[c]:t.end[c], dm] <= v)
+            assert np.all(t.points[t.start[c + 1]:t.end[c + 1], dm] > v)
+        elif t.end[i] - t.start[i] > leaf_size:
+            assert np.all(t.hi[i] == t.lo[i]), "an oversized leaf must hold identical points"
+
+
+@pytest.mark.parametrize("n", [1, 2, LEAF - 1, LEAF, LEAF + 1, 1000])
+@pytest.mark.parametrize("random_dims", [None, 3])
+def test_invariants(rng, n, random_dims):
+    X = rng.standard_normal((n, 5)).astype(np.float32)
+    tree = build_kdtree(X, leaf_size=LEAF, random_dims=random_dims, seed=7, device="cpu")
+    check_invariants(tree, X, LEAF)
+    if n <= LEAF:
+        assert tree.n_nodes == 1 and tree.depth == 0
+
+
+def test_widest_dimension_midpoint_rule(rng):
+    X = np.c_[rng.uniform(0, 1, 200), rng.uniform(0, 10, 200), rng.uniform(0, 3, 200)].astype(np.float32)
+    tree = build_kdtree(X, leaf_size=4, device="cpu")
+    assert tree.split_dim[0] == 1
+    assert tree.split_val[0] == np.float32(0.5) * X[:, 1].min() + np.float32(0.5) * X[:, 1].max()
+
+
+def test_random_dims_is_seeded(rng):
+    X = rng.standard_normal((500, 6)).astype(np.float32)
+    a = build_kdtree(X, leaf_size=4, random_dims=4, seed=1, device="cpu")
+    b = build_kdtree(X, leaf_size=4, random_dims=4, seed=1, device="cpu")
+    c = build_kdtree(X, leaf_size=4, random_dims=4, seed=2, device="cpu")
+    np.testing.assert_array_equal(a.split_dim, b.split_dim)
+    assert a.split_dim.shape != c.split_dim.shape or np.any(a.split_dim != c.split_dim)
+
+
+def test_duplicates_never_loop(rng):
+    X = np.ones((100, 3), np.float32)
+    tree = build_kdtree(X, leaf_size=4, device="cpu")
+    assert tree.n_nodes == 1  # zero extent: one (oversized) leaf
+    X = np.r_[np.zeros((50, 2)), np.ones((50, 2)), [[np.float32(1) + np.float32(1.2e-7), 1]]].astype(np.float32)
+    tree = build_kdtree(X, leaf_size=4, device="cpu")  # adjacent floats: cut moves to lo
+    check_invariants(tree, X, 4)
+    X = rng.integers(0, 4, (700, 3)).astype(np.float32)
+    tree = build_kdtree(X, leaf_size=5, device="cpu")
+    check_invariants(tree, X, 5)
+
+
+def test_max_depth(rng):
+    X = rng.standard_normal((300, 4)).astype(np.float32)
+    tree = build_kdtree(X, leaf_size=1, max_depth=3, device="cpu")
+    assert tree.depth == 3 and tree.n_leaves == 8
+
+
+@pytest.mark.parametrize("kind", ["random", "duplicates"])
+@pytest.mark.parametrize("k", [1, 7, 50])
+def test_unlimited_budget_is_exact(rng, kind, k):
+    if kind == "random":
+        X = rng.standard_normal((2000, 6)).astype(np.float32)
+        Q = rng.standard_normal((80, 6)).astype(np.float32)
+    else:
+        X = rng.integers(0, 3, (1500, 4)).astype(np.float32)
+        Q = rng.integers(0, 3, (60, 4)).astype(np.float32)
+    bd, bi = knn_bruteforce(X, Q, k, device="cpu")
+    for method in ("anns", "banns"):
+        tree = build_kdtree(X, leaf_size=16, device="cpu")
+        d, i = query_kdtree(tree, Q, k, method=method)
+        np.testing.assert_array_equal(i, bi)
+        np.testing.assert_array_equal(d, bd)
+
+
+def test_limited_budget(rng):
+    X = rng.standard_normal((4000, 8)).astype(np.float32)
+    Q = rng.standard_normal((200, 8)).astype(np.float32)
+    ed, ei = exact_scan_cpu(X, Q, 4)
+    tree = build_kdtree(X, leaf_size=16, device="cpu")
+    prev = -1.0
+    for b in (1, 4, 16, 64):
+        d, i = query_kdtree(tree, Q, 4, backtracks=b)
+        assert np.all(d >= ed)  # never better than exact
+        r = recall(d, ed)
+        assert r >= prev - 1e-12
+        prev = r
+    assert prev > 0.9
+    # returned distances are the true distances of the returned ids
+    np.testing.assert_allclose(d, ((Q[:, None, :].astype(np.float64) - X[i]) ** 2).sum(-1), rtol=1e-5)
+
+
+def test_heap_overflow_falls_back_exactly(rng):
+    # leaf_size 1, 8-D and a large k leave more pending boxes than the queue holds
+    X = rng.standard_normal((3000, 8)).astype(np.float32)
+    Q = rng.standard_normal((20, 8)).astype(np.float32)
+    tree = build_kdtree(X, leaf_size=1, device="cpu")
+    d, i, stats = query_kdtree(tree, Q, 256, return_stats=True)
+    assert stats["heap_overflow"] > 0
+    bd, bi = knn_bruteforce(X, Q, 256, device="cpu")
+    np.testing.assert_array_equal(i, bi)
+    np.testing.assert_array_equal(d, bd)
+
+
+def test_kdforest_api(rng):
+    X = rng.standard_normal((1000, 8)).astype(np.float32)
+    Q = rng.standard_normal((30, 8)).astype(np.float32)
+    bd, bi = knn_bruteforce(X, Q, 5, device="cpu")
+    for method in ("banns", "anns", "exact"):
+        f = KDForest(method=method, leaf_size=16, device="cpu").fit(X)
+        assert f.n_samples_fit_ == 1000 and f.n_features_in_ == 8 and f.device_ == "cpu"
+        d, i = f.query(Q, k=5)
+        np.testing.assert_array_equal(i, bi)
+        np.testing.assert_array_equal(d, bd)
+    dist, ids = KDForest(device="cpu").fit(X).kneighbors(X[:3], 2)
+    np.testing.assert_array_equal(ids[:, 0], [0, 1, 2])
+    assert "leaf_size=64" in repr(KDForest())
+
+
+@pytest.mark.parametrize("params,X,msg", [
+    ({"n_trees": 2}, None, "not implemented"),
+    ({"n_trees": 0}, None, "n_trees"),
+    ({"method": "fast"}, None, "method"),
+    ({"leaf_size": 0}, None, "leaf_size"),
+    ({"backtracks": 0}, None, "backtracks"),
+    ({"random_dims": 99}, None, "random_dims"),
+    ({"device": "tpu"}, None, "device"),
+    ({}, np.zeros((0, 3), np.float32), "empty"),
+    ({}, np.zeros(5, np.float32), "2-D"),
+    ({}, np.array([[1, 2], [np.nan, 1]], np.float32), "NaN"),
+])
+def test_kdforest_validation(params, X, msg):
+    X = np.zeros((10, 3), np.float32) if X is None else X
+    with pytest.raises(InputError, match=msg):
+        KDForest(**params).fit(X) if "device" in params else KDForest(device="cpu", **params).fit(X)
+
+
+def test_kdforest_query_errors(rng):
+    f = KDForest(device="cpu")
+    with pytest.raises(InputError, match="not fitted"):
+        f.query(np.zeros((1, 3), np.float32))
+    f.fit(rng.standard_normal((10, 3)).astype(np.float32))
+    with pytest.raises(InputError, match="dimensions"):
+        f.query(np.zeros((1, 4), np.float32))
+    with pytest.raises(InputError, match="larger than"):
+        f.query(np.zeros((1, 3), np.float32), k=11)
+    with pytest.raises(InputError, match="NaN"):
+        f.query(np.array([[0, np.nan, 0]], np.float32))
+
+
+# ---------------------------------------------------------------------------------------- GPU
+def _same_tree(a, b):
+    a, b = a.to_numpy(), b.to_numpy()
+    for name in ("perm", "child", "split_dim", "split_val", "start", "end", "lo", "hi", "points"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    assert a.depth == b.depth
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,d,random_dims", [(1, 3, None), (2, 3, None), (LEAF - 1, 4, None), (LEAF, 4, None),
+                                             (LEAF + 1, 4, None), (5000, 7, None), (5000, 40, 5), (3000, 300, None)])
+def test_gpu_build_equals_cpu(rng, n, d, random_dims):
+    import cupy as cp
+
+    X = rng.standard_normal((n, d)).astype(np.float32)
+    c = build_kdtree(X, leaf_size=LEAF, random_dims=random_dims, seed=3, device="cpu")
+    g = build_kdtree(cp.asarray(X), leaf_size=LEAF, random_dims=random_dims, seed=3)
+    assert g.device == "gpu"
+    _same_tree(c, g)
+    check_invariants(g, X, LEAF)
+
+
+@pytest.mark.gpu
+def test_gpu_build_duplicates_equals_cpu(rng):
+    import cupy as cp
+
+    X = rng.integers(0, 3, (4000, 3)).astype(np.float32)
+    _same_tree(build_kdtree(X, leaf_size=5, device="cpu"), build_kdtree(cp.asarray(X), leaf_size=5))
+
+
+@pytest.mark.gpu
+def test_gpu_build_large_invariants():
+    import cupy as cp
+
+    n, d, ls = 1_000_007, 3, 32
+    X = cp.random.default_rng(5).standard_normal((n, d), dtype=cp.float32)
+    t = build_kdtree(X, leaf_size=ls)
+    assert bool((cp.sort(t.perm) == cp.arange(n)).all())
+    leaves = cp.nonzero(t.child < 0)[0]
+    cover = cp.zeros(n + 1, cp.int32)
+    cp.add.at(cover, t.start[leaves], 1)
+    cp.add.at(cover, t.end[leaves], -1)
+    assert bool((cp.cumsum(cover)[:n] == 1).all())
+    owner = cp.zeros(n + 1, cp.int64)
+    cp.add.at(owner, t.start[leaves], leaves)
+    cp.add.at(owner, t.end[leaves], -leaves)
+    owner = cp.cumsum(owner)[:n]
+    assert bool((t.points >= t.lo[owner]).all()) and bool((t.points <= t.hi[owner]).all())
+    cnt = t.end[leaves] - t.start[leaves]
+    assert int(cnt.min()) >= 1 and int(cnt.max()) <= ls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "duplicates"])
+@pytest.mark.parametrize("k,d,leaf", [(1, 5, 32), (4, 64, 32), (33, 130, 200), (256, 3, 32), (4, 40, 300)])
+def test_gpu_unlimited_budget_is_exact(rng, monkeypatch, kind, k, d, leaf):
+    import cupy as cp
+
+    from scanforest.kernels import _kdtree_gpu
+
+    if kind == "random":
+        X = rng.standard_normal((6000, d)).astype(np.float32)
+        Q = rng.standard_normal((700, d)).astype(np.float32)
+    else:
+        X = rng.integers(0, 3, (6000, d)).astype(np.float32)
+        Q = rng.integers(0, 3, (700, d)).astype(np.float32)
+    bd, bi = knn_bruteforce(X, Q, k, device="cpu")
+    tree = build_kdtree(cp.asarray(X), leaf_size=leaf)  # leaf 200/300: > 64 points, dense buckets
+    for method, sw, kern in (("anns", True, "rotate"), ("banns", True, "rotate"), ("banns", True, "tile"),
+                             ("banns", False, "rotate")):
+        monkeypatch.setattr(_kdtree_gpu, "WINDOW_KERNEL", kern)
+        d2, ids = query_kdtree(tree, cp.asarray(Q), k, method=method, sliding_window=sw)
+        np.testing.assert_array_equal(ids.get(), bi, err_msg=f"{method} sw={sw} {kern}")
+        np.testing.assert_array_equal(d2.get(), bd, err_msg=f"{method} sw={sw} {kern}")
+
+
+@pytest.mark.gpu
+def test_gpu_limited_budget_matches_cpu(rng):
+    import cupy as cp
+
+    X = rng.standard_normal((20000, 16)).astype(np.float32)
+    Q = rng.standard_normal((1000, 16)).astype(np.float32)
+    ct = build_kdtree(X, leaf_size=32, device="cpu")
+    gt = build_kdtree(cp.asarray(X), leaf_size=32)
+    for b in (1, 5, 20):
+        cd, ci = query_kdtree(ct, Q, 4, backtracks=b)
+        ad, ai = query_kdtree(gt, cp.asarray(Q), 4, backtracks=b, method="anns")
+        np.testing.assert_array_equal(ai.get(), ci)
+        for sw in (True, False):
+            bd, bi = query_kdtree(gt, cp.asarray(Q), 4, backtracks=b, method="banns", sliding_window=sw,
+                                  finish_below=0)
+            np.testing.assert_array_equal(bi.get(), ci)
+            np.testing.assert_array_equal(bd.get(), cd)
+    # many boxes pending (k = 256, leaf 1): the bounded queue evicts identically on both devices
+    ct = build_kdtree(X[:3000, :8], leaf_size=1, device="cpu")
+    gt = build_kdtree(cp.asarray(X[:3000, :8]), leaf_size=1)
+    cd, ci, cs = query_kdtree(ct, Q[:200, :8], 256, backtracks=300, return_stats=True)
+    ad, ai, gs = query_kdtree(gt, cp.asarray(Q[:200, :8]), 256, backtracks=300, method="anns", return_stats=True)
+    assert cs["heap_overflow"] > 0 and cs["heap_overflow"] == gs["heap_overflow"]
+    np.testing.assert_array_equal(ai.get(), ci)
+
+
+@pytest.mark.gpu
+def test_gpu_kdforest(rng):
+    import cupy as cp
+
+    X = rng.standard_normal((3000, 10)).astype(np.float32)
+    Q = rng.standard_normal((100, 10)).astype(np.float32)
+    bd, bi = knn_bruteforce(X, Q, 6, device="cpu")
+    for method in ("banns", "anns", "exact"):
+        f = KDForest(method=method, leaf_size=16).fit(cp.asarray(X))
+        assert f.device_ == "gpu"
+        d2, ids = f.query(Q, 6)
+        np.testing.assert_array_equal(ids.get(), bi)
