@@ -11,7 +11,6 @@ from scanforest.tasks.store import ScanStore
 def test_align_flow_recovers_known_pose(tmp_path):
     lib = synthetic.model_library(2, 4_000, seed=9)
     st = ScanStore(tmp_path / "s.zarr")
-    rng = np.random.default_rng(3)
     truth = {}
     for m in lib:
         c = np.cos(np.radians(6.0)), np.sin(np.radians(6.0))
