@@ -119,3 +119,42 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         res = run_align(store, pairs, model=model, chain=chain, loss=loss, device=dev, scheduler=scheduler,
                         workers=workers)
         typer.echo(json.dumps(res, indent=2, default=str))
+
+    @app.command("recognize")
+    def recognize_cmd(
+        store: str = typer.Argument(..., help="The Zarr scan store."),
+        models: list[str] = typer.Option(..., "--models", "-m", help="Model scan ids or glob patterns (repeatable)."),
+        scenes: Optional[list[str]] = typer.Option(None, "--scenes", "-s",
+                                                   help="Scene scan ids or patterns (default: every non-model scan)."),
+        library: str = typer.Option("default", help="Library name in the store."),
+        model_ss: float = typer.Option(0.01, help="Model keypoint sampling (PCL tutorial 0.01)."),
+        scene_ss: float = typer.Option(0.03, help="Scene keypoint sampling (0.03)."),
+        rf_rad: float = typer.Option(0.015, help="Hough reference-frame radius (0.015)."),
+        descr_rad: float = typer.Option(0.02, help="SHOT radius (0.02)."),
+        method: str = typer.Option("hough", help="hough | gc."),
+        cg_size: float = typer.Option(0.01, help="Hough bin / GC consensus size (0.01)."),
+        cg_thresh: float = typer.Option(5, help="Hough / GC threshold (5)."),
+        export: Optional[str] = typer.Option(None, help="Folder for detections.csv/.parquet and renders/."),
+        device: str = DeviceOpt,
+        scheduler: Optional[str] = SchedulerOpt,
+        workers: Optional[int] = WorkersOpt,
+    ):
+        """Recognise library models in scenes: correspondences, grouping, GPU verification, ICP."""
+        import fnmatch
+
+        from scanforest.tasks.store import ScanStore
+
+        from .recognize import run_recognize
+
+        ids = ScanStore(store, mode="r").scans()
+        pick = lambda pats: sorted({s for p in pats for s in ids if fnmatch.fnmatchcase(s, p)})  # noqa: E731
+        model_ids = pick(models)
+        if not model_ids:
+            raise typer.BadParameter(f"no scan id matches {models}")
+        dev = choose_device(device)
+        res = run_recognize(store, model_ids, scenes=pick(scenes) if scenes else None, library=library,
+                            library_params={"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad},
+                            params={"scene_ss": scene_ss, "method": method, "cg_size": cg_size,
+                                    "cg_thresh": cg_thresh},
+                            device=dev, scheduler=scheduler, workers=workers, export=export)
+        typer.echo(json.dumps(res, indent=2, default=str))

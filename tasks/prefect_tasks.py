@@ -35,18 +35,51 @@ def on_cluster(fn: Callable, *args, key: str | None = None, resources: dict | No
         fut.release()
 
 
-@task(name="ingest-scan", retries=2, retry_delay_seconds=RETRY_DELAYS, task_run_name="ingest {source.scan_id}")
-def ingest_scan(store: str, source: Source, units: str = "m") -> dict[str, Any]:
-    """Ingest one scan file (skip when unchanged, quarantine when unreadable)."""
-    return on_cluster(ingest_file, store, source, units=units, key=f"ingest-{source.scan_id}-{id(source):x}")
+def on_cluster_many(fn: Callable, calls: list[tuple[tuple, dict]]) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` for every ``(args, kwargs)`` as separate Dask tasks (in
+    parallel, each rescheduled if its worker dies) and return the results in order."""
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except (ImportError, ValueError):
+        return [fn(*a, **kw) for a, kw in calls]
+    futs = [client.submit(fn, *a, pure=False, **kw) for a, kw in calls]
+    try:
+        return client.gather(futs)
+    finally:
+        for f in futs:
+            f.release()
 
 
-@task(name="describe-scan", retries=2, retry_delay_seconds=RETRY_DELAYS, task_run_name="describe {scan_id}")
-def describe_scan_task(store: str, scan_id: str, params, device: str = "auto") -> dict[str, Any]:
-    """Normals, keypoints, frames and SHOT352 of one stored scan (skipped when already done)."""
+def batch_name(items: list, attr: str | None = None) -> str:
+    first = getattr(items[0], attr) if attr else items[0]
+    return first if len(items) == 1 else f"{first} (+{len(items) - 1})"
+
+
+@task(name="ingest", retries=2, retry_delay_seconds=RETRY_DELAYS,
+      task_run_name=lambda: "ingest " + _run_label("sources", "scan_id"))
+def ingest_scan(store: str, sources: list[Source], units: str = "m") -> list[dict[str, Any]]:
+    """Ingest scan files, one Dask task per file (skip when unchanged, quarantine when unreadable)."""
+    return on_cluster_many(ingest_file, [((store, s), {"units": units}) for s in sources])
+
+
+@task(name="describe", retries=2, retry_delay_seconds=RETRY_DELAYS,
+      task_run_name=lambda: "describe " + _run_label("scan_ids"))
+def describe_scan_task(store: str, scan_ids: list[str], params, device: str = "auto") -> list[dict[str, Any]]:
+    """Normals, keypoints, frames and SHOT352 of stored scans, one Dask task per scan (each skipped
+    when already done)."""
     from .describe import describe_scan
 
-    return on_cluster(describe_scan, store, scan_id, params, device=device, key=f"describe-{scan_id}-{id(params):x}")
+    return on_cluster_many(describe_scan, [((store, s, params), {"device": device}) for s in scan_ids])
+
+
+def _run_label(param: str, attr: str | None = None) -> str:
+    """Task-run name from the run's parameters: the first item and how many more."""
+    from prefect.runtime import task_run
+
+    items = task_run.parameters.get(param) or ["?"]
+    return batch_name(list(items), attr)
 
 
 @task(name="align-pair", retries=2, retry_delay_seconds=RETRY_DELAYS, task_run_name="align {observed} -> {reference}")
@@ -56,3 +89,13 @@ def align_pair_task(store: str, observed: str, reference: str, options: dict | N
 
     return on_cluster(align_pair, store, observed, reference, **(options or {}),
                       key=f"align-{observed}-{reference}-{id(options):x}")
+
+
+@task(name="recognize", retries=2, retry_delay_seconds=RETRY_DELAYS,
+      task_run_name=lambda: "recognize " + _run_label("scan_ids"))
+def recognize_batch_task(store: str, scan_ids: list[str], library: str, params: dict,
+                         device: str = "auto") -> list[dict[str, Any]]:
+    """Recognise the library's models in stored scenes, one Dask task per scene (each skipped when done)."""
+    from .recognize import recognize_scan
+
+    return on_cluster_many(recognize_scan, [((store, s, library, params), {"device": device}) for s in scan_ids])

@@ -1,0 +1,131 @@
+"""The recognize flow: a model library from model scans, every scene recognised, detections
+stored per scene and exported as CSV/Parquet, with per-scene PNG renders and a Prefect artifact."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from scanforest.kernels.errors import InputError
+from scanforest.tasks.prefect_tasks import recognize_batch_task
+from scanforest.tasks.recognize import build_library, detections_table, load_library
+from scanforest.tasks.store import ScanStore
+
+from ._runner import auto_batch, dask_client, ensure_prefect_api, map_batches, n_workers, record_run
+
+
+@flow(name="scanforest-recognize", task_runner=ThreadPoolTaskRunner(max_workers=32))
+def recognize_flow(store: str, models: list[str], scenes: list[str] | None = None, library: str = "default",
+                   library_params: dict | None = None, params: dict | None = None, device: str = "auto",
+                   scheduler: str | None = None, workers: int | None = None, batch: int | None = None,
+                   export: str | None = None, render: bool = True, progress: bool = True) -> dict[str, Any]:
+    """Recognise the ``models`` (scan ids) in the ``scenes`` (default: every other scan)."""
+    t0 = time.perf_counter()
+    st = ScanStore(store)
+    have = set(st.scans())
+    missing = [m for m in models if m not in have]
+    if missing or not models:
+        raise InputError(f"model scans not in the store: {missing[:5] or '(none given)'}")
+    lib_res = build_library(store, models, name=library, params=library_params or {}, device=device)
+    ids = scenes or [s for s in st.scans() if s not in set(models)]
+    params = dict(params or {})
+    with dask_client(scheduler, n_workers=workers, device=device) as client:
+        nw = n_workers(client)
+        t1 = time.perf_counter()
+        recs = map_batches(recognize_batch_task, ids, item_param="scan_ids",
+                           common=dict(store=store, library=library, params=params, device=device),
+                           label="recognize", batch=batch or auto_batch(len(ids), nw), progress=progress)
+        t_scenes = time.perf_counter() - t1
+    summary = summarize(recs)
+    summary.update(scenes=len(ids), workers=nw, library=lib_res["status"], seconds=time.perf_counter() - t0,
+                   scenes_seconds=t_scenes, task_seconds=float(sum(r["seconds"] for r in recs)))
+    if export:
+        summary["exports"] = export_results(store, ids, Path(export), render=render, library=library)
+    record_run(st, "recognize", {"models": models, "library": library, "params": params, "device": device},
+               {k: v for k, v in summary.items() if k != "exports"}, recs)
+    _detections_artifact(store, ids)
+    return summary
+
+
+def summarize(recs: list[dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {"recognized": sum(r["status"] == "recognized" for r in recs),
+                           "skipped": sum(r["status"] == "skipped" for r in recs),
+                           "detections": int(sum(r.get("detections", 0) for r in recs))}
+    evs = [r["evaluation"] for r in recs if r.get("evaluation")]
+    if evs:
+        tp, fp, fn = (sum(e[k] for e in evs) for k in ("tp", "fp", "fn"))
+        rot = [x for e in evs for x in e["rotation_errors"]]
+        tra = [x / e["resolution"] for e in evs for x in e["translation_errors"]]
+        out.update(tp=tp, fp=fp, fn=fn, precision=tp / max(1, tp + fp), recall=tp / max(1, tp + fn),
+                   rotation_error_deg_median=float(np.median(rot)) if rot else None,
+                   rotation_error_deg_max=float(np.max(rot)) if rot else None,
+                   translation_error_res_median=float(np.median(tra)) if tra else None)
+    return out
+
+
+def export_results(store: str, scenes: list[str], out: Path, *, render: bool, library: str) -> dict[str, str]:
+    """Detections as CSV and Parquet, and a PNG per scene with the detected models overlaid."""
+    out.mkdir(parents=True, exist_ok=True)
+    df = detections_table(store, scenes)
+    paths = {"csv": str(out / "detections.csv"), "parquet": str(out / "detections.parquet")}
+    df.to_csv(paths["csv"], index=False)
+    df.to_parquet(paths["parquet"], index=False)
+    if render:
+        lib = load_library(store, library)
+        rdir = out / "renders"
+        rdir.mkdir(exist_ok=True)
+        for sid in scenes:
+            render_scene(store, sid, lib, rdir / f"{sid}.png")
+        paths["renders"] = str(rdir)
+    return paths
+
+
+def render_scene(store: str, scan_id: str, lib, path: Path, max_points: int = 60_000) -> Path:
+    """Top view (camera x-y) of the scene in grey with every detected model overlaid in colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    st = ScanStore(store, mode="r")
+    P = st.read(scan_id, "points")
+    if len(P) > max_points:
+        P = P[np.random.default_rng(0).choice(len(P), max_points, replace=False)]
+    fig, ax = plt.subplots(figsize=(6, 6))
+    ax.scatter(P[:, 0], P[:, 1], s=0.2, c="0.75", linewidths=0)
+    rec = st.attrs(scan_id).get("stages", {}).get("recognize", {})
+    colors = plt.cm.tab10.colors
+    for j, d in enumerate(rec.get("detections", [])):
+        pose = np.asarray(d["pose"])
+        a, b = lib.verify_offsets[d["model_id"]], lib.verify_offsets[d["model_id"] + 1]
+        M = lib.verify_points[a:b] @ pose[:3, :3].T + pose[:3, 3]
+        ax.scatter(M[:, 0], M[:, 1], s=0.5, color=colors[j % 10], linewidths=0,
+                   label=f"{d.get('model_name', d['model'])} ({d['score']:.2f})")
+    ax.set_aspect("equal")
+    ax.set_title(f"{scan_id}: {len(rec.get('detections', []))} detections")
+    if rec.get("detections"):
+        ax.legend(fontsize=7, markerscale=10, loc="upper right")
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _detections_artifact(store: str, scenes: list[str]) -> None:
+    try:
+        from prefect.artifacts import create_table_artifact
+
+        df = detections_table(store, scenes)
+        cols = [c for c in ("scan_id", "model", "score", "inliers", "correspondences") if c in df.columns]
+        create_table_artifact(df[cols].head(1000).to_dict("records") if len(df) else [],
+                              key="scanforest-detections", description=f"detections in {len(scenes)} scenes")
+    except Exception:
+        pass
+
+
+def run_recognize(store, models, **kw):
+    ensure_prefect_api()
+    return recognize_flow(store=str(store), models=list(models), **kw)
