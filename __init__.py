@@ -9,6 +9,9 @@ The public API is small and is what the CLI, the Prefect flows and users all cal
     desc, frames = sf.shot(cloud.points, n, kp, 0.02)  # SHOT352 + local reference frames
     index = sf.KDForest(method="banns").fit(model_desc)
     dist, ids = index.query(desc, k=4)
+    lib = sf.ModelLibrary.build([model_points], names=["milk"])
+    detections = sf.recognize(scene_points, lib)
+    result = sf.align(observed, reference, model="rigid")
 
 Submodules: :mod:`scanforest.kernels` (pure array compute, CPU and GPU backends),
 :mod:`scanforest.tasks` (Prefect tasks: store I/O around kernels), :mod:`scanforest.flows`
@@ -30,7 +33,15 @@ _API = {
     "keypoints": ("scanforest.kernels.keypoints", "keypoints"),
     "shot": ("scanforest.kernels.shot", "shot"),
     "KDForest": ("scanforest.kernels.kdforest", "KDForest"),
+    "ShardedIndex": ("scanforest.kernels.sharded", "ShardedIndex"),
+    "knn_bruteforce": ("scanforest.kernels.bruteforce", "knn_bruteforce"),
+    "recall": ("scanforest.kernels.bruteforce", "recall"),
+    "match": ("scanforest.flows.match", "match"),
+    "ModelLibrary": ("scanforest.kernels.recognition", "ModelLibrary"),
+    "recognize": ("scanforest.kernels.recognition", "recognize"),
     "align": ("scanforest.kernels.pcha", "align"),
+    "align_batch": ("scanforest.kernels.pcha", "align_batch"),
+    "distance_transform": ("scanforest.kernels.edt", "distance_transform"),
     "synthetic": ("scanforest.kernels.synthetic", None),
     "ScanforestError": ("scanforest.kernels.errors", "ScanforestError"),
     "InputError": ("scanforest.kernels.errors", "InputError"),

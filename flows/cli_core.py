@@ -194,7 +194,7 @@ def _demo_stages(store: Path, device: str) -> None:
     st = ScanStore(str(store), mode="r")
     models = [s for s in st.scans() if s.startswith("models__")]
     b = run_index_build(str(store), models, name="models", shards=2,
-                        params={"method": "anns", "leaf_size": 64, "backtracks": None})
+                        params={"method": "exact"})  # a few thousand rows: brute force wins
     typer.echo(f"index 'models': {b['n']:,} reference descriptors from {len(models)} models, "
                f"{b.get('shards', 2)} shards ({b['status']})")
     m = run_match(str(store), k=4, name="models", device=device, progress=True)

@@ -35,9 +35,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         summary = run_describe(store, scans=scan, params=params, device=dev, scheduler=scheduler, workers=workers)
         typer.echo(json.dumps(summary, indent=2))
 
-    from .bench_match import register_bench
+    from . import bench_archive, bench_match
 
-    register_bench(bench)
+    bench_match.register_bench(bench)
+    bench_archive.register_bench(bench)
 
     index_app = typer.Typer(help="Nearest-neighbour indexes over stored descriptors.", no_args_is_help=True)
     app.add_typer(index_app, name="index")

@@ -1,0 +1,457 @@
+"""``scanforest shot FILE -o OUT.npy`` and ``scanforest bench shot``.
+
+``bench shot`` measures SHOT352 keypoints/s end to end (host->device copy of the points, grid
+build, normals by k-NN, neighbour lists, frames and histograms) for the PCL recognition scene
+with every valid point as a keypoint, and for a synthetic scene of random surfaces (10M points by
+default), on the GPU and with the CPU backend in the same run (the CPU on a keypoint subset, its
+rate being per keypoint). It also times the four thread-group mappings of the SHOT kernel and
+the approximate mode, and prints a phase breakdown.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import typer
+
+
+def register(app: typer.Typer, bench: typer.Typer) -> None:
+    app.command("shot")(shot_command)
+    bench.command("shot")(bench_shot)
+    bench.command("shot-recall")(bench_shot_recall)
+
+
+# ---------------------------------------------------------------------------------------------
+# scanforest shot
+# ---------------------------------------------------------------------------------------------
+def shot_command(
+    file: Path = typer.Argument(..., help="Point cloud file (pcd/ply/las/xyz/npy)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Descriptors .npy (K, 352); frames and "
+                             "keypoint indices go beside it as OUT.frames.npy / OUT.keypoints.npy."),
+    radius: float = typer.Option(0.02, help="SHOT support radius (m)."),
+    normal_radius: float = typer.Option(None, help="Normals from neighbours within this radius."),
+    normal_k: int = typer.Option(10, help="Normals from k nearest neighbours (when no --normal-radius)."),
+    keypoint_radius: float = typer.Option(None, help="Uniform-sampling leaf; all points when omitted."),
+    approximate: bool = typer.Option(False, help="G-SHOT approximate mode (lists capped at the median)."),
+    max_neighbors: int = typer.Option(None, help="Cap for --approximate (default: median count)."),
+    device: str = typer.Option("auto", help="auto | cpu | gpu"),
+) -> None:
+    """Compute SHOT352 descriptors and local reference frames for one scan."""
+    from scanforest.kernels._backend import resolve_device, to_device, to_numpy
+    from scanforest.kernels.keypoints import keypoints
+    from scanforest.kernels.normals import normals
+    from scanforest.kernels.shot import shot
+    from scanforest.tasks.readers import read_cloud
+
+    cloud = read_cloud(file)
+    dev = resolve_device(device)
+    pts = to_device(np.asarray(cloud.points, dtype=np.float32), dev)
+    t0 = time.perf_counter()
+    if normal_radius is not None:
+        nrm, _ = normals(pts, radius=normal_radius, device=dev)
+    else:
+        nrm, _ = normals(pts, k=normal_k, device=dev)
+    kp = keypoints(pts, radius=keypoint_radius, device=dev)
+    desc, frames = shot(pts, nrm, kp, radius, approximate=approximate,
+                        max_neighbors=max_neighbors, device=dev)
+    desc, frames, kp = to_numpy(desc), to_numpy(frames), to_numpy(kp)
+    dt = time.perf_counter() - t0
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.save(out, desc)
+    stem = out.with_suffix("")
+    np.save(f"{stem}.frames.npy", frames)
+    np.save(f"{stem}.keypoints.npy", kp)
+    valid = int(np.isfinite(desc[:, 0]).sum())
+    typer.echo(f"{file}: {len(cloud.points)} points, {len(kp)} keypoints ({valid} valid) "
+               f"on {dev} in {dt:.3f} s -> {out}")
+
+
+# ---------------------------------------------------------------------------------------------
+# scanforest bench shot
+# ---------------------------------------------------------------------------------------------
+def synthetic_surfaces(n: int, *, seed: int = 0, xp=np, extent: float = 6.0):
+    """``n`` points on random spheres and planes inside a cube of ``extent`` metres.
+
+    Density is chosen so that a 0.02 m sphere holds roughly 150 points (like a Kinect scene
+    at ~1 m).
+    """
+    rng = np.random.default_rng(seed)
+    density = 150 / (np.pi * 0.02 ** 2)          # points per m^2
+    area = n / density
+    shapes = []
+    acc = 0.0
+    while acc < area:
+        if rng.random() < 0.7:
+            r = rng.uniform(0.05, 0.4)
+            a = 4 * np.pi * r * r
+            shapes.append(("s", rng.uniform(0.5, extent - 0.5, 3), r, None, a))
+        else:
+            s = rng.uniform(0.3, 1.2)
+            q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+            a = s * s
+            shapes.append(("p", rng.uniform(0.5, extent - 0.5, 3), s, q, a))
+        acc += shapes[-1][-1]
+    areas = np.array([s[-1] for s in shapes])
+    counts = np.floor(areas / areas.sum() * n).astype(np.int64)
+    counts[0] += n - counts.sum()
+    g = xp.random.default_rng(seed)
+    out = xp.empty((n, 3), xp.float32)
+    o = 0
+    for (kind, c, s, q, _), m in zip(shapes, counts):
+        if m == 0:
+            continue
+        if kind == "s":
+            v = g.standard_normal((int(m), 3), dtype=xp.float32)
+            v /= xp.linalg.norm(v, axis=1, keepdims=True)
+            out[o:o + m] = v * xp.float32(s) + xp.asarray(c, dtype=xp.float32)
+        else:
+            uv = (g.random((int(m), 2), dtype=xp.float32) - 0.5) * xp.float32(s)
+            qq = xp.asarray(q[:, :2].T, dtype=xp.float32)
+            out[o:o + m] = uv @ qq + xp.asarray(c, dtype=xp.float32)
+        o += m
+    return out
+
+
+def _events():
+    import cupy as cp
+
+    return cp.cuda.Event(), cp.cuda.Event()
+
+
+class _Phases:
+    """CUDA-event timer for consecutive phases on the current stream."""
+
+    def __init__(self):
+        import cupy as cp
+
+        self.cp = cp
+        self.marks = []
+
+    def mark(self, name):
+        ev = self.cp.cuda.Event()
+        ev.record()
+        self.marks.append((name, ev))
+
+    def result(self):
+        self.marks[-1][1].synchronize()
+        out = {}
+        for (_, a), (name, b) in zip(self.marks[:-1], self.marks[1:]):
+            out[name] = self.cp.cuda.get_elapsed_time(a, b) / 1e3
+        return out
+
+
+def gpu_pipeline(pts_host, radius, normal_k, *, keypoints="all", approximate=False, lpk=None,
+                 copy_out=False):
+    """End-to-end GPU SHOT on host points; returns (desc, frames, phases dict seconds)."""
+    import cupy as cp
+
+    from scanforest.kernels import _neighbors_gpu as ng
+    from scanforest.kernels import _shot_gpu as sg
+
+    ph = _Phases()
+    ph.mark("start")
+    pts = cp.asarray(pts_host)
+    ph.mark("h2d points")
+    # normals: k-NN on a grid sized for k, computed in input order
+    gk = ng.build_grid_knn(pts, normal_k)
+    ph.mark("normals grid")
+    idx, _ = ng.knn(gk, pts, normal_k)
+    ph.mark("normals k-NN")
+    n = pts.shape[0]
+    nrm0 = cp.empty((n, 3), cp.float32)
+    curv = cp.empty(n, cp.float32)
+    off = cp.arange(0, (n + 1) * normal_k, normal_k, dtype=cp.int64)
+    sg._launch_normals(pts, gk.points, off, idx.reshape(-1), [np.float64(0)] * 3, nrm0, curv, lpk=8)
+    del idx, off, gk
+    ph.mark("normals PCA")
+    g = ng.build_grid(pts, radius)
+    nrm = nrm0[g.order]
+    ph.mark("SHOT grid build")
+    kp = g.points if keypoints == "all" else cp.ascontiguousarray(g.points[keypoints])
+    nk = kp.shape[0]
+    desc = cp.empty((nk, 352), cp.float32)
+    frames = cp.empty((nk, 3, 3), cp.float32)
+    counts = ng.count(g, kp, radius)
+    cap = None
+    if approximate:
+        from scanforest.kernels.shot import median_count
+
+        cap = median_count(counts)
+    ph.mark("neighbour count")
+    t_fill = t_shot = 0.0
+    for s, e in sg._batches(counts, 1 << 28):
+        a, b = _events()
+        c, d = _events()
+        a.record()
+        off = ng.offsets_from_counts(counts[s:e])
+        nidx, d2 = ng.fill(g, kp[s:e], radius, off, int(off[-1]))
+        if approximate:
+            off, nidx, d2 = ng.cap_lists(g, off, nidx, d2, cap)
+        b.record()
+        c.record()
+        sg.launch_shot(kp[s:e], g, nrm, off, nidx, d2, radius, desc[s:e], frames[s:e],
+                       lpk=lpk or sg.DEFAULT_LPK)
+        d.record()
+        d.synchronize()
+        t_fill += cp.cuda.get_elapsed_time(a, b) / 1e3
+        t_shot += cp.cuda.get_elapsed_time(c, d) / 1e3
+        del nidx, d2, off
+    ph.mark("lists + SHOT")
+    if copy_out:
+        desc.get()
+        frames.get()
+        ph.mark("d2h descriptors")
+    phases = ph.result()
+    total = sum(phases.values())   # first to last event: every gap on the stream included
+    rest = phases.pop("lists + SHOT")
+    phases["neighbour lists (fill/cap)"] = t_fill
+    phases["SHOT kernel"] = t_shot
+    phases["other (offsets, host syncs)"] = rest - t_fill - t_shot
+    phases["_total"] = total
+    return desc, frames, phases, int(counts.sum()), cap
+
+
+def cpu_pipeline(pts, radius, normal_k, kp_idx):
+    from scanforest.kernels.normals import normals
+    from scanforest.kernels.shot import shot
+
+    t0 = time.perf_counter()
+    n, _ = normals(pts, k=normal_k, device="cpu")
+    t1 = time.perf_counter()
+    d, f = shot(pts, n, kp_idx, radius, device="cpu")
+    t2 = time.perf_counter()
+    return d, f, {"normals (all points)": t1 - t0, "SHOT": t2 - t1}
+
+
+def bench_shot(
+    scene: Path = typer.Option(None, help="Dense scene (default: ../shared/data/pcl/"
+                               "milk_cartoon_all_small_clorox.pcd)."),
+    radius: float = typer.Option(0.02, help="SHOT radius (m)."),
+    normal_k: int = typer.Option(10, help="k of the normal estimation."),
+    synthetic: int = typer.Option(10_000_000, help="Points of the synthetic scene (0: skip)."),
+    cpu_keypoints: int = typer.Option(20_000, help="Keypoints timed on the CPU backend."),
+    repeat: int = typer.Option(3, help="Timed repetitions (median)."),
+    out: Path = typer.Option(None, help="JSON file or folder for the record."),
+) -> None:
+    """SHOT352 keypoints/s end to end, GPU and CPU in the same run, with a phase breakdown."""
+    from scanforest.flows._bench import BenchReport
+    from scanforest.kernels._backend import describe_device, gpu_available
+    from scanforest.tasks.readers import read_cloud
+
+    if scene is None:
+        scene = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pcl" / \
+            "milk_cartoon_all_small_clorox.pcd"
+    pts = np.ascontiguousarray(read_cloud(scene).points, dtype=np.float32)
+    rep = BenchReport("shot", {"scene": str(scene), "points": len(pts), "radius": radius,
+                               "normal_k": normal_k, "synthetic": synthetic,
+                               "cpu_keypoints": cpu_keypoints, "repeat": repeat})
+    cpu_dev = describe_device("cpu")
+    rng = np.random.default_rng(0)
+
+    cpu_out = {}
+
+    def cpu_rate(p, label):
+        sub = np.sort(rng.choice(len(p), size=min(cpu_keypoints, len(p)), replace=False))
+        cpu_pipeline(p[:2000], radius, normal_k, np.arange(100))  # warm-up / JIT
+        dcpu, fcpu, ph = cpu_pipeline(p, radius, normal_k, sub)
+        cpu_out[label] = (sub, dcpu, fcpu)
+        # per-keypoint rate: normals are needed for every point, charged in full
+        rate = len(sub) / (ph["SHOT"] + ph["normals (all points)"] * len(sub) / len(p))
+        shot_rate = len(sub) / ph["SHOT"]
+        rep.add(f"CPU keypoints/s end to end, {label}", rate, "keypoints/s", cpu_dev,
+                keypoints=len(sub), **ph)
+        rep.add(f"CPU keypoints/s SHOT only, {label}", shot_rate, "keypoints/s", cpu_dev)
+        return rate
+
+    cpu_dense = cpu_rate(pts, f"{scene.name} (r={radius})")
+    if not gpu_available():
+        rep.note("no GPU: GPU rows skipped")
+        rep.finish(out)
+        return
+    import cupy as cp
+
+    from scanforest.kernels import _shot_gpu as sg
+
+    gdev = describe_device("gpu")
+
+    def gpu_case(p, label, cpu_baseline, **kw):
+        gpu_pipeline(p, radius, normal_k, **kw)  # warm-up (compilation)
+        cp.cuda.Device().synchronize()
+        runs = [gpu_pipeline(p, radius, normal_k, **kw) for _ in range(repeat)]
+        totals = [r[2]["_total"] for r in runs]
+        best = runs[int(np.argsort(totals)[len(totals) // 2])]
+        _, _, phases, entries, cap = best
+        nk = len(p)
+        row = rep.add(f"GPU keypoints/s end to end, {label}", nk / phases["_total"], "keypoints/s",
+                      gdev, baseline="CPU same scene", baseline_value=cpu_baseline,
+                      keypoints=nk, neighbour_entries=entries, cap=cap,
+                      **{k: v for k, v in phases.items()})
+        return row, phases
+
+    dense_label = f"{scene.name}, all {len(pts)} points (r={radius})"
+    # thread-group mapping comparison (SHOT kernel time only); the fastest is used below
+    kernel_ms = {}
+    for lpk in sg.LPK_CHOICES:
+        ts = []
+        for _ in range(repeat + 1):
+            _, _, phl, _, _ = gpu_pipeline(pts, radius, normal_k, lpk=lpk)
+            ts.append(phl["SHOT kernel"])
+        t = float(np.median(ts[1:]))
+        kernel_ms[lpk] = t * 1e3
+        rep.add(f"SHOT kernel keypoints/s, {lpk} lanes per keypoint, dense scene", len(pts) / t,
+                "keypoints/s", gdev, kernel_ms=t * 1e3)
+    best = min(kernel_ms, key=kernel_ms.get)
+    rep.note(f"fastest mapping: {best} lanes per keypoint (used for the end-to-end rows)")
+    _, ph = gpu_case(pts, dense_label, cpu_dense, lpk=best)
+    for k, v in ph.items():
+        rep.note(f"dense phase {k}: {v * 1e3:.2f} ms")
+    _, ph = gpu_case(pts, dense_label + " + D2H of descriptors", cpu_dense, copy_out=True, lpk=best)
+    rep.note(f"dense D2H of descriptors+frames: {ph.get('d2h descriptors', 0) * 1e3:.2f} ms")
+    _, pha = gpu_case(pts, dense_label + " APPROXIMATE", cpu_dense, approximate=True, lpk=best)
+    for k, v in pha.items():
+        rep.note(f"dense approximate phase {k}: {v * 1e3:.2f} ms")
+    try:
+        _agreement(rep, pts, radius, normal_k, best, cpu_out, gdev)
+    except Exception as exc:  # keep the timing rows even if this check breaks
+        rep.note(f"agreement check failed: {type(exc).__name__}: {exc}")
+    if synthetic > 0:
+        try:
+            syn = cp.asnumpy(synthetic_surfaces(synthetic, xp=cp))
+            # the CPU baseline of this row is the dense scene's CPU rate (a CPU run on 10M
+            # points would spend most of the device session on normals)
+            _, ph = gpu_case(syn, f"synthetic {synthetic} points, all keypoints (r={radius})",
+                             cpu_dense, lpk=best)
+            for k, v in ph.items():
+                rep.note(f"synthetic phase {k}: {v * 1e3:.2f} ms")
+        except Exception as exc:
+            rep.note(f"synthetic scene failed: {type(exc).__name__}: {exc}")
+    rep.finish(out)
+
+
+def _agreement(rep, pts, radius, normal_k, best, cpu_out, gdev):
+    """GPU vs CPU descriptors on the CPU's keypoint subset (same pipeline: k-NN normals)."""
+    import cupy as cp
+
+    from scanforest.kernels import _neighbors_gpu as ng
+
+    sub, dcpu, fcpu = next(iter(cpu_out.values()))
+    dg, fg, _, _, _ = gpu_pipeline(pts, radius, normal_k, lpk=best)
+    g_order = ng.build_grid(cp.asarray(pts), radius).order
+    pos = cp.empty_like(g_order)
+    pos[g_order] = cp.arange(len(pts), dtype=g_order.dtype)
+    pos = cp.asnumpy(pos)[sub]
+    dgs = cp.asnumpy(dg[cp.asarray(pos)])
+    same_nan = bool((np.isnan(dgs[:, 0]) == np.isnan(dcpu[:, 0])).all())
+    ok = np.isfinite(dgs[:, 0]) & np.isfinite(dcpu[:, 0])
+    err = np.abs(dgs[ok] - dcpu[ok]).max(axis=1)
+    rep.add("GPU vs CPU descriptors: max abs diff (dense, CPU keypoint subset)", float(err.max()),
+            "abs", gdev, higher_is_better=False, same_nan_pattern=same_nan,
+            keypoints_over_1e4=int((err > 1e-4).sum()), keypoints=int(ok.sum()),
+            median=float(np.median(err)))
+
+
+# ---------------------------------------------------------------------------------------------
+# scanforest bench shot-recall: descriptiveness, the G-SHOT paper's protocol
+# ---------------------------------------------------------------------------------------------
+def mesh_resolution(pts) -> float:
+    """Mean distance of each point to its nearest other point."""
+    from scanforest.kernels.neighbors import knn
+
+    _, d2 = knn(pts, k=2, device="cpu")
+    return float(np.sqrt(d2[:, 1].astype(np.float64)).mean())
+
+
+def recall_curve(scene_desc, model_desc, truth, scene_kp_xyz, model_kp_xyz_in_scene, tol):
+    """Recall vs 1-precision of nearest-neighbour matches swept over the distance threshold.
+
+    Every scene keypoint is matched to its nearest model descriptor (Euclidean). A match is
+    correct when the matched model keypoint, moved by the ground-truth pose, lies within ``tol``
+    of the scene keypoint. Recall = correct matches below the threshold / scene keypoints with a
+    valid descriptor; 1-precision = wrong matches / matches below the threshold.
+    """
+    from scipy.spatial import cKDTree
+
+    okm = np.isfinite(model_desc[:, 0])
+    oks = np.isfinite(scene_desc[:, 0])
+    tree = cKDTree(model_desc[okm].astype(np.float64))
+    d, j = tree.query(scene_desc[oks].astype(np.float64), k=1)
+    mj = np.nonzero(okm)[0][j]
+    correct = np.linalg.norm(model_kp_xyz_in_scene[mj] - scene_kp_xyz[oks], axis=1) <= tol
+    order = np.argsort(d)
+    c = np.cumsum(correct[order])
+    n = np.arange(1, len(order) + 1)
+    recall = c / max(int(oks.sum()), 1)
+    one_minus_precision = (n - c) / n
+    return one_minus_precision, recall
+
+
+def bench_shot_recall(
+    model: Path = typer.Option(None, help="Model cloud (default ../shared/data/pcl/milk.pcd)."),
+    scenes: int = typer.Option(8, help="Synthetic scenes per noise level."),
+    radius: float = typer.Option(0.02, help="SHOT radius (m)."),
+    keypoint_radius: float = typer.Option(0.01, help="Uniform-sampling leaf of the keypoints."),
+    normal_k: int = typer.Option(10, help="k of the normal estimation."),
+    device: str = typer.Option("auto", help="auto | cpu | gpu"),
+    out: Path = typer.Option(None, help="JSON file or folder for the record."),
+) -> None:
+    """Descriptiveness of exact vs approximate SHOT: recall vs 1-precision under noise."""
+    from scanforest.flows._bench import BenchReport
+    from scanforest.kernels._backend import describe_device, resolve_device, to_device, to_numpy
+    from scanforest.kernels.keypoints import keypoints
+    from scanforest.kernels.normals import normals
+    from scanforest.kernels.shot import shot
+    from scanforest.tasks.readers import read_cloud
+
+    if model is None:
+        model = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pcl" / "milk.pcd"
+    mpts = np.ascontiguousarray(read_cloud(model).points, dtype=np.float32)
+    dev = resolve_device(device)
+    mr = mesh_resolution(mpts)
+    rep = BenchReport("shot-recall", {"model": str(model), "points": len(mpts), "scenes": scenes,
+                                      "radius": radius, "keypoint_radius": keypoint_radius,
+                                      "normal_k": normal_k, "mesh_resolution": mr})
+    ddev = describe_device(dev)
+    kp = to_numpy(keypoints(mpts, radius=keypoint_radius, device="cpu"))
+    tol = 2.0 * mr
+    rng = np.random.default_rng(7)
+
+    def describe(p, approximate, cap=None):
+        P = to_device(p, dev)
+        n, _ = normals(P, k=normal_k, device=dev)
+        d, _ = shot(P, n, to_device(kp, dev), radius, approximate=approximate, max_neighbors=cap,
+                    device=dev)
+        return to_numpy(d)
+
+    model_desc = {False: describe(mpts, False), True: describe(mpts, True)}
+    grid = np.linspace(0, 1, 101)
+    for sigma in (0.1, 0.2):
+        curves = {False: [], True: []}
+        for s in range(scenes):
+            q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+            q *= np.sign(np.linalg.det(q))
+            t = rng.uniform(-1, 1, 3)
+            noisy = (mpts.astype(np.float64) + rng.normal(scale=sigma * mr, size=mpts.shape))
+            scene = (noisy @ q.T + t).astype(np.float32)
+            truth_xyz = (mpts[kp].astype(np.float64) @ q.T + t)     # model keypoints in the scene
+            for approx in (False, True):
+                sd = describe(scene, approx)
+                fp, rc = recall_curve(sd, model_desc[approx], None, scene[kp].astype(np.float64),
+                                      truth_xyz, tol)
+                # recall as a function of 1-precision (best recall reached at or below each level)
+                best = np.array([rc[fp <= g].max() if np.any(fp <= g) else 0.0 for g in grid])
+                curves[approx].append(best)
+        for approx in (False, True):
+            c = np.mean(curves[approx], axis=0)
+            auc = float(np.trapezoid(c, grid)) if hasattr(np, "trapezoid") else float(np.trapz(c, grid))
+            label = "approximate" if approx else "exact"
+            ex = np.mean(curves[False], axis=0)
+            ex_auc = float(np.trapezoid(ex, grid)) if hasattr(np, "trapezoid") else float(np.trapz(ex, grid))
+            rep.add(f"area under recall vs 1-precision, noise {sigma} mr, {label}", auc, "AUC", ddev,
+                    baseline="exact" if approx else None, baseline_value=ex_auc if approx else None,
+                    recall_at_0_1=float(c[10]), recall_at_0_2=float(c[20]), recall_max=float(c[-1]))
+    rep.note(f"mesh resolution {mr:.5f} m; a match is correct within {tol:.5f} m (2 mr); "
+             f"{len(kp)} keypoints (uniform sampling {keypoint_radius} m) per cloud; "
+             f"scenes = the model under a random rigid motion + Gaussian noise")
+    rep.finish(out)

@@ -1,0 +1,112 @@
+"""numba building blocks shared by normals and SHOT on the CPU.
+
+``eig3`` is a cyclic Jacobi eigen-solver for a symmetric 3x3 matrix in float64. The CUDA
+source in ``_shot_gpu.py`` carries the same algorithm, operation for operation (compiled
+without fused multiply-add), so that both backends produce the same frames bit for bit on
+the same inputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def eig3(a00, a01, a02, a11, a12, a22, w, V):
+    """Eigen-decomposition of [[a00,a01,a02],[a01,a11,a12],[a02,a12,a22]] (float64).
+
+    Writes eigenvalues ascending into ``w`` (3,) and the unit eigenvectors as the columns of
+    ``V`` (3, 3) in the same order. Returns False when the input is not finite.
+    """
+    A = np.empty((3, 3), np.float64)
+    A[0, 0] = a00
+    A[0, 1] = a01
+    A[0, 2] = a02
+    A[1, 0] = a01
+    A[1, 1] = a11
+    A[1, 2] = a12
+    A[2, 0] = a02
+    A[2, 1] = a12
+    A[2, 2] = a22
+    for i in range(3):
+        for j in range(3):
+            V[i, j] = 1.0 if i == j else 0.0
+    if not (np.isfinite(a00) and np.isfinite(a01) and np.isfinite(a02) and np.isfinite(a11)
+            and np.isfinite(a12) and np.isfinite(a22)):
+        w[0] = np.nan
+        w[1] = np.nan
+        w[2] = np.nan
+        return False
+    for sweep in range(32):
+        off = A[0, 1] * A[0, 1] + A[0, 2] * A[0, 2] + A[1, 2] * A[1, 2]
+        dia = A[0, 0] * A[0, 0] + A[1, 1] * A[1, 1] + A[2, 2] * A[2, 2]
+        if off <= 1e-34 * dia or off == 0.0:
+            break
+        for pq in range(3):
+            if pq == 0:
+                p = 0
+                q = 1
+            elif pq == 1:
+                p = 0
+                q = 2
+            else:
+                p = 1
+                q = 2
+            apq = A[p, q]
+            if apq == 0.0:
+                continue
+            theta = (A[q, q] - A[p, p]) / (2.0 * apq)
+            t = 1.0 / (abs(theta) + np.sqrt(theta * theta + 1.0))
+            if theta < 0.0:
+                t = -t
+            c = 1.0 / np.sqrt(t * t + 1.0)
+            s = t * c
+            for k in range(3):
+                akp = A[k, p]
+                akq = A[k, q]
+                A[k, p] = c * akp - s * akq
+                A[k, q] = s * akp + c * akq
+            for k in range(3):
+                apk = A[p, k]
+                aqk = A[q, k]
+                A[p, k] = c * apk - s * aqk
+                A[q, k] = s * apk + c * aqk
+            for k in range(3):
+                vkp = V[k, p]
+                vkq = V[k, q]
+                V[k, p] = c * vkp - s * vkq
+                V[k, q] = s * vkp + c * vkq
+    # components at rounding level are zero (Eigen's solver returns exact zeros for the
+    # block-structured covariances of grid-like scans; keeping 1e-17 would flip their bins)
+    for i in range(3):
+        for j in range(3):
+            if abs(V[i, j]) < 1e-15:
+                V[i, j] = 0.0
+    # sort ascending (stable, 3 elements)
+    d0 = A[0, 0]
+    d1 = A[1, 1]
+    d2 = A[2, 2]
+    o0 = 0
+    o1 = 1
+    o2 = 2
+    if d1 < d0:
+        d0, d1 = d1, d0
+        o0, o1 = o1, o0
+    if d2 < d1:
+        d1, d2 = d2, d1
+        o1, o2 = o2, o1
+    if d1 < d0:
+        d0, d1 = d1, d0
+        o0, o1 = o1, o0
+    w[0] = d0
+    w[1] = d1
+    w[2] = d2
+    T = np.empty((3, 3), np.float64)
+    for k in range(3):
+        T[k, 0] = V[k, o0]
+        T[k, 1] = V[k, o1]
+        T[k, 2] = V[k, o2]
+    for k in range(3):
+        for j in range(3):
+            V[k, j] = T[k, j]
+    return np.isfinite(d0) and np.isfinite(d1) and np.isfinite(d2)

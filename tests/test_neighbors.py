@@ -1,0 +1,103 @@
+"""Radius search and k-NN against exact float32 brute force; GPU against CPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scanforest.kernels.errors import InputError
+from scanforest.kernels.neighbors import knn, radius_search
+
+
+def brute_d2(pts, qs):
+    """float32 squared distances in FLANN's order (the library's inclusion rule)."""
+    d = qs[:, None, :].astype(np.float32) - pts[None, :, :].astype(np.float32)
+    return (d[..., 0] * d[..., 0] + d[..., 1] * d[..., 1]) + d[..., 2] * d[..., 2]
+
+
+def brute_lists(pts, qs, r, cap=None):
+    d2 = brute_d2(pts, qs)
+    r2 = np.float32(r * r)
+    out = []
+    for q in range(qs.shape[0]):
+        idx = np.nonzero(d2[q] < r2)[0]
+        idx = idx[np.lexsort((idx, d2[q, idx]))]
+        out.append(idx[:cap] if cap else idx)
+    return out
+
+
+@pytest.fixture
+def cloud(rng):
+    return rng.random((600, 3)).astype(np.float32), rng.random((80, 3)).astype(np.float32)
+
+
+def test_radius_search_matches_brute_force(cloud):
+    pts, qs = cloud
+    nb = radius_search(pts, qs, radius=0.15, device="cpu")
+    ref = brute_lists(pts, qs, 0.15)
+    assert nb.offsets.shape == (81,)
+    for q in range(80):
+        seg = slice(nb.offsets[q], nb.offsets[q + 1])
+        np.testing.assert_array_equal(nb.indices[seg], ref[q])
+        np.testing.assert_array_equal(nb.sq_distances[seg], brute_d2(pts, qs[q:q + 1])[0, ref[q]])
+    assert np.all(np.diff(nb.sq_distances[nb.offsets[3]:nb.offsets[4]]) >= 0)
+
+
+def test_radius_search_self_and_capped(cloud):
+    pts, _ = cloud
+    nb = radius_search(pts, radius=0.12, device="cpu")
+    # each point is its own first neighbour at distance 0
+    assert np.all(nb.indices[nb.offsets[:-1][nb.counts > 0]] == np.nonzero(nb.counts > 0)[0])
+    capped = radius_search(pts, radius=0.12, max_neighbors=4, device="cpu")
+    ref = brute_lists(pts, pts, 0.12, cap=4)
+    for q in range(0, 600, 37):
+        np.testing.assert_array_equal(capped.indices[capped.offsets[q]:capped.offsets[q + 1]], ref[q])
+    assert capped.counts.max() <= 4
+    unsorted = radius_search(pts, radius=0.12, max_neighbors=4, sort=False, device="cpu")
+    np.testing.assert_array_equal(unsorted.offsets, capped.offsets)
+    for q in range(0, 600, 7):
+        seg = slice(capped.offsets[q], capped.offsets[q + 1])
+        np.testing.assert_array_equal(np.sort(unsorted.indices[seg]), np.sort(capped.indices[seg]))
+
+
+def test_knn_matches_brute_force(cloud):
+    pts, qs = cloud
+    idx, d2 = knn(pts, qs, k=7, device="cpu")
+    full = brute_d2(pts, qs)
+    for q in range(qs.shape[0]):
+        ref = np.lexsort((np.arange(600), full[q]))[:7]
+        np.testing.assert_array_equal(idx[q], ref)
+        np.testing.assert_array_equal(d2[q], full[q, ref])
+
+
+def test_bad_inputs(cloud):
+    pts, qs = cloud
+    with pytest.raises(InputError, match="shape"):
+        radius_search(pts[:, :2], radius=0.1, device="cpu")
+    with pytest.raises(InputError, match="radius"):
+        radius_search(pts, radius=-1, device="cpu")
+    bad = pts.copy()
+    bad[3, 1] = np.nan
+    with pytest.raises(InputError, match="NaN"):
+        radius_search(bad, radius=0.1, device="cpu")
+    with pytest.raises(InputError, match="larger than"):
+        knn(pts[:5], k=6, device="cpu")
+    with pytest.raises(InputError, match="empty"):
+        knn(np.zeros((0, 3), np.float32), k=1, device="cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_matches_cpu(rng):
+    import cupy as cp
+
+    pts = (rng.random((20000, 3)) * [2.0, 1.0, 0.5]).astype(np.float32)
+    qs = (rng.random((3000, 3)) * [2.2, 1.1, 0.6] - 0.05).astype(np.float32)
+    for cap in (None, 9):
+        c = radius_search(pts, qs, radius=0.04, max_neighbors=cap, device="cpu")
+        g = radius_search(cp.asarray(pts), cp.asarray(qs), radius=0.04, max_neighbors=cap)
+        np.testing.assert_array_equal(cp.asnumpy(g.offsets), c.offsets)
+        np.testing.assert_array_equal(cp.asnumpy(g.indices), c.indices)
+        np.testing.assert_array_equal(cp.asnumpy(g.sq_distances), c.sq_distances)
+    ic, dc = knn(pts, qs, k=10, device="cpu")
+    ig, dg = knn(cp.asarray(pts), cp.asarray(qs), k=10)
+    np.testing.assert_array_equal(cp.asnumpy(ig), ic)
+    np.testing.assert_array_equal(cp.asnumpy(dg), dc)
