@@ -7,7 +7,6 @@ import os
 import shutil
 import tempfile
 import time
-import numpy as np
 
 from scanforest.kernels._backend import describe_device, resolve_device
 from scanforest.kernels.bruteforce import knn_bruteforce, recall
