@@ -132,3 +132,50 @@ def test_match_on_external_cluster_survives_worker_kill(tmp_path, cluster):
     assert killed and killed[0] < finished, "the worker was not killed during the match"
     np.testing.assert_array_equal(i, bi)
     np.testing.assert_array_equal(d, bd)
+
+
+def test_recognize_flow_on_external_cluster_survives_worker_kill(tmp_path, cluster):
+    """The recognize flow with --scheduler on two real worker processes, one SIGKILLed mid-run:
+    every scene is recognised, and the detections equal an in-process run's."""
+    import threading
+
+    from scanforest.flows.recognize import run_recognize
+    from scanforest.kernels.recognition import recognize
+    from scanforest.tasks.recognize import load_library
+    from scanforest.tasks.synth import write_archive
+
+    addr, procs = cluster
+    write_archive(tmp_path / "arch", n_models=2, n_scenes=6, points_per_scene=12_000, points_per_model=3_000)
+    store = str(tmp_path / "s.zarr")
+    assert run_ingest(str(tmp_path / "arch"), store, scheduler=addr, progress=False)["ingested"] == 8
+    st = ScanStore(store, mode="r")
+    models = [s for s in st.scans() if s.startswith("models__")]
+    scenes = [s for s in st.scans() if s.startswith("scenes__")]
+    lib_params = {"model_ss": 0.01, "descr_rad": 0.04, "rf_rad": 0.03}
+    params = {"scene_ss": 0.02, "cg_size": 0.02, "cg_thresh": 5}
+    at_kill = []
+
+    def killer():
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            done = sum(st.has_stage(s, "recognize") for s in scenes)
+            if done >= 1:
+                at_kill.append(done)
+                os.killpg(procs[2].pid, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    res = run_recognize(store, models, scheduler=addr, device="cpu", progress=False, batch=1,
+                        library_params=lib_params, params=params)
+    t.join()
+    assert at_kill and at_kill[0] < 6, "the worker was not killed mid-run"
+    assert res["recognized"] + res["skipped"] == 6
+    lib = load_library(store, "default")
+    for sid in scenes:
+        assert st.has_stage(sid, "recognize")
+        ref = recognize(st.read(sid, "points"), lib, device="cpu", **params)
+        assert st.read(sid, "det_model").tolist() == [d.model_id for d in ref]
+        if len(ref):
+            np.testing.assert_allclose(st.read(sid, "det_pose"), np.array([d.pose for d in ref]), atol=1e-9)
