@@ -36,7 +36,7 @@ _API = {
     "ShardedIndex": ("scanforest.kernels.sharded", "ShardedIndex"),
     "knn_bruteforce": ("scanforest.kernels.bruteforce", "knn_bruteforce"),
     "recall": ("scanforest.kernels.bruteforce", "recall"),
-    "match": ("scanforest.flows.match", "match"),
+    "match": ("scanforest.flows.distributed", "match"),
     "ModelLibrary": ("scanforest.kernels.recognition", "ModelLibrary"),
     "recognize": ("scanforest.kernels.recognition", "recognize"),
     "align": ("scanforest.kernels.pcha", "align"),

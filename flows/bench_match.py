@@ -27,7 +27,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     from scanforest.tasks import index as idx
 
     from .cli_ann import clustered
-    from .match import DistributedIndex
+    from .distributed import DistributedIndex
 
     dev = resolve_device(device)
     rep = BenchReport("match", {"n": n, "m": m, "d": d, "k": k, "workers": workers, "method": method,

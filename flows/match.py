@@ -1,15 +1,5 @@
-"""Distributed matching: shards resident on Dask workers, queries in blocks to every shard,
-per-shard top-P merged by a tree reduction into the global top-P.
-
-- Each shard is loaded once by a task pinned to one worker (``load_shard``: rows + persisted
-  tree from the store, on that worker's GPU when it has one) and stays resident there as a
-  Dask future; query blocks are sent to it, never the shard to the queries.
-- A worker that dies loses its shards and the partial results it held; Dask recomputes them on
-  surviving workers from the store (the tasks are pure functions of the store), so the run
-  completes with the identical answer.
-- A shard search that runs out of GPU memory splits its query block and retries
-  (:func:`scanforest.tasks.index.search_shard`).
-"""
+"""Prefect flows for indexes and matching (the distributed search itself is in
+:mod:`scanforest.flows.distributed`, which needs no Prefect)."""
 from __future__ import annotations
 
 import time
@@ -24,87 +14,7 @@ from scanforest.tasks import index as idx
 from scanforest.tasks.store import ScanStore
 
 from ._runner import dask_client, ensure_prefect_api, map_units, n_workers, record_run
-
-
-def _identity(x):
-    return x
-
-
-class DistributedIndex:
-    """A persisted sharded index opened on a Dask cluster: shards loaded once, resident on workers."""
-
-    def __init__(self, client, store_path: str, name: str, *, device: str = "auto"):
-        self.client = client
-        self.store_path = store_path
-        self.name = name
-        self.attrs = idx.index_attrs(store_path, name)
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-        if not workers:
-            raise InputError("the Dask cluster has no workers")
-        tag = self.attrs["content_hash"][:12]
-        self.shards = []
-        for i in range(len(self.attrs["shards"])):
-            w = workers[i % len(workers)]
-            self.shards.append(client.submit(idx.load_shard, store_path, name, i, device,
-                                             key=f"sf-shard-{name}-{tag}-{i}", workers=[w],
-                                             allow_other_workers=True, pure=False))
-        self.placement = {i: workers[i % len(workers)] for i in range(len(self.shards))}
-
-    @property
-    def n(self) -> int:
-        return int(self.attrs["n"])
-
-    def query_block(self, Q: np.ndarray, k: int):
-        """Submit one query block to every shard and tree-reduce; returns a future of (dist, ids)."""
-        c = self.client
-        qf = c.submit(_identity, np.ascontiguousarray(Q, dtype=np.float32), pure=False)
-        parts = [c.submit(idx.search_shard, s, qf, k, pure=False) for s in self.shards]
-        while len(parts) > 1:  # pairwise tree reduction of the per-shard top-k lists
-            nxt = [c.submit(idx.merge_parts, parts[j], parts[j + 1], k=k, pure=False)
-                   for j in range(0, len(parts) - 1, 2)]
-            if len(parts) % 2:
-                nxt.append(parts[-1])
-            parts = nxt
-        return parts[0]
-
-    def query(self, Q, k: int, *, block: int = 65_536, progress=None):
-        if not 1 <= int(k) <= self.n:
-            raise InputError(f"k must be in [1, {self.n}], got {k}")
-        Q = np.asarray(Q, dtype=np.float32)
-        if Q.ndim != 2 or Q.shape[1] != int(self.attrs["d"]):
-            raise InputError(f"queries must be (M, {self.attrs['d']}), got {Q.shape}")
-        futs = [self.query_block(Q[a:a + block], int(k)) for a in range(0, len(Q), block)]
-        out = self.client.gather(futs)
-        if not out:
-            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
-        return np.concatenate([o[0] for o in out]), np.concatenate([o[1] for o in out])
-
-    def close(self):
-        for f in self.shards:
-            f.release()
-
-
-def match(queries, index, k: int, client=None, **kwargs):
-    """Top-``k`` matches of ``queries`` in ``index``.
-
-    ``index`` is a fitted :class:`~scanforest.kernels.kdforest.KDForest` or
-    :class:`~scanforest.kernels.sharded.ShardedIndex` (searched in this process), or a
-    ``(store_path, index_name)`` pair of a persisted index, searched on ``client``'s cluster
-    with shards resident on its workers (a local cluster is started when ``client`` is None).
-    Returns ``(dist2 (M, k) float32, ids (M, k) int64)``.
-    """
-    if isinstance(index, tuple):
-        store_path, name = index
-        if client is None:
-            with dask_client(None) as c:
-                di = DistributedIndex(c, store_path, name, **kwargs)
-                return di.query(queries, k)
-        di = DistributedIndex(client, store_path, name, **kwargs)
-        try:
-            return di.query(queries, k)
-        finally:
-            di.close()
-    return index.query(queries, k)
+from .distributed import DistributedIndex
 
 
 # ---------------------------------------------------------------------------------- flows

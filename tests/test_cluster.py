@@ -101,7 +101,7 @@ def test_match_on_external_cluster_survives_worker_kill(tmp_path, cluster):
 
     from distributed import Client
 
-    from scanforest.flows.match import DistributedIndex
+    from scanforest.flows.distributed import DistributedIndex
     from scanforest.kernels.bruteforce import knn_bruteforce
     from scanforest.tasks import index as idx
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scanforest.flows.match import DistributedIndex, match
+from scanforest.flows.distributed import DistributedIndex, match
 from scanforest.kernels.bruteforce import knn_bruteforce
 from scanforest.kernels.errors import InputError
 from scanforest.kernels.sharded import ShardedIndex, shard_ranges
