@@ -120,6 +120,22 @@ class BenchReport:
         return path
 
 
+def parse_counts(text: str) -> list[int]:
+    """``"100900,1m,10k"`` -> ``[100900, 1000000, 10000]`` (k/m suffixes, underscores allowed)."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip().lower().replace("_", "")
+        if not part:
+            continue
+        mult = 1
+        if part.endswith("k"):
+            mult, part = 1000, part[:-1]
+        elif part.endswith("m"):
+            mult, part = 1_000_000, part[:-1]
+        out.append(int(float(part) * mult))
+    return out
+
+
 def _fmt(v: float) -> str:
     if v == 0 or 1e-3 <= abs(v) < 1e7:
         return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"

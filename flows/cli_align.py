@@ -22,19 +22,7 @@ from pathlib import Path
 import numpy as np
 import typer
 
-
-def _nums(text: str) -> list[int]:
-    out = []
-    for part in str(text).split(","):
-        part = part.strip().lower()
-        if part:
-            mult = 1
-            if part.endswith("k"):
-                mult, part = 1000, part[:-1]
-            elif part.endswith("m"):
-                mult, part = 1_000_000, part[:-1]
-            out.append(int(float(part) * mult))
-    return out
+from ._bench import parse_counts
 
 
 def load_points(path: str) -> np.ndarray:
@@ -368,6 +356,6 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         time_limit: float = typer.Option(1e9, "--time-limit"),
     ):
         """PChA timings (paper settings) and, with --convergence, the convergence table."""
-        run_bench(_nums(points)[0], _nums(dims), [m for m in models.split(",") if m],
-                  batch, _nums(batch_points)[0], _nums(sweep), device, out, cpu, convergence,
+        run_bench(parse_counts(points)[0], parse_counts(dims), [m for m in models.split(",") if m],
+                  batch, parse_counts(batch_points)[0], parse_counts(sweep), device, out, cpu, convergence,
                   trials, repeat, level, time_limit)

@@ -13,20 +13,7 @@ import time
 import numpy as np
 import typer
 
-
-def _ints(text: str) -> list[int]:
-    out = []
-    for part in str(text).split(","):
-        part = part.strip().lower().replace("_", "")
-        if not part:
-            continue
-        mult = 1
-        if part.endswith("k"):
-            mult, part = 1000, part[:-1]
-        elif part.endswith("m"):
-            mult, part = 1_000_000, part[:-1]
-        out.append(int(float(part) * mult))
-    return out
+from ._bench import parse_counts
 
 
 def clustered(n: int, d: int, *, clusters: int = 1000, spread: float = 0.35, seed: int = 0, xp=np,
@@ -227,7 +214,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                                "points) or tile (threads over queries)"),
     ):
         """KD-tree P-BANNS / P-ANNS vs exact GEMM brute force on synthetic clustered data."""
-        run_bench(_ints(sizes), _ints(dims), queries, k, _ints(backtracks), leaf_size, device, out,
+        run_bench(parse_counts(sizes), parse_counts(dims), queries, k, parse_counts(backtracks), leaf_size, device, out,
                   cpu_queries, clusters, repeat, time_limit,
                   variants=tuple(v.strip() for v in variants.split(",") if v.strip()), cpu_max_n=cpu_max_n,
                   window_kernel=window_kernel)

@@ -185,33 +185,15 @@ def _expand_archive(path: Path, staging: Path) -> tuple[list[Source], list[dict[
     if not done_marker.exists():
         dest.mkdir(parents=True, exist_ok=True)
         try:
-            if path.name.lower().endswith(".zip"):
-                with zipfile.ZipFile(path) as zf:
-                    for info in zf.infolist():
-                        if info.is_dir():
-                            continue
-                        if not _safe_member(info.filename):
-                            problems.append({"source": f"{path}::{info.filename}", "reason": "unsafe archive member path"})
-                            continue
-                        target = dest / info.filename
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        with zf.open(info) as fin, open(target, "wb") as fout:
-                            while chunk := fin.read(1 << 22):
-                                fout.write(chunk)
-            else:
-                with tarfile.open(path, "r:*") as tf:
-                    for member in tf:
-                        if not member.isfile():
-                            continue
-                        if not _safe_member(member.name):
-                            problems.append({"source": f"{path}::{member.name}", "reason": "unsafe archive member path"})
-                            continue
-                        target = dest / member.name
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        fin = tf.extractfile(member)
-                        with open(target, "wb") as fout:
-                            while chunk := fin.read(1 << 22):
-                                fout.write(chunk)
+            for member, fin in _members(path):
+                if not _safe_member(member):
+                    problems.append({"source": f"{path}::{member}", "reason": "unsafe archive member path"})
+                    continue
+                target = dest / member
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with fin, open(target, "wb") as fout:
+                    while chunk := fin.read(1 << 22):
+                        fout.write(chunk)
             done_marker.write_text(str(path))
         except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
             problems.append({"source": str(path), "reason": f"corrupt or truncated archive: {type(exc).__name__}: {exc}"})
@@ -225,6 +207,20 @@ def _expand_archive(path: Path, staging: Path) -> tuple[list[Source], list[dict[
             rel = os.path.relpath(full, dest)
             items.append(Source(str(full), scan_id_for(f"{stem}/{rel}")))
     return items, problems
+
+
+def _members(path: Path):
+    """(name, open binary stream) of every regular file in a zip or tar archive, streaming."""
+    if path.name.lower().endswith(".zip"):
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if not info.is_dir():
+                    yield info.filename, zf.open(info)
+    else:
+        with tarfile.open(path, "r:*") as tf:
+            for member in tf:
+                if member.isfile():
+                    yield member.name, tf.extractfile(member)
 
 
 def _safe_member(name: str) -> bool:
