@@ -187,9 +187,13 @@ __device__ __forceinline__ float box_dist(const float* __restrict__ q, const flo
     }
     return acc;
 }
+// insert a key into the ascending top-k list unless it is already there (a point reached through a
+// second tree of a forest has the same key)
 __device__ __forceinline__ void top_insert(unsigned long long* top, int& cnt, int k, unsigned long long key) {
+    if (cnt == k && key >= top[k - 1]) return;
+    for (int i = 0; i < cnt; ++i) if (top[i] == key) return;
     int pos;
-    if (cnt == k) { if (key >= top[k - 1]) return; pos = k - 1; }
+    if (cnt == k) pos = k - 1;
     else pos = cnt++;
     while (pos > 0 && top[pos - 1] > key) { top[pos] = top[pos - 1]; --pos; }
     top[pos] = key;
@@ -235,10 +239,11 @@ __device__ __forceinline__ float heap_push_bounded(float* hd, int* hn, int& size
     hd[pos] = dv; hn[pos] = nv;
     return ev;
 }
-// descend from `node` to a leaf, pushing far siblings; returns the leaf
+// descend from `node` to a leaf, pushing far siblings; returns the leaf, or -1 when check_near
+// (bounded search) finds the near child's box farther than `worst` (nothing to scan there)
 __device__ __forceinline__ int descend(int node, const float* __restrict__ q, int d, const int* __restrict__ child,
         const int* __restrict__ sdim, const float* __restrict__ sval, const float* __restrict__ lo,
-        const float* __restrict__ hi, float worst, float* hd, int* hn, int& hs, int& ovf) {
+        const float* __restrict__ hi, float worst, float* hd, int* hn, int& hs, int& ovf, bool check_near) {
     while (child[node] >= 0) {
         int c = child[node];
         int near_, far_;
@@ -248,45 +253,66 @@ __device__ __forceinline__ int descend(int node, const float* __restrict__ q, in
             float ev = heap_push_bounded(hd, hn, hs, bd, far_);
             if (ev >= 0.0f && ev <= worst) ovf = 1;
         }
+        if (check_near && box_dist(q, lo + (long long)near_ * d, hi + (long long)near_ * d, d) > worst) return -1;
         node = near_;
     }
     return node;
 }
+// pop boxes until one is within `worst`; returns it or -1 (the queue is then empty)
+__device__ __forceinline__ int pop_within(float* hd, int* hn, int& hs, float worst) {
+    while (hs > 0) {
+        float bd = hd[0]; int nd = hn[0];
+        hs = heap_pop(hd, hn, hs);
+        if (bd <= worst) return nd;
+        hs = 0;
+    }
+    return -1;
+}
 
 // ---------------------------------------------------------------------------- P-ANNS
+// One queue over the boxes of every tree of a (packed) forest: the roots are pushed first, then
+// "pop the closest box -> descend to its nearest leaf pushing far siblings -> scan the leaf".
+// lim[qi]: boxes farther than it are pruned (the float below the query's bound, or +inf).
 extern "C" __global__ void anns(const float* __restrict__ points, const long long* __restrict__ perm,
         const int* __restrict__ child, const int* __restrict__ sdim, const float* __restrict__ sval,
         const long long* __restrict__ start, const long long* __restrict__ end, const float* __restrict__ lo,
         const float* __restrict__ hi, int d, const float* __restrict__ Q, int m, int k, int budget,
-        unsigned long long* __restrict__ out, int* __restrict__ overflow) {
+        const int* __restrict__ roots, int nroots, const float* __restrict__ lim,
+        unsigned long long* __restrict__ out, int* __restrict__ overflow, int* __restrict__ visits_out) {
     int qi = blockIdx.x * blockDim.x + threadIdx.x;
     if (qi >= m) return;
     const float* q = Q + (long long)qi * d;
+    const float bl = lim[qi];
     unsigned long long top[__KP__];
     int cnt = 0;
     float hd[HCAP]; int hn[HCAP]; int hs = 0;
     int ovf = 0, visits = 0, node = 0;
+    const bool check_near = bl < F_INF;
+    for (int t = 0; t < nroots; ++t) {
+        int r = roots[t];
+        float bd = box_dist(q, lo + (long long)r * d, hi + (long long)r * d, d);
+        if (bd <= bl) {
+            float ev = heap_push_bounded(hd, hn, hs, bd, r);
+            if (ev >= 0.0f && ev <= bl) ovf = 1;
+        }
+    }
     while (true) {
         float worst = cnt == k ? key_dist(top[k - 1]) : F_INF;
-        node = descend(node, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf);
+        worst = fminf(worst, bl);
+        node = pop_within(hd, hn, hs, worst);
+        if (node < 0) break;
+        node = descend(node, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, check_near);
+        if (node < 0) continue;
         for (long long p = start[node]; p < end[node]; ++p) {
             unsigned long long key = make_key(canon_dist(q, points + p * d, d), perm[p]);
             if (cnt < k || key < top[k - 1]) top_insert(top, cnt, k, key);
         }
         visits += 1;
         if (budget > 0 && visits >= budget) break;
-        worst = cnt == k ? key_dist(top[k - 1]) : F_INF;
-        bool found = false;
-        while (hs > 0) {
-            float bd = hd[0]; int nd = hn[0];
-            hs = heap_pop(hd, hn, hs);
-            if (bd <= worst) { node = nd; found = true; break; }
-            hs = 0;
-        }
-        if (!found) break;
     }
     for (int j = 0; j < k; ++j) out[(long long)qi * k + j] = j < cnt ? top[j] : KEY_NONE;
     overflow[qi] = ovf;
+    visits_out[qi] = visits;
 }
 
 // ---------------------------------------------------------------------------- P-BANNS
@@ -294,16 +320,23 @@ extern "C" __global__ void banns_descend(const int* __restrict__ active, int na,
         const int* __restrict__ child, const int* __restrict__ sdim, const float* __restrict__ sval,
         const float* __restrict__ lo, const float* __restrict__ hi, int k,
         const unsigned long long* __restrict__ top, const int* __restrict__ target,
-        float* __restrict__ HD, int* __restrict__ HN, int* __restrict__ HS, int* __restrict__ OVF,
-        int* __restrict__ leaf_of) {
+        const float* __restrict__ lim, float* __restrict__ HD, int* __restrict__ HN, int* __restrict__ HS,
+        int* __restrict__ OVF, int* __restrict__ leaf_of) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= na) return;
     int qi = active[i];
     const float* q = Q + (long long)qi * d;
-    float worst = key_dist(top[(long long)qi * k + k - 1]);
+    const float bl = lim[qi];
+    float worst = fminf(key_dist(top[(long long)qi * k + k - 1]), bl);
     int hs = HS[qi], ovf = OVF[qi];
-    int leaf = descend(target[qi], q, d, child, sdim, sval, lo, hi, worst,
-                       HD + (long long)qi * HCAP, HN + (long long)qi * HCAP, hs, ovf);
+    float* hd = HD + (long long)qi * HCAP;
+    int* hn = HN + (long long)qi * HCAP;
+    int leaf = descend(target[qi], q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, bl < F_INF);
+    while (leaf < 0) {  // bounded search pruned the descent: take the next box (-1: query done)
+        int nd = pop_within(hd, hn, hs, worst);
+        if (nd < 0) break;
+        leaf = descend(nd, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, true);
+    }
     HS[qi] = hs; OVF[qi] = ovf;
     leaf_of[i] = leaf;
 }
@@ -322,6 +355,7 @@ extern "C" __global__ void __launch_bounds__(QB) banns_leaf_window(const int* __
     __shared__ int qid[QB];
     int b = blockIdx.x, t = threadIdx.x;
     int leaf = blk_leaf[b], f = blk_first[b], qc = blk_cnt[b];
+    if (leaf < 0) return;  // queries whose bounded descent found nothing (whole block)
     if (t < qc) qid[t] = sorted_q[f + t];
     __syncthreads();
     long long p_beg = start[leaf], p_end = end[leaf];
@@ -384,6 +418,7 @@ extern "C" __global__ void __launch_bounds__(RP) banns_leaf_rotate(const int* __
     __shared__ long long pid[RP];
     int b = blockIdx.x, t = threadIdx.x;
     int leaf = blk_leaf[b], f = blk_first[b], qc = blk_cnt[b];
+    if (leaf < 0) return;  // queries whose bounded descent found nothing (whole block)
     if (t < qc) qid[t] = sorted_q[f + t];
     __syncthreads();
     long long p_beg = start[leaf], p_end = end[leaf];
@@ -457,6 +492,7 @@ extern "C" __global__ void banns_leaf_plain(const int* __restrict__ blk_leaf,
         unsigned long long* __restrict__ top) {
     int b = blockIdx.x, t = threadIdx.x;
     int leaf = blk_leaf[b], f = blk_first[b], qc = blk_cnt[b];
+    if (leaf < 0) return;  // queries whose bounded descent found nothing (whole block)
     if (t >= qc) return;
     int qi = sorted_q[f + t];
     const float* q = Q + (long long)qi * d;
@@ -470,16 +506,18 @@ extern "C" __global__ void banns_leaf_plain(const int* __restrict__ blk_leaf,
 }
 
 extern "C" __global__ void banns_advance(const int* __restrict__ active, int na, int k, int budget,
-        const unsigned long long* __restrict__ top, float* __restrict__ HD, int* __restrict__ HN,
+        const unsigned long long* __restrict__ top, const float* __restrict__ lim,
+        const int* __restrict__ leaf_of, float* __restrict__ HD, int* __restrict__ HN,
         int* __restrict__ HS, int* __restrict__ visits, int* __restrict__ target, unsigned char* __restrict__ keep) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= na) return;
     int qi = active[i];
+    keep[i] = 0;
+    if (leaf_of[i] < 0) { HS[qi] = 0; return; }  // bounded search found nothing left to scan
     int v = visits[qi] + 1;
     visits[qi] = v;
-    keep[i] = 0;
     if (budget > 0 && v >= budget) return;
-    float worst = key_dist(top[(long long)qi * k + k - 1]);
+    float worst = fminf(key_dist(top[(long long)qi * k + k - 1]), lim[qi]);
     float* hd = HD + (long long)qi * HCAP;
     int* hn = HN + (long long)qi * HCAP;
     int hs = HS[qi];
@@ -490,6 +528,34 @@ extern "C" __global__ void banns_advance(const int* __restrict__ active, int na,
         hs = 0;
     }
     HS[qi] = hs;
+}
+
+// per query: push the roots of every tree (pruned by lim) and pop the closest as the first target;
+// keep[qi] = 0 when every root is pruned (the query has nothing to search)
+extern "C" __global__ void banns_init(int m, const float* __restrict__ Q, int d, const int* __restrict__ roots,
+        int nroots, const float* __restrict__ lo, const float* __restrict__ hi, const float* __restrict__ lim,
+        float* __restrict__ HD, int* __restrict__ HN, int* __restrict__ HS, int* __restrict__ OVF,
+        int* __restrict__ target, unsigned char* __restrict__ keep) {
+    int qi = blockIdx.x * blockDim.x + threadIdx.x;
+    if (qi >= m) return;
+    const float* q = Q + (long long)qi * d;
+    const float bl = lim[qi];
+    float* hd = HD + (long long)qi * HCAP;
+    int* hn = HN + (long long)qi * HCAP;
+    int hs = 0, ovf = 0;
+    for (int t = 0; t < nroots; ++t) {
+        int r = roots[t];
+        float bd = box_dist(q, lo + (long long)r * d, hi + (long long)r * d, d);
+        if (bd <= bl) {
+            float ev = heap_push_bounded(hd, hn, hs, bd, r);
+            if (ev >= 0.0f && ev <= bl) ovf = 1;
+        }
+    }
+    keep[qi] = 0;
+    target[qi] = 0;
+    if (hs > 0) { target[qi] = hn[0]; hs = heap_pop(hd, hn, hs); keep[qi] = 1; }
+    HS[qi] = hs;
+    OVF[qi] = ovf;
 }
 """
 
@@ -609,31 +675,53 @@ def _exact_redo(tree, queries, idx, k, out_d, out_i):
     out_i[idx] = i2
 
 
-def anns(tree, queries, k, budget):
-    """P-ANNS: one thread per query, private heap and top-k in local memory."""
+def anns(tree, queries, k, budget, *, roots=None, lim=None):
+    """P-ANNS: one thread per query, private heap and top-k in local memory.
+
+    ``roots``: (T,) int32 roots of a packed forest (default: one tree, root 0); ``lim``: (M,)
+    float32 per-query pruning limit (default +inf). Returns (dist2, ids, stats).
+    """
     import cupy as cp
 
     m, d = queries.shape
+    if roots is None:
+        roots = cp.zeros(1, cp.int32)
+    if lim is None:
+        lim = cp.full(m, np.inf, cp.float32)
+    roots = cp.ascontiguousarray(roots, dtype=cp.int32)
+    lim = cp.ascontiguousarray(lim, dtype=cp.float32)
     kp = _kp(k)
     fn = _module(kp).get_function("anns")
     out = cp.empty((m, k), cp.uint64)
     ovf = cp.zeros(m, cp.int32)
+    visits = cp.zeros(m, cp.int32)
     threads = 64
     fn(((m + threads - 1) // threads,), (threads,), (
         tree.points, tree.perm, tree.child, tree.split_dim, tree.split_val, tree.start, tree.end,
-        tree.lo, tree.hi, np.int32(d), queries, np.int32(m), np.int32(k), np.int32(budget), out, ovf))
+        tree.lo, tree.hi, np.int32(d), queries, np.int32(m), np.int32(k), np.int32(budget),
+        roots, np.int32(roots.size), lim, out, ovf, visits))
     out_d, out_i = decode_keys(out)
     n_ovf = int(ovf.sum())
     if n_ovf and budget == 0:
         _exact_redo(tree, queries, cp.nonzero(ovf)[0], k, out_d, out_i)
-    return out_d, out_i, {"heap_overflow": n_ovf}
+    return out_d, out_i, {"heap_overflow": n_ovf, "leaves_visited": cp.asnumpy(visits)}
 
 
-def banns(tree, queries, k, budget, sliding_window, finish_below):
-    """P-BANNS: rounds of descend -> bucket by leaf -> one block per leaf chunk -> advance."""
+def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None, lim=None):
+    """P-BANNS: rounds of descend -> bucket by leaf -> one block per leaf chunk -> advance.
+
+    ``roots``: (T,) int32 roots of a packed forest (one queue per query over all trees);
+    ``lim``: (M,) float32 per-query pruning limit (default +inf).
+    """
     import cupy as cp
 
     m, d = queries.shape
+    if roots is None:
+        roots = cp.zeros(1, cp.int32)
+    if lim is None:
+        lim = cp.full(m, np.inf, cp.float32)
+    roots = cp.ascontiguousarray(roots, dtype=cp.int32)
+    lim = cp.ascontiguousarray(lim, dtype=cp.float32)
     mod = _module(_kp(k))
     f_desc = mod.get_function("banns_descend")
     if not sliding_window:
@@ -643,6 +731,7 @@ def banns(tree, queries, k, budget, sliding_window, finish_below):
     else:
         f_leaf, qb, threads = mod.get_function("banns_leaf_rotate"), RQ, RP
     f_adv = mod.get_function("banns_advance")
+    f_init = mod.get_function("banns_init")
     if finish_below is None:
         finish_below = max(32, m // 256)
     top = cp.full((m, k), np.uint64(0xFFFFFFFFFFFFFFFF), cp.uint64)
@@ -652,8 +741,11 @@ def banns(tree, queries, k, budget, sliding_window, finish_below):
     OVF = cp.zeros(m, cp.int32)
     visits = cp.zeros(m, cp.int32)
     target = cp.zeros(m, cp.int32)
-    active = cp.arange(m, dtype=cp.int32)
-    na = m
+    keep0 = cp.empty(m, cp.uint8)
+    f_init(_grid(m, 128), (128,), (np.int32(m), queries, np.int32(d), roots, np.int32(roots.size), tree.lo,
+                                   tree.hi, lim, HD, HN, HS, OVF, target, keep0))
+    active = cp.nonzero(keep0)[0].astype(cp.int32)
+    na = int(active.size)
     rounds = 0
     ev = []  # (phase, start event, end event) per round, read once at the end
     E = cp.cuda.Event
@@ -661,8 +753,8 @@ def banns(tree, queries, k, budget, sliding_window, finish_below):
         e0 = E(); e0.record()
         leaf_of = cp.empty(na, cp.int32)
         f_desc(_grid(na, 128), (128,), (active, np.int32(na), queries, np.int32(d), tree.child, tree.split_dim,
-                                       tree.split_val, tree.lo, tree.hi, np.int32(k), top, target, HD, HN, HS,
-                                       OVF, leaf_of))
+                                       tree.split_val, tree.lo, tree.hi, np.int32(k), top, target, lim, HD, HN,
+                                       HS, OVF, leaf_of))
         e1 = E(); e1.record()
         order = cp.argsort(leaf_of)
         sorted_q = active[order]
@@ -683,8 +775,8 @@ def banns(tree, queries, k, budget, sliding_window, finish_below):
                               tree.start, tree.end, np.int32(d), np.int32(k), top))
         e3 = E(); e3.record()
         keep = cp.empty(na, cp.uint8)
-        f_adv(_grid(na, 128), (128,), (active, np.int32(na), np.int32(k), np.int32(budget), top, HD, HN, HS,
-                                      visits, target, keep))
+        f_adv(_grid(na, 128), (128,), (active, np.int32(na), np.int32(k), np.int32(budget), top, lim, leaf_of,
+                                      HD, HN, HS, visits, target, keep))
         active = active[keep.astype(cp.bool_)]
         na = int(active.size)
         e4 = E(); e4.record()
@@ -708,7 +800,7 @@ def banns(tree, queries, k, budget, sliding_window, finish_below):
     cp.cuda.Device().synchronize()
     t_fin = (time.perf_counter() - t0) * 1e3
     return out_d, out_i, {"rounds": rounds, "finished_by_bruteforce": int(active.size), "heap_overflow": n_ovf,
-                          "leaf_blocks": leaf_blocks,
+                          "leaf_blocks": leaf_blocks, "leaves_visited": cp.asnumpy(visits),
                           "ms_descend": round(float(phase[0]), 3), "ms_bucket": round(float(phase[1]), 3),
                           "ms_leaf_scan": round(float(phase[2]), 3), "ms_advance": round(float(phase[3]), 3),
                           "ms_finish": round(t_fin, 3)}

@@ -6,11 +6,13 @@ import numpy as np
 from ._backend import is_cupy, resolve_device
 from .bruteforce import check_k, check_points, knn_bruteforce
 from .errors import InputError
-from .kdtree import _check_budget, _check_build_params, build_kdtree, query_kdtree
+from .kdtree import (_bound_limit, _check_budget, _check_build_params, _check_n_trees, build_kdforest,
+                     check_bounds, query_kdtree)
 
-__all__ = ["KDForest"]
+__all__ = ["KDForest", "merge_topk_unique"]
 
 _METHODS = ("banns", "anns", "exact")
+_UNSET = object()
 
 
 class KDForest:
@@ -19,8 +21,11 @@ class KDForest:
     Parameters
     ----------
     n_trees : int, default 1
-        Number of trees. Only 1 is implemented for now (a randomized forest sharing the query
-        budget is future work); other values raise :class:`InputError` at ``fit``.
+        Number of randomized trees over the SAME points (FLANN-style replicated forest). Tree
+        ``t`` uses the seed ``seed + t``. The search keeps ONE priority queue per query over the
+        boxes of all trees (the closest pending box of any tree is scanned next), so the trees
+        share one budget of ``backtracks`` leaves; a point found through several trees counts
+        once. Memory: T copies of the points.
     leaf_size : int, default 64
         Maximum number of points in a leaf.
     backtracks : int or None, default None
@@ -30,8 +35,9 @@ class KDForest:
         P-BANNS (buffered, GPU; the CPU runs the same traversal per query), P-ANNS (one query
         per thread), or the exact GEMM brute force.
     random_dims : int or None, default None
-        ``None``: split on the widest box dimension (midpoint). ``F``: split on a dimension
-        drawn among the F widest, seeded.
+        ``None``: split on the widest box dimension (midpoint) when ``n_trees == 1``, and
+        ``min(5, d)`` (the paper's F = 5) when ``n_trees > 1``. ``F`` in ``1..d``: split on a
+        dimension drawn among the F widest, seeded (``n_trees > 1`` needs ``F >= 2``).
     seed : int, default 0
         Seed of the randomized split choice.
     device : {"auto", "cpu", "gpu"}, default "auto"
@@ -44,13 +50,15 @@ class KDForest:
     Attributes
     ----------
     tree_ : KDTree or None
-        The built tree (None for ``method="exact"``).
+        The built tree, or for ``n_trees > 1`` the packed forest (``tree_.roots`` holds the
+        root of every tree); None for ``method="exact"``.
     n_samples_fit_ : int
     n_features_in_ : int
     device_ : str
         ``"cpu"`` or ``"gpu"``.
     stats_ : dict
-        Statistics of the last query (rounds, heap overflows, ...).
+        Statistics of the last query: ``leaves_visited`` ((M,) int32 numpy, leaves scanned per
+        query over all trees), ``heap_overflow``, and the P-BANNS rounds and phase timings.
 
     Examples
     --------
@@ -93,9 +101,7 @@ class KDForest:
     def _validate(self):
         if isinstance(self.n_trees, bool) or not isinstance(self.n_trees, (int, np.integer)) or self.n_trees < 1:
             raise InputError(f"n_trees must be an integer >= 1, got {self.n_trees!r}")
-        if self.n_trees != 1:
-            raise InputError("n_trees > 1 (a forest of randomized trees sharing the query budget) is not "
-                             "implemented yet; use n_trees=1")
+        _check_n_trees(self.n_trees)
         if self.method not in _METHODS:
             raise InputError(f"method must be one of {_METHODS}, got {self.method!r}")
         if not isinstance(self.sliding_window, (bool, np.bool_)):
@@ -106,6 +112,7 @@ class KDForest:
     def fit(self, X, y=None) -> "KDForest":
         """Validate the parameters and build the index of ``X`` ((N, d) float array)."""
         leaf_size, max_depth, rand_f, seed = self._validate()
+        n_trees = int(self.n_trees)
         dev = resolve_device(self.device, X)
         if dev == "gpu":
             import cupy as cp
@@ -116,17 +123,39 @@ class KDForest:
 
             X = check_points(to_numpy(X), "X", xp=np)
         self.device_ = dev
-        self.n_samples_fit_, self.n_features_in_ = int(X.shape[0]), int(X.shape[1])
+        d = int(X.shape[1])
+        if self.random_dims is None:
+            rand_f = min(5, d) if n_trees > 1 else 0
+        elif rand_f > d:
+            raise InputError(f"random_dims={rand_f} must be in 1..d = 1..{d} (the data has {d} dimensions)")
+        if n_trees > 1 and rand_f < 2:
+            raise InputError(f"n_trees={n_trees} needs random_dims >= 2 (random_dims={self.random_dims!r} on "
+                             f"d={d} makes every tree identical)")
+        self.n_samples_fit_, self.n_features_in_ = int(X.shape[0]), d
         self._fit_X = X
         self.tree_ = None
+        self.random_dims_ = rand_f or None
         if self.method != "exact":
-            self.tree_ = build_kdtree(X, leaf_size=leaf_size, max_depth=max_depth,
-                                      random_dims=rand_f or None, seed=seed, device=dev)
+            self.tree_ = build_kdforest(X, n_trees=n_trees, leaf_size=leaf_size, max_depth=max_depth,
+                                        random_dims=rand_f or None, seed=seed, device=dev)
         self.stats_ = {}
         return self
 
-    def query(self, Q, k: int = 1):
+    def query(self, Q, k: int = 1, *, bounds=None, backtracks=_UNSET):
         """The ``k`` nearest indexed points of each row of ``Q``.
+
+        Parameters
+        ----------
+        Q : (M, d) array_like
+        k : int
+        bounds : (M,) array_like of float32, optional, keyword-only
+            Per-query bound on the squared distance (``inf`` = none), e.g. the global k-th
+            distance already known from other shards: boxes not closer are pruned and only
+            points strictly closer than the bound are returned, the rest of the row being
+            ``(inf, -1)``. ``stats_["leaves_visited"]`` shows the saved work.
+        backtracks : int or None, optional, keyword-only
+            Overrides the fitted ``backtracks`` for this call (``None``: unlimited), e.g. a
+            small budget for the first phase of a bound synchronisation.
 
         Returns
         -------
@@ -154,9 +183,23 @@ class KDForest:
             Q = check_points(Q, "Q", dim=self.n_features_in_, xp=np)
         if self.method == "exact" or self.tree_ is None:
             self.stats_ = {"method": "exact"}
-            return knn_bruteforce(self._fit_X, Q, k, device=self.device_)
-        dist, ids, stats = query_kdtree(self.tree_, Q, k, method=self.method, backtracks=self.backtracks,
-                                        sliding_window=self.sliding_window, return_stats=True)
+            xp = np
+            if self.device_ == "gpu":
+                import cupy as xp
+            b = check_bounds(bounds, int(Q.shape[0]), xp=xp)
+            dist, ids = knn_bruteforce(self._fit_X, Q, k, device=self.device_)
+            if b is not None:
+                drop = dist > _bound_limit(b, int(Q.shape[0]), xp=xp)[:, None]
+                dist[drop] = np.inf
+                ids[drop] = -1
+            return dist, ids
+        if int(self.n_trees) != self.tree_.n_trees:
+            raise InputError(f"this KDForest has n_trees={self.n_trees} but its tree_ holds {self.tree_.n_trees} "
+                             "tree(s) (a forest loaded without its roots array?)")
+        budget = self.backtracks if backtracks is _UNSET else backtracks
+        _check_budget(budget)
+        dist, ids, stats = query_kdtree(self.tree_, Q, k, method=self.method, backtracks=budget,
+                                        sliding_window=self.sliding_window, bounds=bounds, return_stats=True)
         self.stats_ = dict(stats, method=self.method)
         return dist, ids
 
@@ -167,3 +210,41 @@ class KDForest:
         if is_cupy(d2):
             import cupy as xp
         return xp.sqrt(d2), ids
+
+
+def merge_topk_unique(parts, k: int):
+    """Global top-``k`` of several ``(dist2, ids)`` results for the same queries, duplicates removed.
+
+    Like :func:`scanforest.kernels.topk.merge_topk` (order by (distance, id), numpy or CuPy),
+    but an id present in several parts (the same point returned by two search phases, or by
+    two replicated trees) counts once. Missing slots are ``(inf, -1)``.
+
+    Parameters
+    ----------
+    parts : sequence of (dist2 (M, k_i) float32, ids (M, k_i) int64)
+    k : int
+
+    Returns
+    -------
+    dist2 (M, k) float32, ids (M, k) int64
+    """
+    from .topk import _xp, pack, unpack
+
+    if not parts:
+        raise InputError("merge_topk_unique needs at least one part")
+    m = parts[0][0].shape[0]
+    for d, i in parts:
+        if d.shape != i.shape or d.ndim != 2 or d.shape[0] != m:
+            raise InputError(f"every part must be (M, k_i) with M = {m}; got {d.shape} and {i.shape}")
+    xp = _xp(*[a for p in parts for a in p])
+    keys = xp.sort(xp.concatenate([pack(xp.asarray(d), xp.asarray(i)) for d, i in parts], axis=1), axis=1)
+    none = pack(xp.full((1, 1), np.inf, xp.float32), xp.full((1, 1), -1, xp.int64))[0, 0]
+    dup = keys[:, 1:] == keys[:, :-1]
+    keys[:, 1:] = xp.where(dup, none, keys[:, 1:])
+    keys = xp.sort(keys, axis=1)[:, :k]
+    d, i = unpack(keys)
+    if d.shape[1] < k:
+        from .topk import pad_topk
+
+        d, i = pad_topk(d, i, k)
+    return d, i

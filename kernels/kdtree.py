@@ -23,6 +23,16 @@ the popped box is farther than the current P-th distance, or ``backtracks`` leav
 and, on the GPU, P-BANNS (:mod:`scanforest.kernels._kdtree_gpu`). Distances are the canonical
 float32 squared L2 of :mod:`scanforest.kernels.bruteforce`, so with an unlimited budget the
 searches return exactly the brute-force answer, ties included.
+
+Forests (:func:`build_kdforest`): T randomized trees over the same points (seeds ``seed + t``)
+packed into one :class:`KDTree` whose ``roots`` lists the root of every tree. The search starts
+with every root in the query's heap, so ONE priority queue orders the pending boxes of all trees
+(FLANN's replicated forest) and ``backtracks`` counts leaves over all trees; a point met through
+a second tree is not inserted twice (same (distance, id) key).
+
+Bounded search (``bounds=``): a per-query squared distance B (the global P-th distance known from
+other shards). Boxes with distance >= B are pruned (pushing, popping, and the near child of a
+descent) and only points with distance < B are returned, the rest of the row is ``(inf, -1)``.
 """
 from __future__ import annotations
 
@@ -36,7 +46,8 @@ from ._backend import resolve_device, to_numpy
 from .bruteforce import _insert, _sqdist, check_k, check_points
 from .errors import InputError
 
-__all__ = ["KDTree", "build_kdtree", "query_kdtree", "HEAP_CAP", "DEFAULT_MAX_DEPTH"]
+__all__ = ["KDTree", "build_kdtree", "build_kdforest", "pack_forest", "query_kdtree", "check_bounds",
+           "HEAP_CAP", "DEFAULT_MAX_DEPTH"]
 
 HEAP_CAP = 256          # capacity of the per-query priority queue of pending boxes
 DEFAULT_MAX_DEPTH = 64  # nodes at this depth stay leaves
@@ -61,10 +72,16 @@ class KDTree:
     leaf_size: int
     params: dict = field(default_factory=dict)
     data: Any = None  # (N, d) float32 points in input order (exact fallbacks use it)
+    roots: Any = None  # (T,) int32 root node of each tree of a packed forest; None: one tree, root 0
+
+    @property
+    def n_trees(self) -> int:
+        return 1 if self.roots is None else int(self.roots.shape[0])
 
     @property
     def n_points(self) -> int:
-        return int(self.perm.shape[0])
+        """Number of indexed points (each tree of a packed forest holds all of them)."""
+        return int(self.perm.shape[0]) // self.n_trees
 
     @property
     def n_dims(self) -> int:
@@ -83,7 +100,8 @@ class KDTree:
         conv = {k: to_numpy(getattr(self, k)) for k in
                 ("points", "perm", "child", "split_dim", "split_val", "start", "end", "lo", "hi")}
         return KDTree("cpu", depth=self.depth, leaf_size=self.leaf_size, params=dict(self.params),
-                      data=None if self.data is None else to_numpy(self.data), **conv)
+                      data=None if self.data is None else to_numpy(self.data),
+                      roots=None if self.roots is None else to_numpy(self.roots), **conv)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,6 +339,108 @@ def build_kdtree(X, *, leaf_size: int = 64, max_depth: int | None = None, random
                   depth, leaf_size, params, data=X)
 
 
+def _check_n_trees(n_trees):
+    if isinstance(n_trees, bool) or not isinstance(n_trees, (int, np.integer)) or n_trees < 1:
+        raise InputError(f"n_trees must be an integer >= 1, got {n_trees!r}")
+    return int(n_trees)
+
+
+def pack_forest(trees) -> KDTree:
+    """Pack trees built over the same points into one :class:`KDTree` searched as a forest.
+
+    Node arrays are concatenated (child ids and point ranges shifted per tree), ``points`` and
+    ``perm`` are the trees' leaf-ordered rows one after the other (T x N rows) and ``roots``
+    holds the root node of every tree. A search then keeps ONE priority queue over the boxes of
+    all trees (FLANN's replicated forest), and a point reached through several trees counts once.
+    """
+    trees = list(trees)
+    if not trees:
+        raise InputError("pack_forest needs at least one tree")
+    t0 = trees[0]
+    if len(trees) == 1:
+        return t0
+    n = t0.n_points
+    for t in trees[1:]:
+        if t.device != t0.device or t.n_points != n or t.n_dims != t0.n_dims or t.n_trees != 1:
+            raise InputError("pack_forest: every tree must be a single tree over the same points on one device")
+    if t0.device == "gpu":
+        import cupy as xp
+    else:
+        xp = np
+    offs = np.cumsum([0] + [t.n_nodes for t in trees[:-1]])
+    child = xp.concatenate([xp.where(t.child >= 0, t.child + int(o), -1).astype(xp.int32)
+                            for t, o in zip(trees, offs)])
+    start = xp.concatenate([t.start + i * n for i, t in enumerate(trees)])
+    end = xp.concatenate([t.end + i * n for i, t in enumerate(trees)])
+    cat = {name: xp.concatenate([getattr(t, name) for t in trees])
+           for name in ("points", "perm", "split_dim", "split_val", "lo", "hi")}
+    params = dict(t0.params, n_trees=len(trees))
+    return KDTree(t0.device, start=start, end=end, child=child, depth=max(t.depth for t in trees),
+                  leaf_size=t0.leaf_size, params=params, data=t0.data,
+                  roots=xp.asarray(offs, dtype=xp.int32), **cat)
+
+
+def build_kdforest(X, *, n_trees: int = 1, leaf_size: int = 64, max_depth: int | None = None,
+                   random_dims: int | None = None, seed: int = 0, device: str = "auto") -> KDTree:
+    """Build ``n_trees`` randomized KD-trees over the same points, packed for a shared-queue search.
+
+    Tree ``t`` is ``build_kdtree(X, random_dims=random_dims, seed=seed + t, ...)``; the trees
+    are packed by :func:`pack_forest` (T copies of the points, leaf ordered per tree). With
+    ``n_trees=1`` this is exactly :func:`build_kdtree`.
+
+    Parameters
+    ----------
+    X : (N, d) array_like
+    n_trees : int, keyword-only
+        Number of trees (``>= 1``). ``n_trees > 1`` needs ``random_dims >= 2`` (otherwise every
+        tree would be the same tree).
+    leaf_size, max_depth, random_dims, seed, device
+        As in :func:`build_kdtree`.
+    """
+    n_trees = _check_n_trees(n_trees)
+    leaf_size, max_depth, rand_f, seed = _check_build_params(leaf_size, max_depth, random_dims, seed)
+    if n_trees > 1 and rand_f < 2:
+        raise InputError(f"n_trees={n_trees} needs random_dims >= 2 (random_dims={random_dims!r} makes every "
+                         "tree identical)")
+    trees = []
+    for t in range(n_trees):
+        tree = build_kdtree(X, leaf_size=leaf_size, max_depth=max_depth, random_dims=rand_f or None,
+                            seed=seed + t, device=device)
+        X = tree.data  # validated, on the tree's device: no second conversion
+        trees.append(tree)
+    forest = pack_forest(trees)
+    forest.params["seed"] = seed
+    return forest
+
+
+def check_bounds(bounds, m: int, xp=np):
+    """Validate per-query bounds ((M,) squared distances, ``inf`` = none) -> float32 on ``xp``."""
+    if bounds is None:
+        return None
+    b = xp.asarray(bounds)
+    if b.ndim == 0:
+        b = xp.full(m, b, dtype=xp.float32)
+    if b.shape != (m,):
+        raise InputError(f"bounds must have shape ({m},) (one squared distance per query), got {tuple(b.shape)}")
+    if b.dtype.kind not in "fiu":
+        raise InputError(f"bounds must be a float array, got dtype {b.dtype}")
+    b = b.astype(xp.float32)
+    if bool(xp.isnan(b).any()):
+        raise InputError("bounds contains NaN (use inf for 'no bound')")
+    if bool((b < 0).any()):
+        raise InputError("bounds must be >= 0 (squared distances; inf for 'no bound')")
+    return b
+
+
+def _bound_limit(bounds, m: int, xp=np):
+    """Largest admissible box/point distance per query: the float just below the bound (strict)."""
+    if bounds is None:
+        return xp.full(m, np.inf, dtype=xp.float32)
+    lim = xp.nextafter(bounds, xp.full_like(bounds, -np.inf)).astype(xp.float32)
+    lim[xp.isinf(bounds)] = np.inf
+    return lim
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU P-ANNS (mirrored in CUDA)
 # ----------------------------------------------------------------------------------------------
@@ -407,22 +527,74 @@ def _heap_push_bounded(hd, hn, size, cap, dv, nv):
     return size, ev
 
 
+@njit(cache=True, inline="always")
+def _insert_unique(dist, ids, cnt, k, dv, iv):
+    """Insert (dv, iv) into the ascending (dist, id) list unless it is already there (a point
+    reached through a second tree of a forest has the same key); returns the new count."""
+    if cnt == k:
+        last = k - 1
+        if dv > dist[last] or (dv == dist[last] and iv >= ids[last]):
+            return cnt
+    j = cnt - 1
+    while j >= 0 and (dist[j] > dv or (dist[j] == dv and ids[j] > iv)):
+        j -= 1
+    if j >= 0 and dist[j] == dv and ids[j] == iv:
+        return cnt
+    if cnt < k:
+        cnt += 1
+    p = cnt - 1
+    while p > j + 1:
+        dist[p] = dist[p - 1]
+        ids[p] = ids[p - 1]
+        p -= 1
+    dist[j + 1] = dv
+    ids[j + 1] = iv
+    return cnt
+
+
 @njit(cache=True, parallel=True)
-def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, queries, k, budget, heap_cap,
-              out_d, out_i, overflow):
+def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, roots, queries, lim, k, budget, heap_cap,
+              out_d, out_i, overflow, visits_out):
+    """P-ANNS over one tree or a packed forest (one queue over the boxes of all trees).
+
+    ``lim[q]``: boxes farther than it are pruned (the float below the query's bound, or inf).
+    """
     m = queries.shape[0]
     for qi in prange(m):
         q = queries[qi]
+        bl = lim[qi]
         dist = np.empty(k, np.float32)
         ids = np.empty(k, np.int64)
         cnt = 0
         hd = np.empty(heap_cap, np.float32)
         hn = np.empty(heap_cap, np.int32)
         hs = 0
-        node = 0
-        visits = 0
         ovf = False
+        for t in range(roots.shape[0]):
+            r = roots[t]
+            bd = _box_dist(q, lo[r], hi[r])
+            if bd <= bl:
+                hs, ev = _heap_push_bounded(hd, hn, hs, heap_cap, bd, r)
+                if ev >= 0 and ev <= bl:
+                    ovf = True
+        check_near = bl < np.float32(np.inf)
+        visits = 0
         while True:
+            worst = dist[k - 1] if cnt == k else np.float32(np.inf)
+            if bl < worst:
+                worst = bl
+            node = -1
+            while hs > 0:
+                bd = hd[0]
+                nd = hn[0]
+                hs = _heap_pop(hd, hn, hs)
+                if bd <= worst:
+                    node = nd
+                    break
+                hs = 0
+            if node < 0:
+                break
+            pruned = False
             while child[node] >= 0:
                 c = child[node]
                 if q[sdim[node]] <= sval[node]:
@@ -431,35 +603,28 @@ def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, queries, k, b
                 else:
                     near = c + 1
                     far = c
-                worst = dist[k - 1] if cnt == k else np.float32(np.inf)
                 bd = _box_dist(q, lo[far], hi[far])
                 if bd <= worst:
                     hs, ev = _heap_push_bounded(hd, hn, hs, heap_cap, bd, far)
                     if ev >= 0 and ev <= worst:
                         ovf = True
+                if check_near and _box_dist(q, lo[near], hi[near]) > worst:
+                    pruned = True  # bounded search: the near side cannot hold a point below the bound
+                    break
                 node = near
+            if pruned:
+                continue
             for p in range(start[node], end[node]):
-                cnt = _insert(dist, ids, cnt, k, _sqdist(q, points[p]), perm[p])
+                cnt = _insert_unique(dist, ids, cnt, k, _sqdist(q, points[p]), perm[p])
             visits += 1
             if budget > 0 and visits >= budget:
                 break
-            worst = dist[k - 1] if cnt == k else np.float32(np.inf)
-            found = False
-            while hs > 0:
-                bd = hd[0]
-                nd = hn[0]
-                hs = _heap_pop(hd, hn, hs)
-                if bd <= worst:
-                    node = nd
-                    found = True
-                    break
-                hs = 0
-            if not found:
-                break
         for j in range(k):
-            out_d[qi, j] = dist[j] if j < cnt else np.inf
-            out_i[qi, j] = ids[j] if j < cnt else -1
+            ok = j < cnt and dist[j] <= bl
+            out_d[qi, j] = dist[j] if ok else np.inf
+            out_i[qi, j] = ids[j] if ok else -1
         overflow[qi] = ovf
+        visits_out[qi] = visits
 
 
 def _check_budget(backtracks):
@@ -471,13 +636,17 @@ def _check_budget(backtracks):
 
 
 def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtracks: int | None = None,
-                 sliding_window: bool = True, finish_below: int | None = None, return_stats: bool = False):
+                 sliding_window: bool = True, finish_below: int | None = None, bounds=None,
+                 return_stats: bool = False):
     """The ``k`` nearest indexed points of every query (squared L2, ascending, ties by id).
 
     Parameters
     ----------
     tree : KDTree
-        From :func:`build_kdtree`; the search runs on ``tree.device``.
+        From :func:`build_kdtree` or :func:`build_kdforest`; the search runs on ``tree.device``.
+        A packed forest is searched with ONE priority queue over the boxes of all its trees
+        (the closest pending box of any tree is scanned next) and one budget; a point reached
+        through several trees is returned once.
     queries : (M, d) array_like
     k : int
         ``1 <= k <= min(N, 256)``.
@@ -486,22 +655,32 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
         ``"banns"``: buffered rounds with per-leaf query buckets (GPU); on the CPU it runs the
         same traversal as ``"anns"`` (the leaf visit order per query is identical).
     backtracks : int or None
-        Maximum number of leaves scanned per query; ``None`` means unlimited, which returns the
-        exact brute-force answer.
+        Maximum number of leaves scanned per query (over all trees of a forest); ``None``
+        means unlimited, which returns the exact brute-force answer.
     sliding_window : bool
         P-BANNS only: shared-memory tiles with the rotating schedule (True) or the naive
         per-thread global-memory scan (False).
     finish_below : int, optional
         P-BANNS only: when at most this many queries are still active they are finished by exact
         brute force (default ``max(32, M // 256)``).
+    bounds : (M,) array_like of float32, optional
+        Per-query initial bound on the squared distance (``inf``: none), e.g. the global P-th
+        distance already known from other shards. Boxes not closer than the bound are pruned and
+        only points strictly closer than the bound are returned; missing slots are ``(inf, -1)``.
+        With bounds >= the true k-th distance (strictly above it when ties matter) and an
+        unlimited budget the answer is still exact.
     return_stats : bool
-        Also return a dict of search statistics.
+        Also return a dict of search statistics: ``heap_overflow`` (queries whose bounded queue
+        dropped a box), ``leaves_visited`` ((M,) int32 numpy, leaves scanned per query; P-BANNS
+        queries finished by brute force count only the leaves scanned before), and for P-BANNS
+        the round and phase timings.
     """
     if not isinstance(tree, KDTree):
         raise InputError("tree must be a KDTree from build_kdtree()")
     if method not in ("anns", "banns"):
         raise InputError(f"method must be 'anns' or 'banns', got {method!r}")
     budget = _check_budget(backtracks)
+    roots = tree.roots
     if tree.device == "gpu":
         import cupy as cp
 
@@ -509,27 +688,43 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
 
         queries = check_points(cp.asarray(queries), "queries", dim=tree.n_dims, xp=cp)
         k = check_k(k, tree.n_points)
+        b = check_bounds(bounds, queries.shape[0], xp=cp)
+        lim = _bound_limit(b, queries.shape[0], xp=cp)
+        if roots is None:
+            roots = cp.zeros(1, cp.int32)
         if method == "banns":
-            res = _kdtree_gpu.banns(tree, queries, k, budget, sliding_window, finish_below)
+            res = _kdtree_gpu.banns(tree, queries, k, budget, sliding_window, finish_below, roots=roots, lim=lim)
         else:
-            res = _kdtree_gpu.anns(tree, queries, k, budget)
+            res = _kdtree_gpu.anns(tree, queries, k, budget, roots=roots, lim=lim)
+        if b is not None:
+            drop = res[0] > lim[:, None]
+            res[0][drop] = cp.inf
+            res[1][drop] = -1
         return res if return_stats else res[:2]
     queries = check_points(to_numpy(queries), "queries", dim=tree.n_dims, xp=np)
     k = check_k(k, tree.n_points)
     m = queries.shape[0]
+    b = check_bounds(None if bounds is None else to_numpy(bounds), m, xp=np)
+    lim = _bound_limit(b, m, xp=np)
+    roots = np.zeros(1, np.int32) if roots is None else np.ascontiguousarray(roots, dtype=np.int32)
     out_d = np.empty((m, k), np.float32)
     out_i = np.empty((m, k), np.int64)
     ovf = np.zeros(m, np.bool_)
+    visits = np.zeros(m, np.int32)
     _anns_cpu(tree.points, tree.perm, tree.child, tree.split_dim, tree.split_val, tree.start, tree.end,
-              tree.lo, tree.hi, queries, k, budget, HEAP_CAP, out_d, out_i, ovf)
+              tree.lo, tree.hi, roots, queries, lim, k, budget, HEAP_CAP, out_d, out_i, ovf, visits)
     n_ovf = int(ovf.sum())
     if n_ovf and budget == 0:
-        # queue overflow lost boxes: redo those queries exactly (canonical scan of the leaf order)
+        # queue overflow lost boxes: redo those queries exactly (canonical scan of the first tree)
         idx = np.nonzero(ovf)[0]
-        d2, i2 = _exact_scan_ids(tree.points, tree.perm, queries[idx], k)
+        n = tree.n_points
+        d2, i2 = _exact_scan_ids(tree.points[:n], tree.perm[:n], queries[idx], k)
+        drop = d2 > lim[idx, None]
+        d2[drop] = np.inf
+        i2[drop] = -1
         out_d[idx] = d2
         out_i[idx] = i2
-    stats = {"heap_overflow": n_ovf}
+    stats = {"heap_overflow": n_ovf, "leaves_visited": visits}
     return (out_d, out_i, stats) if return_stats else (out_d, out_i)
 
 

@@ -145,7 +145,7 @@ def test_kdforest_api(rng):
 
 
 @pytest.mark.parametrize("params,X,msg", [
-    ({"n_trees": 2}, None, "not implemented"),
+    ({"n_trees": 2, "random_dims": 1}, None, "random_dims >= 2"),
     ({"n_trees": 0}, None, "n_trees"),
     ({"method": "fast"}, None, "method"),
     ({"leaf_size": 0}, None, "leaf_size"),

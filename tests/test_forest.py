@@ -1,0 +1,287 @@
+"""Randomized KD-forests (n_trees > 1, one shared queue) and bounded search (global top-P sync)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scanforest.kernels.bruteforce import knn_bruteforce, recall
+from scanforest.kernels.errors import InputError
+from scanforest.kernels.kdforest import KDForest, merge_topk_unique
+from scanforest.kernels.kdtree import build_kdforest, build_kdtree, query_kdtree
+
+
+def _data(rng, kind, n, m, d):
+    if kind == "random":
+        return rng.standard_normal((n, d)).astype(np.float32), rng.standard_normal((m, d)).astype(np.float32)
+    # many exact duplicates and distance ties
+    return rng.integers(0, 3, (n, d)).astype(np.float32), rng.integers(0, 3, (m, d)).astype(np.float32)
+
+
+def _above(x):
+    """The float32 just above x: a bound that admits points at distance x."""
+    return np.nextafter(np.asarray(x, np.float32), np.float32(np.inf))
+
+
+def _assert_rows_unique(ids):
+    for r in np.asarray(ids):
+        r = r[r >= 0]
+        assert len(np.unique(r)) == len(r), f"duplicate id in a row: {r}"
+
+
+# ---------------------------------------------------------------------------------------- build
+def test_forest_layout(rng):
+    X = rng.standard_normal((1500, 6)).astype(np.float32)
+    f = build_kdforest(X, n_trees=3, leaf_size=8, random_dims=4, seed=11, device="cpu")
+    assert f.n_trees == 3 and f.n_points == 1500 and f.points.shape == (4500, 6)
+    assert f.roots[0] == 0
+    for t in range(3):
+        ref = build_kdtree(X, leaf_size=8, random_dims=4, seed=11 + t, device="cpu")
+        r0 = int(f.roots[t])
+        nn = ref.n_nodes
+        np.testing.assert_array_equal(f.split_dim[r0:r0 + nn], ref.split_dim)
+        np.testing.assert_array_equal(f.perm[t * 1500:(t + 1) * 1500], ref.perm)
+        np.testing.assert_array_equal(f.start[r0:r0 + nn], ref.start + t * 1500)
+        np.testing.assert_array_equal(f.child[r0:r0 + nn], np.where(ref.child >= 0, ref.child + r0, -1))
+        np.testing.assert_array_equal(f.lo[r0:r0 + nn], ref.lo)
+    # the trees really differ (randomized splits, seeds seed + t)
+    assert not np.array_equal(f.perm[:1500], f.perm[1500:3000])
+    assert build_kdforest(X, n_trees=1, leaf_size=8, device="cpu").roots is None
+
+
+# ---------------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("kind", ["random", "duplicates"])
+@pytest.mark.parametrize("n_trees,k,d", [(2, 1, 5), (3, 4, 12), (4, 17, 3)])
+def test_forest_unlimited_budget_is_exact(rng, kind, n_trees, k, d):
+    X, Q = _data(rng, kind, 3000, 300, d)
+    bd, bi = knn_bruteforce(X, Q, k, device="cpu")
+    for method in ("anns", "banns"):
+        f = KDForest(n_trees=n_trees, leaf_size=16, method=method, device="cpu").fit(X)
+        d2, ids = f.query(Q, k)
+        np.testing.assert_array_equal(ids, bi, err_msg=method)
+        np.testing.assert_array_equal(d2, bd, err_msg=method)
+
+
+def test_single_tree_forest_is_the_tree(rng):
+    X, Q = _data(rng, "random", 4000, 200, 8)
+    t = build_kdtree(X, leaf_size=16, device="cpu")
+    for b in (1, 4, None):
+        d1, i1 = query_kdtree(t, Q, 5, backtracks=b)
+        d2, i2 = KDForest(leaf_size=16, backtracks=b, method="anns", device="cpu").fit(X).query(Q, 5)
+        np.testing.assert_array_equal(i1, i2)
+        np.testing.assert_array_equal(d1, d2)
+
+
+def test_forest_shared_budget_and_unique_ids(rng):
+    # clustered data, query set = reference set (duplicated points reachable through every tree)
+    X = (rng.standard_normal((40, 16)) * 4)[rng.integers(0, 40, 4000)] + rng.standard_normal((4000, 16))
+    X = X.astype(np.float32)
+    Q = X[:400]
+    bd, _ = knn_bruteforce(X, Q, 8, device="cpu")
+    rec = {}
+    for T in (1, 3):
+        f = KDForest(n_trees=T, leaf_size=16, backtracks=6, method="anns", device="cpu").fit(X)
+        d2, ids = f.query(Q, 8)
+        _assert_rows_unique(ids)
+        lv = f.stats_["leaves_visited"]
+        assert lv.shape == (400,) and int(lv.max()) <= 6 and int(lv.min()) >= 1
+        assert np.all(np.diff(d2, axis=1) >= 0)
+        rec[T] = recall(d2, bd)
+    assert 0.3 < rec[1] < 1.0 and 0.3 < rec[3] < 1.0
+
+
+def test_forest_validation(rng):
+    X = rng.standard_normal((50, 4)).astype(np.float32)
+    for params, msg in [({"n_trees": 0}, "n_trees"), ({"n_trees": 1.5}, "n_trees"), ({"n_trees": True}, "n_trees"),
+                        ({"n_trees": 2, "random_dims": 1}, "random_dims >= 2"),
+                        ({"random_dims": 5}, "1..d"), ({"n_trees": 2, "random_dims": 6}, "1..d")]:
+        with pytest.raises(InputError, match=msg):
+            KDForest(device="cpu", **params).fit(X)
+    f = KDForest(n_trees=2, device="cpu").fit(X)
+    assert f.random_dims_ == 4 and f.tree_.n_trees == 2  # default F = min(5, d)
+    assert KDForest(n_trees=2, device="cpu").fit(rng.standard_normal((50, 9)).astype(np.float32)).random_dims_ == 5
+    with pytest.raises(InputError, match="random_dims >= 2"):
+        build_kdforest(X, n_trees=3, device="cpu")
+    for bounds, msg in [(np.zeros(3, np.float32), r"shape \(2,\)"), (np.array([1, np.nan], np.float32), "NaN"),
+                        (np.array([1, -1], np.float32), ">= 0"), (np.array(["a", "b"]), "float")]:
+        with pytest.raises(InputError, match=msg):
+            f.query(X[:2], 2, bounds=bounds)
+    with pytest.raises(InputError, match="backtracks"):
+        f.query(X[:2], 2, backtracks=0)
+    f.query(X[:2], 2, backtracks=1)
+    assert f.stats_["leaves_visited"].max() == 1 and f.backtracks is None
+
+
+# ---------------------------------------------------------------------------------------- bounds
+@pytest.mark.parametrize("n_trees", [1, 2])
+@pytest.mark.parametrize("kind", ["random", "duplicates"])
+def test_bounded_search_is_exact_and_visits_fewer_leaves(rng, n_trees, kind):
+    X, Q = _data(rng, kind, 5000, 400, 10)
+    k = 4
+    bd, bi = knn_bruteforce(X, Q, k, device="cpu")
+    f = KDForest(n_trees=n_trees, leaf_size=16, method="anns", device="cpu").fit(X)
+    f.query(Q, k)
+    free = f.stats_["leaves_visited"].copy()
+    d2, ids = f.query(Q, k, bounds=_above(bd[:, -1]))
+    np.testing.assert_array_equal(ids, bi)
+    np.testing.assert_array_equal(d2, bd)
+    bounded = f.stats_["leaves_visited"]
+    assert bounded.sum() < free.sum()
+    # the tree-level entry point gives the same
+    d3, i3, st = query_kdtree(f.tree_, Q, k, bounds=_above(bd[:, -1]), return_stats=True)
+    np.testing.assert_array_equal(i3, bi)
+    np.testing.assert_array_equal(st["leaves_visited"], bounded)
+
+
+def test_bound_is_strict_and_pads(rng):
+    X, Q = _data(rng, "duplicates", 3000, 200, 6)
+    k = 6
+    bd, bi = knn_bruteforce(X, Q, k, device="cpu")
+    b = bd[:, 2].copy()  # only points strictly closer than the 3rd distance are admitted
+    keep = bd < b[:, None]
+    for method in ("anns", "exact"):
+        f = KDForest(n_trees=2, leaf_size=8, method=method, device="cpu").fit(X)
+        d2, ids = f.query(Q, k, bounds=b)
+        np.testing.assert_array_equal(ids, np.where(keep, bi, -1), err_msg=method)
+        np.testing.assert_array_equal(d2, np.where(keep, bd, np.inf).astype(np.float32), err_msg=method)
+    f = KDForest(n_trees=2, leaf_size=8, method="anns", device="cpu").fit(X)
+    d2, ids = f.query(Q, k, bounds=np.zeros(len(Q), np.float32))
+    assert np.all(ids == -1) and np.all(np.isinf(d2)) and f.stats_["leaves_visited"].sum() == 0
+    d1, i1 = f.query(Q, k)
+    d2, i2 = f.query(Q, k, bounds=np.full(len(Q), np.inf, np.float32))
+    np.testing.assert_array_equal(i1, i2)
+    d2, i2 = f.query(Q, k, bounds=np.float32(np.inf))  # a scalar applies to every query
+    np.testing.assert_array_equal(i1, i2)
+
+
+def test_two_phase_global_sync_on_shards(rng):
+    """The distributed pattern: phase 1 (small budget on every shard) -> merged global k-th
+    distance per query -> phase 2 bounded on every shard -> unique merge == brute force."""
+    X, Q = _data(rng, "random", 6000, 300, 8)
+    k = 4
+    bd, bi = knn_bruteforce(X, Q, k, device="cpu")
+    cuts = [(0, 2000), (2000, 4000), (4000, 6000)]
+    shards = [(a, KDForest(n_trees=2, leaf_size=16, method="anns", seed=s, device="cpu").fit(X[a:b]))
+              for s, (a, b) in enumerate(cuts)]
+
+    def run(bounds, budget):
+        parts, leaves = [], 0
+        for a, f in shards:
+            d2, ids = f.query(Q, k, bounds=bounds, backtracks=budget)
+            parts.append((d2, np.where(ids >= 0, ids + a, -1)))
+            leaves += int(f.stats_["leaves_visited"].sum())
+        return parts, leaves
+
+    p1, l1 = run(None, 2)
+    g1 = merge_topk_unique(p1, k)
+    p2, l2 = run(_above(g1[0][:, -1]), None)
+    d2, ids = merge_topk_unique(p1 + p2, k)
+    np.testing.assert_array_equal(ids, bi)
+    np.testing.assert_array_equal(d2, bd)
+    _, l_free = run(None, None)
+    assert l1 + l2 < l_free
+
+
+def test_merge_topk_unique():
+    d1 = np.array([[1, 2, 3], [0, 5, np.inf]], np.float32)
+    i1 = np.array([[7, 8, 9], [1, 2, -1]])
+    d2 = np.array([[1, 2.5], [0, 0]], np.float32)
+    i2 = np.array([[7, 4], [1, 3]])
+    d, i = merge_topk_unique([(d1, i1), (d2, i2)], 4)
+    np.testing.assert_array_equal(i, [[7, 8, 4, 9], [1, 3, 2, -1]])
+    np.testing.assert_array_equal(d, np.array([[1, 2, 2.5, 3], [0, 0, 5, np.inf]], np.float32))
+    d, i = merge_topk_unique([(d1[:, :1], i1[:, :1])], 2)
+    np.testing.assert_array_equal(i, [[7, -1], [1, -1]])
+
+
+# ---------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "duplicates"])
+@pytest.mark.parametrize("n_trees,k,d,leaf", [(2, 1, 5, 32), (3, 4, 64, 32), (4, 33, 40, 200)])
+def test_gpu_forest_unlimited_budget_is_exact(rng, monkeypatch, kind, n_trees, k, d, leaf):
+    import cupy as cp
+
+    from scanforest.kernels import _kdtree_gpu
+
+    X, Q = _data(rng, kind, 6000, 700, d)
+    bd, bi = knn_bruteforce(X, Q, k, device="cpu")
+    forest = build_kdforest(cp.asarray(X), n_trees=n_trees, leaf_size=leaf, random_dims=5, seed=3)
+    cpu = build_kdforest(X, n_trees=n_trees, leaf_size=leaf, random_dims=5, seed=3, device="cpu")
+    for name in ("perm", "child", "start", "end", "roots", "split_dim"):
+        np.testing.assert_array_equal(getattr(forest, name).get(), getattr(cpu, name), err_msg=name)
+    for method, sw, kern in (("anns", True, "rotate"), ("banns", True, "rotate"), ("banns", True, "tile"),
+                             ("banns", False, "rotate")):
+        monkeypatch.setattr(_kdtree_gpu, "WINDOW_KERNEL", kern)
+        d2, ids = query_kdtree(forest, cp.asarray(Q), k, method=method, sliding_window=sw)
+        np.testing.assert_array_equal(ids.get(), bi, err_msg=f"{method} sw={sw} {kern}")
+        np.testing.assert_array_equal(d2.get(), bd, err_msg=f"{method} sw={sw} {kern}")
+
+
+@pytest.mark.gpu
+def test_gpu_forest_limited_budget_matches_cpu(rng):
+    import cupy as cp
+
+    X, Q = _data(rng, "random", 20000, 1000, 16)
+    ct = build_kdforest(X, n_trees=3, leaf_size=32, random_dims=5, device="cpu")
+    gt = build_kdforest(cp.asarray(X), n_trees=3, leaf_size=32, random_dims=5)
+    for b in (1, 5, 20):
+        cd, ci, cs = query_kdtree(ct, Q, 4, backtracks=b, return_stats=True)
+        ad, ai, gs = query_kdtree(gt, cp.asarray(Q), 4, backtracks=b, method="anns", return_stats=True)
+        np.testing.assert_array_equal(ai.get(), ci)
+        np.testing.assert_array_equal(gs["leaves_visited"], cs["leaves_visited"])
+        _assert_rows_unique(ci)
+        for sw in (True, False):
+            bd, bi, bs = query_kdtree(gt, cp.asarray(Q), 4, backtracks=b, method="banns", sliding_window=sw,
+                                      finish_below=0, return_stats=True)
+            np.testing.assert_array_equal(bi.get(), ci)
+            np.testing.assert_array_equal(bd.get(), cd)
+            np.testing.assert_array_equal(bs["leaves_visited"], cs["leaves_visited"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_trees", [1, 3])
+def test_gpu_bounded_search(rng, n_trees):
+    import cupy as cp
+
+    X, Q = _data(rng, "random", 20000, 1000, 16)
+    k = 4
+    bd, bi = knn_bruteforce(X, Q, k, device="cpu")
+    ct = build_kdforest(X, n_trees=n_trees, leaf_size=32, random_dims=5, device="cpu")
+    gt = build_kdforest(cp.asarray(X), n_trees=n_trees, leaf_size=32, random_dims=5)
+    Qg = cp.asarray(Q)
+    for b, budget in ((_above(bd[:, -1]), None), (bd[:, 1].copy(), None), (_above(bd[:, -1]), 3)):
+        cd, ci, cs = query_kdtree(ct, Q, k, backtracks=budget, bounds=b, return_stats=True)
+        if budget is None:
+            keep = bd < b[:, None]
+            np.testing.assert_array_equal(ci, np.where(keep, bi, -1))
+        _, _, free = query_kdtree(gt, Qg, k, backtracks=budget, method="anns", return_stats=True)
+        for method in ("anns", "banns"):
+            kw = {"finish_below": 0} if method == "banns" else {}
+            gd, gi, gs = query_kdtree(gt, Qg, k, backtracks=budget, method=method, bounds=cp.asarray(b),
+                                      return_stats=True, **kw)
+            np.testing.assert_array_equal(gi.get(), ci, err_msg=method)
+            np.testing.assert_array_equal(gd.get(), cd, err_msg=method)
+            np.testing.assert_array_equal(gs["leaves_visited"], cs["leaves_visited"], err_msg=method)
+        assert cs["leaves_visited"].sum() <= free["leaves_visited"].sum()
+        if budget is None:
+            assert cs["leaves_visited"].sum() < free["leaves_visited"].sum()
+    # default finish (residual queries by brute force) stays exact with bounds
+    gd, gi = query_kdtree(gt, Qg, k, method="banns", bounds=cp.asarray(_above(bd[:, -1])))
+    np.testing.assert_array_equal(gi.get(), bi)
+    gd, gi = query_kdtree(gt, Qg, k, method="banns", bounds=cp.zeros(len(Q), cp.float32))
+    assert bool((gi == -1).all())
+
+
+@pytest.mark.gpu
+def test_gpu_kdforest_trees_and_bounds(rng):
+    import cupy as cp
+
+    X, Q = _data(rng, "random", 5000, 200, 12)
+    bd, bi = knn_bruteforce(X, Q, 6, device="cpu")
+    for method in ("banns", "anns", "exact"):
+        f = KDForest(n_trees=2, method=method, leaf_size=16).fit(cp.asarray(X))
+        d2, ids = f.query(Q, 6)
+        np.testing.assert_array_equal(ids.get(), bi, err_msg=method)
+        d2, ids = f.query(Q, 6, bounds=_above(bd[:, -1]))
+        np.testing.assert_array_equal(ids.get(), bi, err_msg=method)
+        d, i = merge_topk_unique([(d2, ids), (d2, ids)], 6)
+        np.testing.assert_array_equal(i.get(), bi)

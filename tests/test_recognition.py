@@ -1,0 +1,384 @@
+"""Recognition: rigid fits, RANSAC, Hough / GC grouping, verification, ICP, end to end."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scanforest.kernels import synthetic as S
+from scanforest.kernels.errors import InputError
+from scanforest.kernels.icp import icp_point_to_plane
+from scanforest.kernels.recognition import (Correspondences, Hypotheses, ModelLibrary, evaluate,
+                                            group_gc, hough_maxima, match, pose_errors,
+                                            ransac_rigid, recognize, rigid_transform, verify)
+
+
+def _pose(rng, t_scale=0.5):
+    return S.pose_matrix(S.random_rotation(rng), rng.normal(size=3) * t_scale)
+
+
+# --------------------------------------------------------------------------- rigid fits
+def test_rigid_transform_recovers_known_pose(rng):
+    T = _pose(rng)
+    src = rng.normal(size=(50, 3))
+    dst = src @ T[:3, :3].T + T[:3, 3]
+    est = rigid_transform(src, dst)
+    np.testing.assert_allclose(est, T, atol=1e-10)
+    # a reflection-inducing configuration (planar points) still gives a proper rotation
+    flat = src.copy()
+    flat[:, 2] = 0
+    est = rigid_transform(flat, flat @ T[:3, :3].T + T[:3, 3])
+    assert np.linalg.det(est[:3, :3]) == pytest.approx(1.0)
+    np.testing.assert_allclose(est, T, atol=1e-9)
+
+
+def test_rigid_transform_rejects_bad_input():
+    with pytest.raises(InputError):
+        rigid_transform(np.zeros((2, 3)), np.zeros((2, 3)))
+    with pytest.raises(InputError):
+        rigid_transform(np.zeros((4, 3)), np.zeros((5, 3)))
+
+
+def test_ransac_rejects_outliers(rng):
+    T = _pose(rng)
+    src = rng.uniform(-0.1, 0.1, size=(60, 3))
+    dst = src @ T[:3, :3].T + T[:3, 3] + rng.normal(scale=1e-4, size=src.shape)
+    out = rng.choice(60, 25, replace=False)
+    dst[out] += rng.uniform(0.05, 0.2, size=(25, 3))
+    est, inl = ransac_rigid(src, dst, threshold=0.005, seed=1)
+    truth = np.ones(60, bool)
+    truth[out] = False
+    assert (inl == truth).all()
+    r, t = pose_errors(est, T)
+    assert r < 0.1 and t < 1e-3
+    assert ransac_rigid(src[:2], dst[:2], threshold=0.01) == (None, None)
+
+
+# --------------------------------------------------------------------------- Hough voting
+def _hough_reference(votes, b, thr):
+    """Dense transcription of PCL HoughSpace3D::voteInt + findMaxima (independent reference)."""
+    dmin, dmax = votes.min(0), votes.max(0)
+    cnt = np.ceil((dmax - dmin) / b).astype(int)
+    pp = [1, cnt[0], cnt[0] * cnt[1], cnt[0] * cnt[1] * cnt[2]]
+    H = np.zeros(pp[3])
+    ids = {}
+    for vid, v in enumerate(votes):
+        c = np.floor((v - dmin) / b).astype(int)
+        if ((c < 0) | (c >= cnt)).any():
+            continue
+        cen = np.float32((2 * c * b + b) / 2.0)
+        cw = np.float32(1 - np.abs(v - dmin - cen) / b)
+        ib = [c[d] - 1 if v[d] - dmin[d] < cen[d] else (c[d] + 1 if v[d] - dmin[d] > cen[d] else c[d])
+              for d in range(3)]
+        for n in range(27):
+            w, idx, e, ok = np.float32(1), 0, 1, True
+            for d in range(3):
+                cur = c[d] + (n % (e * 3)) // e - 1
+                if not (0 <= cur <= cnt[d] - 1):
+                    ok = False
+                    break
+                if cur == ib[d]:
+                    w = np.float32(w * (1 - cw[d]))
+                elif cur == c[d]:
+                    w = np.float32(w * cw[d])
+                else:
+                    ok = False
+                    break
+                idx += cur * pp[d]
+                e *= 3
+            if ok:
+                H[idx] += float(w)
+                ids.setdefault(idx, []).append(vid)
+    if thr < 0:  # PCL: a negative threshold in [-1, 0) is a fraction of the maximum
+        thr = -thr * H.max() if thr >= -1 else H.max()
+    vals, voters = [], []
+    for i in range(pp[3]):
+        if H[i] < thr:
+            continue
+        m, ismax = i, True
+        for k in (2, 1, 0):
+            m %= pp[k + 1]
+            ik = m // pp[k]
+            if ik > 0 and H[i] < H[i - pp[k]]:
+                ismax = False
+                break
+            if ik < cnt[k] - 1 and H[i] < H[i + pp[k]]:
+                ismax = False
+                break
+        if ismax:
+            vals.append(H[i])
+            voters.append(sorted(ids[i]))
+    return vals, voters
+
+
+def test_hough_maxima_matches_pcl_reference(rng):
+    centres = np.array([[0.0, 0.0, 0.0], [0.1, 0.05, -0.02], [0.03, 0.12, 0.07]])
+    votes = np.concatenate([c + rng.normal(scale=0.004, size=(n, 3))
+                            for c, n in zip(centres, (30, 12, 4))] + [rng.uniform(-0.05, 0.15, (40, 3))])
+    for thr in (3.0, 5.0, -0.5):
+        vals, voters = hough_maxima(votes, bin_size=0.01, threshold=thr)
+        rv, rvo = _hough_reference(votes, 0.01, thr)
+        assert len(rv) >= 1
+        np.testing.assert_allclose(vals, rv, rtol=1e-9)
+        assert [list(v) for v in voters] == rvo
+    vals, voters = hough_maxima(votes, bin_size=0.01, threshold=5.0)
+    assert any(set(range(30)) & set(v) for v in voters)
+
+
+def test_hough_without_interpolation_counts_votes(rng):
+    votes = np.concatenate([np.full((7, 3), 0.0155), rng.uniform(0.2, 0.9, (20, 3))])
+    vals, voters = hough_maxima(votes, bin_size=0.01, threshold=5, use_interpolation=False)
+    assert vals == [7.0]
+    assert list(voters[0]) == list(range(7))
+
+
+# --------------------------------------------------------------------------- GC grouping
+def _toy_library(model_kp):
+    k = len(model_kp)
+    z = np.zeros
+    return ModelLibrary(names=["toy"], point_offsets=np.array([0, k]), points=model_kp,
+                        normals=z((k, 3), np.float32), kp_offsets=np.array([0, k]),
+                        kp_index=np.arange(k), kp_coords=model_kp.astype(np.float32),
+                        descriptors=z((k, 352), np.float32), frames=z((k, 3, 3), np.float32),
+                        rf=z((k, 3, 3), np.float32), model_id=z(k, np.int32),
+                        kp_id=np.arange(k, dtype=np.int32), centroids=z((1, 3)),
+                        votes=z((k, 3), np.float32), verify_offsets=np.array([0, k]),
+                        verify_points=model_kp.astype(np.float32), verify_normals=z((k, 3), np.float32),
+                        resolutions=np.array([0.01]))
+
+
+def test_group_gc_finds_consistent_set(rng):
+    T = _pose(rng, 0.2)
+    mk = rng.uniform(-0.1, 0.1, size=(40, 3)).astype(np.float32)
+    lib = _toy_library(mk)
+    good = np.arange(25)
+    sk = (mk[good] @ T[:3, :3].T + T[:3, 3]).astype(np.float32)
+    wrong = rng.uniform(-0.3, 0.3, size=(15, 3)).astype(np.float32)      # random scene points
+    scene_kp = np.concatenate([sk, wrong])
+    corr = Correspondences(np.arange(40), np.concatenate([good, rng.integers(0, 40, 15)]),
+                           np.zeros(40, np.int32), np.zeros(40, np.int32),
+                           rng.uniform(0, 0.2, 40).astype(np.float32))
+    h = group_gc(corr, lib, scene_kp, gc_size=0.005, gc_threshold=5)
+    assert len(h) >= 1
+    best = int(np.argmax(h.n_corr))
+    assert set(h.groups[best].tolist()) == set(range(25))
+    r, t = pose_errors(h.poses[best], T)
+    assert r < 1e-3 and t < 1e-5
+
+
+# --------------------------------------------------------------------------- matching
+def test_match_threshold_and_ratio(rng):
+    mk = rng.uniform(-0.1, 0.1, size=(30, 3)).astype(np.float32)
+    lib = _toy_library(mk)
+    d = rng.random((30, 352)).astype(np.float32)
+    d /= np.linalg.norm(d, axis=1, keepdims=True)
+    lib.descriptors = d
+    lib.descriptors[3] = np.nan                      # invalid reference row: never matched
+    q = d[[0, 1, 2, 3]] + rng.normal(scale=0.01, size=(4, 352)).astype(np.float32)
+    q = np.concatenate([q, np.full((1, 352), np.nan, np.float32)])   # invalid scene row
+    c = match(q, lib, device="cpu")
+    valid = np.flatnonzero(np.isfinite(lib.descriptors).all(1))
+    d2 = ((q[:4, None, :] - lib.descriptors[None, valid]) ** 2).sum(-1)
+    exp_ref = valid[d2.argmin(1)]
+    keep = d2.min(1) < 0.25
+    assert c.scene_kp.tolist() == np.flatnonzero(keep).tolist()
+    assert c.ref_row.tolist() == exp_ref[keep].tolist()
+    assert 3 not in c.ref_row.tolist() and 4 not in c.scene_kp.tolist()
+    cr = match(q, lib, ratio=0.8, device="cpu")
+    srt = np.sort(d2, axis=1)
+    exp = np.flatnonzero(keep & (np.sqrt(srt[:, 0] / srt[:, 1]) < 0.8))
+    assert cr.scene_kp.tolist() == exp.tolist()
+    with pytest.raises(InputError):
+        match(q[:, :10], lib, device="cpu")
+
+
+# --------------------------------------------------------------------------- library
+@pytest.fixture(scope="module")
+def small_world():
+    models = S.model_library(2, 6000, seed=3)
+    lib = ModelLibrary.build([m.points for m in models], [m.name for m in models],
+                             models_normals=[m.normals for m in models], model_ss=0.01,
+                             descr_rad=0.04, rf_rad=0.03, normal_radius=0.015, views=16,
+                             device="cpu")
+    scene = S.make_scene(models, n_instances=2, n_points=40_000, noise=0.2, clutter=1, seed=5)
+    return models, lib, scene
+
+
+def test_library_roundtrip(small_world):
+    _, lib, _ = small_world
+    arrays, attrs = lib.to_arrays()
+    assert all(isinstance(v, np.ndarray) for v in arrays.values())
+    lib2 = ModelLibrary.from_arrays(arrays, attrs)
+    assert lib2.names == lib.names and lib2.params == lib.params
+    for k in arrays:
+        np.testing.assert_array_equal(getattr(lib2, k), getattr(lib, k))
+    assert (lib.model_id[lib.kp_offsets[1]:] == 1).all()
+    assert len(lib.valid_rows) > 0.9 * len(lib.kp_id)
+    with pytest.raises(InputError):
+        ModelLibrary.from_arrays({}, attrs)
+
+
+def test_library_rejects_bad_models():
+    with pytest.raises(InputError):
+        ModelLibrary.build([], device="cpu")
+    with pytest.raises(InputError):
+        ModelLibrary.build([np.zeros((5, 2))], device="cpu")
+
+
+# --------------------------------------------------------------------------- verification
+def _hyps(small_world, jitter_deg=0.0):
+    _, lib, scene = small_world
+    rng = np.random.default_rng(7)
+    poses, mids = [], []
+    for g in scene.ground_truth:
+        T = np.array(g["pose"])
+        for _ in range(3):   # the true pose and two near-duplicates of it
+            poses.append(T.copy())
+            mids.append(g["model_id"])
+        poses[-1][:3, 3] += 0.002
+    for _ in range(4):       # wrong poses of both models
+        P = _pose(rng, 0.0)
+        P[:3, 3] = scene.points[rng.integers(len(scene.points))]
+        poses.append(P)
+        mids.append(int(rng.integers(2)))
+    return Hypotheses(np.array(mids, np.int32), np.array(poses), np.full(len(mids), 10, np.int32))
+
+
+def test_verify_accepts_true_instances_once(small_world):
+    _, lib, scene = small_world
+    h = _hyps(small_world)
+    r = verify(h, lib, scene.points, inlier_dist=0.008, min_inlier_fraction=0.6, device="cpu")
+    picked = sorted(int(h.model_id[i]) for i in r.accepted)
+    assert picked == sorted(g["model_id"] for g in scene.ground_truth)
+    assert all(i < 6 for i in r.accepted)          # only true poses / duplicates
+    assert (r.first_scores[6:] < 0.5).all()
+    assert (r.scores > 0.8).all()
+
+
+@pytest.mark.gpu
+def test_verify_gpu_matches_cpu(small_world):
+    import cupy as cp
+
+    _, lib, scene = small_world
+    h = _hyps(small_world)
+    rc = verify(h, lib, scene.points, inlier_dist=0.008, min_inlier_fraction=0.6, device="cpu")
+    rg = verify(h, lib, cp.asarray(scene.points), inlier_dist=0.008, min_inlier_fraction=0.6,
+                device="gpu")
+    assert rg.accepted.tolist() == rc.accepted.tolist()
+    np.testing.assert_allclose(rg.first_scores, rc.first_scores, atol=2e-3)
+
+
+# --------------------------------------------------------------------------- ICP
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_icp_recovers_perturbation(small_world, device):
+    models, lib, _ = small_world
+    m = models[0]
+    rng = np.random.default_rng(2)
+    T = _pose(rng, 0.3)
+    tgt = S.transform(m.points, T).astype(np.float32)
+    tn = (m.normals @ T[:3, :3].T).astype(np.float32)
+    ang = np.radians(3.0)
+    D = np.eye(4)
+    # a 3-degree rotation about a fixed axis and a few millimetres of translation
+    ax = np.array([0.3, -0.5, 0.8]) / np.linalg.norm([0.3, -0.5, 0.8])
+    K = np.array([[0, -ax[2], ax[1]], [ax[2], 0, -ax[0]], [-ax[1], ax[0], 0]])
+    D[:3, :3] = np.eye(3) + np.sin(ang) * K + (1 - np.cos(ang)) * K @ K
+    D[:3, 3] = [0.004, -0.003, 0.002]
+    init = T @ D
+    src = lib.verify_points[lib.verify_offsets[0]:lib.verify_offsets[1]]
+    sn = lib.verify_normals[lib.verify_offsets[0]:lib.verify_offsets[1]]
+    if device == "gpu":
+        import cupy as cp
+
+        tgt, tn = cp.asarray(tgt), cp.asarray(tn)
+    res = icp_point_to_plane(src, tgt, tn, init=init, source_normals=sn,
+                             max_correspondence_distance=0.02, max_iterations=40, device=device)
+    r, t = pose_errors(res.pose, T)
+    assert r < 0.2 and t < 1e-3
+    assert res.fitness > 0.9
+
+
+def test_icp_rejects_bad_input():
+    with pytest.raises(InputError):
+        icp_point_to_plane(np.zeros((10, 3)), np.zeros((10, 3)), np.zeros((10, 3)),
+                           max_correspondence_distance=0.0)
+    with pytest.raises(InputError):
+        icp_point_to_plane(np.zeros((10, 3)), np.zeros((10, 3)), np.zeros((10, 3)),
+                           init=np.eye(3), max_correspondence_distance=0.1)
+
+
+# --------------------------------------------------------------------------- end to end
+SMALL_REC = dict(scene_ss=0.015, method="gc", cg_size=0.02, cg_thresh=5, normal_radius=0.015,
+                 inlier_dist=0.008, min_inlier_fraction=0.7)
+
+
+def test_recognize_small_synthetic_scene(small_world):
+    _, lib, scene = small_world
+    dets = recognize(scene.points, lib, device="cpu", **SMALL_REC)
+    ev = evaluate(dets, scene.ground_truth, max_translation=10 * scene.resolution)
+    assert ev["tp"] == len(scene.ground_truth) and ev["fp"] == 0
+    assert max(ev["rotation_errors"]) < 2.0
+    assert max(ev["translation_errors"]) < 2 * scene.resolution
+    assert set(dets.timings) >= {"normals", "keypoints", "shot", "matching", "grouping",
+                                 "verification", "icp", "total"}
+
+
+@pytest.mark.gpu
+def test_recognize_gpu_agrees_with_cpu(small_world):
+    import cupy as cp
+
+    _, lib, scene = small_world
+    dc = recognize(scene.points, lib, device="cpu", **SMALL_REC)
+    dg = recognize(cp.asarray(scene.points), lib, device="gpu", **SMALL_REC)
+    eg = evaluate(dg, scene.ground_truth, max_translation=10 * scene.resolution)
+    assert eg["tp"] == len(scene.ground_truth) and eg["fp"] == 0
+    assert sorted(d.model_id for d in dg) == sorted(d.model_id for d in dc)
+
+
+def _milk(pcl_dir):
+    from scanforest.flows.cli_recognize import load_milk
+
+    return load_milk(pcl_dir)
+
+
+MILK = dict(scene_ss=0.03, method="hough", cg_size=0.01, cg_thresh=5, inlier_dist=0.005)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_milk_carton_found_once_at_identity(pcl_dir, device):
+    m, s = _milk(pcl_dir)
+    # milk.pcd was cut out of the scene: every model point is a scene point (true pose = I)
+    from scipy.spatial import cKDTree
+
+    assert cKDTree(s).query(m)[0].max() == 0.0
+    lib = ModelLibrary.build([m], ["milk"], model_ss=0.01, descr_rad=0.02, rf_rad=0.015,
+                             normal_k=10, device=device)
+    if device == "gpu":
+        import cupy as cp
+
+        s = cp.asarray(s)
+    dets = recognize(s, lib, device=device, **MILK)
+    assert len(dets) == 1
+    r, t = pose_errors(dets[0].pose, np.eye(4))
+    assert r < 0.5 and t < 0.002
+    assert dets[0].score > 0.9 and dets[0].correspondences >= 5
+
+
+def test_recognize_rejects_bad_input(small_world):
+    _, lib, scene = small_world
+    with pytest.raises(InputError, match="method"):
+        recognize(scene.points, lib, method="ransac", device="cpu")
+    with pytest.raises(InputError, match="ModelLibrary"):
+        recognize(scene.points, {"not": "a library"}, device="cpu")
+    with pytest.raises(InputError, match="empty"):
+        recognize(np.zeros((0, 3), np.float32), lib, device="cpu")
+    with pytest.raises(InputError, match="shape"):
+        recognize(np.zeros((10, 2), np.float32), lib, device="cpu")
+    with pytest.raises(InputError, match="inlier_dist"):
+        verify(_hyps(small_world), lib, scene.points, inlier_dist=0.0, device="cpu")
+
+
+def test_recognize_without_verification_returns_every_hypothesis(small_world):
+    _, lib, scene = small_world
+    dets = recognize(scene.points, lib, device="cpu", verify=False, **SMALL_REC)
+    assert len(dets) == dets.info["hypotheses"] >= len(scene.ground_truth)
+    assert all(np.isnan(d.score) for d in dets)
