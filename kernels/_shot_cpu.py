@@ -303,6 +303,10 @@ def shot_one(c, surf, snrm, idx, d2, R, frame, shot):
         acc += np.float64(np.float32(shot[b] * shot[b]))
     acc = math.sqrt(acc)
     fa = np.float32(acc)
+    if fa == 0.0:  # no neighbour with a finite normal: PCL divides 0/0 and yields NaN (so does the GPU)
+        for b in range(DESC_LEN):
+            shot[b] = np.nan
+        return
     for b in range(DESC_LEN):
         shot[b] = np.float32(shot[b] / fa)
 

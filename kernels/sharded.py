@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._backend import is_cupy, xp_for
 from .errors import InputError
 from .topk import merge_topk, pad_topk
 
@@ -40,7 +41,8 @@ class Shard:
         """Top-min(k, shard size) of this shard with *global* ids, padded to k with (inf, -1)."""
         kk = min(k, self.stop - self.start)
         d, i = self.forest.query(Q, kk)
-        i = i + self.start
+        xp = xp_for("gpu" if is_cupy(i) else "cpu")
+        i = xp.where(i >= 0, i + self.start, -1)  # -1 pads (fewer than k found) stay -1
         return pad_topk(d, i, k)
 
 

@@ -118,6 +118,9 @@ def _write_tree(store: ScanStore, grp, tree) -> None:
 
     for name in TREE_ARRAYS:
         store._write_array(grp, name, to_numpy(getattr(tree, name)))
+    # root node of every tree of a packed forest; a single tree is stored as [0]
+    roots = np.zeros(1, np.int32) if tree.roots is None else to_numpy(tree.roots).astype(np.int32)
+    store._write_array(grp, "roots", roots)
     grp.attrs.update({"depth": int(tree.depth), "leaf_size": int(tree.leaf_size), "params": _jsonable(tree.params)})
 
 
@@ -146,6 +149,8 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto") -> 
     else:
         xp = np
     arrays = {k: xp.asarray(tg[k][...]) for k in TREE_ARRAYS}
+    roots = np.asarray(tg["roots"][...], np.int32) if "roots" in tg else np.zeros(1, np.int32)
+    arrays["roots"] = None if roots.shape == (1,) else xp.asarray(roots)
     Xd = xp.asarray(X)
     tree = KDTree(dev, points=Xd[arrays["perm"]], depth=int(tg.attrs["depth"]), leaf_size=int(tg.attrs["leaf_size"]),
                   params=dict(tg.attrs.get("params", {})), data=Xd, **arrays)

@@ -85,3 +85,19 @@ def test_index_rebuilds_when_reference_changes(tmp_path, rng):
     with pytest.raises(InputError, match="NaN"):
         X[3, 3] = np.nan
         idx.build_index(store, "u", X)
+
+
+def test_persisted_forest_shard_answers_like_the_fitted_one(tmp_path, rng):
+    """A randomized forest (several trees) round-trips through the store: same roots, same answer."""
+    X, Q = _data(rng, n=1200, m=150)
+    store = str(tmp_path / "s.zarr")
+    params = {"method": "anns", "n_trees": 3, "leaf_size": 16, "backtracks": 8, "random_dims": 4}
+    idx.build_index(store, "f", X, shards=2, params=params)
+    for s in range(2):
+        sh = idx.load_shard(store, "f", s, device="cpu")
+        assert sh.forest.tree_.n_trees == 3
+        fresh = idx._fit_forest(X[sh.start:sh.stop], params, s, "cpu")
+        d0, i0 = sh.query(Q, 4)
+        d1, i1 = fresh.query(Q, 4)
+        np.testing.assert_array_equal(i0, np.where(i1 >= 0, i1 + sh.start, -1))
+        np.testing.assert_array_equal(d0, d1)

@@ -182,6 +182,10 @@ def test_isolated_keypoint_is_nan_and_nan_normals_skipped(bun0):
     n2[104] = np.nan
     d2, _ = shot(pts, n2, np.array([103]), 0.04, device="cpu")
     assert np.isfinite(d2).all()
+    # every normal NaN: the frame is valid (it uses positions only) but no neighbour votes;
+    # PCL normalises 0/0 into a NaN descriptor, and so do we (not a ZeroDivisionError)
+    d3, f3 = shot(pts, np.full_like(n, np.nan), np.array([103]), 0.04, device="cpu")
+    assert np.isnan(d3).all() and np.isfinite(f3).all()
 
 
 def test_rotation_invariance(bun0, rng):
