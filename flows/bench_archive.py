@@ -27,13 +27,15 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     from .ingest import run_ingest
     from .match import run_index_build, run_match
     from .recognize import run_recognize
+    from scanforest.kernels.synthetic import (SYNTHETIC_LIBRARY, SYNTHETIC_LIBRARY_LIGHT,
+                                              SYNTHETIC_RECOGNIZE, SYNTHETIC_RECOGNIZE_LIGHT)
 
     dev = resolve_device(device)
     rep = BenchReport("archive", {"scans": scans, "points": points, "models": models, "device": dev})
     ensure_prefect_api()
     archive = workdir / "archive"
     t0 = time.perf_counter()
-    write_archive(archive, n_models=models, n_scenes=scans, points_per_scene=points, points_per_model=6_000)
+    write_archive(archive, n_models=models, n_scenes=scans, points_per_scene=points, points_per_model=12_000)
     rep.note(f"archive of {scans} scenes x {points:,} points + {models} models made in "
              f"{time.perf_counter() - t0:.1f} s (not counted)")
     store = workdir / "store.zarr"
@@ -52,9 +54,10 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
                     params={"method": "exact"})
     s = run_match(str(store), k=4, name="models", device=dev, workers=workers, progress=False)
     stages.append(("match", s["seconds"], None, s["workers"], s["scans"]))
+    light = dev == "cpu"
     s = run_recognize(str(store), model_ids, library="bench", device=dev, workers=workers, progress=False,
-                      library_params={"model_ss": 0.01, "descr_rad": 0.04, "rf_rad": 0.03},
-                      params={"scene_ss": 0.02, "cg_size": 0.02, "cg_thresh": 5})
+                      library_params=SYNTHETIC_LIBRARY_LIGHT if light else SYNTHETIC_LIBRARY,
+                      params=SYNTHETIC_RECOGNIZE_LIGHT if light else SYNTHETIC_RECOGNIZE)
     stages.append(("recognize", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"]))
     total = time.perf_counter() - t_all
     for name, wall, task_s, nw, n in stages:

@@ -22,75 +22,110 @@ def _transfer_bytes(client) -> int:
     return int(sum(client.run(get).values()))
 
 
+def _timed_query(di, Q, k, block, sync_after=None):
+    """(seconds, dist, ids, leaves, bytes moved) of one full query pass after a warm-up block."""
+    client = di.client
+    client.gather(di.shards)
+    di.query(Q[: min(len(Q), block)], k, block=block, sync_after=sync_after)  # warm-up
+    b0 = _transfer_bytes(client)
+    t0 = time.perf_counter()
+    dist, ids = di.query(Q, k, block=block, sync_after=sync_after)
+    t = time.perf_counter() - t0
+    return t, dist, ids, di.stats_["leaves"], _transfer_bytes(client) - b0
+
+
 def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, backtracks: int | None,
-        leaf_size: int, device: str, block: int, out, clusters: int = 1000) -> BenchReport:
+        leaf_size: int, device: str, block: int, out, clusters: int = 1000, shards: int | None = None,
+        sync_after: int | None = None, bf_queries: int | None = None, n_trees: int = 1) -> BenchReport:
+    """One table: for each worker count, the forest (with and without the global bound
+    synchronisation when ``sync_after`` is given) and the exact brute force over the same
+    resident shards; recall against the exact answer of the first ``bf_queries`` queries.
+
+    ``shards=None`` builds one shard per worker for every worker count (a new index each);
+    ``shards=S`` builds one S-shard index, spread over 1..W workers (the same work on more GPUs).
+    """
     from scanforest.tasks import index as idx
 
     from .cli_ann import clustered
     from .distributed import DistributedIndex
 
     dev = resolve_device(device)
+    mb = m if not bf_queries else min(m, int(bf_queries))
     rep = BenchReport("match", {"n": n, "m": m, "d": d, "k": k, "workers": workers, "method": method,
-                                "backtracks": backtracks, "leaf_size": leaf_size, "block": block})
-    X = clustered(n, d, clusters=clusters, seed=1)
-    Q = clustered(m, d, clusters=clusters, seed=2)
-    tmp = tempfile.mkdtemp(prefix="sf-bench-match-")
-    try:
-        # exact brute force on one device: the baseline and the recall reference
-        t0 = time.perf_counter()
-        if dev == "gpu":
-            import cupy as cp
+                                "backtracks": backtracks, "leaf_size": leaf_size, "block": block,
+                                "shards": shards, "sync_after": sync_after, "bf_queries": mb,
+                                "n_trees": n_trees, "clusters": clusters})
+    t0 = time.perf_counter()
+    if dev == "gpu":
+        import cupy as cp
 
-            Xd, Qd = cp.asarray(X), cp.asarray(Q)
-            knn_bruteforce(Xd, Qd[: min(m, 1000)], k)
-            cp.cuda.Device().synchronize()
+        X = cp.asnumpy(clustered(n, d, clusters=clusters, seed=1, xp=cp))
+        Q = cp.asnumpy(clustered(m, d, clusters=clusters, seed=2, xp=cp))
+        cp.get_default_memory_pool().free_all_blocks()
+    else:
+        X = clustered(n, d, clusters=clusters, seed=1)
+        Q = clustered(m, d, clusters=clusters, seed=2)
+    rep.note(f"data: {n:,} x {d} reference, {m:,} queries, {clusters} Gaussian clusters, "
+             f"generated in {time.perf_counter() - t0:.1f} s")
+    devname = describe_device(dev)
+    tmp = tempfile.mkdtemp(prefix="sf-bench-match-")
+    params = {"method": method, "leaf_size": leaf_size, "backtracks": backtracks, "n_trees": n_trees}
+    built = {}
+
+    def store_for(w):
+        s_count = shards or w
+        if s_count not in built:
+            store = os.path.join(tmp, f"s{s_count}.zarr")
             t0 = time.perf_counter()
-            bd, _ = knn_bruteforce(Xd, Qd, k)
-            cp.cuda.Device().synchronize()
-            bd = cp.asnumpy(bd)
-            del Xd, Qd
-            cp.get_default_memory_pool().free_all_blocks()
-        else:
-            bd, _ = knn_bruteforce(X, Q, k, device="cpu")
-        t_bf = time.perf_counter() - t0
-        devname = describe_device(dev)
-        rep.add("exact brute force queries/s (1 device)", m / t_bf, "queries/s", devname)
-        base_qps = {}
+            idx.build_index(store, "bench", X, shards=s_count, params=params, device=dev)
+            built[s_count] = (store, time.perf_counter() - t0)
+            rep.add(f"index build (write + trees), {s_count} shard{'s' if s_count > 1 else ''}", built[s_count][1],
+                    "s", devname, higher_is_better=False)
+        return built[s_count][0]
+
+    try:
+        ref = None
+        qps = {}
         for w in workers:
-            store = os.path.join(tmp, f"s{w}.zarr")
-            t0 = time.perf_counter()
-            idx.build_index(store, "bench", X, shards=w,
-                            params={"method": method, "leaf_size": leaf_size, "backtracks": backtracks},
-                            device=dev)
-            t_build = time.perf_counter() - t0
+            store = store_for(w)
             with dask_client(None, n_workers=w, device=dev) as client:
+                where = f"{devname} x{w}"
+                # exact brute force over the same resident shards: the baseline and the recall reference
+                bf = DistributedIndex(client, store, "bench", device=dev, method="exact")
+                t_bf, bd, _, _, _ = _timed_query(bf, Q[:mb], k, block)
+                bf.close()
+                if ref is None:
+                    ref = bd
+                rep.add(f"exact brute force queries/s, {w} worker{'s' if w > 1 else ''}", mb / t_bf, "queries/s",
+                        where, workers=w)
                 di = DistributedIndex(client, store, "bench", device=dev)
-                client.gather(di.shards)
-                di.query(Q[: min(m, block)], k, block=block)  # warm-up (kernels compiled, pools grown)
-                b0 = _transfer_bytes(client)
-                t0 = time.perf_counter()
-                dist, ids = di.query(Q, k, block=block)
-                t = time.perf_counter() - t0
-                moved = _transfer_bytes(client) - b0
+                variants = [None] + ([int(sync_after)] if sync_after else [])
+                for sa in variants:
+                    t, dist, _, leaves, moved = _timed_query(di, Q, k, block, sa)
+                    r = recall(dist[:mb], ref, k)
+                    tag = "" if sa is None else f", bound sync after {sa} leaves"
+                    qps[(w, sa)] = m / t
+                    rep.add(f"{method} queries/s, {w} worker{'s' if w > 1 else ''}{tag}", m / t, "queries/s", where,
+                            baseline=f"exact brute force, {w} workers", baseline_value=mb / t_bf, recall=r,
+                            workers=w, sync_after=sa)
+                    rep.add(f"recall@{k}, {w} workers{tag}", r, "", where)
+                    rep.add(f"leaves scanned per query (all shards), {w} workers{tag}", leaves / m, "leaves", where,
+                            higher_is_better=False)
+                    rep.add(f"bytes moved between workers per query, {w} workers{tag}", moved / m, "bytes", where,
+                            higher_is_better=False)
                 di.close()
-            qps = m / t
-            base_qps[w] = qps
-            r = recall(dist, bd, k)
-            label = f"{method} queries/s, {w} worker{'s' if w > 1 else ''}"
-            rep.add(label, qps, "queries/s", f"{devname} x{w}", baseline="exact brute force (1 device)",
-                    baseline_value=m / t_bf, recall=r, method=method, workers=w)
-            rep.add(f"index build (write + trees), {w} shards", t_build, "s", devname, higher_is_better=False)
-            nblocks = -(-m // block)
-            rep.add(f"bytes moved between workers per query block, {w} workers", moved / nblocks, "bytes",
-                    f"{devname} x{w}", higher_is_better=False)
-            rep.add(f"recall@{k}, {w} workers", r, "", f"{devname} x{w}")
-        if 1 in base_qps:
-            for w, q in base_qps.items():
-                if w > 1:
-                    rep.add(f"parallel efficiency 1 -> {w} workers", q / (w * base_qps[1]), "", f"{devname}")
+        for (w, sa), q in qps.items():
+            if w > 1 and (1, sa) in qps:
+                tag = "" if sa is None else f", sync {sa}"
+                rep.add(f"parallel efficiency 1 -> {w} workers{tag}", q / (w * qps[(1, sa)]), "", devname)
         rep.note("workers share one host; with one GPU, several workers share it (efficiency then measures "
                  "orchestration, not GPU scaling)" if dev == "gpu" else
                  f"CPU workers share {os.cpu_count()} cores")
+        if shards:
+            rep.note(f"one {shards}-shard index for every worker count: the same search work spread over "
+                     "more workers")
+        if mb < m:
+            rep.note(f"brute force and recall over the first {mb:,} of the {m:,} queries")
         rep.finish(out)
         return rep
     finally:
@@ -112,9 +147,15 @@ def register_bench(bench) -> None:
         leaf_size: int = typer.Option(64),
         block: int = typer.Option(10_000, help="Queries per block sent to every shard."),
         device: str = typer.Option("auto"),
+        shards: int = typer.Option(0, help="Shards of one index used for every worker count (0: one per worker)."),
+        sync: int = typer.Option(0, help="Also run the global bound synchronisation after this many leaves (0: off)."),
+        bf_queries: int = typer.Option(0, help="Queries for the brute force and the recall (0: all)."),
+        n_trees: int = typer.Option(1, help="Randomized trees per shard (replicated forest)."),
+        clusters: int = typer.Option(1000, help="Gaussian clusters of the synthetic descriptors."),
         out: str = typer.Option(None, "--out"),
     ):
         """Distributed matching: queries/s on 1..W workers, efficiency, bytes moved, vs brute force."""
         run(n, m, d, k, [int(w) for w in workers.split(",")], method=method, backtracks=backtracks or None,
-            leaf_size=leaf_size, device=device, block=block, out=out)
+            leaf_size=leaf_size, device=device, block=block, out=out, clusters=clusters, shards=shards or None,
+            sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees)
 

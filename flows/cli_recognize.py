@@ -30,9 +30,8 @@ TUTORIAL = dict(scene_ss=0.03, method="hough", cg_size=0.01, cg_thresh=5, max_di
 TUTORIAL_LIB = dict(model_ss=0.01, descr_rad=0.02, rf_rad=0.015, normal_k=10)
 
 # synthetic setup: model sizes 0.15-0.35 m, resolution ~3 mm
-SYN_LIB = dict(model_ss=0.008, descr_rad=0.04, rf_rad=0.03, normal_radius=0.015, views=30)
-SYN_REC = dict(scene_ss=0.015, method="gc", cg_size=0.02, cg_thresh=5, normal_radius=0.015,
-               inlier_dist=0.008, min_inlier_fraction=0.7, match_k=2)
+from scanforest.kernels.synthetic import SYNTHETIC_LIBRARY as SYN_LIB  # noqa: E402
+from scanforest.kernels.synthetic import SYNTHETIC_RECOGNIZE as SYN_REC  # noqa: E402
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:

@@ -25,9 +25,13 @@ def _identity(x):
 
 
 class DistributedIndex:
-    """A persisted sharded index opened on a Dask cluster: shards loaded once, resident on workers."""
+    """A persisted sharded index opened on a Dask cluster: shards loaded once, resident on workers.
 
-    def __init__(self, client, store_path: str, name: str, *, device: str = "auto"):
+    ``method`` overrides the persisted search method (``"exact"``: brute force over the same
+    resident shards, the baseline of ``scanforest bench match``).
+    """
+
+    def __init__(self, client, store_path: str, name: str, *, device: str = "auto", method: str | None = None):
         self.client = client
         self.store_path = store_path
         self.name = name
@@ -35,24 +39,24 @@ class DistributedIndex:
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         if not workers:
             raise InputError("the Dask cluster has no workers")
-        tag = self.attrs["content_hash"][:12]
+        if method is not None and method not in ("exact", "anns", "banns"):
+            raise InputError(f"method must be exact, anns or banns, got {method!r}")
+        tag = self.attrs["content_hash"][:12] + ("" if method is None else f"-{method}")
         self.shards = []
+        self.placement = {}
         for i in range(len(self.attrs["shards"])):
             w = workers[i % len(workers)]
-            self.shards.append(client.submit(idx.load_shard, store_path, name, i, device,
+            self.placement[i] = w
+            self.shards.append(client.submit(idx.load_shard, store_path, name, i, device, method,
                                              key=f"sf-shard-{name}-{tag}-{i}", workers=[w],
                                              allow_other_workers=True, pure=False))
-        self.placement = {i: workers[i % len(workers)] for i in range(len(self.shards))}
 
     @property
     def n(self) -> int:
         return int(self.attrs["n"])
 
-    def query_block(self, Q: np.ndarray, k: int):
-        """Submit one query block to every shard and tree-reduce; returns a future of (dist, ids)."""
+    def _reduce(self, parts, k: int):
         c = self.client
-        qf = c.submit(_identity, np.ascontiguousarray(Q, dtype=np.float32), pure=False)
-        parts = [c.submit(idx.search_shard, s, qf, k, pure=False) for s in self.shards]
         while len(parts) > 1:  # pairwise tree reduction of the per-shard top-k lists
             nxt = [c.submit(idx.merge_parts, parts[j], parts[j + 1], k=k, pure=False)
                    for j in range(0, len(parts) - 1, 2)]
@@ -61,14 +65,46 @@ class DistributedIndex:
             parts = nxt
         return parts[0]
 
-    def query(self, Q, k: int, *, block: int = 65_536, progress=None):
+    def query_block(self, Q: np.ndarray, k: int, *, sync_after: int | None = None):
+        """Submit one query block to every shard and tree-reduce.
+
+        Returns a future of ``(dist2, ids, leaves)`` (``leaves``: leaves scanned by all shards).
+
+        ``sync_after=L`` runs the global bound synchronisation of the paper in two phases: every
+        shard first searches with a budget of ``L`` leaves; the per-shard lists are reduced to the
+        global top-k, whose k-th distance per query is sent back to every shard as a bound; the
+        second phase searches with the full budget, pruning every box not closer than that bound
+        (a shard whose own candidates are all worse than another shard's stops early). The two
+        phases are merged with duplicates removed. ``None``: one phase, no synchronisation.
+        """
+        c = self.client
+        qf = c.submit(_identity, np.ascontiguousarray(Q, dtype=np.float32), pure=False)
+        if sync_after is None:
+            return self._reduce([c.submit(idx.search_shard, s, qf, k, stats=True, pure=False)
+                                 for s in self.shards], k)
+        first = self._reduce([c.submit(idx.search_shard, s, qf, k, stats=True, backtracks=int(sync_after),
+                                       pure=False) for s in self.shards], k)
+        bound = c.submit(idx.kth_bound, first, pure=False)
+        second = self._reduce([c.submit(idx.search_shard, s, qf, k, stats=True, bounds=bound, pure=False)
+                               for s in self.shards], k)
+        return c.submit(idx.merge_phases, first, second, k=k, pure=False)
+
+    def query(self, Q, k: int, *, block: int = 65_536, progress=None, sync_after: int | None = None):
+        """Global top-``k`` of every row of ``Q``: ``(dist2 (M, k) float32, ids (M, k) int64)``.
+
+        ``sync_after``: see :meth:`query_block`. ``self.stats_["leaves"]`` holds the total
+        number of leaves scanned over all shards (the backtracks the synchronisation saves).
+        """
         if not 1 <= int(k) <= self.n:
             raise InputError(f"k must be in [1, {self.n}], got {k}")
+        if sync_after is not None and (isinstance(sync_after, bool) or int(sync_after) < 1):
+            raise InputError(f"sync_after must be a positive number of leaves or None, got {sync_after!r}")
         Q = np.asarray(Q, dtype=np.float32)
         if Q.ndim != 2 or Q.shape[1] != int(self.attrs["d"]):
             raise InputError(f"queries must be (M, {self.attrs['d']}), got {Q.shape}")
-        futs = [self.query_block(Q[a:a + block], int(k)) for a in range(0, len(Q), block)]
+        futs = [self.query_block(Q[a:a + block], int(k), sync_after=sync_after) for a in range(0, len(Q), block)]
         out = self.client.gather(futs)
+        self.stats_ = {"leaves": int(sum(o[2] for o in out)), "queries": int(len(Q)), "sync_after": sync_after}
         if not out:
             return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
         return np.concatenate([o[0] for o in out]), np.concatenate([o[1] for o in out])

@@ -55,6 +55,7 @@ import numpy as np
 
 from ._backend import is_cupy, resolve_device, to_numpy
 from .errors import InputError
+from .hypotheses import masked_argmax
 
 __all__ = [
     "ModelLibrary",
@@ -1093,9 +1094,8 @@ def verify(hypotheses: Hypotheses, library: ModelLibrary, scene, *, inlier_dist:
         if len(acc) >= limit:
             break
         ok = active & (frac >= min_inlier_fraction) & (cnt >= min_inliers)
-        cand = xp.where(ok, frac, -1.0)
-        best = int(xp.argmax(cand))
-        if float(cand[best]) < 0:
+        best, _ = masked_argmax(frac, ok)  # shared with flow.hypothesis_flow (hypotheses.py)
+        if best < 0:
             break
         acc.append(best)
         scores.append(float(frac[best]))
@@ -1149,7 +1149,7 @@ def recognize(scene_points, library: ModelLibrary, *, scene_normals=None, scene_
               inlier_dist: float | None = None, min_inlier_fraction: float = 0.5,
               min_inliers: int = 10, viewpoint=(0.0, 0.0, 0.0), icp: bool = True,
               icp_iterations: int = 30, refine_min_fraction: float = 0.3, max_refine: int = 32,
-              max_detections: int | None = None, seed: int = 0,
+              refine: str = "icp", max_detections: int | None = None, seed: int = 0,
               device: str = "auto") -> Detections:
     """Find the library's models in one scene.
 
@@ -1183,6 +1183,12 @@ def recognize(scene_points, library: ModelLibrary, *, scene_normals=None, scene_
         fraction ``>= refine_min_fraction`` (at most ``max_refine``, best first) are refined by
         point-to-plane ICP (``icp_iterations``) and only they enter the greedy acceptance.
         Without it the unrefined hypotheses are accepted directly.
+    refine : {"icp", "pcha"}
+        The refinement of that step: point-to-plane ICP, or parametric chamfer alignment
+        (:func:`scanforest.kernels.pcha.align_batch`: Levenberg-Marquardt on a distance transform
+        of the scene around the candidates, all candidates advanced in lockstep, one launch per
+        iteration on the GPU, Huber loss at ``inlier_dist``; each candidate aligns the model
+        points that lie within ``2 * inlier_dist`` of the scene at its hypothesis pose).
     device : {"auto", "cpu", "gpu"}
         ``auto`` follows the scene array type (numpy -> CPU, CuPy -> GPU).
 
@@ -1197,6 +1203,8 @@ def recognize(scene_points, library: ModelLibrary, *, scene_normals=None, scene_
     dev = resolve_device(device, scene_points)
     if method not in ("hough", "gc"):
         raise InputError(f"method must be 'hough' or 'gc', got {method!r}")
+    if refine not in ("icp", "pcha"):
+        raise InputError(f"refine must be 'icp' or 'pcha', got {refine!r}")
     if not isinstance(library, ModelLibrary):
         raise InputError(f"library must be a ModelLibrary, got {type(library).__name__}")
     xp = _xp(dev)
@@ -1261,7 +1269,9 @@ def recognize(scene_points, library: ModelLibrary, *, scene_normals=None, scene_
                 cand = cand[np.argpartition(-first_scores[cand], max_refine - 1)[:max_refine]]
             poses = hyps.poses.copy()
             vo = library.verify_offsets
-            for hi in cand:
+            if refine == "pcha":
+                _refine_pcha(library, hyps, cand, poses, rmse, sidx, inlier_dist, icp_iterations, dev)
+            for hi in (cand if refine == "icp" else []):
                 mid = int(hyps.model_id[hi])
                 res = _icp.icp_point_to_plane(
                     library.verify_points[vo[mid]:vo[mid + 1]], sidx.points, sidx.normals,
@@ -1302,6 +1312,45 @@ def recognize(scene_points, library: ModelLibrary, *, scene_normals=None, scene_
 
 
 verify_fn = verify
+
+
+def _refine_pcha(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations, dev):
+    """Refine ``poses[cand]`` in place by parametric chamfer alignment (rigid, Huber)."""
+    from .edt import distance_transform
+    from .pcha import align_batch
+
+    if not len(cand):
+        return
+    xp = _xp(dev)
+    vo = library.verify_offsets
+    obs, keep_c = [], []
+    lo, hi_ = np.full(3, np.inf), np.full(3, -np.inf)
+    for h in cand:
+        mid = int(hyps.model_id[h])
+        P = np.asarray(library.verify_points[vo[mid]:vo[mid + 1]], np.float64)
+        R, t = poses[h][:3, :3], poses[h][:3, 3]
+        W = (P @ R.T + t).astype(np.float32)
+        idx, _ = sidx.nearest(xp.asarray(W), 2.0 * inlier_dist)
+        near = to_numpy(idx) >= 0
+        if near.sum() < 6:  # nothing of the model overlaps the scene here: leave the pose as it is
+            continue
+        obs.append(P[near].astype(np.float32))
+        keep_c.append(h)
+        lo, hi_ = np.minimum(lo, W[near].min(0)), np.maximum(hi_, W[near].max(0))
+    if not obs:
+        return
+    # the distance transform covers the scene around the candidates only, cells ~ inlier_dist / 2
+    margin = 4.0 * inlier_dist
+    S = to_numpy(sidx.points)
+    box = np.all((S >= lo - margin) & (S <= hi_ + margin), axis=1)
+    ext = float(np.max(hi_ - lo + 2 * margin))
+    res = int(np.clip(np.ceil(1.5 * ext / (0.5 * inlier_dist)), 32, 384 if dev == "gpu" else 160))
+    grid = distance_transform(xp.asarray(S[box]), resolution=res, device=dev)
+    out = align_batch([xp.asarray(o) for o in obs], None, "rigid", init=[poses[h] for h in keep_c], grid=grid,
+                      loss="huber", huber_delta=float(inlier_dist), max_iter=int(iterations), device=dev)
+    for h, r in zip(keep_c, out):
+        if np.all(np.isfinite(r.transform)):
+            poses[h], rmse[h] = np.asarray(r.transform, np.float64), r.rmse
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,10 +37,12 @@ class Shard:
     stop: int
     forest: object  # KDForest
 
-    def query(self, Q, k: int):
-        """Top-min(k, shard size) of this shard with *global* ids, padded to k with (inf, -1)."""
+    def query(self, Q, k: int, **search):
+        """Top-min(k, shard size) of this shard with *global* ids, padded to k with (inf, -1).
+
+        ``search`` (``bounds=``, ``backtracks=``) goes to :meth:`KDForest.query`."""
         kk = min(k, self.stop - self.start)
-        d, i = self.forest.query(Q, kk)
+        d, i = self.forest.query(Q, kk, **search)
         xp = xp_for("gpu" if is_cupy(i) else "cpu")
         i = xp.where(i >= 0, i + self.start, -1)  # -1 pads (fewer than k found) stay -1
         return pad_topk(d, i, k)

@@ -124,11 +124,12 @@ def _write_tree(store: ScanStore, grp, tree) -> None:
     grp.attrs.update({"depth": int(tree.depth), "leaf_size": int(tree.leaf_size), "params": _jsonable(tree.params)})
 
 
-def load_shard(store_path: str, name: str, shard: int, device: str = "auto") -> Shard:
+def load_shard(store_path: str, name: str, shard: int, device: str = "auto", method: str | None = None) -> Shard:
     """Load shard ``shard`` of index ``name`` on this worker (GPU when ``device`` resolves to it).
 
     The persisted tree is used as it is; an index written without trees builds the shard's
-    tree here.
+    tree here. ``method="exact"`` loads the rows only and searches them by brute force (the
+    exact baseline on the same shards and workers).
     """
     from scanforest.kernels._backend import resolve_device
     from scanforest.kernels.kdforest import KDForest
@@ -141,6 +142,8 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto") -> 
     X = g["reference"][a:b]
     dev = resolve_device(device)
     params = dict(attrs["params"])
+    if method is not None:
+        params["method"] = method
     if params.get("method", "banns") == "exact" or f"shard_{shard}" not in g:
         return Shard(a, b, _fit_forest(X, params, shard, dev))
     tg = g[f"shard_{shard}"]
@@ -163,14 +166,22 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto") -> 
     return Shard(a, b, forest)
 
 
-def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256):
+def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool = False, **search):
     """Top-k of one shard for a query block, on the host as numpy; an out-of-memory error splits
-    the block in halves and retries (down to ``min_block`` rows) instead of failing the run."""
+    the block in halves and retries (down to ``min_block`` rows) instead of failing the run.
+
+    ``search`` (``bounds=`` per-query squared-distance bounds, ``backtracks=`` budget) goes to
+    :meth:`KDForest.query`. With ``stats=True`` the result is ``(dist2, ids, leaves)`` where
+    ``leaves`` is the number of leaves this shard scanned for the block (0 for brute force).
+    """
     from scanforest.kernels._backend import to_numpy
 
     try:
-        d, i = shard.query(Q, k)
-        return to_numpy(d), to_numpy(i)
+        d, i = shard.query(Q, k, **search)
+        if not stats:
+            return to_numpy(d), to_numpy(i)
+        lv = shard.forest.stats_.get("leaves_visited")
+        return to_numpy(d), to_numpy(i), 0 if lv is None else int(np.asarray(to_numpy(lv), np.int64).sum())
     except (MemoryError, OutOfMemory) as exc:
         err = exc
     except Exception as exc:  # cupy.cuda.memory.OutOfMemoryError is not a MemoryError subclass
@@ -181,9 +192,15 @@ def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256):
         raise OutOfMemory(f"shard [{shard.start}, {shard.stop}) cannot search even {len(Q)} queries: {err}")
     _free_gpu_pool()
     h = len(Q) // 2
-    a = search_shard(shard, Q[:h], k, min_block=min_block)
-    b = search_shard(shard, Q[h:], k, min_block=min_block)
-    return np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]])
+    b = search.get("bounds")
+    halves = []
+    for sl in (slice(None, h), slice(h, None)):
+        kw = dict(search)
+        if b is not None and np.ndim(b) == 1:
+            kw["bounds"] = b[sl]
+        halves.append(search_shard(shard, Q[sl], k, min_block=min_block, stats=stats, **kw))
+    out = (np.concatenate([halves[0][0], halves[1][0]]), np.concatenate([halves[0][1], halves[1][1]]))
+    return out + (halves[0][2] + halves[1][2],) if stats else out
 
 
 def _free_gpu_pool() -> None:
@@ -196,4 +213,27 @@ def _free_gpu_pool() -> None:
 
 
 def merge_parts(*parts, k: int):
+    """Global top-k of per-shard ``(dist2, ids)`` parts; ``(dist2, ids, leaves)`` parts keep the
+    summed leaf count as a third element."""
+    if parts and len(parts[0]) == 3:
+        d, i = merge_topk([(p[0], p[1]) for p in parts], k)
+        return d, i, sum(int(p[2]) for p in parts)
     return merge_topk(list(parts), k)
+
+
+def kth_bound(part) -> np.ndarray:
+    """The global k-th squared distance of each query (``inf`` where fewer than k were found):
+    the bound that the second phase of a bound synchronisation prunes with."""
+    d = np.asarray(part[0], np.float32)
+    # one ulp above: a point at exactly the k-th distance with a smaller id than the one phase 1
+    # found must still be returned by phase 2 (the tie rule orders by id)
+    return np.ascontiguousarray(np.nextafter(d[:, -1], np.float32(np.inf)))
+
+
+def merge_phases(first, second, k: int):
+    """Union of the two phases of a synchronised search, duplicates removed (a point found in
+    both phases counts once); leaf counts summed."""
+    from scanforest.kernels.kdforest import merge_topk_unique
+
+    d, i = merge_topk_unique([(first[0], first[1]), (second[0], second[1])], k)
+    return d, i, int(first[2]) + int(second[2])

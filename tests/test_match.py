@@ -101,3 +101,39 @@ def test_persisted_forest_shard_answers_like_the_fitted_one(tmp_path, rng):
         d1, i1 = fresh.query(Q, 4)
         np.testing.assert_array_equal(i0, np.where(i1 >= 0, i1 + sh.start, -1))
         np.testing.assert_array_equal(d0, d1)
+
+
+@pytest.mark.parametrize("shards", [2, 3])
+def test_bound_synchronisation_is_exact_and_prunes(tmp_path, rng, local_client, shards):
+    """Two-phase global bound synchronisation: with an unlimited budget the answer is still the
+    brute force (ties included); with a budget, recall does not drop and the leaf count is the
+    sum of both phases."""
+    X, Q = _data(rng)
+    k = 4
+    bd, bi = knn_bruteforce(X, Q, k, device="cpu")
+    store = str(tmp_path / "s.zarr")
+    idx.build_index(store, "t", X, shards=shards, params={"method": "anns", "leaf_size": 16})
+    di = DistributedIndex(local_client, store, "t")
+    d0, i0 = di.query(Q, k, block=150)
+    plain = di.stats_["leaves"]
+    d1, i1 = di.query(Q, k, block=150, sync_after=2)
+    synced = di.stats_["leaves"]
+    di.close()
+    np.testing.assert_array_equal(i0, bi)
+    np.testing.assert_array_equal(i1, bi)
+    np.testing.assert_array_equal(d1, bd)
+    # phase 2 of an exact search prunes with the global bound, never scans more than the plain search
+    assert 0 < synced <= plain + 2 * len(Q) * shards
+    # with a budget: the second phase only adds candidates to the first phase's global top-k
+    store2 = str(tmp_path / "b.zarr")
+    idx.build_index(store2, "t", X, shards=shards, params={"method": "anns", "leaf_size": 16, "backtracks": 8})
+    di = DistributedIndex(local_client, store2, "t")
+    da, _ = di.query(Q, k, block=150)
+    db, _ = di.query(Q, k, block=150, sync_after=4)
+    with pytest.raises(InputError):
+        di.query(Q, k, sync_after=0)
+    di.close()
+    from scanforest.kernels.bruteforce import recall
+
+    assert recall(db, bd, k) >= recall(da, bd, k) - 0.02
+    assert np.all(np.diff(db, axis=1) >= 0)

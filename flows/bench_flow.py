@@ -1,0 +1,305 @@
+"""``scanforest bench flow``: dense motion from sparse tracks, GPU against the CPU backend.
+
+Prefect-free and OpenCV-free (tracks are the synthetic generator's exact tracks; KLT is timed
+separately when OpenCV is importable), so it runs on a bare GPU machine.
+
+Scene: the two-layer synthetic sequence (:func:`scanforest.kernels.synthetic_flow.sequence`,
+``layers``: background (-1.2, 0.3) px/frame, foreground disc (2.1, 0.8) px/frame, so the DFS
+has 4 x 2 = 8 labels, the paper's count), ``--features`` exact tracks per pair (default 156: the
+feature count of the paper's timed 320x240 runs, Fig. 4 and 5). Per size and method:
+
+* CPU numba (all cores), one pair per call - the baseline of every GPU row;
+* GPU end to end, one pair per call: host frames uploaded, flow and mask downloaded (the
+  paper's 6.2 ms / 48 ms include every transfer);
+* GPU resident, one pair per call: frames already on the device, result left there (CUDA
+  events around the whole API call: table upload, feature sampling, flow kernel);
+* GPU resident, ``--batch`` pairs per call (a sequence of batch + 1 frames, one launch);
+* the flow kernel alone (CUDA events).
+
+KLT tracking time is never included in these figures; with OpenCV present it is its own row
+(``cv2.goodFeaturesToTrack`` + ``calcOpticalFlowPyrLK`` on the CPU). Warm-up calls are
+excluded; figures are medians over ``--repeat`` calls.
+"""
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+
+import numpy as np
+
+#: (background, foreground) flows giving DFS sizes for the label sweep
+_SWEEP = {8: ((-1.2, 0.3), (2.1, 0.8)), 25: ((0.0, 0.0), (4.0, 4.0)), 64: ((0.0, 0.0), (7.0, 7.0)),
+          128: ((0.0, 0.0), (15.0, 7.0)), 256: ((0.0, 0.0), (15.0, 15.0))}
+
+
+def _sync():
+    import cupy as cp
+
+    cp.cuda.Device().synchronize()
+
+
+def gpu_ms(fn, repeat: int, warmup: int = 2) -> float:
+    """Median CUDA-event time of ``fn()`` (ms)."""
+    import cupy as cp
+
+    for _ in range(warmup):
+        fn()
+    _sync()
+    ts = []
+    for _ in range(repeat):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(a, b))
+    return float(statistics.median(ts))
+
+
+def wall_ms(fn, repeat: int, warmup: int = 1, gpu: bool = False) -> float:
+    """Median wall time of ``fn()`` (ms), synchronising the GPU after each call."""
+    for _ in range(warmup):
+        fn()
+    if gpu:
+        _sync()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        if gpu:
+            _sync()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(ts))
+
+
+def split_ms(fn, repeat: int, warmup: int = 2) -> tuple[float, float]:
+    """Median host (Python, launch) and device time of ``fn()`` in ms (cupyx.profiler)."""
+    from cupyx.profiler import benchmark
+
+    r = benchmark(fn, n_repeat=repeat, n_warmup=warmup)
+    return float(np.median(r.cpu_times) * 1e3), float(np.median(r.gpu_times[0]) * 1e3)
+
+
+def _scene(h, w, n_frames, features, flows=None, seed=3):
+    from scanforest.kernels.synthetic_flow import sequence, tracks_from_flow
+
+    bg, fg = flows or _SWEEP[8]
+    seq = sequence("layers", height=h, width=w, n_frames=n_frames, background=bg, foreground=fg,
+                   seed=seed)
+    tracks = [tracks_from_flow(seq, t, n=features, seed=seed + t) for t in range(n_frames - 1)]
+    return seq, tracks
+
+
+def accuracy_rows(device: str, features: int = 156, size=(240, 320), cpu_check: bool = True):
+    """EPE / AE / coverage per synthetic sequence and method (exact tracks); CPU vs GPU agreement."""
+    from scanforest.kernels._backend import to_numpy
+    from scanforest.kernels.flow import dense_flow
+    from scanforest.kernels.flow_metrics import flow_errors
+    from scanforest.kernels.synthetic_flow import KINDS, sequence, tracks_from_flow
+
+    rows = []
+    h, w = size
+    for kind in KINDS:
+        seq = sequence(kind, height=h, width=w, seed=1, pole=(kind == "layers"))
+        tr = tracks_from_flow(seq, 0, n=features, seed=1)
+        for method in ("interpolation", "hypotheses"):
+            r = dense_flow(seq.frames[0], seq.frames[1], tr, method=method, device=device)
+            flow, valid = to_numpy(r.flow), to_numpy(r.valid)
+            e = flow_errors(flow, seq.flows[0], valid)
+            row = dict(kind=kind + ("+pole" if kind == "layers" else ""), method=method,
+                       **e.as_dict(), labels=None if r.labels is None else len(r.labels[0]))
+            if kind == "layers":
+                pole = seq.layers[0] == 2
+                row["pole_epe_all"] = float(np.linalg.norm(flow[pole] - seq.flows[0][pole], axis=1).mean())
+            if cpu_check and device == "gpu":
+                rc = dense_flow(seq.frames[0], seq.frames[1], tr, method=method, device="cpu")
+                both = valid & rc.valid
+                row["cpu_gpu_valid_agree"] = float((valid == rc.valid).mean())
+                row["cpu_gpu_max_flow_diff_on_common_valid"] = float(
+                    np.abs(flow[both] - rc.flow[both]).max()) if both.any() else 0.0
+            rows.append(row)
+    return rows
+
+
+def format_accuracy(rows) -> str:
+    head = (f"{'sequence':<13} {'method':<13} {'EPE':>7} {'AE deg':>7} {'EPE all':>8} {'cover':>6} "
+            f"{'labels':>6}")
+    out = ["accuracy on synthetic 320x240 sequences (exact tracks; EPE/AE over classified pixels)",
+           head]
+    for r in rows:
+        out.append(f"{r['kind']:<13} {r['method']:<13} {r['epe']:>7.3f} {r['ae']:>7.2f} "
+                   f"{r['epe_all']:>8.3f} {r['coverage']:>6.3f} {str(r['labels'] or '-'):>6}"
+                   + (f"  pole EPE {r['pole_epe_all']:.2f}" if 'pole_epe_all' in r else "")
+                   + (f"  cpu=gpu valid {r['cpu_gpu_valid_agree']:.4f}, max |dflow| "
+                      f"{r['cpu_gpu_max_flow_diff_on_common_valid']:.2e}"
+                      if 'cpu_gpu_valid_agree' in r else ""))
+    return "\n".join(out)
+
+
+def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, device: str = "auto",
+              out=None, cpu: bool = True, cpu_repeat: int = 3, label_sweep=(8, 25, 64, 128, 256),
+              accuracy: bool = True, merry_go_round: bool = True, time_limit: float = 1e9):
+    """Run the benchmark; ``sizes`` is a list of (width, height). Returns the JSON path."""
+    from scanforest.kernels._backend import describe_device, resolve_device, to_numpy
+    from scanforest.kernels.flow import dense_flow
+
+    from ._bench import BenchReport
+
+    dev = resolve_device(device)
+    rep = BenchReport("flow", dict(sizes=[f"{w}x{h}" for w, h in sizes], features=features,
+                                   batch=batch, repeat=repeat, device=dev, cpu=cpu,
+                                   label_sweep=list(label_sweep)))
+    _add = rep.add
+
+    def add(*a, **k):  # print each row as it is measured
+        row = _add(*a, **k)
+        print(f"  {row.figure}: {row.value:.4g} {row.unit} [{row.device}]", flush=True)
+        return row
+
+    rep.add = add
+    cpu_name = describe_device("cpu")
+    gpu_name = describe_device("gpu") if dev == "gpu" else None
+    t_start = time.time()
+    from scanforest.kernels.flow import klt_tracks
+
+    have_cv2 = importlib.util.find_spec("cv2") is not None
+    for w, h in sizes:
+        if time.time() - t_start > time_limit:
+            rep.note(f"time limit reached before {w}x{h}")
+            break
+        seq, tracks = _scene(h, w, batch + 1, features)
+        f0, f1, tr0 = seq.frames[0], seq.frames[1], tracks[0]
+        tag = f"{w}x{h}, {features} features"
+        if have_cv2:
+            t_klt = wall_ms(lambda: klt_tracks(f0, f1, max_features=features), max(3, repeat // 4))
+            rep.add(f"{tag}: KLT tracking (OpenCV, CPU; not included below)", t_klt, "ms/pair",
+                    cpu_name, higher_is_better=False)
+        for method in ("interpolation", "hypotheses"):
+            mtag = f"{tag}, {method}" + (", 8 labels" if method == "hypotheses" else "")
+            t_cpu = None
+            if cpu:
+                reps = cpu_repeat if w * h <= 640 * 480 else 1
+                t_cpu = wall_ms(lambda: dense_flow(f0, f1, tr0, method=method, device="cpu"), reps)
+                rep.add(f"{mtag}: CPU numba, 1 pair/call", t_cpu, "ms/pair", cpu_name,
+                        higher_is_better=False)
+            if dev != "gpu":
+                continue
+            import cupy as cp
+
+            from scanforest.kernels import _flow_gpu as g
+
+            base = dict(baseline="CPU numba" if t_cpu else None, baseline_value=t_cpu,
+                        higher_is_better=False)
+
+            def e2e():
+                r = dense_flow(f0, f1, tr0, method=method, device="gpu")
+                return to_numpy(r.flow), to_numpy(r.valid)
+
+            t = wall_ms(e2e, repeat, 2, gpu=True)
+            rep.add(f"{mtag}: GPU end to end incl. upload + download, 1 pair/call", t, "ms/pair",
+                    gpu_name, fps=1e3 / t, **base)
+            d01 = (cp.asarray(f0), cp.asarray(f1))
+
+            def one():
+                return dense_flow(d01[0], d01[1], tr0, method=method, device="gpu")
+
+            t = gpu_ms(one, repeat)
+            host, devt = split_ms(one, repeat)
+            rep.add(f"{mtag}: GPU resident, 1 pair/call", t, "ms/pair", gpu_name, fps=1e3 / t,
+                    host_ms=host, device_ms=devt, **base)
+            ds = cp.asarray(seq.frames)
+            tb = gpu_ms(lambda: dense_flow(ds, None, tracks, method=method, device="gpu"),
+                        max(3, repeat // 2))
+            rep.add(f"{mtag}: GPU resident, {batch} pairs/call (one launch)", tb / batch,
+                    "ms/pair", gpu_name, fps=batch * 1e3 / tb, **base)
+            # the flow kernel alone, tables prepared once
+            r = dense_flow(ds, None, tracks, method=method, device="gpu")
+            k1 = _kernel_ms(g, ds[:2], tracks[:1], method, r, repeat)
+            rep.add(f"{mtag}: flow kernel only, 1 pair/launch (CUDA events)", k1, "ms/pair",
+                    gpu_name, fps=1e3 / k1, **base)
+            k_ms = _kernel_ms(g, ds, tracks, method, r, repeat)
+            evals = w * h * features * batch / (k_ms * 1e-3)      # pixel-feature pairs per second
+            nl = len(r.labels[0]) if r.labels else 0
+            rep.add(f"{mtag}: flow kernel only, {batch} pairs/launch (CUDA events)", k_ms / batch,
+                    "ms/pair", gpu_name, fps=batch * 1e3 / k_ms, pixel_features_per_s=evals,
+                    pixel_feature_labels_per_s=evals * nl if nl else None, **base)
+        if dev == "gpu" and merry_go_round and (w, h) == (320, 240):
+            _merry_go_round(rep, gpu_name, cpu_name, cpu, repeat)
+    if dev == "gpu" and label_sweep:
+        import cupy as cp
+
+        w, h = max(sizes, key=lambda s: s[0] * s[1])
+        for nl in label_sweep:
+            if nl not in _SWEEP or time.time() - t_start > time_limit:
+                continue
+            seq, tracks = _scene(h, w, batch + 1, features, flows=_SWEEP[nl], seed=5)
+            ds = cp.asarray(seq.frames)
+            r = dense_flow(ds[:2], None, tracks[:1], method="hypotheses", device="gpu")
+            tb = gpu_ms(lambda: dense_flow(ds, None, tracks, method="hypotheses", device="gpu"),
+                        max(3, repeat // 2))
+            rep.add(f"label sweep {w}x{h}, {features} features, hypotheses, {len(r.labels[0])} labels: "
+                    f"GPU resident, {batch} pairs/call", tb / batch, "ms/pair", gpu_name,
+                    higher_is_better=False, fps=batch * 1e3 / tb, labels=len(r.labels[0]))
+            del ds
+    if accuracy:
+        rows = accuracy_rows(dev, features, cpu_check=cpu)
+        rep.params["accuracy"] = rows
+        print(format_accuracy(rows))
+        for r in rows:
+            rep.add(f"accuracy {r['kind']} 320x240, {r['method']}: EPE (classified px)", r["epe"],
+                    "px", describe_device(dev), higher_is_better=False, ae=r["ae"],
+                    epe_all=r["epe_all"], coverage=r["coverage"])
+    rep.note("paper (Kim, Hwangbo & Kanade 2009, GeForce 8800 GTX, transfers included): 320x240, "
+             "~150-156 KLT features: interpolation 6.2 ms, hypotheses (8 labels) 48 ms; "
+             "422 features: interpolation ~14 ms, hypotheses (25 labels) ~120 ms")
+    rep.note("KLT tracking is not included in any flow figure (own row when OpenCV is present)")
+    return rep.finish(out)
+
+
+def _kernel_ms(g, ds, tracks, method, r, repeat):
+    """CUDA-event time of the flow kernel alone for a sequence already on the device."""
+    from scanforest.kernels import flow as F
+
+    tl = [np.asarray(t, np.float32) for t in tracks]
+    nb = len(tl)
+    pairs = np.stack([np.arange(nb), np.arange(1, nb + 1)], 1).astype(np.int32)
+    offs = np.zeros(nb + 1, np.int32)
+    offs[1:] = np.cumsum([len(t) for t in tl])
+    tr = np.concatenate(tl)
+    tpair = np.repeat(np.arange(nb, dtype=np.int32), [len(t) for t in tl])
+    p = r.params
+    sx, sc = F._scales(p["sigma_c"], p["sigma_x"])
+    f4 = g.frames4([ds])
+    dfs = np.array([F._dfs(t, b, F.MAX_LABELS) for b, t in enumerate(tl)], np.int32)
+    tables = g.features(f4, pairs, tr, tpair, offs, sx, sc, dfs)
+    tau = np.float32(p["tau"])
+    if method == "interpolation":
+        return gpu_ms(lambda: g.interpolate(f4, pairs, tables, offs, sx, sc, tau, True), repeat)
+    sf2 = np.float32(0.5 * F._LOG2E / p["sigma_f"] ** 2)
+    return gpu_ms(lambda: g.hypotheses(f4, pairs, tables, offs, None, sx, sc, sf2, tau, True),
+                  repeat)
+
+
+def _merry_go_round(rep, gpu_name, cpu_name, cpu, repeat):
+    """The paper's second configuration: 422 features; hypotheses with 25 labels (size unknown
+    in the paper; measured at 320x240)."""
+    from scanforest.kernels.flow import dense_flow
+
+    seq, tracks = _scene(240, 320, 2, 422, flows=_SWEEP[25], seed=11)
+    f0, f1 = seq.frames[0], seq.frames[1]
+    for method in ("interpolation", "hypotheses"):
+        tag = f"320x240, 422 features, {method}" + (", 25 labels" if method == "hypotheses" else "")
+        t_cpu = None
+        if cpu:
+            t_cpu = wall_ms(lambda: dense_flow(f0, f1, tracks[0], method=method, device="cpu"), 3)
+            rep.add(f"{tag}: CPU numba", t_cpu, "ms/pair", cpu_name, higher_is_better=False)
+
+        def e2e():
+            r = dense_flow(f0, f1, tracks[0], method=method, device="gpu")
+            r.flow.get(), r.valid.get()
+
+        t = wall_ms(e2e, repeat, 2, gpu=True)
+        rep.add(f"{tag}: GPU end to end incl. transfers", t, "ms/pair", gpu_name,
+                baseline="CPU numba" if t_cpu else None, baseline_value=t_cpu,
+                higher_is_better=False)

@@ -1,0 +1,184 @@
+"""``scanforest flow ...`` and ``scanforest bench flow``: dense motion from sparse tracks.
+
+``scanforest flow run STORE --frames DIR`` ingests a folder of frames (PNG/TIFF/JPEG/NPY) as a
+sequence of the store and writes the (H, W, 2) flow of every consecutive pair with both methods
+(or ``--method``), plus a colour-wheel PNG per pair under ``--png-dir``; without ``--frames`` it
+works on the sequences already in the store. Pairs already written with the same parameters
+are skipped.
+
+``scanforest flow pair FRAME0 FRAME1 -o FLOW.npy`` computes one pair without a store or Prefect
+(``--tracks T.npy``: caller-given ``(M, 4)`` tracks; otherwise KLT through OpenCV).
+
+``scanforest bench flow`` times both methods at 320x240 and 1920x1080 on the GPU with the CPU
+backend as the baseline in the same run (see :mod:`scanforest.flows.bench_flow`).
+
+Prefect, OpenCV and CuPy are imported only inside the commands that need them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def _sizes(text: str) -> list[tuple[int, int]]:
+    from scanforest.kernels.errors import InputError
+
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        try:
+            w, h = (int(v) for v in part.split("x"))
+        except ValueError:
+            raise InputError(f"sizes are WIDTHxHEIGHT, comma separated; got {part!r}") from None
+        out.append((w, h))
+    return out
+
+
+def _params(sigma_c, sigma_x, sigma_f, tau, no_test, max_labels) -> dict:
+    p = {}
+    if sigma_c is not None:
+        p["sigma_c"] = sigma_c
+    if sigma_x is not None:
+        p["sigma_x"] = sigma_x
+    if sigma_f is not None:
+        p["sigma_f"] = sigma_f
+    if no_test:
+        p["tau"] = None
+    elif tau is not None:
+        p["tau"] = tau
+    if max_labels is not None:
+        p["max_labels"] = max_labels
+    return p
+
+
+def register(app: typer.Typer, bench: typer.Typer) -> None:
+    flow_app = typer.Typer(help="Dense optical flow from sparse tracks (interpolation and "
+                                "multiple hypotheses, Kim/Hwangbo/Kanade), CPU or GPU.",
+                           no_args_is_help=True)
+    app.add_typer(flow_app, name="flow")
+
+    @flow_app.command("run")
+    def flow_run(
+        store: str = typer.Argument(..., help="scan store (created if missing)"),
+        frames: str = typer.Option(None, "--frames", help="folder of frames to ingest first"),
+        seq: str = typer.Option(None, "--seq", help="sequence id (default: the folder name; "
+                                                    "without --frames: every sequence)"),
+        tracks: str = typer.Option(None, "--tracks", help="folder of (M, 4) .npy tracks, one per "
+                                                          "pair (default: KLT via OpenCV)"),
+        method: str = typer.Option("both", "--method", help="interpolation | hypotheses | both"),
+        png_dir: str = typer.Option(None, "--png-dir", help="colour-wheel PNGs go to "
+                                    "DIR/<seq>/<method>/<pair>.png (default: STORE.flow-png)"),
+        png: bool = typer.Option(True, "--png/--no-png"),
+        sigma_c: float = typer.Option(None, "--sigma-c", help="colour sigma (levels; default 10)"),
+        sigma_x: float = typer.Option(None, "--sigma-x", help="position sigma (px; default 4 sigma_c)"),
+        sigma_f: float = typer.Option(None, "--sigma-f", help="flow sigma of the 7-D vote (px; default 1)"),
+        tau: float = typer.Option(None, "--tau", help="change-test threshold (levels; default 20)"),
+        no_test: bool = typer.Option(False, "--no-test", help="switch the change test off"),
+        max_labels: int = typer.Option(None, "--max-labels"),
+        batch: int = typer.Option(None, "--batch", help="pairs per task and kernel launch"),
+        device: str = typer.Option("auto", "--device", help="auto | cpu | gpu"),
+        scheduler: str = typer.Option(None, "--scheduler", help="existing Dask scheduler"),
+        workers: int = typer.Option(None, "--workers"),
+        force: bool = typer.Option(False, "--force", help="recompute pairs already written"),
+    ):
+        """Flow of every consecutive frame pair of the store's sequences (idempotent)."""
+        from scanforest.kernels.errors import InputError
+        from scanforest.kernels.flow import METHODS
+
+        from .flow import run_flow
+
+        methods = list(METHODS) if method == "both" else [method]
+        if any(m not in METHODS for m in methods):
+            raise InputError(f"--method must be interpolation, hypotheses or both; got {method!r}")
+        if tracks and not frames:
+            raise InputError("--tracks goes with --frames (tracks are stored with the frames)")
+        pd = (png_dir or f"{str(store).rstrip('/')}.flow-png") if png else None
+        res = run_flow(store, sequences=None if (frames or not seq) else [seq], source=frames,
+                       seq_id=seq, tracks_dir=tracks, methods=methods,
+                       params=_params(sigma_c, sigma_x, sigma_f, tau, no_test, max_labels),
+                       device=device, png_dir=pd, scheduler=scheduler, workers=workers,
+                       batch=batch, force=force)
+        cov = res["mean_coverage"]
+        typer.echo(f"flow: {res['sequences']} sequence(s), {res['written']} pair flows written, "
+                   f"{res['skipped']} already done, methods {', '.join(res['methods'])}"
+                   + (f", mean coverage {cov:.3f}" if cov is not None else "")
+                   + f", {res['seconds']:.1f} s on {res['workers']} workers"
+                   + (f"; PNGs in {pd}" if pd else ""))
+
+    @flow_app.command("pair")
+    def flow_pair(
+        frame0: str = typer.Argument(..., help="first frame (PNG/TIFF/JPEG/NPY)"),
+        frame1: str = typer.Argument(..., help="second frame"),
+        out: str = typer.Option(..., "-o", "--out", help="output .npy: (H, W, 2) float32 flow"),
+        method: str = typer.Option("hypotheses", "--method", help="interpolation | hypotheses"),
+        tracks: str = typer.Option(None, "--tracks", help="(M, 4) .npy x0,y0,x1,y1 (default: KLT)"),
+        png: str = typer.Option(None, "--png", help="colour-wheel PNG of the flow"),
+        sigma_c: float = typer.Option(None, "--sigma-c"),
+        sigma_x: float = typer.Option(None, "--sigma-x"),
+        sigma_f: float = typer.Option(None, "--sigma-f"),
+        tau: float = typer.Option(None, "--tau"),
+        no_test: bool = typer.Option(False, "--no-test"),
+        device: str = typer.Option("auto", "--device"),
+    ):
+        """Flow of one frame pair; writes FLOW.npy and FLOW.valid.npy (and --png)."""
+        import numpy as np
+
+        from scanforest.kernels._backend import resolve_device, to_numpy
+        from scanforest.kernels.flow import dense_flow
+        from scanforest.kernels.flow_metrics import flow_to_rgb, png_bytes
+        from scanforest.tasks.flow import read_frame
+
+        a, b = read_frame(frame0), read_frame(frame1)
+        tr = None
+        if tracks:
+            tr = np.load(tracks, allow_pickle=False)
+        dev = resolve_device(device)
+        if dev == "gpu":
+            import cupy as cp
+
+            a, b = cp.asarray(a), cp.asarray(b)
+        p = _params(sigma_c, sigma_x, sigma_f, tau, no_test, None)
+        r = dense_flow(a, b, tr, method=method, device=dev, **p)
+        flow, valid = to_numpy(r.flow), to_numpy(r.valid)
+        np.save(out, flow)
+        vpath = str(Path(out).with_suffix("")) + ".valid.npy"
+        np.save(vpath, valid)
+        if png:
+            Path(png).write_bytes(png_bytes(flow_to_rgb(flow, valid)))
+        typer.echo(json.dumps({"out": out, "valid": vpath, "png": png, "method": method,
+                               "device": dev, "features": r.n_features[0],
+                               "coverage": float(valid.mean()), "params": r.params}))
+
+    @bench.command("flow")
+    def bench_flow(
+        sizes: str = typer.Option("320x240,1920x1080", "--sizes", help="WIDTHxHEIGHT list"),
+        features: int = typer.Option(156, "--features", help="tracks per pair (paper: 156)"),
+        batch: int = typer.Option(8, "--batch", help="pairs per call in the batched rows"),
+        repeat: int = typer.Option(20, "--repeat"),
+        device: str = typer.Option("auto", "--device"),
+        out: str = typer.Option(None, "--out", help="JSON file or folder"),
+        cpu: bool = typer.Option(True, "--cpu/--no-cpu", help="CPU numba baseline rows"),
+        labels: str = typer.Option("8,25,64,128,256", "--labels", help="label sweep at the "
+                                   "largest size ('' to skip)"),
+        accuracy: bool = typer.Option(True, "--accuracy/--no-accuracy"),
+        time_limit: float = typer.Option(1e9, "--time-limit"),
+    ):
+        """Both flow methods on the GPU at the paper's size and 1080p, CPU baseline in the same run."""
+        from ._bench import parse_counts
+        from .bench_flow import run_bench
+
+        run_bench(_sizes(sizes), features=features, batch=batch, repeat=repeat, device=device,
+                  out=out, cpu=cpu, label_sweep=parse_counts(labels), accuracy=accuracy,
+                  time_limit=time_limit)
+
+
+if __name__ == "__main__":  # standalone: python -m scanforest.flows.cli_flow flow --sizes ...
+    _app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    _bench = typer.Typer()
+    _app.add_typer(_bench, name="bench")
+    register(_app, _bench)
+    _app(["bench", *__import__("sys").argv[1:]])

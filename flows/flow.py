@@ -1,0 +1,106 @@
+"""The dense-motion flow: image sequences in the store -> (H, W, 2) flow per frame pair.
+
+Each sequence's consecutive pairs are split into batches; one Prefect task per batch hands the
+work unit :func:`scanforest.tasks.flow.flow_pairs` to the Dask cluster, which computes the
+batch in one kernel launch and writes every pair into its own group (idempotent: pairs already
+written with the same parameters are skipped). A frame folder given as ``source`` is ingested
+first (itself skipped when the folder's bytes are unchanged).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, task
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from scanforest.kernels.errors import InputError
+from scanforest.kernels.flow import METHODS
+from scanforest.tasks import flow as T
+from scanforest.tasks.prefect_tasks import RETRY_DELAYS, on_cluster
+from scanforest.tasks.store import ScanStore
+
+from ._runner import auto_batch, dask_client, ensure_prefect_api, map_units, n_workers, record_run
+
+
+@task(name="flow-ingest", retries=2, retry_delay_seconds=RETRY_DELAYS,
+      task_run_name="ingest frames {source}")
+def ingest_sequence_task(store: str, source: str, seq_id: str | None = None,
+                         tracks_dir: str | None = None, force: bool = False) -> dict[str, Any]:
+    """A frame folder -> a sequence of the store (skipped when unchanged)."""
+    return on_cluster(T.ingest_sequence, store, source, seq_id, tracks_dir=tracks_dir, force=force)
+
+
+@task(name="flow-pairs", retries=2, retry_delay_seconds=RETRY_DELAYS,
+      task_run_name="flow {seq_id} pairs {first}..{last} ({method})")
+def flow_pairs_task(store: str, seq_id: str, pairs: list[int], first: int, last: int,
+                    method: str, options: dict) -> list[dict[str, Any]]:
+    """Flow of a batch of pairs of one sequence (pairs already written are skipped)."""
+    return on_cluster(T.flow_pairs, store, seq_id, pairs, method=method, **options,
+                      key=f"flow-{seq_id}-{method}-{first}-{last}-{id(options):x}")
+
+
+@flow(name="scanforest-flow", task_runner=ThreadPoolTaskRunner(max_workers=32))
+def motion_flow(store: str, sequences: list[str] | None = None, source: str | None = None,
+                seq_id: str | None = None, tracks_dir: str | None = None,
+                methods: list[str] | None = None, params: dict | None = None,
+                klt: dict | None = None, device: str = "auto", png_dir: str | None = None,
+                scheduler: str | None = None, workers: int | None = None,
+                batch: int | None = None, force: bool = False,
+                progress: bool = True) -> dict[str, Any]:
+    """Dense flow of every consecutive frame pair of ``sequences`` (default: all of the store).
+
+    ``source`` (a frame folder) is ingested first as ``seq_id``; ``methods`` is a list of
+    ``interpolation`` / ``hypotheses`` (default: both); ``params`` go to the kernels (sigma_c,
+    sigma_x, sigma_f, tau, max_labels); ``png_dir`` receives ``<seq>/<method>/<t>.png``
+    colour-wheel images; ``batch`` pairs per task (and per kernel launch).
+    """
+    t0 = time.perf_counter()
+    methods = list(methods or METHODS)
+    for m in methods:
+        if m not in METHODS:
+            raise InputError(f"method must be one of {METHODS}, got {m!r}")
+    with dask_client(scheduler, n_workers=workers, device=device) as client:
+        nw = n_workers(client)
+        ingested = None
+        if source:
+            ingested = ingest_sequence_task(store, source, seq_id, tracks_dir, force)
+            seqs = [ingested["seq_id"]] if sequences is None else list(sequences)
+        else:
+            seqs = T.sequences(store) if sequences is None else list(sequences)
+        have = set(T.sequences(store))
+        missing = [s for s in seqs if s not in have]
+        if missing:
+            raise InputError(f"{store}: no sequence {missing[:5]} (have: {sorted(have)[:10]})")
+        options = dict(params=dict(params or {}), klt=klt, device=device, png_dir=png_dir,
+                       force=force)
+        units = []
+        for sid in seqs:
+            n = T.prepare_outputs(store, sid, methods)
+            b = batch or max(1, min(16, auto_batch(n, nw, max_batch=16)))
+            for m in methods:
+                for i in range(0, n, b):
+                    ts = list(range(i, min(n, i + b)))
+                    units.append(dict(store=store, seq_id=sid, pairs=ts, first=ts[0], last=ts[-1],
+                                      method=m, options=options))
+        out = map_units(flow_pairs_task, units, label="flow", progress=progress,
+                        weights=[len(u["pairs"]) for u in units])
+    recs = [r for rs in out for r in rs]
+    written = [r for r in recs if r["status"] == "written"]
+    summary = {"sequences": len(seqs), "pairs": len(recs), "written": len(written),
+               "skipped": len(recs) - len(written), "methods": methods, "workers": nw,
+               "mean_coverage": (sum(r["coverage"] for r in written) / len(written)) if written else None,
+               "seconds": time.perf_counter() - t0}
+    if ingested is not None:
+        summary["ingest"] = ingested.get("status")
+    record_run(ScanStore(store), "flow", {"methods": methods, "params": params or {},
+                                          "device": device, "png_dir": png_dir}, summary,
+               [dict(r, scan_id=f"{r['seq_id']}:{r['pair']}:{r['method']}") for r in recs])
+    summary["results"] = recs
+    return summary
+
+
+def run_flow(store, **kw) -> dict[str, Any]:
+    """Start a Prefect API if none is configured and run :func:`motion_flow`."""
+    ensure_prefect_api()
+    return motion_flow(store=str(store), **kw)

@@ -1,0 +1,332 @@
+"""Dense motion for image sequences in the store: frames in, (H, W, 2) flow per pair out.
+
+Layout, beside ``scans/`` in the same Zarr v3 store (``ScanStore`` leaves other top-level
+groups alone)::
+
+    STORE/sequences/<seq_id>/           attrs: source, files, sha256, n_frames, height, width,
+                                               channels, dtype, ingested_at, complete (set last)
+        frames        (T, H, W, C) uint8 | uint16 | float32, one chunk per frame
+        tracks/<t>    (M, 4) float32 caller-given tracks of pair t (x0, y0, x1, y1), optional
+        flow/<method>/<t>/              one group per frame pair t -> t + 1 (t zero-padded, 6
+                                        digits); attrs: params, n_features, coverage, device,
+                                        seconds, written, complete (set last)
+            flow      (H, W, 2) float32 u, v (the method's estimate everywhere)
+            valid     (H, W) bool       pixels that passed the change test
+            label     (H, W) int32      Method 2: index into ``labels``
+            labels    (L, 2) int32      Method 2: the discretised flow space of the pair
+
+Idempotency: a pair is done when its group is complete with the same parameters; the work
+unit :func:`flow_pairs` skips those, writes each remaining pair into its own group (so Dask
+workers never share a group) and marks it complete after the arrays and its colour-wheel PNG
+are written. Frames come from a folder of PNG/TIFF/JPEG (Pillow) or NPY files, sorted in
+natural order (``f2`` before ``f10``).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scanforest.kernels.errors import InputError, ScanReadError
+
+from .store import ScanStore, _jsonable, scan_id_for
+
+FRAME_EXTS = (".png", ".tif", ".tiff", ".jpg", ".jpeg", ".bmp", ".npy")
+GROUP = "sequences"
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _natural_key(p: Path):
+    return [int(t) if t.isdigit() else t.lower() for t in re.split(r"(\d+)", p.name)]
+
+
+def list_frames(folder: str | Path) -> list[Path]:
+    """Frame files of a folder (by extension), in natural order."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"{folder}: not a folder of frames")
+    files = sorted((p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in FRAME_EXTS),
+                   key=_natural_key)
+    return files
+
+
+def read_frame(path: str | Path) -> np.ndarray:
+    """One frame as (H, W) or (H, W, 3): NPY via numpy, images via Pillow (RGBA -> RGB)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ScanReadError(path, "file not found")
+    if path.suffix.lower() == ".npy":
+        try:
+            a = np.load(path, allow_pickle=False)
+        except Exception as exc:
+            raise ScanReadError(path, f"not a readable .npy array: {exc}") from exc
+    else:
+        try:
+            from PIL import Image
+        except ImportError as exc:  # pragma: no cover - Pillow comes with matplotlib
+            raise ScanReadError(path, "reading images needs Pillow (pip install pillow)") from exc
+        try:
+            with Image.open(path) as im:
+                if im.mode in ("RGBA", "LA", "P", "CMYK", "YCbCr", "HSV", "LAB"):
+                    im = im.convert("RGB")
+                a = np.asarray(im)
+        except Exception as exc:
+            raise ScanReadError(path, f"not a readable image: {exc}") from exc
+    if a.ndim == 3 and a.shape[2] == 4:
+        a = a[..., :3]
+    if a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[2] not in (1, 3)) or a.size == 0:
+        raise ScanReadError(path, f"expected an (H, W) or (H, W, 3) image, got shape {a.shape}")
+    if a.dtype.kind not in "uif" or a.dtype == bool:
+        raise ScanReadError(path, f"unsupported pixel type {a.dtype}")
+    if a.ndim == 3 and a.shape[2] == 1:
+        a = a[..., 0]
+    return a
+
+
+def _seq_root(st: ScanStore):
+    return st.root.require_group(GROUP)
+
+
+def sequences(store: str | ScanStore, *, include_incomplete: bool = False) -> list[str]:
+    """Ids of the (completely written) sequences of a store."""
+    st = store if isinstance(store, ScanStore) else ScanStore(store, mode="r")
+    if GROUP not in st.root:
+        return []
+    g = st.root[GROUP]
+    return sorted(n for n, c in g.groups() if include_incomplete or c.attrs.get("complete", False))
+
+
+def _sequence(st: ScanStore, seq_id: str):
+    if GROUP not in st.root or seq_id not in st.root[GROUP]:
+        raise InputError(f"{st.path}: no sequence {seq_id!r} (have: {sequences(st)})")
+    g = st.root[GROUP][seq_id]
+    if not g.attrs.get("complete", False):
+        raise InputError(f"{st.path}: sequence {seq_id!r} is incomplete (an interrupted write); "
+                         "ingest it again")
+    return g
+
+
+def write_sequence(store: str | ScanStore, seq_id: str, frames, *, tracks=None,
+                   attrs: dict | None = None) -> dict[str, Any]:
+    """Write frames ``(T, H, W[, C])`` (and optional per-pair tracks) as sequence ``seq_id``.
+
+    Replaces an existing sequence of that id; ``complete`` is set after every array.
+    """
+    st = store if isinstance(store, ScanStore) else ScanStore(store)
+    fr = np.asarray(frames)
+    if fr.ndim == 3:
+        fr = fr[..., None]
+    if fr.ndim != 4 or fr.shape[-1] not in (1, 3):
+        raise InputError(f"frames must be (T, H, W) or (T, H, W, 1|3), got {fr.shape}")
+    if fr.shape[0] < 2:
+        raise InputError(f"a sequence needs at least 2 frames, got {fr.shape[0]}")
+    if fr.dtype.kind == "f":
+        if not np.isfinite(fr).all():
+            raise InputError(f"sequence {seq_id!r}: frames contain NaN or infinite values")
+        fr = fr.astype(np.float32)
+    elif fr.dtype not in (np.uint8, np.uint16):
+        fr = fr.astype(np.float32)
+    if tracks is not None and len(tracks) != fr.shape[0] - 1:
+        raise InputError(f"{fr.shape[0]} frames make {fr.shape[0] - 1} pairs but {len(tracks)} "
+                         "track arrays were given")
+    root = _seq_root(st)
+    if seq_id in root:
+        del root[seq_id]
+    g = root.create_group(seq_id)
+    t, h, w, c = fr.shape
+    g.attrs.update(_jsonable({**(attrs or {}), "n_frames": t, "height": h, "width": w,
+                              "channels": c, "dtype": str(fr.dtype), "ingested_at": _now(),
+                              "complete": False}))
+    z = g.create_array("frames", shape=fr.shape, dtype=fr.dtype, chunks=(1, h, w, c))
+    z[...] = fr
+    if tracks is not None:
+        tg = g.create_group("tracks")
+        for i, tr in enumerate(tracks):
+            a = np.asarray(tr, np.float32)
+            if a.ndim != 2 or a.shape[1] != 4:
+                raise InputError(f"tracks of pair {i} must be (M, 4), got {a.shape}")
+            tg.create_array(f"{i:06d}", shape=a.shape, dtype=np.float32,
+                            chunks=(max(1, a.shape[0]), 4))[...] = a
+    g.attrs["complete"] = True
+    return {"seq_id": seq_id, "frames": t, "height": h, "width": w, "channels": c}
+
+
+def ingest_sequence(store: str, source: str, seq_id: str | None = None, *,
+                    tracks_dir: str | None = None, force: bool = False) -> dict[str, Any]:
+    """A folder of frames (PNG/TIFF/JPEG/NPY) -> sequence ``seq_id`` (default: the folder name).
+
+    Skipped when the sequence exists, is complete and came from the same bytes (sha256 over
+    the files in order). ``tracks_dir``: a folder of ``.npy`` (M, 4) tracks, one per pair, in
+    natural order.
+    """
+    t0 = time.perf_counter()
+    files = list_frames(source)
+    if len(files) < 2:
+        raise InputError(f"{source}: a sequence needs at least 2 frames, found {len(files)} "
+                         f"(extensions {', '.join(FRAME_EXTS)})")
+    sid = seq_id or scan_id_for(Path(source).resolve().name)
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    sha = h.hexdigest()
+    st = ScanStore(store)
+    if not force and sid in sequences(st) and st.root[GROUP][sid].attrs.get("sha256") == sha:
+        return {"seq_id": sid, "status": "skipped", "frames": len(files),
+                "seconds": time.perf_counter() - t0}
+    frames = [read_frame(f) for f in files]
+    shapes = {f.shape for f in frames}
+    if len(shapes) != 1:
+        first = frames[0].shape
+        i = next(i for i, f in enumerate(frames) if f.shape != first)
+        raise InputError(f"{source}: frames differ in size ({files[0].name} {first} vs "
+                         f"{files[i].name} {frames[i].shape})")
+    dtypes = {f.dtype for f in frames}
+    if len(dtypes) != 1:
+        raise InputError(f"{source}: frames differ in pixel type ({sorted(map(str, dtypes))})")
+    tracks = None
+    if tracks_dir:
+        tf = sorted((p for p in Path(tracks_dir).iterdir() if p.suffix.lower() == ".npy"),
+                    key=_natural_key)
+        tracks = [np.load(p, allow_pickle=False) for p in tf]
+    info = write_sequence(st, sid, np.stack(frames), tracks=tracks,
+                          attrs={"source": str(Path(source).resolve()),
+                                 "files": [f.name for f in files], "sha256": sha})
+    return {**info, "status": "ingested", "seconds": time.perf_counter() - t0}
+
+
+def read_frames(store: str | ScanStore, seq_id: str, start: int = 0, stop: int | None = None):
+    st = store if isinstance(store, ScanStore) else ScanStore(store, mode="r")
+    return _sequence(st, seq_id)["frames"][start:stop]
+
+
+def _pair_name(t: int) -> str:
+    return f"{t:06d}"
+
+
+def _params_key(method: str, params: dict, tracks: str) -> dict:
+    return _jsonable({"method": method, "tracks": tracks, **{k: params[k] for k in sorted(params)}})
+
+
+def pair_done(store: str | ScanStore, seq_id: str, t: int, method: str, key: dict | None = None) -> bool:
+    st = store if isinstance(store, ScanStore) else ScanStore(store, mode="r")
+    try:
+        g = _sequence(st, seq_id)
+        pg = g["flow"][method][_pair_name(t)]
+    except (KeyError, InputError):
+        return False
+    a = pg.attrs
+    return bool(a.get("complete", False)) and (key is None or a.get("key") == key)
+
+
+def prepare_outputs(store: str, seq_id: str, methods) -> int:
+    """Create the ``flow/<method>`` groups once (before parallel writers); returns T - 1."""
+    st = ScanStore(store)
+    g = _sequence(st, seq_id)
+    fg = g.require_group("flow")
+    for m in methods:
+        fg.require_group(m)
+    return int(g.attrs["n_frames"]) - 1
+
+
+def flow_pairs(store: str, seq_id: str, pairs: list[int], *, method: str = "hypotheses",
+               params: dict | None = None, klt: dict | None = None, device: str = "auto",
+               png_dir: str | None = None, force: bool = False) -> list[dict[str, Any]]:
+    """Flow of the pairs ``t -> t + 1`` for ``t`` in ``pairs`` of one sequence (idempotent).
+
+    All pending pairs of the call run in one batched kernel launch. Tracks: the sequence's
+    stored tracks for a pair when present, else KLT (OpenCV). ``params``: keyword arguments of
+    :func:`scanforest.kernels.flow.dense_flow` (sigma_c, sigma_x, sigma_f, tau, max_labels).
+    One record per pair: status ``"written"`` or ``"skipped"``.
+    """
+    from scanforest.kernels._backend import resolve_device, to_numpy
+    from scanforest.kernels.flow import METHODS, dense_flow, klt_tracks
+    from scanforest.kernels.flow_metrics import flow_to_rgb, png_bytes
+
+    if method not in METHODS:
+        raise InputError(f"method must be one of {METHODS}, got {method!r}")
+    t_start = time.perf_counter()
+    params = dict(params or {})
+    st = ScanStore(store)
+    g = _sequence(st, seq_id)
+    n_pairs = int(g.attrs["n_frames"]) - 1
+    bad = [t for t in pairs if not (0 <= int(t) < n_pairs)]
+    if bad:
+        raise InputError(f"sequence {seq_id!r} has pairs 0..{n_pairs - 1}; got {bad[:5]}")
+    stored = g["tracks"] if "tracks" in g else None
+    src = {t: ("stored" if stored is not None and _pair_name(t) in stored else "klt") for t in pairs}
+    keys = {t: _params_key(method, params, src[t]) for t in pairs}
+    todo = [int(t) for t in pairs if force or not pair_done(st, seq_id, t, method, keys[t])]
+    recs = [{"seq_id": seq_id, "pair": int(t), "method": method, "status": "skipped"}
+            for t in pairs if int(t) not in todo]
+    if not todo:
+        return recs
+    dev = resolve_device(device)
+    frames = g["frames"]
+    f0 = np.stack([frames[t] for t in todo])
+    f1 = np.stack([frames[t + 1] for t in todo])
+    tracks = []
+    for t, a, b in zip(todo, f0, f1):
+        if src[t] == "stored":
+            tracks.append(np.asarray(stored[_pair_name(t)][...], np.float32))
+        else:
+            tracks.append(klt_tracks(a, b, **(klt or {})))
+    if dev == "gpu":
+        import cupy as cp
+
+        f0, f1 = cp.asarray(f0), cp.asarray(f1)
+    t_flow = time.perf_counter()
+    res = dense_flow(f0, f1, tracks, method=method, device=dev, **params)
+    flow, valid = to_numpy(res.flow), to_numpy(res.valid)
+    label = None if res.label is None else to_numpy(res.label)
+    t_flow = time.perf_counter() - t_flow
+    fg = g.require_group("flow").require_group(method)
+    for i, t in enumerate(todo):
+        name = _pair_name(t)
+        if name in fg:
+            del fg[name]
+        pg = fg.create_group(name)
+        pg.attrs.update({"complete": False})
+        h, w = flow.shape[1:3]
+        pg.create_array("flow", shape=(h, w, 2), dtype=np.float32, chunks=(h, w, 2))[...] = flow[i]
+        pg.create_array("valid", shape=(h, w), dtype=bool, chunks=(h, w))[...] = valid[i]
+        if label is not None:
+            pg.create_array("label", shape=(h, w), dtype=np.int32, chunks=(h, w))[...] = label[i]
+            lab = np.asarray(res.labels[i], np.int32)
+            pg.create_array("labels", shape=lab.shape, dtype=np.int32, chunks=lab.shape)[...] = lab
+        png = None
+        if png_dir:
+            out = Path(png_dir) / seq_id / method
+            out.mkdir(parents=True, exist_ok=True)
+            png = out / f"{name}.png"
+            tmp = png.with_suffix(".png.tmp")
+            tmp.write_bytes(png_bytes(flow_to_rgb(flow[i], valid[i])))
+            tmp.replace(png)
+        cov = float(valid[i].mean())
+        pg.attrs.update(_jsonable({"key": keys[t], "pair": [t, t + 1],
+                                   "n_features": res.n_features[i], "coverage": cov,
+                                   "device": dev, "seconds": t_flow / len(todo),
+                                   "png": None if png is None else str(png),
+                                   "params": res.params, "written": _now()}))
+        pg.attrs["complete"] = True
+        recs.append({"seq_id": seq_id, "pair": t, "method": method, "status": "written",
+                     "n_features": res.n_features[i], "coverage": cov,
+                     "seconds": (time.perf_counter() - t_start) / len(todo)})
+    return sorted(recs, key=lambda r: r["pair"])
+
+
+def read_flow(store: str | ScanStore, seq_id: str, t: int, method: str = "hypotheses"):
+    """``(flow (H, W, 2) float32, valid (H, W) bool)`` of pair ``t``."""
+    st = store if isinstance(store, ScanStore) else ScanStore(store, mode="r")
+    if not pair_done(st, seq_id, t, method):
+        raise InputError(f"{st.path}: no complete {method} flow for pair {t} of {seq_id!r}")
+    pg = _sequence(st, seq_id)["flow"][method][_pair_name(t)]
+    return pg["flow"][...], pg["valid"][...]
