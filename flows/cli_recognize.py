@@ -12,6 +12,10 @@
   views, scenes from :func:`scanforest.kernels.synthetic.make_scene` (3 instances, 3 clutter
   objects, occlusion) per noise level; precision, recall, rotation error (degrees) and
   translation error (mesh resolutions) per noise level.
+* **Archive** (``--archive N``): N synthetic scenes of ``--archive-points`` points (noise 0.2
+  mesh resolution) recognised one after the other on one device while a process pool generates
+  the next scenes; seconds per scene end to end with the phase breakdown, scenes/s over the
+  whole archive, precision and recall.
 """
 from __future__ import annotations
 
@@ -96,6 +100,12 @@ def bench_recognize(
     scene_points: int = typer.Option(150_000, help="Points per synthetic scene."),
     syn_method: str = typer.Option("gc", help="Grouping for the synthetic scenes: gc | hough."),
     syn_device: str = typer.Option("auto", help="Device of the synthetic runs."),
+    refine: str = typer.Option("icp", help="Pose refinement of the synthetic/archive runs: icp | pcha | both."),
+    archive: int = typer.Option(0, help="Synthetic archive: this many scenes (0: none)."),
+    archive_points: int = typer.Option(300_000, help="Points per archive scene."),
+    archive_noise: float = typer.Option(0.2, help="Noise of the archive scenes (mesh resolutions)."),
+    gen_workers: int = typer.Option(0, help="Processes generating archive scenes (0: half the CPUs - 1)."),
+    archive_start: int = typer.Option(0, help="First archive scene number (split a long archive over runs)."),
     out: Path = typer.Option(None, help="JSON output (file or folder)."),
 ) -> None:
     """Seconds per scene (phase breakdown, CPU vs GPU) and synthetic detection accuracy."""
@@ -105,7 +115,9 @@ def bench_recognize(
 
     rep = BenchReport("recognize", {"real": real, "synthetic": synthetic, "repeats": repeats,
                                     "method": method, "tutorial": TUTORIAL,
-                                    "tutorial_library": TUTORIAL_LIB})
+                                    "tutorial_library": TUTORIAL_LIB, "refine": refine,
+                                    "archive": archive, "archive_points": archive_points,
+                                    "archive_start": archive_start})
     gpu = gpu_available()
     if real:
         pdir = Path(pcl_dir) if pcl_dir else _default_pcl_dir()
@@ -144,17 +156,27 @@ def bench_recognize(
                  "brief, not measured in this run).")
     if synthetic:
         try:
-            _synthetic(rep, [float(x) for x in noises.split(",") if x.strip()], scenes, scene_points,
-                       syn_method, syn_device)
+            for ref in (("icp", "pcha") if refine == "both" else (refine,)):
+                _synthetic(rep, [float(x) for x in noises.split(",") if x.strip()], scenes, scene_points,
+                           syn_method, syn_device, ref)
         except Exception as exc:
             import traceback
 
             traceback.print_exc()
             rep.note(f"synthetic failed: {type(exc).__name__}: {exc}")
+    if archive:
+        try:
+            _archive(rep, archive, archive_points, archive_noise, syn_method, syn_device,
+                     "icp" if refine == "both" else refine, gen_workers, archive_start)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            rep.note(f"archive failed: {type(exc).__name__}: {exc}")
     rep.finish(out)
 
 
-def _synthetic(rep, noises, n_scenes, n_points, method, device):
+def _synthetic(rep, noises, n_scenes, n_points, method, device, refine="icp"):
     from scanforest.kernels import synthetic as S
     from scanforest.kernels._backend import describe_device, resolve_device
     from scanforest.kernels.recognition import ModelLibrary, evaluate, recognize
@@ -165,7 +187,8 @@ def _synthetic(rep, noises, n_scenes, n_points, method, device):
     lib = ModelLibrary.build([m.points for m in models], [m.name for m in models],
                              models_normals=[m.normals for m in models], device=dev, **SYN_LIB)
     rep.note(f"synthetic library: {lib!r} built in {time.perf_counter() - t0:.1f} s on {dev}")
-    kw = dict(SYN_REC, method=method)
+    kw = dict(SYN_REC, method=method, refine=refine)
+    tag = "" if refine == "icp" else f", {refine}"
     lines = ["noise  scenes  instances  tp  fp  fn  precision  recall  rot_err_deg(mean/max)  "
              "trans_err_res(mean/max)  s/scene"]
     for noise in noises:
@@ -195,19 +218,104 @@ def _synthetic(rep, noises, n_scenes, n_points, method, device):
                      f"{mt[0]:.3f}/{mt[1]:.3f}{'':12}  {statistics.median(secs):.3f}")
         print("synthetic " + lines[0] + "\nsynthetic " + lines[-1], flush=True)
         d = describe_device(dev)
-        rep.add(f"synthetic precision (noise {noise} res)", prec, "", d)
-        rep.add(f"synthetic recall (noise {noise} res)", rec, "", d)
-        rep.add(f"synthetic rotation error mean (noise {noise} res)", mr[0], "deg", d, higher_is_better=False)
-        rep.add(f"synthetic translation error mean (noise {noise} res)", mt[0], "res", d,
+        rep.add(f"synthetic precision (noise {noise} res){tag}", prec, "", d)
+        rep.add(f"synthetic recall (noise {noise} res){tag}", rec, "", d)
+        rep.add(f"synthetic rotation error mean (noise {noise} res){tag}", mr[0], "deg", d, higher_is_better=False)
+        rep.add(f"synthetic translation error mean (noise {noise} res){tag}", mt[0], "res", d,
                 higher_is_better=False)
-        rep.add(f"synthetic seconds per scene (noise {noise} res, {n_points} pts)",
+        rep.add(f"synthetic seconds per scene (noise {noise} res, {n_points} pts){tag}",
                 statistics.median(secs), "s", d, higher_is_better=False)
         for p in PHASES[:-1]:
-            rep.add(f"synthetic {p} per scene (noise {noise} res)",
+            rep.add(f"synthetic {p} per scene (noise {noise} res){tag}",
                     statistics.median(t.get(p, 0.0) for t in phases), "s", d, higher_is_better=False)
     table = "\n".join(lines)
-    print(f"synthetic recognition ({method}, {n_points} points/scene, 5 models, 3 instances + "
+    print(f"synthetic recognition ({method}, refine {refine}, {n_points} points/scene, 5 models, 3 instances + "
           f"3 clutter objects, occlusion):\n{table}")
     rep.params["synthetic_table"] = table
     rep.params["synthetic_library"] = SYN_LIB
     rep.params["synthetic_recognize"] = kw
+
+
+def _archive_scene(args):
+    """One archive scene (run in a generator process)."""
+    from scanforest.kernels import synthetic as S
+
+    models, n_points, noise, seed = args
+    sc = S.make_scene(models, n_instances=3, n_points=n_points, noise=noise, clutter=3, seed=seed)
+    return sc
+
+
+def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers, start=0):
+    """``n_scenes`` synthetic scenes through the whole recognition pipeline on one device."""
+    import multiprocessing as mp
+    import os
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    from scanforest.kernels import synthetic as S
+    from scanforest.kernels._backend import describe_device, resolve_device
+    from scanforest.kernels.recognition import ModelLibrary, evaluate, recognize
+
+    dev = resolve_device(device)
+    models = S.model_library(5, 12_000, seed=1)
+    nw = gen_workers or max(1, (os.cpu_count() or 2) // 2 - 1)  # leave cores to grouping
+    # the generator pool starts before the GPU is touched (spawned processes, numpy only)
+    ex = ProcessPoolExecutor(max_workers=nw, mp_context=mp.get_context("spawn"))
+    try:
+        pending = deque()
+        nxt = 0
+
+        def fill():
+            nonlocal nxt
+            while nxt < n_scenes and len(pending) < 3 * nw:
+                pending.append(ex.submit(_archive_scene, (models, n_points, noise, 50_000 + start + nxt)))
+                nxt += 1
+
+        fill()
+        t0 = time.perf_counter()
+        lib_params = S.SYNTHETIC_LIBRARY if dev == "gpu" else S.SYNTHETIC_LIBRARY_LIGHT
+        lib = ModelLibrary.build([m.points for m in models], [m.name for m in models],
+                                 models_normals=[m.normals for m in models], device=dev, **lib_params)
+        rep.note(f"archive library: {lib!r} built in {time.perf_counter() - t0:.1f} s on {dev}")
+        kw = dict(S.SYNTHETIC_RECOGNIZE if dev == "gpu" else S.SYNTHETIC_RECOGNIZE_LIGHT, method=method,
+                  refine=refine)
+        # warm-up scene (kernels compiled), not counted
+        warm = pending[0].result()
+        recognize(warm.points, lib, device=dev, **kw)
+        tp = fp = fn = 0
+        secs, phases, waits = [], [], 0.0
+        t_all = time.perf_counter()
+        for i in range(n_scenes):
+            tw = time.perf_counter()
+            sc = pending.popleft().result()
+            waits += time.perf_counter() - tw
+            fill()
+            pts = sc.points
+            dets = recognize(pts, lib, device=dev, **kw)  # starts on the host: transfer included
+            secs.append(dets.timings["total"])
+            phases.append(dets.timings)
+            ev = evaluate(dets, sc.ground_truth, max_translation=10 * sc.resolution)
+            tp, fp, fn = tp + ev["tp"], fp + ev["fp"], fn + ev["fn"]
+            if (i + 1) % max(1, n_scenes // 10) == 0:
+                ph = ", ".join(f"{p} {statistics.median(t.get(p, 0.0) for t in phases):.3f}" for p in PHASES[:-1])
+                print(f"archive: {i + 1}/{n_scenes} scenes, median {statistics.median(secs):.3f} s/scene ({ph}), "
+                      f"tp {tp} fp {fp} fn {fn}, {time.perf_counter() - t_all:.0f} s", flush=True)
+        wall = time.perf_counter() - t_all
+    finally:
+        ex.shutdown(cancel_futures=True)
+    d = describe_device(dev)
+    tag = f"archive {n_scenes} scenes x {n_points // 1000}k pts, noise {noise}"
+    if start:
+        tag += f", scenes {start}..{start + n_scenes - 1}"
+    rep.add(f"{tag}: seconds per scene end to end (median)", statistics.median(secs), "s", d,
+            higher_is_better=False)
+    rep.add(f"{tag}: seconds per scene end to end (mean)", float(np.mean(secs)), "s", d, higher_is_better=False)
+    for p in PHASES[:-1]:
+        rep.add(f"{tag}: {p} per scene (median)", statistics.median(t.get(p, 0.0) for t in phases), "s", d,
+                higher_is_better=False)
+    rep.add(f"{tag}: scenes/s over the archive (wall)", n_scenes / wall, "scenes/s", d)
+    rep.add(f"{tag}: precision", tp / max(tp + fp, 1), "", d)
+    rep.add(f"{tag}: recall", tp / max(tp + fn, 1), "", d)
+    rep.note(f"archive: {n_scenes} scenes in {wall:.1f} s wall, {sum(secs):.1f} s inside recognize, "
+             f"{waits:.1f} s waiting for the {nw} scene generator processes; tp {tp}, fp {fp}, fn {fn}; "
+             f"grouping {method}, refine {refine}")

@@ -20,7 +20,7 @@ import numpy as np
 from ._backend import is_cupy, resolve_device, to_numpy
 from .errors import InputError
 
-__all__ = ["IcpResult", "icp_point_to_plane"]
+__all__ = ["IcpResult", "icp_point_to_plane", "icp_point_to_plane_batch"]
 
 
 @dataclass
@@ -192,3 +192,93 @@ def _icp_gpu(src, sn, T, idx, r, iters, tol, agree):
             conv = True
             break
     return IcpResult(T, rmse, fit, it, conv)
+
+
+def icp_point_to_plane_batch(sources, index, *, inits, source_normals=None, max_correspondence_distance: float,
+                             max_iterations: int = 30, tolerance: float = 1e-7,
+                             normal_agreement: float = 0.5) -> list[IcpResult]:
+    """Many ICP problems against ONE target, advanced in lockstep (the verification step's
+    candidates of one scene).
+
+    The same iteration, stopping rule and result as :func:`icp_point_to_plane` for each source,
+    but on the GPU one iteration of all sources is a few launches over the concatenated points
+    with a segmented reduction of the normal equations and one host transfer of the ``(B, 44)``
+    statistics; the B 6x6 systems are solved together on the host. On the CPU the problems are
+    solved one after the other. ``index`` is the target's ``_SceneIndex`` (cell =
+    ``max_correspondence_distance``).
+    """
+    r = float(max_correspondence_distance)
+    B = len(sources)
+    if len(inits) != B or (source_normals is not None and len(source_normals) != B):
+        raise InputError("sources, inits and source_normals must have the same length")
+    if index.normals is None:
+        raise InputError("target_normals are required for point-to-plane ICP")
+    if B == 0:
+        return []
+    if index.device != "gpu":
+        return [icp_point_to_plane(s, None, None, init=T, source_normals=None if source_normals is None
+                                   else source_normals[b], max_correspondence_distance=r,
+                                   max_iterations=max_iterations, tolerance=tolerance,
+                                   normal_agreement=normal_agreement, _target_index=index)
+                for b, (s, T) in enumerate(zip(sources, inits))]
+    import cupy as cp
+
+    srcs = [np.asarray(to_numpy(s), np.float64) for s in sources]
+    for b, s in enumerate(srcs):
+        _check(s, f"sources[{b}]")
+    n = np.array([len(s) for s in srcs])
+    off = np.concatenate([[0], np.cumsum(n)])
+    S = cp.asarray(np.concatenate(srcs))
+    seg = cp.asarray(np.repeat(np.arange(B), n))
+    SN = None
+    if source_normals is not None:
+        SN = cp.asarray(np.concatenate([np.asarray(to_numpy(x), np.float64) for x in source_normals]))
+    T = np.stack([np.array(to_numpy(t), np.float64) for t in inits])
+    if T.shape != (B, 4, 4) or not np.isfinite(T).all():
+        raise InputError("every init must be a finite 4x4 matrix")
+    tp, tn = index.points, index.normals
+    active = np.ones(B, bool)
+    rmse = np.full(B, np.nan)
+    fit = np.zeros(B)
+    its = np.zeros(B, int)
+    conv = np.zeros(B, bool)
+    ends = cp.asarray(off[1:] - 1)
+    for it in range(1, max_iterations + 1):
+        its[active] = it
+        Td = cp.asarray(T)
+        R = Td[seg, :3, :3]
+        P = cp.einsum("nij,nj->ni", R, S) + Td[seg, :3, 3]
+        ni, _ = index.nearest(P, r)
+        ok = ni >= 0
+        j = cp.maximum(ni, 0)
+        Nq = tn[j].astype(cp.float64)
+        ok &= cp.isfinite(Nq).all(axis=1)
+        if SN is not None:
+            ok &= (cp.einsum("nij,nj->ni", R, SN) * cp.nan_to_num(Nq)).sum(axis=1) >= normal_agreement
+        w = ok.astype(cp.float64)
+        Nm = cp.nan_to_num(Nq) * w[:, None]
+        e = ((P - tp[j].astype(cp.float64)) * Nm).sum(axis=1)
+        J = cp.concatenate([cp.cross(P, Nm), Nm], axis=1)          # zero rows for unpaired points
+        st = cp.concatenate([(J[:, :, None] * J[:, None, :]).reshape(-1, 36), -(J * e[:, None]),
+                             w[:, None], (e * e)[:, None]], axis=1)
+        cs = cp.cumsum(st, axis=0)[ends]                             # segmented sums (contiguous)
+        cs[1:] -= cs[:-1].copy()
+        stats = cs.get()
+        A, bb, cnt, sse = stats[:, :36].reshape(B, 6, 6), stats[:, 36:42], stats[:, 42], stats[:, 43]
+        for b in np.flatnonzero(active):
+            fit[b] = cnt[b] / n[b]
+            if cnt[b] < 6:
+                active[b] = False
+                continue
+            rmse[b] = np.sqrt(sse[b] / cnt[b])
+            x = _solve(A[b], bb[b])
+            D = np.eye(4)
+            D[:3, :3] = _rodrigues(x[:3])
+            D[:3, 3] = x[3:]
+            T[b] = D @ T[b]
+            if np.linalg.norm(x) < tolerance:
+                conv[b] = True
+                active[b] = False
+        if not active.any():
+            break
+    return [IcpResult(T[b], float(rmse[b]), float(fit[b]), int(its[b]), bool(conv[b])) for b in range(B)]

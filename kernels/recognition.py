@@ -845,9 +845,143 @@ def group_hough(corr: Correspondences, library: ModelLibrary, scene_kp_coords, s
         _, voters = hough_maxima(votes, bin_size=bin_size, threshold=threshold,
                                  use_interpolation=use_interpolation, weights=wts)
         for vs in voters:
-            out.append(_fit_group(corr, library, skp, sel[vs], int(mid), ransac, thr,
-                                  max_iterations, seed))
-    return Hypotheses.concat([h for h in out if h is not None])
+            out.append((sel[vs], int(mid)))
+    return _fit_groups(corr, library, skp, out, ransac, thr, max_iterations, seed)
+
+
+def _weighted_kabsch_batch(S, D, W):
+    """Batched weighted rigid fits: S, D (G, L, 3), W (G, L) 0/1 -> R (G, 3, 3), t (G, 3)."""
+    ws = np.maximum(W.sum(axis=1), 1e-12)
+    cs = np.einsum("gl,gli->gi", W, S) / ws[:, None]
+    cd = np.einsum("gl,gli->gi", W, D) / ws[:, None]
+    H = np.einsum("gl,gli,glj->gij", W, S - cs[:, None], D - cd[:, None])
+    U, _, Vt = np.linalg.svd(H)
+    V = np.swapaxes(Vt, 1, 2)
+    bad = np.linalg.det(U) * np.linalg.det(V) < 0
+    V[bad, :, 2] *= -1
+    R = V @ np.swapaxes(U, 1, 2)
+    return R, cd - np.einsum("gij,gj->gi", R, cs)
+
+
+def ransac_rigid_groups(srcs, dsts, *, threshold: float, max_iterations: int = 10000,
+                        probability: float = 0.99, seed: int = 0, first: int = 32, cap: int = 1024):
+    """:func:`ransac_rigid` for many small groups at once (the hypotheses of one scene).
+
+    The groups are padded to a common length and sampled together: ``first`` 3-point samples
+    per group in one batched Kabsch, then, for the groups whose best inlier ratio asks for more
+    samples (adaptive count for ``probability``), a second batch up to ``min(max_iterations,
+    cap)``; the best model is refitted on its inliers and the inliers recomputed once, as
+    :func:`ransac_rigid` does. Returns a list of ``(pose, inlier mask)`` (``(None, None)`` for
+    groups of fewer than 3 pairs).
+    """
+    G = len(srcs)
+    out = [(None, None)] * G
+    ok = [g for g in range(G) if len(srcs[g]) >= 3]
+    if not ok:
+        return out
+    rng = np.random.default_rng(seed)
+    thr2 = float(threshold) ** 2
+    n = np.array([len(srcs[g]) for g in ok])
+    L = int(n.max())
+    S = np.zeros((len(ok), L, 3))
+    D = np.zeros((len(ok), L, 3))
+    M = np.zeros((len(ok), L), bool)
+    for r, g in enumerate(ok):
+        S[r, :n[r]], D[r, :n[r]], M[r, :n[r]] = srcs[g], dsts[g], True
+    best_cnt = np.full(len(ok), -1)
+    best_R = np.zeros((len(ok), 3, 3))
+    best_t = np.zeros((len(ok), 3))
+
+    def run(rows, b):
+        rows = np.asarray(rows)[np.argsort(n[rows], kind="stable")]  # similar sizes share a chunk
+        c0 = 0
+        while c0 < len(rows):
+            Lc = int(n[rows[min(len(rows), c0 + 256) - 1]])  # chunk padded to its largest group
+            step = max(1, min(256, 2_000_000 // max(b * Lc, 1)))
+            rr = rows[c0:c0 + step]
+            c0 += len(rr)
+            Lc = int(n[rr].max())
+            nn = n[rr][:, None, None]
+            smp = np.floor(rng.random((len(rr), b, 3)) * nn).astype(np.int64)
+            bad = (smp[..., 0] == smp[..., 1]) | (smp[..., 0] == smp[..., 2]) | (smp[..., 1] == smp[..., 2])
+            while bad.any():  # distinct triples (every group has >= 3 pairs)
+                smp[bad] = np.floor(rng.random((int(bad.sum()), 3))
+                                    * np.broadcast_to(nn, smp.shape)[bad]).astype(np.int64)
+                bad = (smp[..., 0] == smp[..., 1]) | (smp[..., 0] == smp[..., 2]) | (smp[..., 1] == smp[..., 2])
+            gi = rr[:, None, None]
+            R, t = _kabsch_batch(S[gi, smp].reshape(-1, 3, 3), D[gi, smp].reshape(-1, 3, 3))
+            R, t = R.reshape(len(rr), b, 3, 3), t.reshape(len(rr), b, 3)
+            Sc, Dc = S[rr, :Lc], D[rr, :Lc]
+            res = np.matmul(Sc[:, None], np.swapaxes(R, 2, 3)) + (t[:, :, None, :] - Dc[:, None])
+            res *= res
+            inl = (res.sum(axis=3) < thr2) & M[rr, :Lc][:, None, :]
+            cnt = inl.sum(axis=2)
+            j = np.argmax(cnt, axis=1)
+            ar = np.arange(len(rr))
+            cj = cnt[ar, j]
+            better = cj > best_cnt[rr]
+            upd = rr[better]
+            best_cnt[upd] = cj[better]
+            best_R[upd] = R[ar[better], j[better]]
+            best_t[upd] = t[ar[better], j[better]]
+
+    b1 = min(first, max_iterations)
+    run(np.arange(len(ok)), b1)
+    w = best_cnt / n
+    p_fail = 1.0 - w ** 3
+    with np.errstate(divide="ignore", invalid="ignore"):
+        needed = np.where(p_fail <= 0, 0, np.ceil(np.log(1 - probability) / np.log(np.clip(p_fail, 1e-300, 1 - 1e-16))))
+    more = np.flatnonzero(needed > b1)
+    if len(more) and max_iterations > b1:
+        run(more, int(min(max_iterations, cap, needed[more].max())) - b1)
+
+    def inliers(R, t):
+        res = np.einsum("gij,glj->gli", R, S) + t[:, None, :] - D
+        return (np.einsum("gli,gli->gl", res, res) < thr2) & M
+
+    inl = inliers(best_R, best_t)
+    R, t = best_R, best_t
+    fit = inl.sum(axis=1) >= 3
+    if fit.any():  # refit on the inliers, recompute them once, keep when not worse
+        R2, t2 = _weighted_kabsch_batch(S, D, inl.astype(np.float64))
+        inl2 = inliers(R2, t2)
+        R = np.where(fit[:, None, None], R2, R)
+        t = np.where(fit[:, None], t2, t)
+        take = fit & (inl2.sum(axis=1) >= 3) & (inl2.sum(axis=1) >= inl.sum(axis=1))
+        if take.any():
+            R3, t3 = _weighted_kabsch_batch(S, D, inl2.astype(np.float64))
+            R = np.where(take[:, None, None], R3, R)
+            t = np.where(take[:, None], t3, t)
+            inl = np.where(take[:, None], inl2, inl)
+    for r, g in enumerate(ok):
+        T = np.eye(4)
+        T[:3, :3], T[:3, 3] = R[r], t[r]
+        out[g] = (T, inl[r, :n[r]].copy())
+    return out
+
+
+def _fit_groups(corr, library, skp, groups, ransac, thr, max_iterations, seed, batched_max: int = 64):
+    """Hypotheses of many ``(correspondence indices, model id)`` groups: RANSAC batched over
+    all groups of at most ``batched_max`` pairs, :func:`ransac_rigid` for the larger ones."""
+    small = [g for g in range(len(groups)) if 3 <= len(groups[g][0]) <= batched_max]
+    res = {}
+    if ransac and small:
+        srcs = [library.kp_coords[corr.ref_row[groups[g][0]]].astype(np.float64) for g in small]
+        dsts = [skp[corr.scene_kp[groups[g][0]]] for g in small]
+        for g, (T, inl) in zip(small, ransac_rigid_groups(srcs, dsts, threshold=thr, max_iterations=max_iterations,
+                                                          seed=seed)):
+            if T is not None and inl.sum() >= 3:
+                idx = groups[g][0]
+                res[g] = Hypotheses(np.array([groups[g][1]], np.int32), T[None], np.array([int(inl.sum())], np.int32),
+                                    [idx[inl]])
+            else:
+                res[g] = None
+    out = []
+    for g, (idx, mid) in enumerate(groups):
+        h = res[g] if g in res else _fit_group(corr, library, skp, idx, mid, ransac, thr, max_iterations, seed)
+        if h is not None:
+            out.append(h)
+    return Hypotheses.concat(out)
 
 
 def _fit_group(corr, library, skp, idx, mid, ransac, thr, max_iterations, seed):
@@ -887,23 +1021,99 @@ def group_gc(corr: Correspondences, library: ModelLibrary, scene_kp_coords, *,
         M = library.kp_coords[corr.ref_row[sel]].astype(np.float32)
         labels = _gc_sets(S, M, np.float64(gc_size), int(gc_threshold))
         for g in range(labels.max() + 1 if len(labels) else 0):
-            idx = sel[labels == g]
             # keep PCL's member order (seed first, then ascending distance) for RANSAC
-            out.append(_fit_group(corr, library, skp, idx, int(mid), ransac, gc_size,
-                                  max_iterations, seed))
-    return Hypotheses.concat([h for h in out if h is not None])
+            out.append((sel[labels == g], int(mid)))
+    return _fit_groups(corr, library, skp, out, ransac, gc_size, max_iterations, seed)
 
 
-def _gc_sets(S, M, gc_size, gc_threshold):
-    """Consensus-set label of each (distance-sorted) correspondence, -1 when in no kept set."""
-    return _gc_sets_nb(S, M, gc_size, gc_threshold)
+def _gc_sets(S, M, gc_size, gc_threshold, chunk: int = 256):
+    """Consensus-set label of each (distance-sorted) correspondence, -1 when in no kept set.
+
+    The greedy sweep of PCL, made parallel without changing its result: the sets of the next
+    ``chunk`` untaken seeds are grown in parallel against the current ``taken`` flags; then the
+    seeds are committed in order. A seed's speculative set stays valid unless a set committed
+    earlier in the same chunk took one of its members or the seed itself (a taken candidate
+    that was rejected anyway changes nothing), in which case it is grown again.
+    """
+    n = S.shape[0]
+    taken = np.zeros(n, np.bool_)
+    labels = np.full(n, -1, np.int64)
+    if n == 0:
+        return labels
+    buf = np.empty((min(chunk, n), n), np.int64)
+    cnt = np.empty(min(chunk, n), np.int64)
+    ng = 0
+    i = 0
+    while i < n:
+        seeds = np.flatnonzero(~taken[i:])[:chunk] + i
+        if len(seeds) == 0:
+            break
+        _gc_grow_many(S, M, gc_size, seeds, taken, buf, cnt)
+        ng = _gc_commit(S, M, gc_size, gc_threshold, seeds, taken, labels, buf, cnt, ng)
+        i = int(seeds[-1]) + 1
+    return labels
 
 
 try:
     from numba import njit as _njit
+    from numba import prange as _prange
+
+    @_njit(cache=True, inline="always")
+    def _gc_grow(S, M, gc_size, i, taken, members):
+        n = S.shape[0]
+        m = 1
+        members[0] = i
+        for j in range(n):
+            if j == i or taken[j]:
+                continue
+            good = True
+            for kk in range(m):
+                k = members[kk]
+                dsx = S[k, 0] - S[j, 0]
+                dsy = S[k, 1] - S[j, 1]
+                dsz = S[k, 2] - S[j, 2]
+                dmx = M[k, 0] - M[j, 0]
+                dmy = M[k, 1] - M[j, 1]
+                dmz = M[k, 2] - M[j, 2]
+                ds = math.sqrt(dsx * dsx + dsy * dsy + dsz * dsz)
+                dm = math.sqrt(dmx * dmx + dmy * dmy + dmz * dmz)
+                if abs(ds - dm) > gc_size:
+                    good = False
+                    break
+            if good:
+                members[m] = j
+                m += 1
+        return m
+
+    @_njit(cache=True, parallel=True)
+    def _gc_grow_many(S, M, gc_size, seeds, taken, buf, cnt):
+        for t in _prange(len(seeds)):
+            cnt[t] = _gc_grow(S, M, gc_size, seeds[t], taken, buf[t])
+
+    @_njit(cache=True)
+    def _gc_commit(S, M, gc_size, gc_threshold, seeds, taken, labels, buf, cnt, ng):
+        dirty = False
+        for t in range(len(seeds)):
+            i = seeds[t]
+            if taken[i]:
+                continue
+            m = cnt[t]
+            if dirty:
+                for kk in range(m):
+                    if taken[buf[t, kk]]:
+                        m = _gc_grow(S, M, gc_size, i, taken, buf[t])
+                        break
+            if m > gc_threshold:
+                for kk in range(m):
+                    taken[buf[t, kk]] = True
+                    labels[buf[t, kk]] = ng
+                ng += 1
+                dirty = True
+        return ng
 
     @_njit(cache=True)
     def _gc_sets_nb(S, M, gc_size, gc_threshold):
+        """The plain sequential sweep (the reference the parallel form is tested against)."""
         n = S.shape[0]
         taken = np.zeros(n, np.bool_)
         labels = np.full(n, -1, np.int64)
@@ -912,28 +1122,7 @@ try:
         for i in range(n):
             if taken[i]:
                 continue
-            m = 1
-            members[0] = i
-            for j in range(n):
-                if j == i or taken[j]:
-                    continue
-                good = True
-                for kk in range(m):
-                    k = members[kk]
-                    dsx = S[k, 0] - S[j, 0]
-                    dsy = S[k, 1] - S[j, 1]
-                    dsz = S[k, 2] - S[j, 2]
-                    dmx = M[k, 0] - M[j, 0]
-                    dmy = M[k, 1] - M[j, 1]
-                    dmz = M[k, 2] - M[j, 2]
-                    ds = math.sqrt(dsx * dsx + dsy * dsy + dsz * dsz)
-                    dm = math.sqrt(dmx * dmx + dmy * dmy + dmz * dmz)
-                    if abs(ds - dm) > gc_size:
-                        good = False
-                        break
-                if good:
-                    members[m] = j
-                    m += 1
+            m = _gc_grow(S, M, gc_size, i, taken, members)
             if m > gc_threshold:
                 for kk in range(m):
                     taken[members[kk]] = True
@@ -1188,7 +1377,7 @@ def recognize(scene_points, library: ModelLibrary, *, scene_normals=None, scene_
         (:func:`scanforest.kernels.pcha.align_batch`: Levenberg-Marquardt on a distance transform
         of the scene around the candidates, all candidates advanced in lockstep, one launch per
         iteration on the GPU, Huber loss at ``inlier_dist``; each candidate aligns the model
-        points that lie within ``2 * inlier_dist`` of the scene at its hypothesis pose).
+        points that lie within ``inlier_dist`` of the scene at its hypothesis pose).
     device : {"auto", "cpu", "gpu"}
         ``auto`` follows the scene array type (numpy -> CPU, CuPy -> GPU).
 
@@ -1271,14 +1460,15 @@ def recognize(scene_points, library: ModelLibrary, *, scene_normals=None, scene_
             vo = library.verify_offsets
             if refine == "pcha":
                 _refine_pcha(library, hyps, cand, poses, rmse, sidx, inlier_dist, icp_iterations, dev)
-            for hi in (cand if refine == "icp" else []):
-                mid = int(hyps.model_id[hi])
-                res = _icp.icp_point_to_plane(
-                    library.verify_points[vo[mid]:vo[mid + 1]], sidx.points, sidx.normals,
-                    init=poses[hi], source_normals=library.verify_normals[vo[mid]:vo[mid + 1]],
-                    max_correspondence_distance=inlier_dist, max_iterations=icp_iterations,
-                    device=dev, _target_index=sidx)
-                poses[hi], rmse[hi] = res.pose, res.rmse
+            elif len(cand):  # all candidates in lockstep (one batched iteration on the GPU)
+                mids = [int(hyps.model_id[hi]) for hi in cand]
+                results = _icp.icp_point_to_plane_batch(
+                    [library.verify_points[vo[m]:vo[m + 1]] for m in mids], sidx,
+                    inits=[poses[hi] for hi in cand],
+                    source_normals=[library.verify_normals[vo[m]:vo[m + 1]] for m in mids],
+                    max_correspondence_distance=inlier_dist, max_iterations=icp_iterations)
+                for hi, res in zip(cand, results):
+                    poses[hi], rmse[hi] = res.pose, res.rmse
             keep = np.zeros(len(hyps), bool)
             keep[cand] = True
             work = Hypotheses(hyps.model_id[keep], poses[keep], hyps.n_corr[keep],
@@ -1330,7 +1520,7 @@ def _refine_pcha(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations
         P = np.asarray(library.verify_points[vo[mid]:vo[mid + 1]], np.float64)
         R, t = poses[h][:3, :3], poses[h][:3, 3]
         W = (P @ R.T + t).astype(np.float32)
-        idx, _ = sidx.nearest(xp.asarray(W), 2.0 * inlier_dist)
+        idx, _ = sidx.nearest(xp.asarray(W), inlier_dist)
         near = to_numpy(idx) >= 0
         if near.sum() < 6:  # nothing of the model overlaps the scene here: leave the pose as it is
             continue
@@ -1344,7 +1534,7 @@ def _refine_pcha(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations
     S = to_numpy(sidx.points)
     box = np.all((S >= lo - margin) & (S <= hi_ + margin), axis=1)
     ext = float(np.max(hi_ - lo + 2 * margin))
-    res = int(np.clip(np.ceil(1.5 * ext / (0.5 * inlier_dist)), 32, 384 if dev == "gpu" else 160))
+    res = int(np.clip(np.ceil(1.5 * ext / (0.5 * inlier_dist)), 32, 256 if dev == "gpu" else 160))
     grid = distance_transform(xp.asarray(S[box]), resolution=res, device=dev)
     out = align_batch([xp.asarray(o) for o in obs], None, "rigid", init=[poses[h] for h in keep_c], grid=grid,
                       loss="huber", huber_delta=float(inlier_dist), max_iter=int(iterations), device=dev)

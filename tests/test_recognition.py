@@ -53,6 +53,54 @@ def test_ransac_rejects_outliers(rng):
     assert ransac_rigid(src[:2], dst[:2], threshold=0.01) == (None, None)
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 256])
+def test_parallel_gc_sweep_equals_sequential(rng, chunk):
+    """The speculative parallel consensus sweep labels exactly like PCL's sequential one."""
+    from scanforest.kernels.recognition import _gc_sets, _gc_sets_nb
+
+    for trial in range(4):
+        n = 600
+        M = rng.uniform(-0.1, 0.1, size=(n, 3))
+        S = rng.uniform(-0.5, 0.5, size=(n, 3))
+        for _ in range(8):  # planted consistent sets of various sizes, interleaved with noise
+            T = _pose(rng, 0.3)
+            sel = rng.choice(n, int(rng.integers(4, 40)), replace=False)
+            S[sel] = M[sel] @ T[:3, :3].T + T[:3, 3] + rng.normal(scale=0.002, size=(len(sel), 3))
+        S, M = S.astype(np.float32), M.astype(np.float32)
+        ref = _gc_sets_nb(S, M, np.float64(0.01), 5)
+        got = _gc_sets(S, M, np.float64(0.01), 5, chunk=chunk)
+        assert (ref >= 0).sum() > 20
+        np.testing.assert_array_equal(got, ref)
+
+
+def test_batched_ransac_matches_known_poses_per_group(rng):
+    """Many groups of different sizes and outlier ratios fitted at once: each group's pose and
+    inlier mask as the single-group RANSAC finds them."""
+    from scanforest.kernels.recognition import ransac_rigid_groups
+
+    srcs, dsts, truths, poses = [], [], [], []
+    for n, n_out in [(3, 0), (5, 1), (12, 4), (40, 18), (64, 10), (2, 0), (25, 0)]:
+        T = _pose(rng)
+        src = rng.uniform(-0.1, 0.1, size=(n, 3))
+        dst = src @ T[:3, :3].T + T[:3, 3] + rng.normal(scale=1e-4, size=src.shape)
+        out = rng.choice(n, n_out, replace=False)
+        dst[out] += rng.uniform(0.05, 0.2, size=(n_out, 3))
+        truth = np.ones(n, bool)
+        truth[out] = False
+        srcs.append(src), dsts.append(dst), truths.append(truth), poses.append(T)
+    res = ransac_rigid_groups(srcs, dsts, threshold=0.005, seed=3)
+    assert res[5] == (None, None)  # 2 pairs: no fit
+    for g, (est, inl) in enumerate(res):
+        if g == 5:
+            continue
+        assert (inl == truths[g]).all(), g
+        if truths[g].sum() >= 3 and len(srcs[g]) > 3:
+            r, t = pose_errors(est, poses[g])
+            assert r < 0.2 and t < 1e-3, (g, r, t)
+        single, sinl = ransac_rigid(srcs[g], dsts[g], threshold=0.005, seed=1)
+        assert (sinl == inl).all()
+
+
 # --------------------------------------------------------------------------- Hough voting
 def _hough_reference(votes, b, thr):
     """Dense transcription of PCL HoughSpace3D::voteInt + findMaxima (independent reference)."""
@@ -297,6 +345,46 @@ def test_icp_recovers_perturbation(small_world, device):
     assert res.fitness > 0.9
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_icp_batch_equals_one_by_one(small_world, device):
+    """Lockstep ICP of several sources (both models, several starts) = the single-source ICP."""
+    from scanforest.kernels.icp import icp_point_to_plane_batch
+    from scanforest.kernels.recognition import _SceneIndex
+
+    _, lib, scene = small_world
+    rng = np.random.default_rng(5)
+    pts, nrm = scene.points, scene.normals
+    if device == "gpu":
+        import cupy as cp
+
+        pts, nrm = cp.asarray(pts), cp.asarray(nrm)
+    idx = _SceneIndex(pts, nrm, 0.01, device)
+    srcs, sns, inits = [], [], []
+    vo = lib.verify_offsets
+    for g in scene.ground_truth:
+        m = g["model_id"]
+        for k in range(3):  # the true pose, then 2 and 4 degrees / millimetres off
+            ax = rng.normal(size=3)
+            ax /= np.linalg.norm(ax)
+            K = np.array([[0, -ax[2], ax[1]], [ax[2], 0, -ax[0]], [-ax[1], ax[0], 0]])
+            a = np.radians(2.0 * k)
+            D = np.eye(4)
+            D[:3, :3] = np.eye(3) + np.sin(a) * K + (1 - np.cos(a)) * K @ K
+            D[:3, 3] = 0.002 * k * ax
+            srcs.append(lib.verify_points[vo[m]:vo[m + 1]])
+            sns.append(lib.verify_normals[vo[m]:vo[m + 1]])
+            inits.append(np.array(g["pose"]) @ D)
+    batch = icp_point_to_plane_batch(srcs, idx, inits=inits, source_normals=sns,
+                                     max_correspondence_distance=0.01, max_iterations=20)
+    for s, sn, T0, rb in zip(srcs, sns, inits, batch):
+        r1 = icp_point_to_plane(s, None, None, init=T0, source_normals=sn, max_correspondence_distance=0.01,
+                                max_iterations=20, _target_index=idx)
+        assert rb.iterations == r1.iterations and rb.converged == r1.converged
+        np.testing.assert_allclose(rb.pose, r1.pose, atol=1e-6)
+        assert abs(rb.rmse - r1.rmse) <= 1e-6 * max(1.0, r1.rmse) or (np.isnan(rb.rmse) and np.isnan(r1.rmse))
+    assert icp_point_to_plane_batch([], idx, inits=[], max_correspondence_distance=0.01) == []
+
+
 def test_icp_rejects_bad_input():
     with pytest.raises(InputError):
         icp_point_to_plane(np.zeros((10, 3)), np.zeros((10, 3)), np.zeros((10, 3)),
@@ -320,6 +408,25 @@ def test_recognize_small_synthetic_scene(small_world):
     assert max(ev["translation_errors"]) < 2 * scene.resolution
     assert set(dets.timings) >= {"normals", "keypoints", "shot", "matching", "grouping",
                                  "verification", "icp", "total"}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_recognize_with_pcha_refinement(small_world, device):
+    """Parametric chamfer alignment as the refinement: same detections, poses within 2 degrees."""
+    _, lib, scene = small_world
+    pts = scene.points
+    if device == "gpu":
+        import cupy as cp
+
+        pts = cp.asarray(pts)
+    dets = recognize(pts, lib, device=device, refine="pcha", **SMALL_REC)
+    ev = evaluate(dets, scene.ground_truth, max_translation=10 * scene.resolution)
+    assert ev["tp"] == len(scene.ground_truth) and ev["fp"] == 0
+    assert max(ev["rotation_errors"]) < 2.0
+    assert max(ev["translation_errors"]) < 2 * scene.resolution
+    assert all(d.icp_rmse is not None and d.icp_rmse < SMALL_REC["inlier_dist"] for d in dets)
+    with pytest.raises(InputError):
+        recognize(scene.points, lib, device="cpu", refine="lm", **SMALL_REC)
 
 
 @pytest.mark.gpu
