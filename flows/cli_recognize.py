@@ -106,6 +106,8 @@ def bench_recognize(
     archive_noise: float = typer.Option(0.2, help="Noise of the archive scenes (mesh resolutions)."),
     gen_workers: int = typer.Option(0, help="Processes generating archive scenes (0: half the CPUs - 1)."),
     archive_start: int = typer.Option(0, help="First archive scene number (split a long archive over runs)."),
+    archive_seconds: float = typer.Option(0, help="Stop the archive after this many seconds (0: no limit); "
+                                                  "the figures then cover the scenes done."),
     out: Path = typer.Option(None, help="JSON output (file or folder)."),
 ) -> None:
     """Seconds per scene (phase breakdown, CPU vs GPU) and synthetic detection accuracy."""
@@ -167,7 +169,8 @@ def bench_recognize(
     if archive:
         try:
             _archive(rep, archive, archive_points, archive_noise, syn_method, syn_device,
-                     "icp" if refine == "both" else refine, gen_workers, archive_start)
+                     "icp" if refine == "both" else refine, gen_workers, archive_start,
+                     archive_seconds or None)
         except Exception as exc:
             import traceback
 
@@ -245,7 +248,7 @@ def _archive_scene(args):
     return sc
 
 
-def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers, start=0):
+def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers, start=0, max_seconds=None):
     """``n_scenes`` synthetic scenes through the whole recognition pipeline on one device."""
     import multiprocessing as mp
     import os
@@ -286,6 +289,10 @@ def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers
         secs, phases, waits = [], [], 0.0
         t_all = time.perf_counter()
         for i in range(n_scenes):
+            if max_seconds and time.perf_counter() - t_all > max_seconds:
+                rep.note(f"archive stopped by --archive-seconds after {i} of {n_scenes} scenes")
+                n_scenes = i
+                break
             tw = time.perf_counter()
             sc = pending.popleft().result()
             waits += time.perf_counter() - tw
@@ -304,6 +311,9 @@ def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers
     finally:
         ex.shutdown(cancel_futures=True)
     d = describe_device(dev)
+    if not secs:
+        rep.note("archive: no scene finished")
+        return
     tag = f"archive {n_scenes} scenes x {n_points // 1000}k pts, noise {noise}"
     if start:
         tag += f", scenes {start}..{start + n_scenes - 1}"
