@@ -91,7 +91,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,
     ):
-        """End to end on synthetic data: make an archive (with one corrupt file), ingest it, summarise."""
+        """End to end on synthetic data: an archive (with one corrupt file) -> ingest -> describe -> index -> match
+        -> recognize, with precision and recall against the ground truth."""
         from scanforest.tasks.synth import corrupt_copy, write_archive
 
         from .ingest import run_ingest

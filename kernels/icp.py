@@ -125,6 +125,15 @@ def _solve(A, b):
         return np.linalg.lstsq(A, b, rcond=None)[0]
 
 
+def _increment(T, A, b):
+    """Solve the 6x6 normal equations and apply the increment on the left: (new pose, step)."""
+    x = _solve(A, b)
+    D = np.eye(4)
+    D[:3, :3] = _rodrigues(x[:3])
+    D[:3, 3] = x[3:]
+    return D @ T, x
+
+
 def _icp_cpu(src, sn, T, idx, r, iters, tol, agree):
     tp, tn = idx.points, idx.normals
     rmse, fit, it, conv = float("nan"), 0.0, 0, False
@@ -142,11 +151,7 @@ def _icp_cpu(src, sn, T, idx, r, iters, tol, agree):
             break
         A, b, e = _step(P[ok], tp[j[ok]].astype(np.float64), Nq[ok], np)
         rmse = float(np.sqrt(np.mean(e * e)))
-        x = _solve(A, b)
-        D = np.eye(4)
-        D[:3, :3] = _rodrigues(x[:3])
-        D[:3, 3] = x[3:]
-        T = D @ T
+        T, x = _increment(T, A, b)
         if np.linalg.norm(x) < tol:
             conv = True
             break
@@ -183,11 +188,7 @@ def _icp_gpu(src, sn, T, idx, r, iters, tol, agree):
         if cnt < 6:
             break
         rmse = float(np.sqrt(sse / cnt))
-        x = _solve(A, b)
-        D = np.eye(4)
-        D[:3, :3] = _rodrigues(x[:3])
-        D[:3, 3] = x[3:]
-        T = D @ T
+        T, x = _increment(T, A, b)
         if np.linalg.norm(x) < tol:
             conv = True
             break
@@ -271,11 +272,7 @@ def icp_point_to_plane_batch(sources, index, *, inits, source_normals=None, max_
                 active[b] = False
                 continue
             rmse[b] = np.sqrt(sse[b] / cnt[b])
-            x = _solve(A[b], bb[b])
-            D = np.eye(4)
-            D[:3, :3] = _rodrigues(x[:3])
-            D[:3, 3] = x[3:]
-            T[b] = D @ T[b]
+            T[b], x = _increment(T[b], A[b], bb[b])
             if np.linalg.norm(x) < tolerance:
                 conv[b] = True
                 active[b] = False
