@@ -79,14 +79,15 @@ class DistributedIndex:
         """
         c = self.client
         qf = c.submit(_identity, np.ascontiguousarray(Q, dtype=np.float32), pure=False)
+        def on_shards(**kw):  # each search runs where its shard lives (loose: a lost worker's shard moves)
+            return [c.submit(idx.search_shard, s, qf, k, stats=True, workers=[self.placement[i]],
+                             allow_other_workers=True, pure=False, **kw) for i, s in enumerate(self.shards)]
+
         if sync_after is None:
-            return self._reduce([c.submit(idx.search_shard, s, qf, k, stats=True, pure=False)
-                                 for s in self.shards], k)
-        first = self._reduce([c.submit(idx.search_shard, s, qf, k, stats=True, backtracks=int(sync_after),
-                                       pure=False) for s in self.shards], k)
+            return self._reduce(on_shards(), k)
+        first = self._reduce(on_shards(backtracks=int(sync_after)), k)
         bound = c.submit(idx.kth_bound, first, pure=False)
-        second = self._reduce([c.submit(idx.search_shard, s, qf, k, stats=True, bounds=bound, pure=False)
-                               for s in self.shards], k)
+        second = self._reduce(on_shards(bounds=bound), k)
         return c.submit(idx.merge_phases, first, second, k=k, pure=False)
 
     def query(self, Q, k: int, *, block: int = 65_536, progress=None, sync_after: int | None = None):

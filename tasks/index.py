@@ -124,6 +124,25 @@ def _write_tree(store: ScanStore, grp, tree) -> None:
     grp.attrs.update({"depth": int(tree.depth), "leaf_size": int(tree.leaf_size), "params": _jsonable(tree.params)})
 
 
+def _shard_nbytes(shard: Shard) -> int:
+    """Bytes a resident shard holds (rows and tree), for Dask's placement decisions."""
+    f = shard.forest
+    total = int(getattr(getattr(f, "_fit_X", None), "nbytes", 0))
+    tree = getattr(f, "tree_", None)
+    if tree is not None:
+        for name in TREE_ARRAYS + ("points",):
+            total += int(getattr(getattr(tree, name, None), "nbytes", 0))
+    return max(total, 1)
+
+
+try:  # without it Dask sizes a Shard at ~50 bytes and happily copies it to where the queries are
+    from dask.sizeof import sizeof as _sizeof
+
+    _sizeof.register(Shard)(_shard_nbytes)
+except ImportError:  # pragma: no cover - dask is a dependency
+    pass
+
+
 def load_shard(store_path: str, name: str, shard: int, device: str = "auto", method: str | None = None) -> Shard:
     """Load shard ``shard`` of index ``name`` on this worker (GPU when ``device`` resolves to it).
 

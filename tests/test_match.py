@@ -137,3 +137,19 @@ def test_bound_synchronisation_is_exact_and_prunes(tmp_path, rng, local_client, 
 
     assert recall(db, bd, k) >= recall(da, bd, k) - 0.02
     assert np.all(np.diff(db, axis=1) >= 0)
+
+
+def test_shards_stay_on_their_workers(tmp_path, rng, local_client):
+    """Query blocks travel to the shards, never the shards to the queries: after many blocks
+    every shard is held only by the worker it was loaded on."""
+    X, Q = _data(rng, n=20000, m=2000, d=64)
+    store = str(tmp_path / "s.zarr")
+    idx.build_index(store, "t", X, shards=2, params={"method": "anns", "leaf_size": 32, "backtracks": 8})
+    di = DistributedIndex(local_client, store, "t")
+    local_client.gather(di.shards)
+    for sync in (None, 2):
+        di.query(Q, 4, block=200, sync_after=sync)
+    held = local_client.who_has(di.shards)
+    for i, f in enumerate(di.shards):
+        assert set(held[f.key]) == {di.placement[i]}, (i, held[f.key], di.placement[i])
+    di.close()
