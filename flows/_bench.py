@@ -61,20 +61,26 @@ def environment() -> dict[str, Any]:
 
 
 class BenchReport:
-    """Collect rows, print them as a table, write JSON to ``out`` (a file or a folder)."""
+    """Collect rows, print them as a table, write JSON to ``out`` (a file or a folder).
 
-    def __init__(self, name: str, params: dict[str, Any] | None = None):
+    ``echo=True`` also prints every row as it is added (long runs that may be cut off)."""
+
+    def __init__(self, name: str, params: dict[str, Any] | None = None, *, echo: bool = False):
         self.name = name
         self.params = dict(params or {})
         self.rows: list[BenchRow] = []
         self.notes: list[str] = []
         self.started = time.time()
+        self.echo = echo
+        self._t0 = time.perf_counter()
 
     def add(self, figure: str, value: float, unit: str, device: str, *, baseline: str | None = None,
             baseline_value: float | None = None, higher_is_better: bool = True, **extra) -> BenchRow:
         row = BenchRow(figure, float(value), unit, device, baseline,
                        None if baseline_value is None else float(baseline_value), higher_is_better, extra)
         self.rows.append(row)
+        if self.echo:  # a long run that is cut off keeps the rows it printed
+            print(f"row: {figure}: {row.value:.6g} (t={time.perf_counter() - self._t0:.0f} s)", flush=True)
         return row
 
     def note(self, text: str) -> None:

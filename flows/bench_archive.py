@@ -27,8 +27,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     from .ingest import run_ingest
     from .match import run_index_build, run_match
     from .recognize import run_recognize
-    from scanforest.kernels.synthetic import (SYNTHETIC_LIBRARY, SYNTHETIC_LIBRARY_LIGHT,
-                                              SYNTHETIC_RECOGNIZE, SYNTHETIC_RECOGNIZE_LIGHT)
+    from scanforest.kernels.synthetic import recognition_presets
 
     dev = resolve_device(device)
     rep = BenchReport("archive", {"scans": scans, "points": points, "models": models, "device": dev})
@@ -54,10 +53,9 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
                     params={"method": "exact"})
     s = run_match(str(store), k=4, name="models", device=dev, workers=workers, progress=False)
     stages.append(("match", s["seconds"], None, s["workers"], s["scans"]))
-    light = dev == "cpu"
+    lib_params, rec_params = recognition_presets(dev)
     s = run_recognize(str(store), model_ids, library="bench", device=dev, workers=workers, progress=False,
-                      library_params=SYNTHETIC_LIBRARY_LIGHT if light else SYNTHETIC_LIBRARY,
-                      params=SYNTHETIC_RECOGNIZE_LIGHT if light else SYNTHETIC_RECOGNIZE)
+                      library_params=lib_params, params=rec_params)
     stages.append(("recognize", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"]))
     total = time.perf_counter() - t_all
     for name, wall, task_s, nw, n in stages:

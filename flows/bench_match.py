@@ -54,7 +54,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     rep = BenchReport("match", {"n": n, "m": m, "d": d, "k": k, "workers": workers, "method": method,
                                 "backtracks": backtracks, "leaf_size": leaf_size, "block": block,
                                 "shards": shards, "sync_after": sync_after, "bf_queries": mb,
-                                "n_trees": n_trees, "clusters": clusters})
+                                "n_trees": n_trees, "clusters": clusters}, echo=True)
     t0 = time.perf_counter()
     if dev == "gpu":
         import cupy as cp
@@ -68,14 +68,6 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     rep.note(f"data: {n:,} x {d} reference, {m:,} queries, {clusters} Gaussian clusters, "
              f"generated in {time.perf_counter() - t0:.1f} s")
     devname = describe_device(dev)
-    _add = rep.add
-
-    def add_row(figure, value, *a, **kw):  # rows also printed as they come (a long run that is cut keeps them)
-        _add(figure, value, *a, **kw)
-        print(f"row: {figure}: {value:.6g} (t={time.perf_counter() - t_start:.0f} s)", flush=True)
-
-    t_start = time.perf_counter()
-    rep.add = add_row
     tmp = tempfile.mkdtemp(prefix="sf-bench-match-")
     params = {"method": method, "leaf_size": leaf_size, "backtracks": backtracks, "n_trees": n_trees}
     built = {}

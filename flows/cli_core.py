@@ -201,17 +201,14 @@ def _demo_stages(store: Path, device: str) -> None:
     m = run_match(str(store), k=4, name="models", device=device, progress=True)
     typer.echo(f"match: {m['queries']:,} scene descriptors x top-{m['k']} over {m['shards']} shards "
                f"on {m['workers']} workers in {m['seconds']:.1f} s")
-    from scanforest.kernels.synthetic import (SYNTHETIC_LIBRARY, SYNTHETIC_LIBRARY_LIGHT,
-                                              SYNTHETIC_RECOGNIZE, SYNTHETIC_RECOGNIZE_LIGHT)
+    from scanforest.kernels._backend import resolve_device
+    from scanforest.kernels.synthetic import recognition_presets
 
     from .recognize import run_recognize
 
-    from scanforest.kernels._backend import resolve_device
-
-    light = resolve_device(device) == "cpu"  # the CPU backend gets the lighter library
+    lib_params, rec_params = recognition_presets(resolve_device(device))
     r = run_recognize(str(store), models, library="demo", device=device, progress=True, render=False,
-                      library_params=SYNTHETIC_LIBRARY_LIGHT if light else SYNTHETIC_LIBRARY,
-                      params=SYNTHETIC_RECOGNIZE_LIGHT if light else SYNTHETIC_RECOGNIZE)
+                      library_params=lib_params, params=rec_params)
     pr = (f"precision {r['precision']:.2f}, recall {r['recall']:.2f} against the ground truth"
           if "precision" in r else "no ground truth")
     typer.echo(f"recognize: {r['scenes']} scenes, {r.get('detections', 0)} detections of {len(models)} models "

@@ -244,8 +244,7 @@ def _archive_scene(args):
     from scanforest.kernels import synthetic as S
 
     models, n_points, noise, seed = args
-    sc = S.make_scene(models, n_instances=3, n_points=n_points, noise=noise, clutter=3, seed=seed)
-    return sc
+    return S.make_scene(models, n_instances=3, n_points=n_points, noise=noise, clutter=3, seed=seed)
 
 
 def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers, start=0, max_seconds=None):
@@ -276,12 +275,11 @@ def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers
 
         fill()
         t0 = time.perf_counter()
-        lib_params = S.SYNTHETIC_LIBRARY if dev == "gpu" else S.SYNTHETIC_LIBRARY_LIGHT
+        lib_params, rec_params = S.recognition_presets(dev)
         lib = ModelLibrary.build([m.points for m in models], [m.name for m in models],
                                  models_normals=[m.normals for m in models], device=dev, **lib_params)
         rep.note(f"archive library: {lib!r} built in {time.perf_counter() - t0:.1f} s on {dev}")
-        kw = dict(S.SYNTHETIC_RECOGNIZE if dev == "gpu" else S.SYNTHETIC_RECOGNIZE_LIGHT, method=method,
-                  refine=refine)
+        kw = dict(rec_params, method=method, refine=refine)
         # warm-up scene (kernels compiled), not counted
         warm = pending[0].result()
         recognize(warm.points, lib, device=dev, **kw)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from scanforest.kernels.errors import InputError
+from scanforest.kernels.kdforest import METHODS as KDFOREST_METHODS
 from scanforest.tasks import index as idx
 
 from ._runner import dask_client
@@ -39,8 +40,8 @@ class DistributedIndex:
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         if not workers:
             raise InputError("the Dask cluster has no workers")
-        if method is not None and method not in ("exact", "anns", "banns"):
-            raise InputError(f"method must be exact, anns or banns, got {method!r}")
+        if method is not None and method not in KDFOREST_METHODS:
+            raise InputError(f"method must be one of {KDFOREST_METHODS}, got {method!r}")
         tag = self.attrs["content_hash"][:12] + ("" if method is None else f"-{method}")
         self.shards = []
         self.placement = {}
@@ -79,6 +80,7 @@ class DistributedIndex:
         """
         c = self.client
         qf = c.submit(_identity, np.ascontiguousarray(Q, dtype=np.float32), pure=False)
+
         def on_shards(**kw):  # each search runs where its shard lives (loose: a lost worker's shard moves)
             return [c.submit(idx.search_shard, s, qf, k, stats=True, workers=[self.placement[i]],
                              allow_other_workers=True, pure=False, **kw) for i, s in enumerate(self.shards)]

@@ -11,7 +11,8 @@ from .kdtree import (_bound_limit, _check_budget, _check_build_params, _check_n_
 
 __all__ = ["KDForest", "merge_topk_unique"]
 
-_METHODS = ("banns", "anns", "exact")
+METHODS = ("banns", "anns", "exact")  # search methods, in the order of the docs
+_METHODS = METHODS
 _UNSET = object()
 
 

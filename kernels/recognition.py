@@ -619,11 +619,18 @@ def rigid_transform(src, dst, weights=None) -> np.ndarray:
     return T
 
 
-def _kabsch_batch(S, D):
-    """Batched rigid fits: S, D (B, n, 3) float64 -> R (B, 3, 3), t (B, 3)."""
-    cs = S.mean(axis=1)
-    cd = D.mean(axis=1)
-    H = np.einsum("bni,bnj->bij", S - cs[:, None], D - cd[:, None])
+def _kabsch_batch(S, D, W=None):
+    """Batched (optionally weighted) rigid fits: S, D (B, n, 3) float64, W (B, n) weights or
+    None -> R (B, 3, 3), t (B, 3)."""
+    if W is None:
+        cs = S.mean(axis=1)
+        cd = D.mean(axis=1)
+        H = np.einsum("bni,bnj->bij", S - cs[:, None], D - cd[:, None])
+    else:
+        ws = np.maximum(W.sum(axis=1), 1e-12)
+        cs = np.einsum("bn,bni->bi", W, S) / ws[:, None]
+        cd = np.einsum("bn,bni->bi", W, D) / ws[:, None]
+        H = np.einsum("bn,bni,bnj->bij", W, S - cs[:, None], D - cd[:, None])
     U, _, Vt = np.linalg.svd(H)
     V = np.swapaxes(Vt, 1, 2)
     bad = np.linalg.det(U) * np.linalg.det(V) < 0
@@ -849,20 +856,6 @@ def group_hough(corr: Correspondences, library: ModelLibrary, scene_kp_coords, s
     return _fit_groups(corr, library, skp, out, ransac, thr, max_iterations, seed)
 
 
-def _weighted_kabsch_batch(S, D, W):
-    """Batched weighted rigid fits: S, D (G, L, 3), W (G, L) 0/1 -> R (G, 3, 3), t (G, 3)."""
-    ws = np.maximum(W.sum(axis=1), 1e-12)
-    cs = np.einsum("gl,gli->gi", W, S) / ws[:, None]
-    cd = np.einsum("gl,gli->gi", W, D) / ws[:, None]
-    H = np.einsum("gl,gli,glj->gij", W, S - cs[:, None], D - cd[:, None])
-    U, _, Vt = np.linalg.svd(H)
-    V = np.swapaxes(Vt, 1, 2)
-    bad = np.linalg.det(U) * np.linalg.det(V) < 0
-    V[bad, :, 2] *= -1
-    R = V @ np.swapaxes(U, 1, 2)
-    return R, cd - np.einsum("gij,gj->gi", R, cs)
-
-
 def ransac_rigid_groups(srcs, dsts, *, threshold: float, max_iterations: int = 10000,
                         probability: float = 0.99, seed: int = 0, first: int = 32, cap: int = 1024):
     """:func:`ransac_rigid` for many small groups at once (the hypotheses of one scene).
@@ -943,13 +936,13 @@ def ransac_rigid_groups(srcs, dsts, *, threshold: float, max_iterations: int = 1
     R, t = best_R, best_t
     fit = inl.sum(axis=1) >= 3
     if fit.any():  # refit on the inliers, recompute them once, keep when not worse
-        R2, t2 = _weighted_kabsch_batch(S, D, inl.astype(np.float64))
+        R2, t2 = _kabsch_batch(S, D, inl.astype(np.float64))
         inl2 = inliers(R2, t2)
         R = np.where(fit[:, None, None], R2, R)
         t = np.where(fit[:, None], t2, t)
         take = fit & (inl2.sum(axis=1) >= 3) & (inl2.sum(axis=1) >= inl.sum(axis=1))
         if take.any():
-            R3, t3 = _weighted_kabsch_batch(S, D, inl2.astype(np.float64))
+            R3, t3 = _kabsch_batch(S, D, inl2.astype(np.float64))
             R = np.where(take[:, None, None], R3, R)
             t = np.where(take[:, None], t3, t)
             inl = np.where(take[:, None], inl2, inl)
@@ -1513,15 +1506,17 @@ def _refine_pcha(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations
         return
     xp = _xp(dev)
     vo = library.verify_offsets
-    obs, keep_c = [], []
-    lo, hi_ = np.full(3, np.inf), np.full(3, -np.inf)
+    Ps, Ws = [], []
     for h in cand:
         mid = int(hyps.model_id[h])
         P = np.asarray(library.verify_points[vo[mid]:vo[mid + 1]], np.float64)
-        R, t = poses[h][:3, :3], poses[h][:3, 3]
-        W = (P @ R.T + t).astype(np.float32)
-        idx, _ = sidx.nearest(xp.asarray(W), inlier_dist)
-        near = to_numpy(idx) >= 0
+        Ps.append(P)
+        Ws.append((P @ poses[h][:3, :3].T + poses[h][:3, 3]).astype(np.float32))
+    idx, _ = sidx.nearest(xp.asarray(np.concatenate(Ws)), inlier_dist)  # one search for all candidates
+    near_all = np.split(to_numpy(idx) >= 0, np.cumsum([len(W) for W in Ws])[:-1])
+    obs, keep_c = [], []
+    lo, hi_ = np.full(3, np.inf), np.full(3, -np.inf)
+    for h, P, W, near in zip(cand, Ps, Ws, near_all):
         if near.sum() < 6:  # nothing of the model overlaps the scene here: leave the pose as it is
             continue
         obs.append(P[near].astype(np.float32))
@@ -1535,7 +1530,7 @@ def _refine_pcha(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations
     box = np.all((S >= lo - margin) & (S <= hi_ + margin), axis=1)
     ext = float(np.max(hi_ - lo + 2 * margin))
     res = int(np.clip(np.ceil(1.5 * ext / (0.5 * inlier_dist)), 32, 256 if dev == "gpu" else 160))
-    grid = distance_transform(xp.asarray(S[box]), resolution=res, device=dev)
+    grid = distance_transform(S[box], resolution=res, device=dev)  # the EDT reads its reference on the host
     out = align_batch([xp.asarray(o) for o in obs], None, "rigid", init=[poses[h] for h in keep_c], grid=grid,
                       loss="huber", huber_delta=float(inlier_dist), max_iter=int(iterations), device=dev)
     for h, r in zip(keep_c, out):

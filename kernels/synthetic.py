@@ -295,3 +295,11 @@ SYNTHETIC_RECOGNIZE = dict(scene_ss=0.015, method="gc", cg_size=0.02, cg_thresh=
 # a lighter library for CPU-only runs (demo, CI): fewer views, coarser model sampling
 SYNTHETIC_LIBRARY_LIGHT = dict(SYNTHETIC_LIBRARY, model_ss=0.012, views=20)
 SYNTHETIC_RECOGNIZE_LIGHT = dict(SYNTHETIC_RECOGNIZE, scene_ss=0.02, min_inlier_fraction=0.7)  # measured in the demo
+
+
+def recognition_presets(device: str) -> tuple[dict, dict]:
+    """(library params, recognize params) for a resolved device: the CPU backend gets the lighter
+    library and coarser scene sampling (demo, CI), the GPU the full one."""
+    if device == "cpu":
+        return SYNTHETIC_LIBRARY_LIGHT, SYNTHETIC_RECOGNIZE_LIGHT
+    return SYNTHETIC_LIBRARY, SYNTHETIC_RECOGNIZE
