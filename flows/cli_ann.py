@@ -57,6 +57,47 @@ def _timeit(fn, sync, repeat: int, long_s: float = 5.0):
 VARIANTS = ("banns-window", "banns-plain", "anns")
 
 
+def pcl_shot_dataset(folder, *, device="auto", radius_factor: float = 10.0, normal_k: int = 10,
+                     max_queries: int = 100_000, seed: int = 0):
+    """Real descriptors: SHOT352 of every cloud in ``folder``, split into reference and queries.
+
+    Every valid point of every ``*.pcd``/``*.ply`` cloud is a keypoint; normals by PCA over
+    ``normal_k`` neighbours, SHOT support radius ``radius_factor`` x the cloud's resolution (mean
+    nearest-neighbour distance). Descriptors with an invalid frame (NaN) are dropped. A random
+    ``max_queries`` of the rest (at most 10%) are held out as queries and removed from the
+    reference, so no query finds its own copy. Returns ``(reference, queries, per-cloud rows)``
+    on the device.
+    """
+    from pathlib import Path
+
+    import scanforest as sf
+    from scanforest.kernels._backend import resolve_device
+    from scanforest.kernels.neighbors import knn
+
+    dev = resolve_device(device)
+    xp = np
+    if dev == "gpu":
+        import cupy as xp
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in (".pcd", ".ply"))
+    if not files:
+        raise FileNotFoundError(f"no .pcd/.ply clouds in {folder}")
+    parts, rows = [], []
+    for f in files:
+        pts = xp.asarray(sf.read(f).points.astype(np.float32))
+        _, d2 = knn(pts, k=2, device=dev)
+        res = float(xp.sqrt(d2[:, 1].astype(xp.float64)).mean())
+        nrm, _ = sf.normals(pts, k=normal_k, device=dev)
+        desc, _ = sf.shot(pts, nrm, xp.arange(len(pts)), radius_factor * res, device=dev)
+        ok = xp.isfinite(desc[:, 0])
+        parts.append(desc[ok])
+        rows.append((f.name, len(pts), int(ok.sum()), res))
+    allx = xp.concatenate(parts)
+    n = len(allx)
+    m = min(max_queries, n // 10)
+    perm = xp.asarray(np.random.default_rng(seed).permutation(n))
+    return xp.ascontiguousarray(allx[perm[m:]]), xp.ascontiguousarray(allx[perm[:m]]), rows
+
+
 class _Summary(list):
     """Side-by-side rows, printed as soon as they are measured (a killed run keeps its rows)."""
 
@@ -81,7 +122,7 @@ class _Summary(list):
 
 def run_bench(sizes, dims, queries, k, backtracks, leaf_size, device, out, cpu_queries, clusters,
               repeat, time_limit, windows=(True, False), variants=VARIANTS, cpu_max_n=2_000_000,
-              window_kernel="rotate"):
+              window_kernel="rotate", real=None, real_radius=10.0, split="median"):
     from scanforest.flows._bench import BenchReport
     from scanforest.kernels._backend import describe_device, resolve_device, to_numpy
     from scanforest.kernels.bruteforce import knn_bruteforce, recall
@@ -93,7 +134,8 @@ def run_bench(sizes, dims, queries, k, backtracks, leaf_size, device, out, cpu_q
 
         _kdtree_gpu.WINDOW_KERNEL = window_kernel
     params = dict(window_kernel=window_kernel, sizes=sizes, dims=dims, queries=queries, k=k, backtracks=backtracks, leaf_size=leaf_size,
-                  device=dev, cpu_queries=cpu_queries, clusters=clusters, repeat=repeat)
+                  device=dev, cpu_queries=cpu_queries, clusters=clusters, repeat=repeat,
+                  real=str(real) if real else None, real_radius=real_radius, split=split)
     rep = BenchReport("ann", params)
     t_start = time.time()
     summary = _Summary()
@@ -108,85 +150,99 @@ def run_bench(sizes, dims, queries, k, backtracks, leaf_size, device, out, cpu_q
     gname = describe_device(dev)
     cname = describe_device("cpu")
     warmed = set()
-    for n in sizes:
-        for d in dims:
-            if d not in warmed:  # compile every kernel (all variants) on a small problem first
-                Xw = clustered(4096, d, clusters=16, seed=5, xp=xp)
-                tw = build_kdtree(Xw, leaf_size=leaf_size)
-                knn_bruteforce(Xw, Xw[:300], k)
-                for method in ("banns", "anns"):
-                    for w in windows:
-                        query_kdtree(tw, Xw[:300], k, method=method, backtracks=4, sliding_window=w)
-                sync()
-                warmed.add(d)
-            if time.time() - t_start > time_limit:
-                rep.note(f"time limit {time_limit}s reached: skipped N={n}, d={d} and later settings")
-                continue
+    settings = [(n, d) for n in sizes for d in dims]
+    if real:
+        settings.append(("real", 352))
+    for n, d in settings:
+        if d not in warmed:  # compile every kernel (all variants) on a small problem first
+            Xw = clustered(4096, d, clusters=16, seed=5, xp=xp)
+            tw = build_kdtree(Xw, leaf_size=leaf_size)
+            knn_bruteforce(Xw, Xw[:300], k)
+            for method in ("banns", "anns"):
+                for w in windows:
+                    query_kdtree(tw, Xw[:300], k, method=method, backtracks=4, sliding_window=w)
+            sync()
+            warmed.add(d)
+        if time.time() - t_start > time_limit:
+            rep.note(f"time limit {time_limit}s reached: skipped N={n}, d={d} and later settings")
+            continue
+        if n == "real":
+            t0 = time.perf_counter()
+            X, Q, clouds = pcl_shot_dataset(real, device=dev, radius_factor=real_radius,
+                                            max_queries=queries or 100_000)
+            sync()
+            n, m = len(X), len(Q)
+            tag = f"PCL SHOT352 N={n:,} M={m:,} P={k}"
+            rep.note(f"real descriptors ({time.perf_counter() - t0:.1f} s to make): SHOT352 at every point of "
+                     + "; ".join(f"{c[0]} ({c[1]:,} pts, {c[2]:,} valid, r={real_radius:g}x{c[3]:.4g})"
+                                 for c in clouds)
+                     + f"; {m:,} random descriptors held out as queries, the rest indexed")
+        else:
             m = queries or n
             tag = f"N={n:,} M={m:,} d={d} P={k}"
             X = clustered(n, d, clusters=clusters, seed=1, xp=xp)
             Q = clustered(m, d, clusters=clusters, seed=2, xp=xp)
-            sync()
-            t_bf, (ed, ei) = _timeit(lambda: knn_bruteforce(X, Q, k), sync, repeat)
-            bf_qps = m / t_bf
-            base_name = f"exact GEMM brute force q/s ({tag})"
-            rep.add(base_name, bf_qps, "queries/s", gname, seconds=t_bf)
-            summary.append((tag, "brute force (exact)", "-", "-", t_bf, bf_qps, 1.0, 1.0))
-            t_build, tree = _timeit(lambda: build_kdtree(X, leaf_size=leaf_size), sync, max(1, repeat - 1))
-            rep.add(f"KD-tree build time ({tag})", t_build, "s", gname, higher_is_better=False,
-                    n_nodes=tree.n_nodes, depth=tree.depth, leaves=tree.n_leaves)
-            todo = []
-            if dev == "gpu" and "banns-window" in variants:
-                todo.append(("P-BANNS window", "banns", True))
-            if "anns" in variants:
-                todo.append(("P-ANNS", "anns", True))
-            if dev == "gpu" and "banns-plain" in variants:
-                todo.append(("P-BANNS no-window", "banns", False))
-            for b in backtracks:
-                for label, method, w in todo:
-                    if time.time() - t_start > time_limit:
-                        break
-                    t, (fd, fi, st) = _timeit(lambda: query_kdtree(tree, Q, k, method=method, backtracks=b,
-                                                                   sliding_window=w, return_stats=True),
-                                              sync, repeat)
-                    r1 = recall(fd[:, :1], ed[:, :1])
-                    rk = recall(fd, ed)
-                    rep.add(f"{label} q/s, backtracks={b} ({tag})", m / t, "queries/s", gname,
-                            baseline=base_name, baseline_value=bf_qps, seconds=t, recall_at_1=r1,
-                            recall_at_P=rk, build_s=t_build, stats=st)
-                    rep.add(f"{label} recall@{k}, backtracks={b} ({tag})", rk, "fraction", gname)
-                    summary.append((tag, label, b, f"{t_build:.3f}", t, m / t, r1, rk))
-                    if method == "banns":
-                        print(f"  {tag} {label} bk={b}: {st}", flush=True)
-            # CPU backend on a query subset
-            if cpu_queries and n <= cpu_max_n and time.time() - t_start < time_limit:
-                Xc = to_numpy(X)
-                mc = min(cpu_queries, m)
-                Qc = to_numpy(Q[:mc])
-                edc = to_numpy(ed[:mc])
-                t_cbf, _ = _timeit(lambda: knn_bruteforce(Xc, Qc, k, device="cpu"), lambda: None, 1)
-                cbase = f"CPU exact brute force q/s ({tag})"
-                rep.add(cbase, mc / t_cbf, "queries/s", cname, seconds=t_cbf)
-                summary.append((tag, "CPU brute force", "-", "-", t_cbf, mc / t_cbf, 1.0, 1.0))
-                t0 = time.perf_counter()
-                ctree = build_kdtree(Xc, leaf_size=leaf_size, device="cpu")
-                t_cbuild = time.perf_counter() - t0
-                rep.add(f"CPU KD-tree build time ({tag})", t_cbuild, "s", cname, higher_is_better=False)
-                if dev == "gpu":
-                    rep.add(f"GPU build vs CPU build ({tag})", t_build, "s", gname, baseline="CPU build",
-                            baseline_value=t_cbuild, higher_is_better=False)
-                for b in backtracks:
-                    t, (fd, _) = _timeit(lambda: query_kdtree(ctree, Qc, k, backtracks=b), lambda: None, 1)
-                    r1, rk = recall(fd[:, :1], edc[:, :1]), recall(fd, edc)
-                    rep.add(f"CPU P-ANNS q/s, backtracks={b} ({tag})", mc / t, "queries/s", cname,
-                            baseline=cbase, baseline_value=mc / t_cbf, recall_at_1=r1, recall_at_P=rk)
-                    summary.append((tag, "CPU P-ANNS", b, f"{t_cbuild:.3f}", t, mc / t, r1, rk))
-            X = Q = tree = ctree = Xc = None  # release device memory before the next setting
+        sync()
+        t_bf, (ed, ei) = _timeit(lambda: knn_bruteforce(X, Q, k), sync, repeat)
+        bf_qps = m / t_bf
+        base_name = f"exact GEMM brute force q/s ({tag})"
+        rep.add(base_name, bf_qps, "queries/s", gname, seconds=t_bf)
+        summary.append((tag, "brute force (exact)", "-", "-", t_bf, bf_qps, 1.0, 1.0))
+        t_build, tree = _timeit(lambda: build_kdtree(X, leaf_size=leaf_size, split=split), sync, max(1, repeat - 1))
+        rep.add(f"KD-tree build time ({tag})", t_build, "s", gname, higher_is_better=False,
+                n_nodes=tree.n_nodes, depth=tree.depth, leaves=tree.n_leaves)
+        todo = []
+        if dev == "gpu" and "banns-window" in variants:
+            todo.append(("P-BANNS window", "banns", True))
+        if "anns" in variants:
+            todo.append(("P-ANNS", "anns", True))
+        if dev == "gpu" and "banns-plain" in variants:
+            todo.append(("P-BANNS no-window", "banns", False))
+        for b in backtracks:
+            for label, method, w in todo:
+                if time.time() - t_start > time_limit:
+                    break
+                t, (fd, fi, st) = _timeit(lambda: query_kdtree(tree, Q, k, method=method, backtracks=b,
+                                                               sliding_window=w, return_stats=True),
+                                          sync, repeat)
+                r1 = recall(fd[:, :1], ed[:, :1])
+                rk = recall(fd, ed)
+                rep.add(f"{label} q/s, backtracks={b} ({tag})", m / t, "queries/s", gname,
+                        baseline=base_name, baseline_value=bf_qps, seconds=t, recall_at_1=r1,
+                        recall_at_P=rk, build_s=t_build, stats=st)
+                rep.add(f"{label} recall@{k}, backtracks={b} ({tag})", rk, "fraction", gname)
+                summary.append((tag, label, b, f"{t_build:.3f}", t, m / t, r1, rk))
+                if method == "banns":
+                    print(f"  {tag} {label} bk={b}: {st}", flush=True)
+        # CPU backend on a query subset
+        if cpu_queries and n <= cpu_max_n and time.time() - t_start < time_limit:
+            Xc = to_numpy(X)
+            mc = min(cpu_queries, m)
+            Qc = to_numpy(Q[:mc])
+            edc = to_numpy(ed[:mc])
+            t_cbf, _ = _timeit(lambda: knn_bruteforce(Xc, Qc, k, device="cpu"), lambda: None, 1)
+            cbase = f"CPU exact brute force q/s ({tag})"
+            rep.add(cbase, mc / t_cbf, "queries/s", cname, seconds=t_cbf)
+            summary.append((tag, "CPU brute force", "-", "-", t_cbf, mc / t_cbf, 1.0, 1.0))
+            t0 = time.perf_counter()
+            ctree = build_kdtree(Xc, leaf_size=leaf_size, split=split, device="cpu")
+            t_cbuild = time.perf_counter() - t0
+            rep.add(f"CPU KD-tree build time ({tag})", t_cbuild, "s", cname, higher_is_better=False)
             if dev == "gpu":
-                cp.get_default_memory_pool().free_all_blocks()
+                rep.add(f"GPU build vs CPU build ({tag})", t_build, "s", gname, baseline="CPU build",
+                        baseline_value=t_cbuild, higher_is_better=False)
+            for b in backtracks:
+                t, (fd, _) = _timeit(lambda: query_kdtree(ctree, Qc, k, backtracks=b), lambda: None, 1)
+                r1, rk = recall(fd[:, :1], edc[:, :1]), recall(fd, edc)
+                rep.add(f"CPU P-ANNS q/s, backtracks={b} ({tag})", mc / t, "queries/s", cname,
+                        baseline=cbase, baseline_value=mc / t_cbf, recall_at_1=r1, recall_at_P=rk)
+                summary.append((tag, "CPU P-ANNS", b, f"{t_cbuild:.3f}", t, mc / t, r1, rk))
+        X = Q = tree = ctree = Xc = None  # release device memory before the next setting
+        if dev == "gpu":
+            cp.get_default_memory_pool().free_all_blocks()
     print("\n".join(summary.lines))
     rep.note("recall@P: a returned neighbour counts when its distance <= the exact P-th distance (ties count); "
-             "queries are distinct samples of the same clusters (no self matches)")
+             "synthetic queries are distinct samples of the same clusters (no self matches)")
     rep.note("q/s rows of the GPU are over all M queries; CPU rows over the first --cpu-queries queries")
     rep.finish(out)
     return rep
@@ -195,7 +251,7 @@ def run_bench(sizes, dims, queries, k, backtracks, leaf_size, device, out, cpu_q
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     @bench.command("ann")
     def bench_ann(
-        sizes: str = typer.Option("100900", "--sizes", help="comma list of N (k/m suffixes ok)"),
+        sizes: str = typer.Option("100900", "--sizes", help="comma list of N (k/m suffixes ok; \"\" with --real: real data only)"),
         dims: str = typer.Option("4,16,64,128,256,512,352", "--dims", help="comma list of d"),
         queries: int = typer.Option(0, "--queries", help="M queries (0: M = N)"),
         k: int = typer.Option(4, "-k", help="neighbours per query (P)"),
@@ -212,12 +268,18 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         window_kernel: str = typer.Option("rotate", "--window-kernel",
                                           help="P-BANNS sliding-window kernel: rotate (threads over leaf "
                                                "points) or tile (threads over queries)"),
+        real: str = typer.Option(None, "--real", help="folder of PCD/PLY clouds (e.g. ../shared/data/pcl): add a "
+                                 "setting of their SHOT352 descriptors (all points; --queries held out, "
+                                 "default 100k)"),
+        real_radius: float = typer.Option(10.0, "--real-radius", help="SHOT radius in cloud resolutions"),
+        split: str = typer.Option("median", "--split", help="KD-tree split rule: median (sample median) | midpoint "
+                                  "(the paper's)"),
     ):
         """KD-tree P-BANNS / P-ANNS vs exact GEMM brute force on synthetic clustered data."""
         run_bench(parse_counts(sizes), parse_counts(dims), queries, k, parse_counts(backtracks), leaf_size, device, out,
                   cpu_queries, clusters, repeat, time_limit,
                   variants=tuple(v.strip() for v in variants.split(",") if v.strip()), cpu_max_n=cpu_max_n,
-                  window_kernel=window_kernel)
+                  window_kernel=window_kernel, real=real, real_radius=real_radius, split=split)
 
 
 if __name__ == "__main__":  # standalone: python -m scanforest.flows.cli_ann ann --sizes ...

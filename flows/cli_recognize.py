@@ -239,6 +239,9 @@ def _synthetic(rep, noises, n_scenes, n_points, method, device, refine="icp"):
     rep.params["synthetic_recognize"] = kw
 
 
+_ONE_THREAD = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def _archive_scene(args):
     """One archive scene (run in a generator process)."""
     from scanforest.kernels import synthetic as S
@@ -273,7 +276,19 @@ def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers
                 pending.append(ex.submit(_archive_scene, (models, n_points, noise, 50_000 + start + nxt)))
                 nxt += 1
 
-        fill()
+        # one thread per generator process: 7 processes x 16 numba/BLAS threads starved the
+        # grouping (host, numba-parallel) of the recognising process. A spawned child reads the
+        # environment when it starts, and the first fill() starts them all.
+        saved = {v: os.environ.get(v) for v in _ONE_THREAD}
+        os.environ.update(dict.fromkeys(_ONE_THREAD, "1"))
+        try:
+            fill()
+        finally:
+            for v, val in saved.items():
+                if val is None:
+                    os.environ.pop(v, None)
+                else:
+                    os.environ[v] = val
         t0 = time.perf_counter()
         lib_params, rec_params = S.recognition_presets(dev)
         lib = ModelLibrary.build([m.points for m in models], [m.name for m in models],

@@ -234,6 +234,10 @@ def bench_shot(
     cpu_keypoints: int = typer.Option(20_000, help="Keypoints timed on the CPU backend."),
     repeat: int = typer.Option(3, help="Timed repetitions (median)."),
     out: Path = typer.Option(None, help="JSON file or folder for the record."),
+    pcl_baseline: Path = typer.Option(None, help="PCL baseline binary (build deploy/baselines/"
+                                      "pcl_shot_bench.cpp): PCL's NormalEstimationOMP + SHOTEstimationOMP "
+                                      "against the CPU backend, all points as keypoints, same thread count."),
+    threads: int = typer.Option(0, help="Threads of the PCL comparison (0: all cores)."),
 ) -> None:
     """SHOT352 keypoints/s end to end, GPU and CPU in the same run, with a phase breakdown."""
     from scanforest.flows._bench import BenchReport
@@ -265,6 +269,8 @@ def bench_shot(
         rep.add(f"CPU keypoints/s SHOT only, {label}", shot_rate, "keypoints/s", cpu_dev)
         return rate
 
+    if pcl_baseline is not None:
+        _pcl_comparison(rep, pcl_baseline, scene, pts, radius, normal_k, threads, repeat)
     cpu_dense = cpu_rate(pts, f"{scene.name} (r={radius})")
     if not gpu_available():
         rep.note("no GPU: GPU rows skipped")
@@ -328,6 +334,43 @@ def bench_shot(
         except Exception as exc:
             rep.note(f"synthetic scene failed: {type(exc).__name__}: {exc}")
     rep.finish(out)
+
+
+def _pcl_comparison(rep, binary, scene, pts, radius, normal_k, threads, repeat):
+    """PCL's OMP normals + SHOT (external binary) vs the CPU backend, all points, same threads."""
+    import json
+    import os
+    import subprocess
+
+    import numba
+
+    threads = threads or os.cpu_count() or 1
+    cmd = [str(binary), str(scene), str(radius), str(normal_k), str(threads), str(max(1, repeat))]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        rep.note(f"PCL baseline {binary} failed: {exc}")
+        return
+    runs = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    pcl = sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2]
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        cpu_pipeline(pts[:2000], radius, normal_k, np.arange(100))  # JIT warm-up
+        tot = []
+        for _ in range(max(1, repeat)):
+            _, _, ph = cpu_pipeline(pts, radius, normal_k, np.arange(len(pts)))
+            tot.append((ph["normals (all points)"] + ph["SHOT"], ph))
+        t, ph = sorted(tot, key=lambda x: x[0])[len(tot) // 2]
+    finally:
+        numba.set_num_threads(old)
+    dev = f"cpu ({threads} threads)"
+    base = f"PCL 1.13 NormalEstimationOMP + SHOTEstimationOMP keypoints/s, all {pcl['points']} points"
+    rep.add(base, pcl["keypoints_per_s"], "keypoints/s", dev, normals_s=pcl["normals_s"], shot_s=pcl["shot_s"])
+    rep.add(f"CPU backend keypoints/s, all {len(pts)} points (same pipeline)", len(pts) / t, "keypoints/s", dev,
+            baseline=base, baseline_value=pcl["keypoints_per_s"], **ph)
+    rep.note(f"PCL baseline: {' '.join(cmd)}: normals {pcl['normals_s']:.2f} s, SHOT {pcl['shot_s']:.2f} s; "
+             f"CPU backend: normals {ph['normals (all points)']:.2f} s, SHOT {ph['SHOT']:.2f} s")
 
 
 def _agreement(rep, pts, radius, normal_k, best, cpu_out, gdev):

@@ -2,8 +2,9 @@
 
 Construction (one host sync per level, for the number of nodes split):
 
-1. ``split_level``: one thread per node of the level chooses (dim, value) from the node box
-   (same rule and hash as the numba build);
+1. ``split_level_sample`` (default rule: one block per node, sample extents in shared memory,
+   the sample median) or ``split_level`` (midpoint rule: one thread per node, from the node box)
+   chooses (dim, value), same rule and hash as the numba build;
 2. child ids by an exclusive scan of the split flags (children numbered breadth first);
 3. ``mark_left``: one thread per point position tests ``x[dim] <= value`` of its owner node;
 4. one global inclusive scan of the left flags gives, inside every node range, the stable
@@ -57,17 +58,8 @@ __device__ __forceinline__ float o2f(unsigned int e) {
     return __uint_as_float((e & 0x80000000u) ? (e & 0x7fffffffu) : ~e);
 }
 
-extern "C" __global__ void split_level(const float* __restrict__ lo, const float* __restrict__ hi, int d,
-        const long long* __restrict__ start, const long long* __restrict__ end, int l0, int nl,
-        long long leaf_size, int depth, int max_depth, int rand_f, unsigned long long seed,
-        int* __restrict__ dims, float* __restrict__ vals) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= nl) return;
-    int i = l0 + t;
-    dims[t] = -1; vals[t] = 0.0f;
-    if (!(end[i] - start[i] > leaf_size && depth < max_depth)) return;
-    const float* L = lo + (long long)i * d;
-    const float* H = hi + (long long)i * d;
+__device__ void choose_split(const float* L, const float* H, int d, int i, int rand_f,
+        unsigned long long seed, int* dim_out, float* val_out) {
     int dim = -1;
     if (rand_f <= 1) {
         float bext = 0.0f;
@@ -86,10 +78,83 @@ extern "C" __global__ void split_level(const float* __restrict__ lo, const float
         }
         if (cnt > 0) dim = topd[(int)(sf_hash(seed, (unsigned long long)i) % (unsigned long long)cnt)];
     }
+    *dim_out = dim;
+    *val_out = 0.0f;
     if (dim < 0) return;
     float a = L[dim], b = H[dim];
     float v = __fadd_rn(__fmul_rn(0.5f, a), __fmul_rn(0.5f, b));
     if (!(v < b)) v = a;
+    *val_out = v;
+}
+
+extern "C" __global__ void split_level(const float* __restrict__ lo, const float* __restrict__ hi, int d,
+        const long long* __restrict__ start, const long long* __restrict__ end, int l0, int nl,
+        long long leaf_size, int depth, int max_depth, int rand_f, unsigned long long seed,
+        int* __restrict__ dims, float* __restrict__ vals) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= nl) return;
+    int i = l0 + t;
+    dims[t] = -1; vals[t] = 0.0f;
+    if (!(end[i] - start[i] > leaf_size && depth < max_depth)) return;
+    int dim; float v;
+    choose_split(lo + (long long)i * d, hi + (long long)i * d, d, i, rand_f, seed, &dim, &v);
+    dims[t] = dim; vals[t] = v;
+}
+
+// the sample-median rule of kdtree._choose_split_sample: one block per node, threads over the
+// dimensions for the sample extents (shared memory), thread 0 picks the dimension and the median
+#define SAMPLE 64
+extern "C" __global__ void split_level_sample(const float* __restrict__ X, int d,
+        const long long* __restrict__ perm, const float* __restrict__ lo, const float* __restrict__ hi,
+        const long long* __restrict__ start, const long long* __restrict__ end, int l0,
+        long long leaf_size, int depth, int max_depth, int rand_f, unsigned long long seed,
+        int* __restrict__ dims, float* __restrict__ vals) {
+    extern __shared__ float sh[];          // smin[d], smax[d], buf[SAMPLE]
+    __shared__ long long rows[SAMPLE];
+    int t = blockIdx.x;
+    int i = l0 + t;
+    long long s = start[i], cnt = end[i] - s;
+    if (!(cnt > leaf_size && depth < max_depth)) {
+        if (threadIdx.x == 0) { dims[t] = -1; vals[t] = 0.0f; }
+        return;
+    }
+    int ns = cnt < SAMPLE ? (int)cnt : SAMPLE;
+    for (int k = threadIdx.x; k < ns; k += blockDim.x) rows[k] = perm[s + ((long long)k * cnt) / ns];
+    __syncthreads();
+    float* smin = sh;
+    float* smax = sh + d;
+    float* buf = sh + 2 * d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float mn = F_INF, mx = -F_INF;
+        for (int k = 0; k < ns; ++k) {
+            float v = __fadd_rn(X[rows[k] * d + j], 0.0f);
+            if (v < mn) mn = v;
+            if (v > mx) mx = v;
+        }
+        smin[j] = mn; smax[j] = mx;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    const float* H = hi + (long long)i * d;
+    int dim; float v;
+    choose_split(smin, smax, d, i, rand_f, seed, &dim, &v);
+    if (dim < 0) {
+        choose_split(lo + (long long)i * d, H, d, i, rand_f, seed, &dim, &v);
+        dims[t] = dim; vals[t] = v;
+        return;
+    }
+    for (int k = 0; k < ns; ++k) buf[k] = __fadd_rn(X[rows[k] * d + dim], 0.0f);
+    for (int a = 1; a < ns; ++a) {
+        float x = buf[a]; int b = a - 1;
+        while (b >= 0 && buf[b] > x) { buf[b + 1] = buf[b]; --b; }
+        buf[b + 1] = x;
+    }
+    int h = ns / 2;
+    v = buf[h];
+    if (!(v < H[dim])) {
+        while (h > 0 && !(buf[h] < v)) --h;
+        v = buf[h];
+    }
     dims[t] = dim; vals[t] = v;
 }
 
@@ -578,19 +643,26 @@ def _grid(n: int, threads: int = 256):
 # ----------------------------------------------------------------------------------------------
 # construction
 # ----------------------------------------------------------------------------------------------
-def build(X, leaf_size, max_depth, rand_f, seed, params):
+def build(X, leaf_size, max_depth, rand_f, seed, params, median=True):
     import cupy as cp
 
     from .kdtree import KDTree
 
     mod = _module(8)
     k_split = mod.get_function("split_level")
+    k_split_s = mod.get_function("split_level_sample")
     k_mark = mod.get_function("mark_left")
     k_scatter = mod.get_function("scatter_level")
     k_ranges = mod.get_function("ranges_level")
     k_box = mod.get_function("box_level")
     k_dec = mod.get_function("decode_box")
     n, d = X.shape
+    shm = 4 * (2 * d + 64)
+    if median and shm + 8 * 64 > 48 * 1024:
+        from .errors import InputError
+
+        raise InputError(f"split='median' on the GPU supports up to 6,000 dimensions (got d={d}); "
+                         "use split='midpoint'")
     cap = max(3, 4 * (n // max(leaf_size, 1)) + 3)
     child = cp.full(cap, -1, cp.int32)
     sdim = cp.full(cap, -1, cp.int32)
@@ -614,9 +686,14 @@ def build(X, leaf_size, max_depth, rand_f, seed, params):
         nl = l1 - l0
         dims = cp.empty(nl, cp.int32)
         vals = cp.empty(nl, cp.float32)
-        k_split(_grid(nl), (256,), (lo, hi, np.int32(d), start, end, np.int32(l0), np.int32(nl),
-                                    np.int64(leaf_size), np.int32(depth), np.int32(max_depth),
-                                    np.int32(rand_f), np.uint64(seed), dims, vals))
+        if median:
+            k_split_s((nl,), (64,), (X, np.int32(d), perm, lo, hi, start, end, np.int32(l0),
+                                     np.int64(leaf_size), np.int32(depth), np.int32(max_depth),
+                                     np.int32(rand_f), np.uint64(seed), dims, vals), shared_mem=shm)
+        else:
+            k_split(_grid(nl), (256,), (lo, hi, np.int32(d), start, end, np.int32(l0), np.int32(nl),
+                                        np.int64(leaf_size), np.int32(depth), np.int32(max_depth),
+                                        np.int32(rand_f), np.uint64(seed), dims, vals))
         fl = dims >= 0
         cs = cp.cumsum(fl, dtype=cp.int32)
         ns = int(cs[-1])  # the one host sync of this level
@@ -628,6 +705,7 @@ def build(X, leaf_size, max_depth, rand_f, seed, params):
             child, sdim, sval, start, end, lo, hi = [_grow(a, newcap) for a in (child, sdim, sval, start, end, lo, hi)]
             child[l1:] = -1
             sdim[l1:] = -1
+            sval[l1:] = 0  # leaves keep split_val 0 (grown arrays are uninitialised)
         child[l0:l1] = cp.where(fl, l1 + 2 * (cs - 1), -1)
         sdim[l0:l1] = dims
         sval[l0:l1] = vals

@@ -6,7 +6,7 @@ import numpy as np
 from ._backend import is_cupy, resolve_device
 from .bruteforce import check_k, check_points, knn_bruteforce
 from .errors import InputError
-from .kdtree import (_bound_limit, _check_budget, _check_build_params, _check_n_trees, build_kdforest,
+from .kdtree import (_bound_limit, _check_budget, _check_build_params, _check_n_trees, build_kdforest, check_split,
                      check_bounds, query_kdtree)
 
 __all__ = ["KDForest", "merge_topk_unique"]
@@ -36,7 +36,7 @@ class KDForest:
         P-BANNS (buffered, GPU; the CPU runs the same traversal per query), P-ANNS (one query
         per thread), or the exact GEMM brute force.
     random_dims : int or None, default None
-        ``None``: split on the widest box dimension (midpoint) when ``n_trees == 1``, and
+        ``None``: split on the widest dimension when ``n_trees == 1``, and
         ``min(5, d)`` (the paper's F = 5) when ``n_trees > 1``. ``F`` in ``1..d``: split on a
         dimension drawn among the F widest, seeded (``n_trees > 1`` needs ``F >= 2``).
     seed : int, default 0
@@ -47,6 +47,10 @@ class KDForest:
         Nodes at this depth stay leaves (default 64).
     sliding_window : bool, default True
         P-BANNS leaf kernel: shared-memory sliding-window schedule or the plain one.
+    split : {"median", "midpoint"}, default "median"
+        Split value rule: the median of a 64-point sample of the node, on the dimension of largest
+        sample extent (robust on skewed data such as SHOT descriptors), or the box midpoint of the
+        widest dimension (the paper's rule). See :mod:`scanforest.kernels.kdtree`.
 
     Attributes
     ----------
@@ -73,7 +77,8 @@ class KDForest:
 
     def __init__(self, *, n_trees: int = 1, leaf_size: int = 64, backtracks: int | None = None,
                  method: str = "banns", random_dims: int | None = None, seed: int = 0,
-                 device: str = "auto", max_depth: int | None = None, sliding_window: bool = True):
+                 device: str = "auto", max_depth: int | None = None, sliding_window: bool = True,
+                 split: str = "median"):
         self.n_trees = n_trees
         self.leaf_size = leaf_size
         self.backtracks = backtracks
@@ -83,10 +88,11 @@ class KDForest:
         self.device = device
         self.max_depth = max_depth
         self.sliding_window = sliding_window
+        self.split = split
 
     def get_params(self, deep: bool = True) -> dict:
         return {k: getattr(self, k) for k in ("n_trees", "leaf_size", "backtracks", "method", "random_dims",
-                                              "seed", "device", "max_depth", "sliding_window")}
+                                              "seed", "device", "max_depth", "sliding_window", "split")}
 
     def set_params(self, **params) -> "KDForest":
         for k, v in params.items():
@@ -108,6 +114,7 @@ class KDForest:
         if not isinstance(self.sliding_window, (bool, np.bool_)):
             raise InputError(f"sliding_window must be a bool, got {self.sliding_window!r}")
         _check_budget(self.backtracks)
+        check_split(self.split)
         return _check_build_params(self.leaf_size, self.max_depth, self.random_dims, self.seed)
 
     def fit(self, X, y=None) -> "KDForest":
@@ -138,7 +145,7 @@ class KDForest:
         self.random_dims_ = rand_f or None
         if self.method != "exact":
             self.tree_ = build_kdforest(X, n_trees=n_trees, leaf_size=leaf_size, max_depth=max_depth,
-                                        random_dims=rand_f or None, seed=seed, device=dev)
+                                        random_dims=rand_f or None, seed=seed, split=self.split, device=dev)
         self.stats_ = {}
         return self
 

@@ -29,7 +29,8 @@ from scanforest.kernels.topk import merge_topk
 from .store import ScanStore, _jsonable
 
 TREE_ARRAYS = ("perm", "child", "split_dim", "split_val", "start", "end", "lo", "hi")
-FOREST_KEYS = ("n_trees", "leaf_size", "backtracks", "method", "random_dims", "seed", "max_depth", "sliding_window")
+FOREST_KEYS = ("n_trees", "leaf_size", "backtracks", "method", "random_dims", "seed", "max_depth", "sliding_window",
+               "split")
 
 
 def content_hash(reference: np.ndarray, params: dict[str, Any]) -> str:

@@ -41,9 +41,10 @@ def check_invariants(tree, X, leaf_size):
 
 @pytest.mark.parametrize("n", [1, 2, LEAF - 1, LEAF, LEAF + 1, 1000])
 @pytest.mark.parametrize("random_dims", [None, 3])
-def test_invariants(rng, n, random_dims):
+@pytest.mark.parametrize("split", ["median", "midpoint"])
+def test_invariants(rng, n, random_dims, split):
     X = rng.standard_normal((n, 5)).astype(np.float32)
-    tree = build_kdtree(X, leaf_size=LEAF, random_dims=random_dims, seed=7, device="cpu")
+    tree = build_kdtree(X, leaf_size=LEAF, random_dims=random_dims, seed=7, split=split, device="cpu")
     check_invariants(tree, X, LEAF)
     if n <= LEAF:
         assert tree.n_nodes == 1 and tree.depth == 0
@@ -51,9 +52,62 @@ def test_invariants(rng, n, random_dims):
 
 def test_widest_dimension_midpoint_rule(rng):
     X = np.c_[rng.uniform(0, 1, 200), rng.uniform(0, 10, 200), rng.uniform(0, 3, 200)].astype(np.float32)
-    tree = build_kdtree(X, leaf_size=4, device="cpu")
+    tree = build_kdtree(X, leaf_size=4, split="midpoint", device="cpu")
     assert tree.split_dim[0] == 1
     assert tree.split_val[0] == np.float32(0.5) * X[:, 1].min() + np.float32(0.5) * X[:, 1].max()
+
+
+def test_sample_median_rule(rng):
+    X = np.c_[rng.uniform(0, 1, 1000), rng.uniform(0, 3, 1000), rng.uniform(0, 10, 1000)].astype(np.float32)
+    X[7, 0] = 50.0  # a lone outlier makes dim 0 the widest box dimension, outside the sample
+    tree = build_kdtree(X, leaf_size=4, device="cpu")
+    sample = X[(np.arange(64) * 1000) // 64]
+    assert 7 not in (np.arange(64) * 1000) // 64
+    assert tree.split_dim[0] == 2 == int(np.argmax(sample.max(0) - sample.min(0)))
+    assert tree.split_val[0] == np.sort(sample[:, 2])[32]
+    assert build_kdtree(X, leaf_size=4, split="midpoint", device="cpu").split_dim[0] == 0
+
+
+def test_sample_median_at_the_maximum_moves_down(rng):
+    # 3/4 of the values at the maximum: the sample median is the node maximum, so the cut moves to
+    # the largest smaller sample value and both children stay non-empty
+    X = np.ones((400, 2), np.float32)
+    X[:100, 0] = rng.uniform(0, 0.5, 100)
+    X[:, 1] = 0.25
+    tree = build_kdtree(X, leaf_size=8, device="cpu")
+    sample = X[(np.arange(64) * 400) // 64, 0]
+    assert tree.split_dim[0] == 0 and tree.split_val[0] == sample[sample < 1].max()
+    check_invariants(tree, X, 8)
+
+
+def skewed(rng, n, d):
+    """SHOT-like data: mostly zeros, a few large values per row."""
+    return np.where(rng.random((n, d)) < 0.05, rng.lognormal(0, 2, (n, d)), 0).astype(np.float32)
+
+
+def test_median_split_balances_skewed_data(rng):
+    X = skewed(rng, 20_000, 32)
+    med = build_kdtree(X, leaf_size=LEAF, device="cpu")
+    mid = build_kdtree(X, leaf_size=LEAF, split="midpoint", device="cpu")
+    check_invariants(med, X, LEAF)  # leaves over LEAF hold identical points (the all-zero rows)
+    g = build_kdtree(X, leaf_size=64, device="cpu")
+    assert g.n_nodes > 4 * (len(X) // 64) + 3  # the node arrays grew during the build ...
+    assert np.all(g.split_val[g.child < 0] == 0)  # ... and the grown leaves hold no garbage
+    # the midpoint peels off outliers a few at a time and stops at max_depth with a mixed leaf of
+    # most of the points (measured: 19,709 of 20,000)
+    leaves = np.flatnonzero(mid.child < 0)
+    big = leaves[np.argmax(mid.end[leaves] - mid.start[leaves])]
+    assert mid.depth == 64 > med.depth and mid.end[big] - mid.start[big] > 1000
+    assert np.any(mid.hi[big] > mid.lo[big])
+    Q = skewed(rng, 300, 32)
+    ed, ei = knn_bruteforce(X, Q, 4, device="cpu")
+    fd, fi = query_kdtree(med, Q, 4)
+    np.testing.assert_array_equal(fi, ei)
+
+
+def test_split_rule_is_validated(rng):
+    with pytest.raises(InputError, match="split must be one of"):
+        build_kdtree(rng.standard_normal((10, 3)).astype(np.float32), split="mean", device="cpu")
 
 
 def test_random_dims_is_seeded(rng):
@@ -184,14 +238,15 @@ def _same_tree(a, b):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", ["median", "midpoint"])
 @pytest.mark.parametrize("n,d,random_dims", [(1, 3, None), (2, 3, None), (LEAF - 1, 4, None), (LEAF, 4, None),
                                              (LEAF + 1, 4, None), (5000, 7, None), (5000, 40, 5), (3000, 300, None)])
-def test_gpu_build_equals_cpu(rng, n, d, random_dims):
+def test_gpu_build_equals_cpu(rng, n, d, random_dims, split):
     import cupy as cp
 
     X = rng.standard_normal((n, d)).astype(np.float32)
-    c = build_kdtree(X, leaf_size=LEAF, random_dims=random_dims, seed=3, device="cpu")
-    g = build_kdtree(cp.asarray(X), leaf_size=LEAF, random_dims=random_dims, seed=3)
+    c = build_kdtree(X, leaf_size=LEAF, random_dims=random_dims, seed=3, split=split, device="cpu")
+    g = build_kdtree(cp.asarray(X), leaf_size=LEAF, random_dims=random_dims, seed=3, split=split)
     assert g.device == "gpu"
     _same_tree(c, g)
     check_invariants(g, X, LEAF)
@@ -202,7 +257,14 @@ def test_gpu_build_duplicates_equals_cpu(rng):
     import cupy as cp
 
     X = rng.integers(0, 3, (4000, 3)).astype(np.float32)
-    _same_tree(build_kdtree(X, leaf_size=5, device="cpu"), build_kdtree(cp.asarray(X), leaf_size=5))
+    for split in ("median", "midpoint"):
+        _same_tree(build_kdtree(X, leaf_size=5, split=split, device="cpu"),
+                   build_kdtree(cp.asarray(X), leaf_size=5, split=split))
+    S = skewed(rng, 20_000, 48)
+    S[::7] *= -1  # signed zeros and negatives
+    for rd in (None, 5):
+        _same_tree(build_kdtree(S, leaf_size=16, random_dims=rd, device="cpu"),
+                   build_kdtree(cp.asarray(S), leaf_size=16, random_dims=rd))
 
 
 @pytest.mark.gpu
@@ -289,3 +351,27 @@ def test_gpu_kdforest(rng):
         assert f.device_ == "gpu"
         d2, ids = f.query(Q, 6)
         np.testing.assert_array_equal(ids.get(), bi)
+
+
+def test_pcl_shot_dataset_holds_out_queries(pcl_dir, tmp_path):
+    """bench ann --real: every valid SHOT352 of the clouds, queries held out of the reference."""
+    import shutil
+
+    import scanforest as sf
+    from scanforest.flows.cli_ann import pcl_shot_dataset
+    from scanforest.kernels.neighbors import knn
+
+    shutil.copy(pcl_dir / "bun0.pcd", tmp_path / "bun0.pcd")
+    X, Q, rows = pcl_shot_dataset(tmp_path, device="cpu", max_queries=1000)
+    assert rows[0][:3] == ("bun0.pcd", 397, 397)
+    assert X.shape == (397 - 39, 352) and Q.shape == (39, 352) and X.dtype == np.float32
+    assert np.isfinite(X).all() and np.isfinite(Q).all()
+    # the split is a permutation of the descriptors computed directly
+    pts = sf.read(pcl_dir / "bun0.pcd").points.astype(np.float32)
+    _, d2 = knn(pts, k=2, device="cpu")
+    nrm, _ = sf.normals(pts, k=10, device="cpu")
+    ref, _ = sf.shot(pts, nrm, np.arange(len(pts)), 10 * float(np.sqrt(d2[:, 1].astype(np.float64)).mean()),
+                     device="cpu")
+    both = np.concatenate([X, Q])
+    key = lambda a: a[np.lexsort(a.T[::-1])]  # noqa: E731
+    np.testing.assert_array_equal(key(both), key(ref))
