@@ -115,6 +115,30 @@ def _insert(dist, ids, cnt, k, dv, iv):
 
 
 @njit(cache=True, parallel=True)
+def _select_coarse_cpu(G, qn, bn, b0, cand_d, cand_i, cnt):
+    """Merge one GEMM tile into each query's ascending list of its ``kc`` smallest coarse
+    distances: coarse = max((-2 G) + qn + bn, 0), in float32 as the tile math of the GPU path;
+    ties by the smaller id. ``cnt`` holds each list's fill (updated)."""
+    m, nb = G.shape
+    kc = cand_d.shape[1]
+    m2 = np.float32(-2.0)
+    zero = np.float32(0.0)
+    for r in prange(m):
+        dist = cand_d[r]
+        ids = cand_i[r]
+        c = cnt[r]
+        q = qn[r]
+        for j in range(nb):
+            v = m2 * G[r, j] + q + bn[b0 + j]
+            if v < zero:
+                v = zero
+            if c == kc and v >= dist[kc - 1]:
+                continue  # the common case: not among the kc smallest (ties keep the smaller id)
+            c = _insert(dist, ids, c, kc, v, b0 + j)
+        cnt[r] = c
+
+
+@njit(cache=True, parallel=True)
 def _rerank_cpu(base, queries, cand, k, out_d, out_i):
     """Canonical distances of candidate ids (-1 = none) -> sorted top k per query."""
     m, c = cand.shape
@@ -410,29 +434,17 @@ def _bf_cpu(base, queries, k, block):
         qs = queries[q0:q0 + qb]
         qc = qs - mu
         qn = np.einsum("ij,ij->i", qc, qc, dtype=np.float32)
-        cand = None
-        cand_d = None
+        cand_d = np.empty((qs.shape[0], kc), np.float32)
+        cand = np.empty((qs.shape[0], kc), np.int64)
+        cnt = np.zeros(qs.shape[0], np.int32)
         for b0 in range(0, n, bb):
-            D = qc @ bc[b0:b0 + bb].T
-            D *= -2.0
-            D += qn[:, None]
-            D += bn[None, b0:b0 + bb]
-            np.maximum(D, 0, out=D)
-            ids = np.broadcast_to(np.arange(b0, b0 + D.shape[1], dtype=np.int64), D.shape)
-            if cand is not None:
-                D = np.concatenate([cand_d, D], axis=1)
-                ids = np.concatenate([cand, ids], axis=1)
-            if D.shape[1] > kc:
-                part = np.argpartition(D, kc - 1, axis=1)[:, :kc]
-                cand_d = np.take_along_axis(D, part, axis=1)
-                cand = np.take_along_axis(ids, part, axis=1)
-            else:
-                cand_d, cand = D, np.array(ids)
+            # BLAS tile, then one fused parallel pass keeps each row's kc smallest coarse distances
+            _select_coarse_cpu(qc @ bc[b0:b0 + bb].T, qn, bn, b0, cand_d, cand, cnt)
         rd = np.empty((qs.shape[0], k), np.float32)
         ri = np.empty((qs.shape[0], k), np.int64)
-        _rerank_cpu(base, qs, np.ascontiguousarray(cand), k, rd, ri)
+        _rerank_cpu(base, qs, cand, k, rd, ri)
         if kc < n:
-            clast = cand_d.max(axis=1).astype(np.float64)
+            clast = cand_d[:, -1].astype(np.float64)  # lists are full (kc <= n) and ascending
             err = 4 * g * (qn.astype(np.float64) + bnmax) + 2 * g * rd[:, -1] + 1e-30
             bad = np.nonzero(~(rd[:, -1].astype(np.float64) + err < clast))[0]
             if bad.size:

@@ -136,7 +136,7 @@ def resolution(points) -> float:
     p = np.asarray(to_numpy(points), np.float64)
     if len(p) < 2:
         return 0.0
-    d, _ = cKDTree(p).query(p, k=2)
+    d, _ = cKDTree(p).query(p, k=2, workers=-1)
     return float(np.mean(d[:, 1]))
 
 
@@ -1170,7 +1170,8 @@ class _SceneIndex:
             from . import _recognition_gpu as g
 
             return g.nearest(self.grid, q, r)
-        d, i = self.tree.query(np.asarray(q, np.float64), k=1, distance_upper_bound=r)
+        d, i = self.tree.query(np.asarray(q, np.float64), k=1, distance_upper_bound=r,
+                                 workers=-1 if len(q) > 100_000 else 1)  # threads pay off on big batches
         d2 = (d * d).astype(np.float32)
         i = np.where(np.isfinite(d) & (d2 < np.float32(r * r)), i, -1).astype(np.int64)
         return i, d2

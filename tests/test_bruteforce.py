@@ -60,6 +60,20 @@ def test_blocking_does_not_change_result(rng):
     np.testing.assert_array_equal(a[1], ci)
 
 
+def test_coarse_cancellation_falls_back_to_exact(rng):
+    """Two far clusters of tightly packed points: the float32 GEMM form ||q||^2 + ||b||^2 - 2 q.b
+    cannot rank within a cluster, so the error-bound fallback must re-rank; the answer is still
+    the canonical scan's, bit for bit, blocked or not."""
+    c = np.where(rng.random((600, 1)) < 0.5, -1000.0, 1000.0)
+    base = (c + rng.standard_normal((600, 8)) * 1e-3).astype(np.float32)
+    queries = (np.array([[1000.0], [-1000.0]] * 10) + rng.standard_normal((20, 8)) * 1e-3).astype(np.float32)
+    cd, ci = exact_scan_cpu(base, queries, 5)
+    for block in (None, (3, 64)):
+        dist, ids = knn_bruteforce(base, queries, 5, device="cpu", block=block)
+        np.testing.assert_array_equal(ids, ci)
+        np.testing.assert_array_equal(dist, cd)
+
+
 def test_self_query_distance_zero(rng):
     base = rng.standard_normal((200, 7)).astype(np.float32)
     dist, ids = knn_bruteforce(base, base, 1, device="cpu")
