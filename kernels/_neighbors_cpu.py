@@ -167,3 +167,56 @@ def grid_radius(P, order, cs, origin, inv_h, dims, qs, r2, cap, do_sort):
             out_idx[o + j] = idx[s + j]
             out_d2[o + j] = d2[s + j]
     return out_off, out_idx, out_d2
+
+
+@njit(cache=True, inline="always")
+def _grid_nearest(P, cs, origin, inv_h, dims, qx, qy, qz, r2):
+    """Index (into the cell-sorted P) of the nearest point strictly within sqrt(r2), or -1;
+    the first of equals in cell order, as the GPU's ``grid_nearest``."""
+    cx = _cell(qx, origin[0], inv_h, dims[0])
+    cy = _cell(qy, origin[1], inv_h, dims[1])
+    cz = _cell(qz, origin[2], inv_h, dims[2])
+    x0 = max(cx - 1, 0)
+    x1 = min(cx + 1, dims[0] - 1)
+    best = r2
+    bi = -1
+    for z in range(max(cz - 1, 0), min(cz + 1, dims[2] - 1) + 1):
+        for y in range(max(cy - 1, 0), min(cy + 1, dims[1] - 1) + 1):
+            base = (z * dims[1] + y) * dims[0]
+            for j in range(cs[base + x0], cs[base + x1 + 1]):
+                d = sqdist32(qx, qy, qz, P[j, 0], P[j, 1], P[j, 2])
+                if d < best:
+                    best = d
+                    bi = j
+    return bi
+
+
+@njit(cache=True, parallel=True)
+def verify_points(hyp, src, T, VP, VN, vx, vy, vz, P, cs, origin, inv_h, dims, r2, order, vox):
+    """CPU twin of the GPU ``verify_points`` kernel: for every (hypothesis, verification point)
+    pair, the point and normal are moved by the hypothesis pose (float32, rows of T = [R | t]);
+    -2 when the normal does not face the viewpoint, else the voxel rank of the nearest scene
+    point strictly within sqrt(r2), or -1 when there is none."""
+    n = hyp.shape[0]
+    out = np.empty(n, np.int64)
+    for i in prange(n):
+        t = T[hyp[i]]
+        s = src[i]
+        px = VP[s, 0]
+        py = VP[s, 1]
+        pz = VP[s, 2]
+        nx = VN[s, 0]
+        ny = VN[s, 1]
+        nz = VN[s, 2]
+        wx = t[0] * px + t[1] * py + t[2] * pz + t[3]
+        wy = t[4] * px + t[5] * py + t[6] * pz + t[7]
+        wz = t[8] * px + t[9] * py + t[10] * pz + t[11]
+        mx = t[0] * nx + t[1] * ny + t[2] * nz
+        my = t[4] * nx + t[5] * ny + t[6] * nz
+        mz = t[8] * nx + t[9] * ny + t[10] * nz
+        if mx * (wx - vx) + my * (wy - vy) + mz * (wz - vz) >= 0:
+            out[i] = -2
+            continue
+        bi = _grid_nearest(P, cs, origin, inv_h, dims, wx, wy, wz, r2)
+        out[i] = vox[order[bi]] if bi >= 0 else -1
+    return out

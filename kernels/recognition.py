@@ -1160,7 +1160,10 @@ class _SceneIndex:
             self.points = np.ascontiguousarray(to_numpy(points), np.float32)
             self.normals = None if normals is None else np.ascontiguousarray(to_numpy(normals),
                                                                              np.float32)
+            from .neighbors import _cpu_grid
+
             self.tree = cKDTree(self.points)
+            self.grid = _cpu_grid(self.points, self.cell)  # cells >= cell: verification lookups
             self.vox = _voxel_ranks_cpu(self.points, self.cell)
         self.n_vox = int(self.vox.max()) + 1 if len(self.vox) else 0
 
@@ -1187,6 +1190,21 @@ def _voxel_ranks_cpu(points, cell):
     key = ijk[:, 0] + dims[0] * (ijk[:, 1] + dims[1] * ijk[:, 2])
     _, rank = np.unique(key, return_inverse=True)
     return rank.astype(np.int64)
+
+
+def _verify_nearest_cpu(idx, library, hyp, src, poses, r: float, vp):
+    """CPU twin of ``_recognition_gpu.verify_nearest``: one parallel numba pass, float32 like
+    the GPU kernel, nearest scene point from the cell list (no per-point pose gather)."""
+    from ._neighbors_cpu import verify_points
+
+    P, order, cs, origin, inv_h, dims = idx.grid
+    T = np.ascontiguousarray(np.asarray(poses, np.float64)[:, :3, :4].reshape(-1, 12), np.float32)
+    vp = np.asarray(vp, np.float32)
+    return verify_points(np.ascontiguousarray(hyp, np.int64), np.ascontiguousarray(src, np.int64), T,
+                         np.ascontiguousarray(library.verify_points, np.float32),
+                         np.ascontiguousarray(library.verify_normals, np.float32),
+                         vp[0], vp[1], vp[2], P, cs, origin, inv_h, dims, np.float32(r * r), order,
+                         np.ascontiguousarray(idx.vox, np.int64))
 
 
 def _hyp_points(library, model_id, poses, xp):
@@ -1250,15 +1268,7 @@ def verify(hypotheses: Hypotheses, library: ModelLibrary, scene, *, inlier_dist:
 
         vox = g.verify_nearest(idx, library, hyp, src, hypotheses.poses, inlier_dist, vp)
     else:
-        R = hypotheses.poses[hyp, :3, :3]
-        t = hypotheses.poses[hyp, :3, 3]
-        P = np.einsum("nij,nj->ni", R, library.verify_points[src].astype(np.float64)) + t
-        N = np.einsum("nij,nj->ni", R, library.verify_normals[src].astype(np.float64))
-        visible = np.einsum("ni,ni->n", N, P - vp) < 0
-        vox = np.full(len(P), -2, np.int64)
-        qi = np.flatnonzero(visible)
-        ni, _ = idx.nearest(P[qi], inlier_dist)
-        vox[qi] = np.where(ni >= 0, idx.vox[np.maximum(ni, 0)], -1)
+        vox = _verify_nearest_cpu(idx, library, hyp, src, hypotheses.poses, inlier_dist, vp)
     # per point: -2 invisible, -1 visible but no scene point, >= 0 voxel rank of the nearest
     hyp_x = xp.asarray(hyp)
     vis_count = xp.bincount(hyp_x, weights=(vox >= -1).astype(xp.float64), minlength=h)

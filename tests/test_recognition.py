@@ -302,6 +302,31 @@ def test_verify_accepts_true_instances_once(small_world):
     assert (r.scores > 0.8).all()
 
 
+def test_verify_lookup_matches_a_float64_kdtree(small_world):
+    """The CPU verification pass (numba, float32, cell list) against an independent float64
+    reference: transform, visibility, nearest scene point by cKDTree, its voxel rank."""
+    from scipy.spatial import cKDTree
+
+    from scanforest.kernels.recognition import _hyp_points, _SceneIndex, _verify_nearest_cpu
+
+    _, lib, scene = small_world
+    h = _hyps(small_world)
+    r = 0.008
+    idx = _SceneIndex(scene.points, None, r, "cpu")
+    hyp, src, _ = _hyp_points(lib, np.asarray(h.model_id, np.int64), h.poses, np)
+    got = _verify_nearest_cpu(idx, lib, hyp, src, h.poses, r, (0.0, 0.0, 0.0))
+    R, t = h.poses[hyp, :3, :3], h.poses[hyp, :3, 3]
+    P = np.einsum("nij,nj->ni", R, lib.verify_points[src].astype(np.float64)) + t
+    N = np.einsum("nij,nj->ni", R, lib.verify_normals[src].astype(np.float64))
+    visible = np.einsum("ni,ni->n", N, P) < 0
+    d, ni = cKDTree(scene.points.astype(np.float64)).query(P, k=1)
+    want = np.where(~visible, -2, np.where(d < r, idx.vox[np.minimum(ni, len(idx.vox) - 1)], -1))
+    # float32 vs float64 can flip only points within a hair of the radius or of the view plane
+    edge = np.abs(d - r) < 1e-6 * max(1.0, r)
+    assert (got == -2).sum() > 100 and (got >= 0).sum() > 100 and (got == -1).sum() > 100
+    np.testing.assert_array_equal(got[~edge], want[~edge])
+
+
 @pytest.mark.gpu
 def test_verify_gpu_matches_cpu(small_world):
     import cupy as cp
