@@ -1160,12 +1160,20 @@ class _SceneIndex:
             self.points = np.ascontiguousarray(to_numpy(points), np.float32)
             self.normals = None if normals is None else np.ascontiguousarray(to_numpy(normals),
                                                                              np.float32)
-            from .neighbors import _cpu_grid
-
             self.tree = cKDTree(self.points)
-            self.grid = _cpu_grid(self.points, self.cell)  # cells >= cell: verification lookups
+            self._cells = None  # the cell list of verification lookups, built on first use
             self.vox = _voxel_ranks_cpu(self.points, self.cell)
         self.n_vox = int(self.vox.max()) + 1 if len(self.vox) else 0
+
+    def cells(self):
+        """CPU: cell list of the scene (cells of edge >= ``cell``), as ``neighbors._cpu_grid``."""
+        if self._cells is None:
+            from .neighbors import _cpu_grid
+
+            if len(self.points) == 0:
+                raise InputError("scene is empty (0 points)")
+            self._cells = _cpu_grid(self.points, self.cell)
+        return self._cells
 
     def nearest(self, q, r: float):
         """Nearest scene point within ``r`` (squared distance < r^2) of each query: (idx|-1, d2)."""
@@ -1197,7 +1205,7 @@ def _verify_nearest_cpu(idx, library, hyp, src, poses, r: float, vp):
     the GPU kernel, nearest scene point from the cell list (no per-point pose gather)."""
     from ._neighbors_cpu import verify_points
 
-    P, order, cs, origin, inv_h, dims = idx.grid
+    P, order, cs, origin, inv_h, dims = idx.cells()
     T = np.ascontiguousarray(np.asarray(poses, np.float64)[:, :3, :4].reshape(-1, 12), np.float32)
     vp = np.asarray(vp, np.float32)
     return verify_points(np.ascontiguousarray(hyp, np.int64), np.ascontiguousarray(src, np.int64), T,
