@@ -146,3 +146,41 @@ def _fmt(v: float) -> str:
     if v == 0 or 1e-3 <= abs(v) < 1e7:
         return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
     return f"{v:.3e}"
+
+
+class numba_threads:
+    """Numba threads of the CPU backend set to ``n`` inside the block (0 or None: unchanged), so a
+    comparison with an external baseline runs on the same thread count."""
+
+    def __init__(self, n: int | None):
+        self.n = n
+
+    def __enter__(self):
+        import numba
+
+        self.old = numba.get_num_threads()
+        if self.n:
+            numba.set_num_threads(min(int(self.n), numba.config.NUMBA_NUM_THREADS))
+        return self
+
+    def __exit__(self, *exc):
+        import numba
+
+        numba.set_num_threads(self.old)
+
+
+def run_baseline(rep: "BenchReport", cmd: list[str]) -> tuple[dict, int] | None:
+    """Run an external baseline program (``deploy/baselines/``) that prints one JSON line per
+    repetition with a ``total_s`` field; returns (the median repetition, repetitions), or None
+    with a note in ``rep`` when it cannot be run or prints no result."""
+    import subprocess
+
+    try:
+        res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=True)
+        runs = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+        if not runs:
+            raise ValueError("no result line")
+    except (OSError, ValueError, subprocess.CalledProcessError) as exc:
+        rep.note(f"baseline {' '.join(map(str, cmd))} failed: {exc}")
+        return None
+    return sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2], len(runs)

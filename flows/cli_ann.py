@@ -72,7 +72,7 @@ def pcl_shot_dataset(folder, *, device="auto", radius_factor: float = 10.0, norm
 
     import scanforest as sf
     from scanforest.kernels._backend import resolve_device
-    from scanforest.kernels.neighbors import knn
+    from scanforest.kernels.recognition import resolution
 
     dev = resolve_device(device)
     xp = np
@@ -84,8 +84,7 @@ def pcl_shot_dataset(folder, *, device="auto", radius_factor: float = 10.0, norm
     parts, rows = [], []
     for f in files:
         pts = xp.asarray(sf.read(f).points.astype(np.float32))
-        _, d2 = knn(pts, k=2, device=dev)
-        res = float(xp.sqrt(d2[:, 1].astype(xp.float64)).mean())
+        res = resolution(pts)
         nrm, _ = sf.normals(pts, k=normal_k, device=dev)
         desc, _ = sf.shot(pts, nrm, xp.arange(len(pts)), radius_factor * res, device=dev)
         ok = xp.isfinite(desc[:, 0])
@@ -156,7 +155,7 @@ def run_bench(sizes, dims, queries, k, backtracks, leaf_size, device, out, cpu_q
     for n, d in settings:
         if d not in warmed:  # compile every kernel (all variants) on a small problem first
             Xw = clustered(4096, d, clusters=16, seed=5, xp=xp)
-            tw = build_kdtree(Xw, leaf_size=leaf_size)
+            tw = build_kdtree(Xw, leaf_size=leaf_size, split=split)
             knn_bruteforce(Xw, Xw[:300], k)
             for method in ("banns", "anns"):
                 for w in windows:

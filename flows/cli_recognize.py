@@ -74,52 +74,28 @@ def load_milk(pcl_dir: Path):
     return m, s
 
 
-class _cpu_threads:
-    """Numba threads of the CPU backend set to ``n`` inside the block (0: unchanged)."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def __enter__(self):
-        import numba
-
-        self.old = numba.get_num_threads()
-        if self.n:
-            numba.set_num_threads(min(self.n, numba.config.NUMBA_NUM_THREADS))
-
-    def __exit__(self, *exc):
-        import numba
-
-        numba.set_num_threads(self.old)
-
-
 def _pcl_tutorial(rep, binary, pdir, threads, repeats):
     """Run PCL's correspondence-grouping tutorial (external binary); median run, or None on failure."""
-    import json
     import os
-    import subprocess
+
+    from scanforest.flows._bench import run_baseline
 
     threads = threads or os.cpu_count() or 1
-    cmd = [str(binary), str(Path(pdir) / "milk.pcd"), str(Path(pdir) / "milk_cartoon_all_small_clorox.pcd"),
-           str(threads), str(max(1, repeats))]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        runs = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-        if not runs:
-            raise ValueError("no result line")
-    except (OSError, ValueError, subprocess.CalledProcessError) as exc:
-        rep.note(f"PCL baseline {binary} failed: {exc}")
+    cmd = [binary, Path(pdir) / "milk.pcd", Path(pdir) / "milk_cartoon_all_small_clorox.pcd", threads,
+           max(1, repeats)]
+    got = run_baseline(rep, cmd)
+    if got is None:
         return None
-    pcl = sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2]
+    pcl, nruns = got
     pcl["poses"] = [np.asarray(p, dtype=np.float64).reshape(4, 4) for p in pcl["poses"]]
     dev = f"cpu ({threads} threads)"
     rep.add(f"PCL 1.13 tutorial pipeline total ({threads} threads)", pcl["total_s"], "s", dev,
             higher_is_better=False, **{k: pcl[k] for k in ("normals_s", "sampling_s", "shot_s", "matching_s",
                                                             "grouping_s", "scene_keypoints", "correspondences")})
-    rep.note(f"PCL baseline: {' '.join(cmd)}: {pcl['instances']} instance(s), group sizes {pcl['group_sizes']}, "
-             f"{pcl['scene_keypoints']} scene keypoints, {pcl['correspondences']} correspondences; normals "
-             f"{pcl['normals_s']:.3f} s, SHOT {pcl['shot_s']:.3f} s, matching {pcl['matching_s']:.3f} s, "
-             f"frames + Hough {pcl['grouping_s']:.3f} s (median of {len(runs)})")
+    rep.note(f"PCL baseline: {' '.join(map(str, cmd))}: {pcl['instances']} instance(s), group sizes "
+             f"{pcl['group_sizes']}, {pcl['scene_keypoints']} scene keypoints, {pcl['correspondences']} "
+             f"correspondences; normals {pcl['normals_s']:.3f} s, SHOT {pcl['shot_s']:.3f} s, matching "
+             f"{pcl['matching_s']:.3f} s, frames + Hough {pcl['grouping_s']:.3f} s (median of {nruns})")
     return pcl
 
 
@@ -164,7 +140,7 @@ def bench_recognize(
     out: Path = typer.Option(None, help="JSON output (file or folder)."),
 ) -> None:
     """Seconds per scene (phase breakdown, CPU vs GPU) and synthetic detection accuracy."""
-    from scanforest.flows._bench import BenchReport
+    from scanforest.flows._bench import BenchReport, numba_threads
     from scanforest.kernels._backend import describe_device, gpu_available
     from scanforest.kernels.recognition import ModelLibrary, pose_errors
 
@@ -183,14 +159,14 @@ def bench_recognize(
         devs = (["cpu"] if cpu or not gpu else []) + (["gpu"] if gpu else [])
         for dev in devs:
             try:
-                with _cpu_threads(threads if dev == "cpu" else 0):
+                with numba_threads(threads if dev == "cpu" else 0):
                     lib = ModelLibrary.build([model], ["milk"], device=dev, **TUTORIAL_LIB)
                     med, dets = _run_real(lib, scene, dev,
                                           repeats if dev == "gpu" else max(1, min(repeats, 3)),
                                           2 if dev == "gpu" else 1, method)
                     # PCL's tutorial figure includes the model side: time a warm library build too
                     t0 = time.perf_counter()
-                    lib = ModelLibrary.build([model], ["milk"], device=dev, **TUTORIAL_LIB)
+                    ModelLibrary.build([model], ["milk"], device=dev, **TUTORIAL_LIB)
                     med["library"] = time.perf_counter() - t0
             except Exception as exc:  # report the failure, keep the other device's figures
                 import traceback

@@ -338,38 +338,29 @@ def bench_shot(
 
 def _pcl_comparison(rep, binary, scene, pts, radius, normal_k, threads, repeat):
     """PCL's OMP normals + SHOT (external binary) vs the CPU backend, all points, same threads."""
-    import json
     import os
-    import subprocess
 
-    import numba
+    from scanforest.flows._bench import numba_threads, run_baseline
 
     threads = threads or os.cpu_count() or 1
-    cmd = [str(binary), str(scene), str(radius), str(normal_k), str(threads), str(max(1, repeat))]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        rep.note(f"PCL baseline {binary} failed: {exc}")
+    cmd = [binary, scene, radius, normal_k, threads, max(1, repeat)]
+    got = run_baseline(rep, cmd)
+    if got is None:
         return
-    runs = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    pcl = sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2]
-    old = numba.get_num_threads()
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    try:
+    pcl, _ = got
+    with numba_threads(threads):
         cpu_pipeline(pts[:2000], radius, normal_k, np.arange(100))  # JIT warm-up
         tot = []
         for _ in range(max(1, repeat)):
             _, _, ph = cpu_pipeline(pts, radius, normal_k, np.arange(len(pts)))
             tot.append((ph["normals (all points)"] + ph["SHOT"], ph))
         t, ph = sorted(tot, key=lambda x: x[0])[len(tot) // 2]
-    finally:
-        numba.set_num_threads(old)
     dev = f"cpu ({threads} threads)"
     base = f"PCL 1.13 NormalEstimationOMP + SHOTEstimationOMP keypoints/s, all {pcl['points']} points"
     rep.add(base, pcl["keypoints_per_s"], "keypoints/s", dev, normals_s=pcl["normals_s"], shot_s=pcl["shot_s"])
     rep.add(f"CPU backend keypoints/s, all {len(pts)} points (same pipeline)", len(pts) / t, "keypoints/s", dev,
             baseline=base, baseline_value=pcl["keypoints_per_s"], **ph)
-    rep.note(f"PCL baseline: {' '.join(cmd)}: normals {pcl['normals_s']:.2f} s, SHOT {pcl['shot_s']:.2f} s; "
+    rep.note(f"PCL baseline: {' '.join(map(str, cmd))}: normals {pcl['normals_s']:.2f} s, SHOT {pcl['shot_s']:.2f} s; "
              f"CPU backend: normals {ph['normals (all points)']:.2f} s, SHOT {ph['SHOT']:.2f} s")
 
 
