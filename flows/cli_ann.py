@@ -72,7 +72,7 @@ def pcl_shot_dataset(folder, *, device="auto", radius_factor: float = 10.0, norm
 
     import scanforest as sf
     from scanforest.kernels._backend import resolve_device
-    from scanforest.kernels.recognition import resolution
+    from scanforest.kernels.neighbors import knn
 
     dev = resolve_device(device)
     xp = np
@@ -84,7 +84,8 @@ def pcl_shot_dataset(folder, *, device="auto", radius_factor: float = 10.0, norm
     parts, rows = [], []
     for f in files:
         pts = xp.asarray(sf.read(f).points.astype(np.float32))
-        res = resolution(pts)
+        _, d2 = knn(pts, k=2, device=dev)  # resolution on the cloud's device (float32 k-NN)
+        res = float(xp.sqrt(d2[:, 1].astype(xp.float64)).mean())
         nrm, _ = sf.normals(pts, k=normal_k, device=dev)
         desc, _ = sf.shot(pts, nrm, xp.arange(len(pts)), radius_factor * res, device=dev)
         ok = xp.isfinite(desc[:, 0])
