@@ -107,7 +107,8 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
     scheduler : str, optional
         Address of an existing scheduler (``tcp://host:8786``). Its workers are used as they are.
     n_workers : int, optional
-        Local workers (default: one per core, at most 8; one per GPU with ``LocalCUDACluster``).
+        Local workers (default: one per core, at most 8; one per GPU with ``LocalCUDACluster``;
+        more workers than GPUs share the GPUs, see :func:`_gpu_cluster`).
     device : {"auto", "cpu", "gpu"}
         ``gpu``/``auto`` with dask-cuda and a visible GPU start ``LocalCUDACluster``.
     """
@@ -118,17 +119,15 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
         client = Client(scheduler, timeout="30s")
         cluster = None
     elif _want_gpu_cluster(device):
-        from dask_cuda import LocalCUDACluster
-
-        cluster = LocalCUDACluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
-                                   dashboard_address=None)
+        cluster = _gpu_cluster(n_workers, threads_per_worker)
         client = Client(cluster)
     else:
         from distributed import LocalCluster
 
         n = n_workers or max(1, min(8, os.cpu_count() or 1))
         cluster = LocalCluster(n_workers=n, threads_per_worker=threads_per_worker, processes=True,
-                               dashboard_address=None, memory_limit=memory_limit, silence_logs=logging.ERROR)
+                               dashboard_address=None, memory_limit=memory_limit, silence_logs=logging.ERROR,
+                               env=_thread_env(n, threads_per_worker))
         client = Client(cluster)
     quiet_prefect_logs()
     try:
@@ -140,6 +139,46 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _thread_env(n_workers: int, threads_per_worker: int) -> dict[str, str]:
+    """Numba threads per local worker process: the host's cores shared out, so that W workers
+    running parallel numba kernels do not start W x cores threads (Dask already sets the BLAS and
+    OpenMP pools of its workers to one thread). ``NUMBA_NUM_THREADS`` set by the user wins."""
+    if "NUMBA_NUM_THREADS" in os.environ:
+        return {"NUMBA_NUM_THREADS": os.environ["NUMBA_NUM_THREADS"]}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"NUMBA_NUM_THREADS": str(max(1, cores // max(1, n_workers * threads_per_worker)))}
+
+
+def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
+    """One dask-cuda worker per GPU (``LocalCUDACluster``). More workers than GPUs share the GPUs
+    round-robin: worker ``i`` is a plain Dask worker process whose ``CUDA_VISIBLE_DEVICES`` starts
+    with GPU ``i mod G``. That suits stages whose work per GPU is partly host-bound (recognition's
+    grouping, Zarr I/O), and it runs the multi-worker paths on a one-GPU machine."""
+    import cupy as cp
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devs = [d for d in visible.split(",") if d.strip()] if visible else \
+        [str(i) for i in range(cp.cuda.runtime.getDeviceCount())]
+    if n_workers is None or n_workers <= len(devs):
+        from dask_cuda import LocalCUDACluster
+
+        return LocalCUDACluster(n_workers=n_workers, threads_per_worker=threads_per_worker, dashboard_address=None)
+    from distributed import Nanny, Scheduler, SpecCluster
+    from distributed.system import MEMORY_LIMIT
+
+    workers = {}
+    for i in range(int(n_workers)):
+        g = i % len(devs)
+        workers[f"gpu{devs[g]}-{i // len(devs)}"] = {
+            "cls": Nanny,
+            "options": {"nthreads": threads_per_worker, "memory_limit": int(MEMORY_LIMIT // n_workers),
+                        "silence_logs": logging.ERROR,
+                        "env": {"CUDA_VISIBLE_DEVICES": ",".join(devs[g:] + devs[:g]),
+                                **_thread_env(n_workers, threads_per_worker)}}}
+    return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
+        "host": "127.0.0.1", "dashboard": False, "dashboard_address": None}}, silence_logs=logging.ERROR)
 
 
 def n_workers(client) -> int:

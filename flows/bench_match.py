@@ -22,10 +22,29 @@ def _transfer_bytes(client) -> int:
     return int(sum(client.run(get).values()))
 
 
+def _release(client, di) -> None:
+    """Drop a DistributedIndex's resident shards and give their GPU memory back before the next
+    index is loaded (two resident copies of a 10M x 352 shard do not fit beside the search)."""
+    keys = {f.key for f in di.shards}
+    di.close()
+
+    def held(dask_worker):
+        return sum(k in dask_worker.data for k in keys)
+
+    t0 = time.perf_counter()
+    while sum(client.run(held).values()) and time.perf_counter() - t0 < 30:
+        time.sleep(0.1)
+    from scanforest.tasks.index import _free_gpu_pool
+
+    client.run(_free_gpu_pool)
+
+
 def _timed_query(di, Q, k, block, sync_after=None):
     """(seconds, dist, ids, leaves, bytes moved) of one full query pass after a warm-up block."""
     client = di.client
-    client.gather(di.shards)
+    t0 = time.perf_counter()
+    di.wait()  # resident on the workers (a gather would copy every shard into this process)
+    di.load_seconds = time.perf_counter() - t0
     di.query(Q[: min(len(Q), block)], k, block=block, sync_after=sync_after)  # warm-up
     b0 = _transfer_bytes(client)
     t0 = time.perf_counter()
@@ -93,7 +112,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                 # exact brute force over the same resident shards: the baseline and the recall reference
                 bf = DistributedIndex(client, store, "bench", device=dev, method="exact")
                 t_bf, bd, _, _, _ = _timed_query(bf, Q[:mb], k, block)
-                bf.close()
+                _release(client, bf)
                 if ref is None:
                     ref = bd
                 rep.add(f"exact brute force queries/s, {w} worker{'s' if w > 1 else ''}", mb / t_bf, "queries/s",
@@ -102,6 +121,9 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                 variants = [None] + ([int(sync_after)] if sync_after else [])
                 for sa in variants:
                     t, dist, _, leaves, moved = _timed_query(di, Q, k, block, sa)
+                    if sa is None:
+                        rep.add(f"shard load (store -> {dev}, trees included), {w} workers", di.load_seconds, "s",
+                                where, higher_is_better=False)
                     r = recall(dist[:mb], ref, k)
                     tag = "" if sa is None else f", bound sync after {sa} leaves"
                     qps[(w, sa)] = m / t
@@ -113,7 +135,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                             higher_is_better=False)
                     rep.add(f"bytes moved between workers per query, {w} workers{tag}", moved / m, "bytes", where,
                             higher_is_better=False)
-                di.close()
+                _release(client, di)
         for (w, sa), q in qps.items():
             if w > 1 and (1, sa) in qps:
                 tag = "" if sa is None else f", sync {sa}"

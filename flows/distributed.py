@@ -52,6 +52,16 @@ class DistributedIndex:
                                              key=f"sf-shard-{name}-{tag}-{i}", workers=[w],
                                              allow_other_workers=True, pure=False))
 
+    def wait(self) -> "DistributedIndex":
+        """Block until every shard is loaded and resident on its worker (nothing travels)."""
+        from distributed import wait
+
+        wait(self.shards)
+        for f in self.shards:
+            if f.status == "error":
+                f.result()  # raises the shard's load error here, with its traceback
+        return self
+
     @property
     def n(self) -> int:
         return int(self.attrs["n"])
@@ -69,7 +79,8 @@ class DistributedIndex:
     def query_block(self, Q: np.ndarray, k: int, *, sync_after: int | None = None):
         """Submit one query block to every shard and tree-reduce.
 
-        Returns a future of ``(dist2, ids, leaves)`` (``leaves``: leaves scanned by all shards).
+        Returns a future of ``(dist2, ids, stats)``; ``stats``: ``{"leaves": leaves scanned by all
+        shards, "seconds": time spent in the searches and merges}``.
 
         ``sync_after=L`` runs the global bound synchronisation of the paper in two phases: every
         shard first searches with a budget of ``L`` leaves; the per-shard lists are reduced to the
@@ -92,11 +103,15 @@ class DistributedIndex:
         second = self._reduce(on_shards(bounds=bound), k)
         return c.submit(idx.merge_phases, first, second, k=k, pure=False)
 
-    def query(self, Q, k: int, *, block: int = 65_536, progress=None, sync_after: int | None = None):
+    def query(self, Q, k: int, *, block: int = 65_536, progress=None, sync_after: int | None = None,
+              return_stats: bool = False):
         """Global top-``k`` of every row of ``Q``: ``(dist2 (M, k) float32, ids (M, k) int64)``.
 
-        ``sync_after``: see :meth:`query_block`. ``self.stats_["leaves"]`` holds the total
-        number of leaves scanned over all shards (the backtracks the synchronisation saves).
+        ``sync_after``: see :meth:`query_block`. The statistics (``leaves``: the total number of
+        leaves scanned over all shards, the backtracks the synchronisation saves;
+        ``compute_seconds``: time inside the shard searches and merges) are in ``self.stats_``,
+        and returned as a third element with ``return_stats=True`` (use that when several
+        threads query the same index).
         """
         if not 1 <= int(k) <= self.n:
             raise InputError(f"k must be in [1, {self.n}], got {k}")
@@ -107,10 +122,15 @@ class DistributedIndex:
             raise InputError(f"queries must be (M, {self.attrs['d']}), got {Q.shape}")
         futs = [self.query_block(Q[a:a + block], int(k), sync_after=sync_after) for a in range(0, len(Q), block)]
         out = self.client.gather(futs)
-        self.stats_ = {"leaves": int(sum(o[2] for o in out)), "queries": int(len(Q)), "sync_after": sync_after}
+        stats = {"leaves": int(sum(o[2]["leaves"] for o in out)),
+                 "compute_seconds": float(sum(o[2]["seconds"] for o in out)),
+                 "queries": int(len(Q)), "sync_after": sync_after}
+        self.stats_ = stats
         if not out:
-            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
-        return np.concatenate([o[0] for o in out]), np.concatenate([o[1] for o in out])
+            res = np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+        else:
+            res = np.concatenate([o[0] for o in out]), np.concatenate([o[1] for o in out])
+        return res + (stats,) if return_stats else res
 
     def close(self):
         for f in self.shards:

@@ -30,6 +30,15 @@ def gpu_available() -> bool:
         return False
 
 
+def gpu_count() -> int:
+    """Number of visible CUDA devices (0 without a usable GPU)."""
+    if not gpu_available():
+        return 0
+    import cupy as cp
+
+    return int(cp.cuda.runtime.getDeviceCount())
+
+
 def gpu_name() -> str | None:
     """Name of the current CUDA device, or None without a GPU."""
     if not gpu_available():

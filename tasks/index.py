@@ -78,7 +78,8 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
     g.attrs.update({"complete": False})
     t0 = time.perf_counter()
     rows = max(1, min(1 << 16, ranges[0][1] - ranges[0][0]))
-    z = g.create_array("reference", shape=reference.shape, dtype="float32", chunks=(rows, reference.shape[1]))
+    z = g.create_array("reference", shape=reference.shape, dtype="float32", chunks=(rows, reference.shape[1]),
+                       compressors=None)  # float descriptors barely compress; raw chunks load faster
     z[...] = reference.astype(np.float32, copy=False)
     if ref_scan is not None:
         store._write_array(g, "ref_scan", np.asarray(ref_scan, np.int32))
@@ -89,6 +90,8 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
             t = time.perf_counter()
             forest = _fit_forest(reference[a:b], params, i, device)
             _write_tree(store, g.require_group(f"shard_{i}"), forest.tree_)
+            del forest
+            _free_gpu_pool()  # a shard's rows and tree on the GPU: give them back before the next one
             build_s.append(time.perf_counter() - t)
     g.attrs.update({"params": _jsonable(params), "shards": [list(r) for r in ranges], "n": int(reference.shape[0]),
                     "d": int(reference.shape[1]), "content_hash": digest, "scans": list(scans or []),
@@ -191,17 +194,21 @@ def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool =
     the block in halves and retries (down to ``min_block`` rows) instead of failing the run.
 
     ``search`` (``bounds=`` per-query squared-distance bounds, ``backtracks=`` budget) goes to
-    :meth:`KDForest.query`. With ``stats=True`` the result is ``(dist2, ids, leaves)`` where
-    ``leaves`` is the number of leaves this shard scanned for the block (0 for brute force).
+    :meth:`KDForest.query`. With ``stats=True`` the result is ``(dist2, ids, stats)`` where
+    ``stats`` is ``{"leaves": leaves this shard scanned for the block (0 for brute force),
+    "seconds": time spent in the search}``.
     """
     from scanforest.kernels._backend import to_numpy
 
+    t0 = time.perf_counter()
     try:
         d, i = shard.query(Q, k, **search)
+        d, i = to_numpy(d), to_numpy(i)
         if not stats:
-            return to_numpy(d), to_numpy(i)
+            return d, i
         lv = shard.forest.stats_.get("leaves_visited")
-        return to_numpy(d), to_numpy(i), 0 if lv is None else int(np.asarray(to_numpy(lv), np.int64).sum())
+        return d, i, {"leaves": 0 if lv is None else int(np.asarray(to_numpy(lv), np.int64).sum()),
+                      "seconds": time.perf_counter() - t0}
     except (MemoryError, OutOfMemory) as exc:
         err = exc
     except Exception as exc:  # cupy.cuda.memory.OutOfMemoryError is not a MemoryError subclass
@@ -210,6 +217,10 @@ def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool =
         err = exc
     if len(Q) <= min_block:
         raise OutOfMemory(f"shard [{shard.start}, {shard.stop}) cannot search even {len(Q)} queries: {err}")
+    import logging
+
+    logging.getLogger("scanforest").warning("shard [%d, %d): out of memory on a block of %d queries; searching it "
+                                            "in halves", shard.start, shard.stop, len(Q))
     _free_gpu_pool()
     h = len(Q) // 2
     b = search.get("bounds")
@@ -220,7 +231,12 @@ def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool =
             kw["bounds"] = b[sl]
         halves.append(search_shard(shard, Q[sl], k, min_block=min_block, stats=stats, **kw))
     out = (np.concatenate([halves[0][0], halves[1][0]]), np.concatenate([halves[0][1], halves[1][1]]))
-    return out + (halves[0][2] + halves[1][2],) if stats else out
+    return out + (_add_stats(halves[0][2], halves[1][2]),) if stats else out
+
+
+def _add_stats(*stats, seconds: float = 0.0) -> dict:
+    return {"leaves": sum(int(s["leaves"]) for s in stats),
+            "seconds": seconds + sum(float(s["seconds"]) for s in stats)}
 
 
 def _free_gpu_pool() -> None:
@@ -233,11 +249,12 @@ def _free_gpu_pool() -> None:
 
 
 def merge_parts(*parts, k: int):
-    """Global top-k of per-shard ``(dist2, ids)`` parts; ``(dist2, ids, leaves)`` parts keep the
-    summed leaf count as a third element."""
+    """Global top-k of per-shard ``(dist2, ids)`` parts; ``(dist2, ids, stats)`` parts keep the
+    summed statistics (leaves, and seconds including this merge) as a third element."""
     if parts and len(parts[0]) == 3:
+        t0 = time.perf_counter()
         d, i = merge_topk([(p[0], p[1]) for p in parts], k)
-        return d, i, sum(int(p[2]) for p in parts)
+        return d, i, _add_stats(*(p[2] for p in parts), seconds=time.perf_counter() - t0)
     return merge_topk(list(parts), k)
 
 
@@ -255,5 +272,6 @@ def merge_phases(first, second, k: int):
     both phases counts once); leaf counts summed."""
     from scanforest.kernels.kdforest import merge_topk_unique
 
+    t0 = time.perf_counter()
     d, i = merge_topk_unique([(first[0], first[1]), (second[0], second[1])], k)
-    return d, i, int(first[2]) + int(second[2])
+    return d, i, _add_stats(first[2], second[2], seconds=time.perf_counter() - t0)

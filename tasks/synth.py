@@ -20,8 +20,11 @@ from .readers import write_cloud
 
 def write_archive(root: str | Path, *, n_models: int = 5, n_scenes: int = 4, points_per_scene: int = 100_000,
                   points_per_model: int = 20_000, n_instances: int = 3, noise: float = 0.2, seed: int = 0,
-                  fmt: str = "pcd", encoding: str = "binary_compressed", models=None) -> dict:
-    """Create a synthetic archive folder; returns {"models": [...paths], "scenes": [...paths]}."""
+                  fmt: str = "pcd", encoding: str = "binary_compressed", models=None, jobs: int = 1) -> dict:
+    """Create a synthetic archive folder; returns {"models": [...paths], "scenes": [...paths]}.
+
+    ``jobs > 1`` writes the scenes from that many processes (each scene depends only on its seed,
+    so the archive is the same)."""
     root = Path(root)
     (root / "models").mkdir(parents=True, exist_ok=True)
     (root / "scenes").mkdir(parents=True, exist_ok=True)
@@ -33,16 +36,29 @@ def write_archive(root: str | Path, *, n_models: int = 5, n_scenes: int = 4, poi
             write_cloud(p, m.points, normals=m.normals, encoding=encoding)
             p.with_name(f"{m.name}.gt.json").write_text(json.dumps({"model": m.name, "resolution": m.resolution}))
         out["models"].append(p)
-    for i in range(n_scenes):
-        p = root / "scenes" / f"scene_{i:04d}.{fmt}"
-        if not p.exists():
-            sc = synthetic.make_scene(lib, n_instances=min(n_instances, len(lib)), n_points=points_per_scene,
-                                      noise=noise, seed=seed * 100_003 + i + 1)
-            write_cloud(p, sc.points, encoding=encoding)
-            side = {"ground_truth": sc.ground_truth, "noise": sc.noise, "resolution": sc.resolution}
-            p.with_name(f"scene_{i:04d}.gt.json").write_text(json.dumps(side))
-        out["scenes"].append(p)
+    paths = [root / "scenes" / f"scene_{i:04d}.{fmt}" for i in range(n_scenes)]
+    todo = [i for i, p in enumerate(paths) if not p.exists()]
+    args = dict(lib=lib, n_instances=min(n_instances, len(lib)), n_points=points_per_scene, noise=noise,
+                seed=seed, encoding=encoding)
+    if jobs > 1 and len(todo) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=mp.get_context("spawn")) as ex:
+            list(ex.map(_write_scene, [paths[i] for i in todo], todo, [args] * len(todo), chunksize=8))
+    else:
+        for i in todo:
+            _write_scene(paths[i], i, args)
+    out["scenes"] = paths
     return out
+
+
+def _write_scene(p: Path, i: int, a: dict) -> None:
+    sc = synthetic.make_scene(a["lib"], n_instances=a["n_instances"], n_points=a["n_points"], noise=a["noise"],
+                              seed=a["seed"] * 100_003 + i + 1)
+    write_cloud(p, sc.points, encoding=a["encoding"])
+    side = {"ground_truth": sc.ground_truth, "noise": sc.noise, "resolution": sc.resolution}
+    p.with_name(f"{p.stem}.gt.json").write_text(json.dumps(side))
 
 
 def corrupt_copy(src: str | Path, dst: str | Path, keep_fraction: float = 0.5) -> Path:

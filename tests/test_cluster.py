@@ -114,7 +114,7 @@ def test_match_on_external_cluster_survives_worker_kill(tmp_path, cluster):
     bd, bi = knn_bruteforce(X, Q, 4, device="cpu")
     with Client(addr) as client:
         di = DistributedIndex(client, store, "t", device="cpu")
-        client.gather(di.shards)  # shards resident
+        di.wait()  # shards resident on their workers
         victim = di.placement[1]
         killed = []
 

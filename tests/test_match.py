@@ -153,3 +153,96 @@ def test_shards_stay_on_their_workers(tmp_path, rng, local_client):
     for i, f in enumerate(di.shards):
         assert set(held[f.key]) == {di.placement[i]}, (i, held[f.key], di.placement[i])
     di.close()
+
+
+def test_wait_keeps_shards_resident_and_reports_stats(tmp_path, rng, local_client):
+    X, Q = _data(rng)
+    store = str(tmp_path / "s.zarr")
+    idx.build_index(store, "t", X, shards=2, params={"method": "anns", "leaf_size": 32})
+    di = DistributedIndex(local_client, store, "t").wait()
+    assert all(f.status == "finished" for f in di.shards)
+    who = local_client.who_has(di.shards)
+    assert all(len(w) == 1 for w in who.values())  # resident on one worker each, nothing copied
+    d, i, stats = di.query(Q, 4, block=150, return_stats=True)
+    bd, bi = knn_bruteforce(X, Q, 4, device="cpu")
+    np.testing.assert_array_equal(i, bi)
+    assert stats["queries"] == len(Q) and stats["leaves"] > 0
+    assert stats["compute_seconds"] > 0 and stats == di.stats_
+    di.close()
+
+
+def test_wait_raises_the_shard_load_error(tmp_path, rng, local_client):
+    import shutil
+
+    X, _ = _data(rng, n=500)
+    store = tmp_path / "s.zarr"
+    idx.build_index(str(store), "t", X, shards=2, params={"method": "anns", "leaf_size": 32})
+    di = DistributedIndex(local_client, str(store), "t")  # attrs read; the shards load on the workers
+    shutil.rmtree(store / "indexes" / "t" / "reference")
+    with pytest.raises(Exception):
+        di.wait()
+    di.close()
+
+
+def test_match_flow_batches_give_the_per_scan_answer(tmp_path, rng):
+    """The match flow stacks a batch's scans into one distributed query; every scan's stored
+    top-k equals its own brute force, whatever the batch size, and a rerun skips every scan."""
+    from scanforest.flows.match import run_index_build, run_match
+    from scanforest.tasks.store import ScanStore
+
+    store = str(tmp_path / "s.zarr")
+    st = ScanStore(store)
+    X = rng.normal(size=(2000, 352)).astype(np.float32)
+    scans = {}
+    for j, n in enumerate([0, 37, 120, 5, 64]):  # an empty scan and one with a NaN row
+        Q = rng.normal(size=(n, 352)).astype(np.float32)
+        if n == 37:
+            Q[3] = np.nan
+        scans[f"q{j}"] = Q
+    for sid, a in [("ref", X)] + list(scans.items()):
+        st.write_scan(sid, {"points": np.zeros((max(1, len(a)), 3), np.float32)}, {"sha256": sid})
+        st.write_stage(sid, "describe", {"kp_shot": a}, {})
+    run_index_build(store, ["ref"], name="m", shards=2, params={"method": "exact"})
+    first = None
+    for batch in (1, 3):
+        res = run_match(store, k=4, name="m", device="cpu", workers=2, batch=batch, progress=False,
+                        queries=list(scans))
+        assert res["matched"] == len(scans) and res["batch"] == batch and res["task_seconds"] > 0
+        got = {s: (st.read(s, "match_ids").copy(), st.read(s, "match_dist").copy()) for s in scans}
+        for sid, Q in scans.items():
+            ids, dist = got[sid]
+            assert ids.shape == (len(Q), 4)
+            ok = np.isfinite(Q).all(axis=1)
+            if ok.any():
+                bd, bi = knn_bruteforce(X, Q[ok], 4, device="cpu")
+                np.testing.assert_array_equal(ids[ok], bi)
+                np.testing.assert_array_equal(dist[ok], bd)
+            assert (ids[~ok] == -1).all() and np.isinf(dist[~ok]).all()
+        if first is None:
+            first = got
+            for sid in scans:  # drop the results so the second batch size recomputes them
+                st.write_stage(sid, "match", {"match_ids": np.zeros((0, 4), np.int64)}, {"index": "gone"})
+    again = run_match(store, k=4, name="m", device="cpu", workers=2, batch=2, progress=False, queries=list(scans))
+    assert again["matched"] == 0
+
+
+def test_local_workers_share_the_cores_for_numba(monkeypatch):
+    import os
+
+    from scanforest.flows._runner import _thread_env
+
+    monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert _thread_env(2, 1) == {"NUMBA_NUM_THREADS": str(max(1, cores // 2))}
+    assert _thread_env(4 * cores, 1) == {"NUMBA_NUM_THREADS": "1"}
+    monkeypatch.setenv("NUMBA_NUM_THREADS", "3")
+    assert _thread_env(2, 1) == {"NUMBA_NUM_THREADS": "3"}  # the user's choice wins
+
+
+def test_local_cpu_workers_get_their_share(local_client):
+    import os
+
+    got = local_client.run(lambda: os.environ.get("NUMBA_NUM_THREADS"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    expect = os.environ.get("NUMBA_NUM_THREADS") or str(max(1, cores // 2))
+    assert set(got.values()) == {expect}

@@ -68,3 +68,16 @@ def test_scene_size_range(lib):
     assert len(synthetic.make_scene(lib, n_points=1_000, seed=1).points) == 1_000
     with pytest.raises(InputError, match="10\\^3..10\\^8"):
         synthetic.make_scene(lib, n_points=10)
+
+
+def test_recognition_presets_follow_scene_density():
+    lp, rp = synthetic.recognition_presets("gpu", 20_000)
+    assert (lp, rp) == (synthetic.SYNTHETIC_LIBRARY_LIGHT, synthetic.SYNTHETIC_RECOGNIZE_SPARSE)
+    assert synthetic.recognition_presets("cpu", 20_000) == (lp, rp)
+    assert synthetic.recognition_presets("gpu", 300_000) == (synthetic.SYNTHETIC_LIBRARY, synthetic.SYNTHETIC_RECOGNIZE)
+    assert synthetic.recognition_presets("gpu") == (synthetic.SYNTHETIC_LIBRARY, synthetic.SYNTHETIC_RECOGNIZE)
+    assert synthetic.recognition_presets("cpu") == (synthetic.SYNTHETIC_LIBRARY_LIGHT,
+                                                    synthetic.SYNTHETIC_RECOGNIZE_LIGHT)
+    # a sparse scene covers less of each model: denser keypoints, a lower inlier fraction
+    assert rp["scene_ss"] < synthetic.SYNTHETIC_RECOGNIZE_LIGHT["scene_ss"]
+    assert rp["min_inlier_fraction"] < synthetic.SYNTHETIC_RECOGNIZE_LIGHT["min_inlier_fraction"]
