@@ -42,8 +42,7 @@ def _match_batch(di: DistributedIndex, store: str, scan_ids: list[str], k: int) 
     pays one round of Dask tasks instead of one per scan; each scan's results are written on
     their own and skipped when already there. Each record's ``seconds`` is the time inside store
     I/O and (its share by rows of) the shard searches and merges: the busy time the archive
-    bench's overhead figure is computed from; ``wall`` is the record's share of the batch."""
-    t_batch = time.perf_counter()
+    bench's overhead figure is computed from."""
     st = ScanStore(store)
     tag = di.attrs["content_hash"]
     recs: dict[str, dict[str, Any]] = {}
@@ -75,11 +74,7 @@ def _match_batch(di: DistributedIndex, store: str, scan_ids: list[str], k: int) 
             share = compute * n / max(1, sum(rows))
             recs[sid] = {"scan_id": sid, "status": "matched", "queries": n,
                          "seconds": t_read + time.perf_counter() - t0 + share}
-    wall = (time.perf_counter() - t_batch) / max(1, len(scan_ids))
-    out = [recs[s] for s in scan_ids]
-    for r in out:
-        r["wall"] = wall
-    return out
+    return [recs[s] for s in scan_ids]
 
 
 #: concurrent match tasks (Prefect threads): each reads and writes its scans in the flow process
