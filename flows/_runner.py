@@ -156,11 +156,10 @@ def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
     round-robin: worker ``i`` is a plain Dask worker process whose ``CUDA_VISIBLE_DEVICES`` starts
     with GPU ``i mod G``. That suits stages whose work per GPU is partly host-bound (recognition's
     grouping, Zarr I/O), and it runs the multi-worker paths on a one-GPU machine."""
-    import cupy as cp
+    from scanforest.kernels._backend import gpu_count
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devs = [d for d in visible.split(",") if d.strip()] if visible else \
-        [str(i) for i in range(cp.cuda.runtime.getDeviceCount())]
+    devs = [d for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(gpu_count())]
     if n_workers is None or n_workers <= len(devs):
         from dask_cuda import LocalCUDACluster
 

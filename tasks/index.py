@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from typing import Any
 
@@ -27,6 +28,8 @@ from scanforest.kernels.sharded import Shard, shard_ranges
 from scanforest.kernels.topk import merge_topk
 
 from .store import ScanStore, _jsonable
+
+log = logging.getLogger("scanforest")
 
 TREE_ARRAYS = ("perm", "child", "split_dim", "split_val", "start", "end", "lo", "hi")
 FOREST_KEYS = ("n_trees", "leaf_size", "backtracks", "method", "random_dims", "seed", "max_depth", "sliding_window",
@@ -217,10 +220,8 @@ def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool =
         err = exc
     if len(Q) <= min_block:
         raise OutOfMemory(f"shard [{shard.start}, {shard.stop}) cannot search even {len(Q)} queries: {err}")
-    import logging
-
-    logging.getLogger("scanforest").warning("shard [%d, %d): out of memory on a block of %d queries; searching it "
-                                            "in halves", shard.start, shard.stop, len(Q))
+    log.warning("shard [%d, %d): out of memory on a block of %d queries; searching it in halves",
+                shard.start, shard.stop, len(Q))
     _free_gpu_pool()
     h = len(Q) // 2
     b = search.get("bounds")

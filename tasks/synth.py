@@ -9,6 +9,7 @@ Layout of an archive folder::
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -38,25 +39,26 @@ def write_archive(root: str | Path, *, n_models: int = 5, n_scenes: int = 4, poi
         out["models"].append(p)
     paths = [root / "scenes" / f"scene_{i:04d}.{fmt}" for i in range(n_scenes)]
     todo = [i for i, p in enumerate(paths) if not p.exists()]
-    args = dict(lib=lib, n_instances=min(n_instances, len(lib)), n_points=points_per_scene, noise=noise,
-                seed=seed, encoding=encoding)
+    write = functools.partial(_write_scene, lib=lib, n_instances=min(n_instances, len(lib)),
+                              n_points=points_per_scene, noise=noise, seed=seed, encoding=encoding)
     if jobs > 1 and len(todo) > 1:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=mp.get_context("spawn")) as ex:
-            list(ex.map(_write_scene, [paths[i] for i in todo], todo, [args] * len(todo), chunksize=8))
+            list(ex.map(write, [paths[i] for i in todo], todo, chunksize=8))
     else:
         for i in todo:
-            _write_scene(paths[i], i, args)
+            write(paths[i], i)
     out["scenes"] = paths
     return out
 
 
-def _write_scene(p: Path, i: int, a: dict) -> None:
-    sc = synthetic.make_scene(a["lib"], n_instances=a["n_instances"], n_points=a["n_points"], noise=a["noise"],
-                              seed=a["seed"] * 100_003 + i + 1)
-    write_cloud(p, sc.points, encoding=a["encoding"])
+def _write_scene(p: Path, i: int, *, lib, n_instances: int, n_points: int, noise: float, seed: int,
+                 encoding: str) -> None:
+    sc = synthetic.make_scene(lib, n_instances=n_instances, n_points=n_points, noise=noise,
+                              seed=seed * 100_003 + i + 1)
+    write_cloud(p, sc.points, encoding=encoding)
     side = {"ground_truth": sc.ground_truth, "noise": sc.noise, "resolution": sc.resolution}
     p.with_name(f"{p.stem}.gt.json").write_text(json.dumps(side))
 
