@@ -184,3 +184,64 @@ def run_baseline(rep: "BenchReport", cmd: list[str]) -> tuple[dict, int] | None:
         rep.note(f"baseline {' '.join(map(str, cmd))} failed: {exc}")
         return None
     return sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2], len(runs)
+
+
+class Utilization:
+    """Host CPU and GPU utilisation sampled in a background thread while the block runs.
+
+    ``cpu`` is the mean busy share of all host cores (psutil), ``gpu`` the mean of
+    ``nvidia-smi``'s utilisation of the visible GPUs (None without nvidia-smi), both in percent:
+    which resource a stage is bound by."""
+
+    def __init__(self, period: float = 1.0):
+        self.period = period
+        self.cpu: float | None = None
+        self.gpu: float | None = None
+
+    def __enter__(self):
+        import shutil
+        import threading
+
+        self._cpu, self._gpu = [], []
+        self._stop = threading.Event()
+        self._smi = shutil.which("nvidia-smi")
+        try:
+            import psutil
+
+            psutil.cpu_percent(None)  # starts the interval
+            self._psutil = psutil
+        except ImportError:  # pragma: no cover - distributed depends on psutil
+            self._psutil = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _gpu_sample(self) -> float | None:
+        import subprocess
+
+        try:
+            out = subprocess.run([self._smi, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=5).stdout.split()
+            vals = [float(x) for x in out]
+            return sum(vals) / len(vals) if vals else None
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return None
+
+    def _run(self):
+        while not self._stop.wait(self.period):
+            if self._psutil is not None:
+                self._cpu.append(self._psutil.cpu_percent(None))
+            if self._smi:
+                g = self._gpu_sample()
+                if g is not None:
+                    self._gpu.append(g)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.cpu = sum(self._cpu) / len(self._cpu) if self._cpu else None
+        self.gpu = sum(self._gpu) / len(self._gpu) if self._gpu else None
+
+    def extra(self) -> dict[str, float]:
+        return {k: round(v, 1) for k, v in (("host_cpu_busy_pct", self.cpu), ("gpu_busy_pct", self.gpu))
+                if v is not None}

@@ -16,12 +16,52 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ._bench import BenchReport
+from ._bench import BenchReport, Utilization
+
+
+STAGES = ("ingest", "describe", "match", "recognize")
+RECORD = "bench-stages.json"
+
+
+def parse_stages(text: str) -> list[str]:
+    """``"all"`` or a comma list of stages, returned in pipeline order."""
+    from scanforest.kernels.errors import InputError
+
+    if text.strip() in ("", "all"):
+        return list(STAGES)
+    want = {x.strip() for x in text.split(",") if x.strip()}
+    bad = sorted(want - set(STAGES))
+    if bad:
+        raise InputError(f"unknown stage(s) {bad}; the stages are {', '.join(STAGES)}")
+    return [x for x in STAGES if x in want]
+
+
+def _load_record(path: Path, config: dict) -> dict:
+    """Stages measured by earlier invocations on the same workdir and configuration."""
+    import json
+
+    if not path.exists():
+        return {}
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return rec.get("stages", {}) if rec.get("config") == config else {}
 
 
 def run(scans: int, points: int, models: int, workers: int | None, device: str, workdir: Path, out,
-        keep: bool = False) -> BenchReport:
+        keep: bool = False, stages_to_run: list[str] | None = None) -> BenchReport:
+    """Run the selected stages (default: all) over the archive in ``workdir``.
+
+    A subset runs on the store that earlier invocations left in ``workdir`` (same configuration):
+    each stage is always a complete run over the whole archive, and its figures are recorded in
+    ``workdir/bench-stages.json``, so a long archive can be measured stage by stage (for example
+    within a per-command time limit) and the whole-archive figures combine the recorded stages."""
+    import json
+
     from scanforest.kernels._backend import describe_device, gpu_count, resolve_device
+    from scanforest.kernels.errors import InputError
+    from scanforest.kernels.synthetic import recognition_presets
     from scanforest.tasks.describe import DescribeParams
     from scanforest.tasks.store import ScanStore
     from scanforest.tasks.synth import write_archive
@@ -31,10 +71,18 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     from .ingest import run_ingest
     from .match import run_index_build, run_match
     from .recognize import run_recognize
-    from scanforest.kernels.synthetic import recognition_presets
 
     dev = resolve_device(device)
-    rep = BenchReport("archive", {"scans": scans, "points": points, "models": models, "device": dev}, echo=True)
+    todo = list(stages_to_run or STAGES)
+    config = {"scans": scans, "points": points, "models": models, "device": dev, "workers": workers}
+    record_path = workdir / RECORD
+    store = workdir / "store.zarr"
+    done = {} if todo[0] == "ingest" else _load_record(record_path, config)
+    missing = [x for x in STAGES[:STAGES.index(todo[0])] if x not in done]
+    if missing:
+        raise InputError(f"{workdir}: stage(s) {missing} were not run on this workdir with this configuration "
+                         f"({config}); run them first (--stages {','.join(missing)}) or run all stages")
+    rep = BenchReport("archive", {**config, "stages": todo}, echo=True)
     ensure_prefect_api()
     archive = workdir / "archive"
     t0 = time.perf_counter()
@@ -42,55 +90,101 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
                   jobs=min(16, os.cpu_count() or 1))
     rep.note(f"archive of {scans} scenes x {points:,} points + {models} models made in "
              f"{time.perf_counter() - t0:.1f} s (not counted)")
-    store = workdir / "store.zarr"
-    shutil.rmtree(store, ignore_errors=True)
+    if todo[0] == "ingest":
+        shutil.rmtree(store, ignore_errors=True)
+        record_path.unlink(missing_ok=True)
     devname = describe_device(dev)
-    stages = []
+    # recorded stages first: their rows come from the invocation that measured them
+    for name in STAGES[:STAGES.index(todo[0])]:
+        r = done[name]
+        rep.note(f"{name}: measured by an earlier invocation ({r['when']}) on this workdir")
+        _stage_rows(rep, name, r, devname, recorded=True)
 
-    def stage(name, wall, task_s, nw, n):  # rows printed as each stage ends (a cut-off run keeps them)
-        stages.append((name, wall, task_s, nw, n))
-        what = f"{devname}, {nw} {'shard workers' if name == 'match' else 'workers'}"
-        rep.add(f"{name}: scans/s", n / wall, "scans/s", what)
-        if task_s is not None:
-            overhead = max(0.0, 1.0 - task_s / (wall * nw))
-            rep.add(f"{name}: orchestration overhead", 100 * overhead, "%", what,
-                    higher_is_better=False, wall=wall, task_seconds=task_s)
+    def stage(name, wall, task_s, nw, n, util, skipped=0, **more):  # rows printed as each stage ends
+        if skipped:  # work done before this invocation (one that was cut off) is not measured here
+            raise InputError(f"{workdir}: the {name} stage found {skipped} of {n} scans already done by an "
+                             "earlier invocation, so its figures would not measure the work; run the "
+                             "stages again from ingest (or use a fresh --workdir)")
+        r = {"wall": wall, "task_seconds": task_s, "workers": nw, "scans": n, "util": util.extra(),
+             "when": time.strftime("%Y-%m-%dT%H:%M:%S"), **more}
+        done[name] = r
+        _stage_rows(rep, name, r, devname)
+        record_path.write_text(json.dumps({"config": config, "stages": done}, indent=1))
 
     t_all = time.perf_counter()
-    s = run_ingest(str(archive), str(store), workers=workers, progress=False)
-    stage("ingest", s["seconds"], s["task_seconds"], s["workers"], s["files"])
-    params = DescribeParams(normal_k=10, keypoint_radius=0.02, shot_radius=0.04)
-    s = run_describe(str(store), params=params, device=dev, workers=workers, progress=False)
-    stage("describe", s["seconds"], s["task_seconds"], s["workers"], s["scans"])
-    st = ScanStore(str(store), mode="r")
-    model_ids = [x for x in st.scans() if x.startswith("models__")]
-    # the model index is small (tens of thousands of rows): one shard per GPU, or one per CPU worker
-    shards = gpu_count() if dev == "gpu" else max(1, workers or 2)
-    run_index_build(str(store), model_ids, name="models", shards=shards, params={"method": "exact"})
-    s = run_match(str(store), k=4, name="models", device=dev, workers=workers, progress=False)
-    # match: the busy time is store I/O (in the flow process) plus the shard searches and merges
-    # (on the workers); its capacity is the wall time x the workers that hold shards
-    stage("match", s["scans_seconds"], s["task_seconds"], s["lanes"], s["scans"])
-    lib_params, rec_params = recognition_presets(dev, points)
-    s = run_recognize(str(store), model_ids, library="bench", device=dev, workers=workers, progress=False,
-                      library_params=lib_params, params=rec_params)
-    stage("recognize", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"])
+    model_ids = None
+    if "ingest" in todo:
+        with Utilization() as u:
+            s = run_ingest(str(archive), str(store), workers=workers, progress=False)
+        stage("ingest", s["seconds"], s["task_seconds"], s["workers"], s["files"], u, s["skipped"])
+    if "describe" in todo:
+        params = DescribeParams(normal_k=10, keypoint_radius=0.02, shot_radius=0.04)
+        with Utilization() as u:
+            s = run_describe(str(store), params=params, device=dev, workers=workers, progress=False)
+        stage("describe", s["seconds"], s["task_seconds"], s["workers"], s["scans"], u, s["skipped"])
+    if "match" in todo or "recognize" in todo:
+        model_ids = [x for x in ScanStore(str(store), mode="r").scans() if x.startswith("models__")]
+    if "match" in todo:
+        # the model index is small (tens of thousands of rows): one shard per GPU, or one per CPU worker
+        shards = gpu_count() if dev == "gpu" else max(1, workers or 2)
+        run_index_build(str(store), model_ids, name="models", shards=shards, params={"method": "exact"})
+        with Utilization() as u:
+            s = run_match(str(store), k=4, name="models", device=dev, workers=workers, progress=False)
+        # match: the busy time is store I/O (in the flow process) plus the shard searches and merges
+        # (on the workers); its capacity is the wall time x the workers that hold shards
+        stage("match", s["scans_seconds"], s["task_seconds"], s["lanes"], s["scans"], u, s["scans"] - s["matched"])
+    if "recognize" in todo:
+        lib_params, rec_params = recognition_presets(dev, points)
+        with Utilization() as u:
+            s = run_recognize(str(store), model_ids, library="bench", device=dev, workers=workers,
+                              progress=False, library_params=lib_params, params=rec_params)
+        per = {k: v / max(1, s["recognized"]) for k, v in s.get("phase_seconds", {}).items()}
+        stage("recognize", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
+              phase_seconds_per_scene=per, precision=s.get("precision"), recall=s.get("recall"))
     total = time.perf_counter() - t_all
-    timed = [(wall, task_s, nw) for _, wall, task_s, nw, _ in stages if task_s is not None]
-    if timed:  # every stage, weighted by its wall time
+    if all(x in done for x in STAGES):
+        _archive_rows(rep, done, scans, devname, total if todo == list(STAGES) else None)
+    rep.finish(out)
+    if not keep and "recognize" in todo:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return rep
+
+
+def _stage_rows(rep: BenchReport, name: str, r: dict, devname: str, recorded: bool = False) -> None:
+    nw, wall = r["workers"], r["wall"]
+    what = f"{devname}, {nw} {'shard workers' if name == 'match' else 'workers'}"
+    extra = {**r["util"], **({"recorded": True} if recorded else {})}
+    rep.add(f"{name}: scans/s", r["scans"] / wall, "scans/s", what, **extra)
+    if r["util"] and not recorded:  # which resource bounds the stage
+        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in r["util"].items()), flush=True)
+    if r["task_seconds"] is not None:
+        overhead = max(0.0, 1.0 - r["task_seconds"] / (wall * nw))
+        rep.add(f"{name}: orchestration overhead", 100 * overhead, "%", what, higher_is_better=False,
+                wall=wall, task_seconds=r["task_seconds"], **extra)
+    if r.get("phase_seconds_per_scene"):  # where the recognize stage's time goes
+        rep.note(f"{name}, seconds per scene by phase: "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in r["phase_seconds_per_scene"].items()))
+        if not recorded:
+            print(rep.notes[-1], flush=True)
+
+
+def _archive_rows(rep: BenchReport, done: dict, scans: int, devname: str, total: float | None) -> None:
+    """Whole-archive figures over the four stages (``total``: the wall clock of one invocation
+    that ran them all; otherwise the stages' walls are summed)."""
+    timed = [(r["wall"], r["task_seconds"], r["workers"]) for r in (done[x] for x in STAGES)
+             if r["task_seconds"] is not None]
+    if timed:  # every stage, weighted by its wall time; busy time clamped to the stage's capacity
         busy = sum(min(w, t / nw) for w, t, nw in timed)
         span = sum(w for w, _, _ in timed)
         rep.add("whole archive (all stages): orchestration overhead", 100 * max(0.0, 1.0 - busy / span), "%",
                 devname, higher_is_better=False, wall=span, busy=busy)
-    rep.add("archive end to end: scans/s", scans / total, "scans/s", devname,
-            stages_wall=sum(st[1] for st in stages), total_wall=total)
-    if "precision" in s:
-        rep.add("recognize precision", s["precision"], "", devname)
-        rep.add("recognize recall", s["recall"], "", devname)
-    rep.finish(out)
-    if not keep:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return rep
+    walls = sum(done[x]["wall"] for x in STAGES)
+    rep.add("archive end to end: scans/s", scans / (total if total is not None else walls), "scans/s", devname,
+            stages_wall=walls, total_wall=total)
+    rec = done["recognize"]
+    if rec.get("precision") is not None:
+        rep.add("recognize precision", rec["precision"], "", devname)
+        rep.add("recognize recall", rec["recall"], "", devname)
 
 
 def register_bench(bench) -> None:
@@ -105,7 +199,9 @@ def register_bench(bench) -> None:
         device: str = typer.Option("auto"),
         workdir: Path = typer.Option(Path("bench-archive"), help="Scratch folder (removed afterwards)."),
         keep: bool = typer.Option(False, help="Keep the scratch folder."),
+        stages: str = typer.Option("all", help="Stages to run, e.g. 'ingest,describe,match' then 'recognize' "
+                                   "in a second invocation on the same --workdir (kept until recognize has run)."),
         out: Optional[str] = typer.Option(None, "--out"),
     ):
         """Archive throughput through every stage and the orchestration overhead per stage."""
-        run(scans, points, models, workers, device, workdir, out, keep)
+        run(scans, points, models, workers, device, workdir, out, keep, parse_stages(stages))

@@ -55,6 +55,12 @@ def summarize(recs: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {"recognized": sum(r["status"] == "recognized" for r in recs),
                            "skipped": sum(r["status"] == "skipped" for r in recs),
                            "detections": int(sum(r.get("detections", 0) for r in recs))}
+    phases: dict[str, float] = {}  # seconds per recognition phase, summed over the recognised scenes
+    for r in recs:
+        for k, v in (r.get("timings") or {}).items():
+            phases[k] = phases.get(k, 0.0) + float(v)
+    if phases:
+        out["phase_seconds"] = phases
     evs = [r["evaluation"] for r in recs if r.get("evaluation")]
     if evs:
         tp, fp, fn = (sum(e[k] for e in evs) for k in ("tp", "fp", "fn"))

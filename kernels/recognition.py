@@ -621,7 +621,18 @@ def rigid_transform(src, dst, weights=None) -> np.ndarray:
 
 def _kabsch_batch(S, D, W=None):
     """Batched (optionally weighted) rigid fits: S, D (B, n, 3) float64, W (B, n) weights or
-    None -> R (B, 3, 3), t (B, 3)."""
+    None -> R (B, 3, 3), t (B, 3).
+
+    The unweighted fits (RANSAC's 3-point samples, tens of thousands per scene) run in one
+    numba loop: Horn's quaternion form of the same least-squares rotation, the top eigenvector
+    of a 4x4 symmetric matrix by Jacobi sweeps (no LAPACK call per sample)."""
+    if W is None and _kabsch_nb is not None and S.dtype == np.float64 and D.dtype == np.float64:
+        return _kabsch_nb(np.ascontiguousarray(S), np.ascontiguousarray(D))
+    return _kabsch_svd(S, D, W)
+
+
+def _kabsch_svd(S, D, W=None):
+    """:func:`_kabsch_batch` by batched SVD (Kabsch with the reflection fix)."""
     if W is None:
         cs = S.mean(axis=1)
         cd = D.mean(axis=1)
@@ -1013,22 +1024,37 @@ def group_gc(corr: Correspondences, library: ModelLibrary, scene_kp_coords, *,
         S = skp[corr.scene_kp[sel]].astype(np.float32)
         M = library.kp_coords[corr.ref_row[sel]].astype(np.float32)
         labels = _gc_sets(S, M, np.float64(gc_size), int(gc_threshold))
-        for g in range(labels.max() + 1 if len(labels) else 0):
-            # keep PCL's member order (seed first, then ascending distance) for RANSAC
-            out.append((sel[labels == g], int(mid)))
+        kept = np.flatnonzero(labels >= 0)
+        if len(kept):  # the members of each set in ascending descriptor distance, for RANSAC
+            kept = kept[np.argsort(labels[kept], kind="stable")]
+            for members in np.split(sel[kept], np.cumsum(np.bincount(labels[kept]))[:-1]):
+                out.append((members, int(mid)))
     return _fit_groups(corr, library, skp, out, ransac, gc_size, max_iterations, seed)
 
 
-def _gc_sets(S, M, gc_size, gc_threshold, chunk: int = 256):
+def _numba_threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
+
+
+def _gc_sets(S, M, gc_size, gc_threshold, chunk: int = 256, sequential: bool | None = None):
     """Consensus-set label of each (distance-sorted) correspondence, -1 when in no kept set.
 
-    The greedy sweep of PCL, made parallel without changing its result: the sets of the next
+    With ``sequential`` (default: when numba has at most 2 threads, e.g. one of several workers on
+    a host) the sequential sweep :func:`_gc_sweep_seq`. Otherwise the greedy sweep of PCL, made
+    parallel without changing its result: the sets of the next
     ``chunk`` untaken seeds are grown in parallel against the current ``taken`` flags; then the
     seeds are committed in order. A seed's speculative set stays valid unless a set committed
     earlier in the same chunk took one of its members or the seed itself (a taken candidate
     that was rejected anyway changes nothing), in which case it is grown again.
     """
     n = S.shape[0]
+    if sequential is None:
+        sequential = _numba_threads() <= 2
+    if n and sequential and _gc_sets_nb is not None:
+        # few threads (a worker's share of a host): the sequential sweep beats the speculative one
+        return _gc_sweep_seq(S, M, np.float64(gc_size), int(gc_threshold))
     taken = np.zeros(n, np.bool_)
     labels = np.full(n, -1, np.int64)
     if n == 0:
@@ -1122,8 +1148,181 @@ try:
                     labels[members[kk]] = ng
                 ng += 1
         return labels
+
+    @_njit(cache=True)
+    def _gc_sweep_seq(S, M, gc_size, gc_threshold):
+        """PCL's sequential sweep (labels as :func:`_gc_sets_nb`), faster: each seed first tests
+        every candidate against itself in one branch-free, vectorisable loop over coordinate
+        columns (the same arithmetic as :func:`_gc_grow`), then only the survivors against the
+        other members."""
+        n = S.shape[0]
+        sx = np.ascontiguousarray(S[:, 0])
+        sy = np.ascontiguousarray(S[:, 1])
+        sz = np.ascontiguousarray(S[:, 2])
+        mx = np.ascontiguousarray(M[:, 0])
+        my = np.ascontiguousarray(M[:, 1])
+        mz = np.ascontiguousarray(M[:, 2])
+        taken = np.zeros(n, np.bool_)
+        cons = np.empty(n, np.bool_)
+        labels = np.full(n, -1, np.int64)
+        members = np.empty(n, np.int64)
+        ng = 0
+        for i in range(n):
+            if taken[i]:
+                continue
+            six, siy, siz, mix, miy, miz = sx[i], sy[i], sz[i], mx[i], my[i], mz[i]
+            for j in range(n):
+                dsx = six - sx[j]
+                dsy = siy - sy[j]
+                dsz = siz - sz[j]
+                dmx = mix - mx[j]
+                dmy = miy - my[j]
+                dmz = miz - mz[j]
+                ds = math.sqrt(dsx * dsx + dsy * dsy + dsz * dsz)
+                dm = math.sqrt(dmx * dmx + dmy * dmy + dmz * dmz)
+                cons[j] = abs(ds - dm) <= gc_size
+            members[0] = i
+            m = 1
+            for j in range(n):
+                if j == i or taken[j] or not cons[j]:
+                    continue
+                good = True
+                for kk in range(1, m):
+                    k = members[kk]
+                    dsx = sx[k] - sx[j]
+                    dsy = sy[k] - sy[j]
+                    dsz = sz[k] - sz[j]
+                    dmx = mx[k] - mx[j]
+                    dmy = my[k] - my[j]
+                    dmz = mz[k] - mz[j]
+                    ds = math.sqrt(dsx * dsx + dsy * dsy + dsz * dsz)
+                    dm = math.sqrt(dmx * dmx + dmy * dmy + dmz * dmz)
+                    if abs(ds - dm) > gc_size:
+                        good = False
+                        break
+                if good:
+                    members[m] = j
+                    m += 1
+            if m > gc_threshold:
+                for kk in range(m):
+                    taken[members[kk]] = True
+                    labels[members[kk]] = ng
+                ng += 1
+        return labels
+
+    @_njit(cache=True, inline="always")
+    def _top_eigvec4(N, v):
+        """Eigenvector of the largest eigenvalue of the symmetric 4x4 ``N`` (cyclic Jacobi; ``N``
+        is overwritten) into ``v``."""
+        V = np.eye(4)
+        for _sweep in range(30):
+            off = 0.0
+            for p in range(3):
+                for q in range(p + 1, 4):
+                    off += N[p, q] * N[p, q]
+            scale = 0.0
+            for p in range(4):
+                scale += N[p, p] * N[p, p]
+            if off <= 1e-30 * scale or off == 0.0:
+                break
+            for p in range(3):
+                for q in range(p + 1, 4):
+                    apq = N[p, q]
+                    if apq == 0.0:
+                        continue
+                    theta = (N[q, q] - N[p, p]) / (2.0 * apq)
+                    t = (1.0 if theta >= 0 else -1.0) / (abs(theta) + math.sqrt(theta * theta + 1.0))
+                    c = 1.0 / math.sqrt(t * t + 1.0)
+                    sn = t * c
+                    for k in range(4):  # N <- J^T N J
+                        akp = N[k, p]
+                        akq = N[k, q]
+                        N[k, p] = c * akp - sn * akq
+                        N[k, q] = sn * akp + c * akq
+                    for k in range(4):
+                        apk = N[p, k]
+                        aqk = N[q, k]
+                        N[p, k] = c * apk - sn * aqk
+                        N[q, k] = sn * apk + c * aqk
+                    for k in range(4):
+                        vkp = V[k, p]
+                        vkq = V[k, q]
+                        V[k, p] = c * vkp - sn * vkq
+                        V[k, q] = sn * vkp + c * vkq
+        best = 0
+        for p in range(1, 4):
+            if N[p, p] > N[best, best]:
+                best = p
+        for k in range(4):
+            v[k] = V[k, best]
+
+    @_njit(cache=True)
+    def _kabsch_nb(S, D):
+        """Unweighted batched rigid fits (Horn 1987): the rotation maximising sum d'^T R s'."""
+        B, n = S.shape[0], S.shape[1]
+        R = np.empty((B, 3, 3))
+        t = np.empty((B, 3))
+        N = np.empty((4, 4))
+        q = np.empty(4)
+        for b in range(B):
+            cs0 = cs1 = cs2 = cd0 = cd1 = cd2 = 0.0
+            for i in range(n):
+                cs0 += S[b, i, 0]
+                cs1 += S[b, i, 1]
+                cs2 += S[b, i, 2]
+                cd0 += D[b, i, 0]
+                cd1 += D[b, i, 1]
+                cd2 += D[b, i, 2]
+            cs0 /= n
+            cs1 /= n
+            cs2 /= n
+            cd0 /= n
+            cd1 /= n
+            cd2 /= n
+            sxx = sxy = sxz = syx = syy = syz = szx = szy = szz = 0.0
+            for i in range(n):
+                a0 = S[b, i, 0] - cs0
+                a1 = S[b, i, 1] - cs1
+                a2 = S[b, i, 2] - cs2
+                b0 = D[b, i, 0] - cd0
+                b1 = D[b, i, 1] - cd1
+                b2 = D[b, i, 2] - cd2
+                sxx += a0 * b0
+                sxy += a0 * b1
+                sxz += a0 * b2
+                syx += a1 * b0
+                syy += a1 * b1
+                syz += a1 * b2
+                szx += a2 * b0
+                szy += a2 * b1
+                szz += a2 * b2
+            N[0, 0] = sxx + syy + szz
+            N[0, 1] = N[1, 0] = syz - szy
+            N[0, 2] = N[2, 0] = szx - sxz
+            N[0, 3] = N[3, 0] = sxy - syx
+            N[1, 1] = sxx - syy - szz
+            N[1, 2] = N[2, 1] = sxy + syx
+            N[1, 3] = N[3, 1] = szx + sxz
+            N[2, 2] = -sxx + syy - szz
+            N[2, 3] = N[3, 2] = syz + szy
+            N[3, 3] = -sxx - syy + szz
+            _top_eigvec4(N, q)
+            w, x, y, z = q[0], q[1], q[2], q[3]
+            R[b, 0, 0] = w * w + x * x - y * y - z * z
+            R[b, 0, 1] = 2.0 * (x * y - w * z)
+            R[b, 0, 2] = 2.0 * (x * z + w * y)
+            R[b, 1, 0] = 2.0 * (x * y + w * z)
+            R[b, 1, 1] = w * w - x * x + y * y - z * z
+            R[b, 1, 2] = 2.0 * (y * z - w * x)
+            R[b, 2, 0] = 2.0 * (x * z - w * y)
+            R[b, 2, 1] = 2.0 * (y * z + w * x)
+            R[b, 2, 2] = w * w - x * x - y * y + z * z
+            t[b, 0] = cd0 - (R[b, 0, 0] * cs0 + R[b, 0, 1] * cs1 + R[b, 0, 2] * cs2)
+            t[b, 1] = cd1 - (R[b, 1, 0] * cs0 + R[b, 1, 1] * cs1 + R[b, 1, 2] * cs2)
+            t[b, 2] = cd2 - (R[b, 2, 0] * cs0 + R[b, 2, 1] * cs1 + R[b, 2, 2] * cs2)
+        return R, t
 except ImportError:  # pragma: no cover - numba is a dependency
-    _gc_sets_nb = None
+    _gc_sets_nb = _gc_sweep_seq = _kabsch_nb = None
 
 
 # ---------------------------------------------------------------------------------------------

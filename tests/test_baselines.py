@@ -47,3 +47,24 @@ def test_pcl_tutorial_failure_is_a_note_not_a_crash(tmp_path, lines, rc):
     assert _pcl_tutorial(rep, _fake(tmp_path, lines, rc), tmp_path, 2, 1) is None
     assert rep.rows == [] and "failed" in rep.notes[0]
     assert _pcl_tutorial(rep, tmp_path / "missing", tmp_path, 2, 1) is None
+
+
+def test_utilization_sampler_sees_a_busy_core():
+    """The stage sampler of ``bench archive``: a busy thread shows as host CPU load; the GPU
+    figure is absent without nvidia-smi and a percentage with it."""
+    import shutil
+    import time
+
+    from scanforest.flows._bench import Utilization
+
+    with Utilization(period=0.1) as u:
+        t = time.perf_counter()
+        x = 0
+        while time.perf_counter() - t < 1.0:
+            x += 1
+    assert u.cpu is not None and 0 < u.cpu <= 100
+    if shutil.which("nvidia-smi") is None:
+        assert u.gpu is None and "gpu_busy_pct" not in u.extra()
+    else:
+        assert u.gpu is not None and 0 <= u.gpu <= 100
+    assert u.extra()["host_cpu_busy_pct"] == round(u.cpu, 1)

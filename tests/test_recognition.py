@@ -53,9 +53,10 @@ def test_ransac_rejects_outliers(rng):
     assert ransac_rigid(src[:2], dst[:2], threshold=0.01) == (None, None)
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 256])
+@pytest.mark.parametrize("chunk", [1, 7, 256, "seq"])
 def test_parallel_gc_sweep_equals_sequential(rng, chunk):
-    """The speculative parallel consensus sweep labels exactly like PCL's sequential one."""
+    """The speculative parallel consensus sweep, and the sequential one that tests each seed's
+    candidates against the seed first, label exactly like PCL's plain sequential sweep."""
     from scanforest.kernels.recognition import _gc_sets, _gc_sets_nb
 
     for trial in range(4):
@@ -68,9 +69,35 @@ def test_parallel_gc_sweep_equals_sequential(rng, chunk):
             S[sel] = M[sel] @ T[:3, :3].T + T[:3, 3] + rng.normal(scale=0.002, size=(len(sel), 3))
         S, M = S.astype(np.float32), M.astype(np.float32)
         ref = _gc_sets_nb(S, M, np.float64(0.01), 5)
-        got = _gc_sets(S, M, np.float64(0.01), 5, chunk=chunk)
+        if chunk == "seq":
+            got = _gc_sets(S, M, np.float64(0.01), 5, sequential=True)
+        else:
+            got = _gc_sets(S, M, np.float64(0.01), 5, chunk=chunk, sequential=False)
         assert (ref >= 0).sum() > 20
         np.testing.assert_array_equal(got, ref)
+
+
+def test_quaternion_kabsch_equals_the_svd_fit(rng):
+    """RANSAC's batched 3-point fits (Horn's quaternion form, in numba) give the rotation and
+    translation of the SVD (Kabsch) fit, proper rotations also where the best orthogonal map is a
+    reflection."""
+    from scanforest.kernels.recognition import _kabsch_batch, _kabsch_svd
+
+    B = 2000
+    S = rng.normal(size=(B, 3, 3))
+    T = np.stack([_pose(rng, 1.0) for _ in range(B)])
+    D = np.einsum("bij,bnj->bni", T[:, :3, :3], S) + T[:, None, :3, 3] + rng.normal(scale=0.05, size=(B, 3, 3))
+    D[:200] = rng.normal(size=(200, 3, 3))  # unrelated pairs: half of them best fitted by a reflection
+    D[200:210] = D[200:210, :, ::-1]  # mirrored copies
+    R1, t1 = _kabsch_batch(S, D)
+    R2, t2 = _kabsch_svd(S, D)
+    np.testing.assert_allclose(R1, R2, atol=1e-9)
+    np.testing.assert_allclose(t1, t2, atol=1e-9)
+    np.testing.assert_allclose(np.linalg.det(R1), 1.0, atol=1e-12)
+    R3, t3 = _kabsch_batch(S[:5, :2].repeat(2, axis=1), D[:5, :2].repeat(2, axis=1))  # degenerate: a line
+    np.testing.assert_allclose(np.linalg.det(R3), 1.0, atol=1e-12)
+    line = np.einsum("bij,bnj->bni", R3, S[:5, :2]) + t3[:, None]
+    np.testing.assert_allclose(line.mean(axis=1), D[:5, :2].mean(axis=1), atol=1e-9)
 
 
 def test_batched_ransac_matches_known_poses_per_group(rng):

@@ -80,3 +80,15 @@ def test_flow_process_killed_midway_then_rerun(tmp_path):
         np.testing.assert_array_equal(st.read(s, "det_pose"), pose)
     runs = [r for r in st.runs() if r.get("flow") == "recognize"]
     assert runs and runs[-1]["summary"]["skipped"] == len(done_before)
+
+
+def test_summary_sums_the_phase_timings_of_recognised_scenes():
+    from scanforest.flows.recognize import summarize
+
+    recs = [{"status": "recognized", "detections": 2, "timings": {"grouping": 0.5, "icp": 0.25}},
+            {"status": "recognized", "detections": 1, "timings": {"grouping": 1.5, "total": 2.0}},
+            {"status": "skipped", "detections": 3}]
+    s = summarize(recs)
+    assert s["recognized"] == 2 and s["skipped"] == 1 and s["detections"] == 6
+    assert s["phase_seconds"] == {"grouping": 2.0, "icp": 0.25, "total": 2.0}
+    assert "phase_seconds" not in summarize([{"status": "skipped", "detections": 0}])

@@ -1,0 +1,48 @@
+"""``scanforest bench archive`` measured stage by stage: the stage selection, the refusal to run a
+stage without its predecessors, and the whole-archive figures combined from recorded stages."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scanforest.flows import bench_archive as ba
+from scanforest.flows._bench import BenchReport
+from scanforest.kernels.errors import InputError
+
+
+def test_stage_selection_is_validated_and_ordered():
+    assert ba.parse_stages("all") == list(ba.STAGES)
+    assert ba.parse_stages("recognize, ingest") == ["ingest", "recognize"]
+    with pytest.raises(InputError, match="unknown stage"):
+        ba.parse_stages("ingest,detect")
+
+
+def test_a_later_stage_needs_the_earlier_ones_recorded(tmp_path):
+    with pytest.raises(InputError, match=r"\['ingest', 'describe', 'match'\] were not run"):
+        ba.run(4, 1000, 2, 1, "cpu", tmp_path, None, stages_to_run=["recognize"])
+    # a record made with another configuration does not count
+    cfg = {"scans": 4, "points": 1000, "models": 2, "device": "cpu", "workers": 2}
+    (tmp_path / ba.RECORD).write_text(json.dumps({"config": cfg, "stages": {"ingest": {}, "describe": {},
+                                                                              "match": {}}}))
+    with pytest.raises(InputError, match="were not run"):
+        ba.run(4, 1000, 2, 1, "cpu", tmp_path, None, stages_to_run=["recognize"])
+    assert ba._load_record(tmp_path / ba.RECORD, cfg).keys() == {"ingest", "describe", "match"}
+
+
+def test_whole_archive_figures_from_recorded_stages():
+    def r(wall, task, nw, **kw):
+        return {"wall": wall, "task_seconds": task, "workers": nw, "scans": 100, "util": {}, "when": "t", **kw}
+
+    done = {"ingest": r(10, 18, 2), "describe": r(20, 38, 2), "match": r(5, 9, 1),
+            "recognize": r(100, 196, 2, precision=0.9, recall=0.8)}
+    rep = BenchReport("archive")
+    ba._archive_rows(rep, done, 100, "cpu", None)
+    rows = {x.figure: x for x in rep.rows}
+    busy = 9 + 19 + 5 + 98  # match's busy time (9 s on 1 lane) is clamped to its 5 s wall
+    assert rows["whole archive (all stages): orchestration overhead"].value == pytest.approx(100 * (1 - busy / 135))
+    assert rows["archive end to end: scans/s"].value == pytest.approx(100 / 135)  # the stages' walls summed
+    assert rows["recognize precision"].value == 0.9 and rows["recognize recall"].value == 0.8
+    rep = BenchReport("archive")
+    ba._archive_rows(rep, done, 100, "cpu", 150.0)  # one invocation's wall clock when it ran them all
+    assert {x.figure: x for x in rep.rows}["archive end to end: scans/s"].value == pytest.approx(100 / 150)
