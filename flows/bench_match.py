@@ -51,15 +51,40 @@ def _timed_query(di, Q, k, block, sync_after=None):
     return t, dist, ids, di.stats_["leaves"], _transfer_bytes(client) - b0
 
 
+def _merge_recorded(path: str, rep: BenchReport, qps: dict) -> dict:
+    """This run's queries/s per (workers, sync) merged with those recorded on the workdir by
+    earlier runs of the same configuration (``rep.params`` less the worker counts); recorded."""
+    import json
+
+    config = {k: v for k, v in rep.params.items() if k != "workers"}
+    rec = {}
+    try:
+        old = json.loads(open(path).read())
+        if old.get("config") == config:
+            rec = {(int(w), None if sa is None else int(sa)): q for w, sa, q in old["qps"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    earlier = sorted({w for w, _ in rec} - {w for w, _ in qps})
+    if earlier:
+        rep.note(f"queries/s of {earlier} worker(s) from an earlier run on this workdir (same configuration)")
+    rec.update(qps)
+    with open(path, "w") as f:
+        json.dump({"config": config, "qps": [[w, sa, q] for (w, sa), q in rec.items()]}, f)
+    return rec
+
+
 def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, backtracks: int | None,
         leaf_size: int, device: str, block: int, out, clusters: int = 1000, shards: int | None = None,
-        sync_after: int | None = None, bf_queries: int | None = None, n_trees: int = 1) -> BenchReport:
+        sync_after: int | None = None, bf_queries: int | None = None, n_trees: int = 1,
+        workdir: str | None = None) -> BenchReport:
     """One table: for each worker count, the forest (with and without the global bound
     synchronisation when ``sync_after`` is given) and the exact brute force over the same
     resident shards; recall against the exact answer of the first ``bf_queries`` queries.
 
     ``shards=None`` builds one shard per worker for every worker count (a new index each);
     ``shards=S`` builds one S-shard index, spread over 1..W workers (the same work on more GPUs).
+    ``workdir`` keeps the index stores there: a later run with the same data and parameters
+    reuses them (the build row then says so), e.g. to run each worker count in its own command.
     """
     from scanforest.tasks import index as idx
 
@@ -85,7 +110,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     rep.note(f"data: {n:,} x {d} reference, {m:,} queries, {clusters} Gaussian clusters, "
              f"generated in {time.perf_counter() - t0:.1f} s")
     devname = describe_device(dev)
-    tmp = tempfile.mkdtemp(prefix="sf-bench-match-")
+    tmp = workdir or tempfile.mkdtemp(prefix="sf-bench-match-")
+    os.makedirs(tmp, exist_ok=True)
     params = {"method": method, "leaf_size": leaf_size, "backtracks": backtracks, "n_trees": n_trees}
     built = {}
 
@@ -94,9 +120,10 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         if s_count not in built:
             store = os.path.join(tmp, f"s{s_count}.zarr")
             t0 = time.perf_counter()
-            idx.build_index(store, "bench", X, shards=s_count, params=params, device=dev)
+            res = idx.build_index(store, "bench", X, shards=s_count, params=params, device=dev)
             built[s_count] = (store, time.perf_counter() - t0)
-            rep.add(f"index build (write + trees), {s_count} shard{'s' if s_count > 1 else ''}", built[s_count][1],
+            what = "write + trees" if res["status"] == "built" else "unchanged in the workdir: content hash only"
+            rep.add(f"index build ({what}), {s_count} shard{'s' if s_count > 1 else ''}", built[s_count][1],
                     "s", devname, higher_is_better=False)
         return built[s_count][0]
 
@@ -135,6 +162,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                     rep.add(f"bytes moved between workers per query, {w} workers{tag}", moved / m, "bytes", where,
                             higher_is_better=False)
                 _release(client, di)
+        if workdir:  # worker counts measured by earlier runs on this workdir with the same configuration
+            qps = _merge_recorded(os.path.join(tmp, "bench-match.json"), rep, qps)
         for (w, sa), q in qps.items():
             if w > 1 and (1, sa) in qps:
                 tag = "" if sa is None else f", sync {sa}"
@@ -150,7 +179,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         rep.finish(out)
         return rep
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not workdir:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def register_bench(bench) -> None:
@@ -173,10 +203,12 @@ def register_bench(bench) -> None:
         bf_queries: int = typer.Option(0, help="Queries for the brute force and the recall (0: all)."),
         n_trees: int = typer.Option(1, help="Randomized trees per shard (replicated forest)."),
         clusters: int = typer.Option(1000, help="Gaussian clusters of the synthetic descriptors."),
+        workdir: str = typer.Option(None, help="Keep the index stores here and reuse them in later runs "
+                                    "with the same data and parameters (default: a temporary folder)."),
         out: str = typer.Option(None, "--out"),
     ):
         """Distributed matching: queries/s on 1..W workers, efficiency, bytes moved, vs brute force."""
         run(n, m, d, k, [int(w) for w in workers.split(",")], method=method, backtracks=backtracks or None,
             leaf_size=leaf_size, device=device, block=block, out=out, clusters=clusters, shards=shards or None,
-            sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees)
+            sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees, workdir=workdir)
 

@@ -1,5 +1,6 @@
-"""``scanforest bench archive`` measured stage by stage: the stage selection, the refusal to run a
-stage without its predecessors, and the whole-archive figures combined from recorded stages."""
+"""Benchmarks measured over several commands: ``bench archive`` stage by stage (the stage
+selection, the refusal to run a stage without its predecessors, the whole-archive figures from
+recorded stages) and ``bench match`` worker count by worker count."""
 from __future__ import annotations
 
 import json
@@ -46,3 +47,19 @@ def test_whole_archive_figures_from_recorded_stages():
     rep = BenchReport("archive")
     ba._archive_rows(rep, done, 100, "cpu", 150.0)  # one invocation's wall clock when it ran them all
     assert {x.figure: x for x in rep.rows}["archive end to end: scans/s"].value == pytest.approx(100 / 150)
+
+
+def test_bench_match_merges_worker_counts_recorded_on_its_workdir(tmp_path):
+    """``bench match --workdir``: each worker count may run in its own command; the efficiency
+    uses the recorded queries/s of the same configuration only."""
+    from scanforest.flows.bench_match import _merge_recorded
+
+    path = str(tmp_path / "bench-match.json")
+    one = BenchReport("match", {"n": 10, "workers": [1], "sync_after": None})
+    assert _merge_recorded(path, one, {(1, None): 100.0, (1, 8): 80.0}) == {(1, None): 100.0, (1, 8): 80.0}
+    two = BenchReport("match", {"n": 10, "workers": [2], "sync_after": None})
+    merged = _merge_recorded(path, two, {(2, None): 150.0})
+    assert merged == {(1, None): 100.0, (1, 8): 80.0, (2, None): 150.0}
+    assert any("earlier run" in x for x in two.notes)
+    other = BenchReport("match", {"n": 20, "workers": [2], "sync_after": None})  # another configuration
+    assert _merge_recorded(path, other, {(2, None): 50.0}) == {(2, None): 50.0}
