@@ -17,17 +17,64 @@ from .errors import DeviceError, InputError
 DEVICES = ("auto", "cpu", "gpu")
 
 
+# how a host thread waits for the GPU (CUDA's CU_CTX_SCHED_* flags of the primary context)
+CUDA_SCHEDULES = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}
+
+
+def cuda_schedule_flag() -> int | None:
+    """The wait policy asked for by ``SCANFOREST_CUDA_SCHEDULE`` (``auto``, ``spin``, ``yield`` or
+    ``blocking``), or None when unset. CUDA's default (``auto``) spins a core while it waits when
+    the host has more cores than CUDA contexts; processes that share one GPU and also need the
+    host's cores (several workers per GPU) may do better with ``blocking``."""
+    value = os.environ.get("SCANFOREST_CUDA_SCHEDULE", "").strip().lower()
+    if not value:
+        return None
+    if value not in CUDA_SCHEDULES:
+        raise InputError(f"SCANFOREST_CUDA_SCHEDULE must be one of {sorted(CUDA_SCHEDULES)}, got {value!r}")
+    return CUDA_SCHEDULES[value]
+
+
+def _apply_cuda_schedule(n_devices: int) -> None:
+    """Set the requested wait policy on every visible device's primary context (driver API,
+    ``cuDevicePrimaryCtxSetFlags``, which also applies to a context already active)."""
+    flag = cuda_schedule_flag()
+    if flag is None:
+        return
+    import ctypes
+    import warnings
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        if cuda.cuInit(0) != 0:
+            raise OSError("cuInit failed")
+        setter = getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or cuda.cuDevicePrimaryCtxSetFlags
+        for ordinal in range(n_devices):
+            dev = ctypes.c_int()
+            if cuda.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
+                raise OSError(f"cuDeviceGet({ordinal}) failed")
+            rc = setter(dev, ctypes.c_uint(flag))
+            if rc != 0:
+                raise OSError(f"cuDevicePrimaryCtxSetFlags returned CUDA error {rc}")
+    except (OSError, AttributeError) as exc:
+        warnings.warn(f"SCANFOREST_CUDA_SCHEDULE could not be applied ({exc}); CUDA's default is used",
+                      RuntimeWarning, stacklevel=3)
+
+
 @functools.lru_cache(maxsize=1)
 def gpu_available() -> bool:
-    """True when CuPy imports and at least one CUDA device answers."""
+    """True when CuPy imports and at least one CUDA device answers. The first call also applies
+    ``SCANFOREST_CUDA_SCHEDULE`` (see :func:`cuda_schedule_flag`)."""
     if os.environ.get("SCANFOREST_DISABLE_GPU"):
         return False
     try:
         import cupy as cp
 
-        return cp.cuda.runtime.getDeviceCount() > 0
+        n = cp.cuda.runtime.getDeviceCount()
     except Exception:
         return False
+    if n > 0:
+        _apply_cuda_schedule(n)
+    return n > 0
 
 
 def gpu_count() -> int:
