@@ -24,7 +24,7 @@ RECORD = "bench-stages.json"
 
 
 def parse_stages(text: str) -> list[str]:
-    """``"all"`` or a comma list of stages, returned in pipeline order."""
+    """``"all"`` or a comma list of consecutive stages, returned in pipeline order."""
     from scanforest.kernels.errors import InputError
 
     if text.strip() in ("", "all"):
@@ -33,7 +33,10 @@ def parse_stages(text: str) -> list[str]:
     bad = sorted(want - set(STAGES))
     if bad:
         raise InputError(f"unknown stage(s) {bad}; the stages are {', '.join(STAGES)}")
-    return [x for x in STAGES if x in want]
+    out = [x for x in STAGES if x in want]
+    if STAGES.index(out[-1]) - STAGES.index(out[0]) + 1 != len(out):
+        raise InputError(f"the stages must be consecutive in {' -> '.join(STAGES)}, got {', '.join(out)}")
+    return out
 
 
 def _load_record(path: Path, config: dict) -> dict:

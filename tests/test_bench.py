@@ -14,9 +14,11 @@ from scanforest.kernels.errors import InputError
 
 def test_stage_selection_is_validated_and_ordered():
     assert ba.parse_stages("all") == list(ba.STAGES)
-    assert ba.parse_stages("recognize, ingest") == ["ingest", "recognize"]
+    assert ba.parse_stages("match,describe") == ["describe", "match"]
     with pytest.raises(InputError, match="unknown stage"):
         ba.parse_stages("ingest,detect")
+    with pytest.raises(InputError, match="consecutive"):
+        ba.parse_stages("ingest,recognize")
 
 
 def test_a_later_stage_needs_the_earlier_ones_recorded(tmp_path):
