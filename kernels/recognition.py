@@ -1078,6 +1078,20 @@ try:
     from numba import prange as _prange
 
     @_njit(cache=True, inline="always")
+    def _gc_fails(S, M, k, j, gc_size):
+        """Correspondence ``j`` is inconsistent with member ``k``: the scene and model distances
+        of the pair differ by more than ``gc_size``."""
+        dsx = S[k, 0] - S[j, 0]
+        dsy = S[k, 1] - S[j, 1]
+        dsz = S[k, 2] - S[j, 2]
+        dmx = M[k, 0] - M[j, 0]
+        dmy = M[k, 1] - M[j, 1]
+        dmz = M[k, 2] - M[j, 2]
+        ds = math.sqrt(dsx * dsx + dsy * dsy + dsz * dsz)
+        dm = math.sqrt(dmx * dmx + dmy * dmy + dmz * dmz)
+        return abs(ds - dm) > gc_size
+
+    @_njit(cache=True, inline="always")
     def _gc_grow(S, M, gc_size, i, taken, members):
         n = S.shape[0]
         m = 1
@@ -1087,16 +1101,7 @@ try:
                 continue
             good = True
             for kk in range(m):
-                k = members[kk]
-                dsx = S[k, 0] - S[j, 0]
-                dsy = S[k, 1] - S[j, 1]
-                dsz = S[k, 2] - S[j, 2]
-                dmx = M[k, 0] - M[j, 0]
-                dmy = M[k, 1] - M[j, 1]
-                dmz = M[k, 2] - M[j, 2]
-                ds = math.sqrt(dsx * dsx + dsy * dsy + dsz * dsz)
-                dm = math.sqrt(dmx * dmx + dmy * dmy + dmz * dmz)
-                if abs(ds - dm) > gc_size:
+                if _gc_fails(S, M, members[kk], j, gc_size):
                     good = False
                     break
             if good:
@@ -1153,8 +1158,8 @@ try:
     def _gc_sweep_seq(S, M, gc_size, gc_threshold):
         """PCL's sequential sweep (labels as :func:`_gc_sets_nb`), faster: each seed first tests
         every candidate against itself in one branch-free, vectorisable loop over coordinate
-        columns (the same arithmetic as :func:`_gc_grow`), then only the survivors against the
-        other members."""
+        columns (the arithmetic of :func:`_gc_fails`), then only the survivors against the other
+        members."""
         n = S.shape[0]
         sx = np.ascontiguousarray(S[:, 0])
         sy = np.ascontiguousarray(S[:, 1])
@@ -1180,7 +1185,7 @@ try:
                 dmz = miz - mz[j]
                 ds = math.sqrt(dsx * dsx + dsy * dsy + dsz * dsz)
                 dm = math.sqrt(dmx * dmx + dmy * dmy + dmz * dmz)
-                cons[j] = abs(ds - dm) <= gc_size
+                cons[j] = not (abs(ds - dm) > gc_size)
             members[0] = i
             m = 1
             for j in range(n):
@@ -1188,16 +1193,7 @@ try:
                     continue
                 good = True
                 for kk in range(1, m):
-                    k = members[kk]
-                    dsx = sx[k] - sx[j]
-                    dsy = sy[k] - sy[j]
-                    dsz = sz[k] - sz[j]
-                    dmx = mx[k] - mx[j]
-                    dmy = my[k] - my[j]
-                    dmz = mz[k] - mz[j]
-                    ds = math.sqrt(dsx * dsx + dsy * dsy + dsz * dsz)
-                    dm = math.sqrt(dmx * dmx + dmy * dmy + dmz * dmz)
-                    if abs(ds - dm) > gc_size:
+                    if _gc_fails(S, M, members[kk], j, gc_size):
                         good = False
                         break
                 if good:
