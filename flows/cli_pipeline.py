@@ -49,12 +49,14 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         reference: list[str] = typer.Option(..., "--reference", "-r",
                                             help="Reference scan ids or glob patterns on ids (repeatable), e.g. 'models__*'."),
         name: str = typer.Option("default", help="Index name."),
-        shards: int = typer.Option(1, help="Shards (one per GPU worker)."),
+        shards: str = typer.Option("1", help="Shards (one per GPU worker), or 'auto': one per local GPU, "
+                                   "checked against their memory before anything is written."),
         method: str = typer.Option("banns", help="banns | anns | exact."),
         leaf_size: int = typer.Option(64, help="KD-tree leaf size."),
         backtracks: Optional[int] = typer.Option(None, help="Leaf visits per query (None = exact search)."),
         random_dims: Optional[int] = typer.Option(None, help="Randomized split among the F widest dimensions."),
         seed: int = typer.Option(0),
+        device: str = DeviceOpt,
     ):
         """Build a sharded KD-forest index over the SHOT descriptors of the reference scans (kept when unchanged)."""
         import fnmatch
@@ -69,7 +71,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             raise typer.BadParameter(f"no scan id matches {reference}")
         params = {"method": method, "leaf_size": leaf_size, "backtracks": backtracks,
                   "random_dims": random_dims, "seed": seed}
-        typer.echo(json.dumps(run_index_build(store, chosen, name=name, shards=shards, params=params), indent=2))
+        if shards != "auto" and not shards.isdigit():
+            raise typer.BadParameter(f"--shards takes a number or 'auto', got {shards!r}")
+        typer.echo(json.dumps(run_index_build(store, chosen, name=name, params=params, device=choose_device(device),
+                                              shards=shards if shards == "auto" else int(shards)), indent=2))
 
     @app.command("match")
     def match_cmd(

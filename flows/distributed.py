@@ -25,6 +25,12 @@ def _identity(x):
     return x
 
 
+def _worker_free_memory(device: str):
+    from scanforest.kernels._backend import free_memory
+
+    return free_memory(device)
+
+
 class DistributedIndex:
     """A persisted sharded index opened on a Dask cluster: shards loaded once, resident on workers.
 
@@ -36,6 +42,9 @@ class DistributedIndex:
         self.client = client
         self.store_path = store_path
         self.name = name
+        self.device = device
+        self.method = method
+        self._blocks: dict[int, int] = {}
         self.attrs = idx.index_attrs(store_path, name)
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         if not workers:
@@ -65,6 +74,31 @@ class DistributedIndex:
     @property
     def n(self) -> int:
         return int(self.attrs["n"])
+
+    def plan_block(self, k: int, block: int = 65_536, *, headroom: float = 0.85, min_block: int = 256) -> int:
+        """The largest query block (``block`` halved down to ``min_block``) whose working set
+        (:func:`scanforest.kernels.sharded.search_working_bytes`) fits the free memory each
+        worker has beside its resident shards; workers that share a GPU (or the host) share its
+        free memory. Waits for the shards; planned once per ``k``."""
+        from scanforest.kernels.sharded import search_working_bytes
+
+        if k in self._blocks:
+            return self._blocks[k]
+        self.wait()
+        holders = sorted(set(self.placement.values()))
+        free = self.client.run(_worker_free_memory, self.device, workers=holders)
+        owners: dict[str, int] = {}
+        for _, owner in free.values():
+            owners[owner] = owners.get(owner, 0) + 1
+        share = min(f / owners[o] for f, o in free.values())
+        rows = max(b - a for a, b in self.attrs["shards"])
+        d = int(self.attrs["d"])
+        dev = "cpu" if set(owners) == {"host"} else "gpu"  # where the shards compute (the tile budget)
+        b = max(1, int(block))
+        while b > min_block and search_working_bytes(rows, d, b, k, device=dev) > headroom * share:
+            b = max(min_block, b // 2)
+        self._blocks[k] = b
+        return b
 
     def _reduce(self, parts, k: int):
         c = self.client
@@ -103,9 +137,12 @@ class DistributedIndex:
         second = self._reduce(on_shards(bounds=bound), k)
         return c.submit(idx.merge_phases, first, second, k=k, pure=False)
 
-    def query(self, Q, k: int, *, block: int = 65_536, progress=None, sync_after: int | None = None,
+    def query(self, Q, k: int, *, block: int | None = None, progress=None, sync_after: int | None = None,
               return_stats: bool = False):
         """Global top-``k`` of every row of ``Q``: ``(dist2 (M, k) float32, ids (M, k) int64)``.
+
+        ``block``: queries per block sent to every shard (default: :meth:`plan_block`, at most
+        65,536, fitted to the workers' free memory).
 
         ``sync_after``: see :meth:`query_block`. The statistics (``leaves``: the total number of
         leaves scanned over all shards, the backtracks the synchronisation saves;
@@ -120,6 +157,11 @@ class DistributedIndex:
         Q = np.asarray(Q, dtype=np.float32)
         if Q.ndim != 2 or Q.shape[1] != int(self.attrs["d"]):
             raise InputError(f"queries must be (M, {self.attrs['d']}), got {Q.shape}")
+        if block is None:
+            block = self.plan_block(int(k))
+        if int(block) < 1:
+            raise InputError(f"block must be >= 1, got {block}")
+        block = int(block)
         futs = [self.query_block(Q[a:a + block], int(k), sync_after=sync_after) for a in range(0, len(Q), block)]
         out = self.client.gather(futs)
         stats = {"leaves": int(sum(o[2]["leaves"] for o in out)),

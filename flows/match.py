@@ -22,17 +22,25 @@ from .distributed import DistributedIndex
 
 
 @flow(name="scanforest-index-build")
-def index_build_flow(store: str, reference: list[str], name: str = "default", shards: int = 1,
-                     params: dict | None = None, device: str = "cpu") -> dict[str, Any]:
+def index_build_flow(store: str, reference: list[str], name: str = "default", shards: int | str = 1,
+                     params: dict | None = None, device: str = "cpu", k: int = 4) -> dict[str, Any]:
     """Build (or keep, when unchanged) the sharded index ``name`` over the SHOT descriptors of the
-    ``reference`` scans."""
+    ``reference`` scans. ``shards="auto"``: one per local GPU (one on the CPU), checked against
+    the devices' memory with :func:`scanforest.kernels.sharded.plan_shards` (an index that cannot
+    fit is refused before anything is written)."""
     st = ScanStore(store)
     missing = [s for s in reference if not st.has_stage(s, "describe")]
     if missing:
         raise InputError(f"reference scans without descriptors (run `scanforest describe`): {missing[:5]}")
     ref, ref_scan, ref_row = idx.collect_reference(st, reference)
-    res = idx.build_index(store, name, ref, shards=shards, params=params or {}, ref_scan=ref_scan,
+    plan = None
+    if shards == "auto":
+        plan = idx.plan_for(ref.shape[0], ref.shape[1], params or {}, device, k=k)
+        shards = plan.shards
+    res = idx.build_index(store, name, ref, shards=int(shards), params=params or {}, ref_scan=ref_scan,
                           ref_row=ref_row, scans=reference, device=device)
+    if plan is not None:
+        res["plan"] = plan.describe()
     record_run(st, "index-build", {"name": name, "shards": shards, **(params or {})}, res, [])
     return res
 

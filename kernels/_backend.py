@@ -97,6 +97,31 @@ def gpu_name() -> str | None:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
+def device_memory(device: str) -> list[int]:
+    """Total memory of each local device of ``device`` in bytes: every visible GPU, or the host
+    (one entry) for ``"cpu"``."""
+    if resolve_device(device) == "gpu":
+        import cupy as cp
+
+        return [int(cp.cuda.Device(i).mem_info[1]) for i in range(gpu_count())]
+    import psutil
+
+    return [int(psutil.virtual_memory().total)]
+
+
+def free_memory(device: str = "auto") -> tuple[int, str]:
+    """(free bytes, what they belong to) where ``device`` computes in this process: the current
+    GPU's free memory and its PCI bus id, or the host's available memory and ``"host"``."""
+    if resolve_device(device) == "gpu":
+        import cupy as cp
+
+        dev = cp.cuda.Device()
+        return int(dev.mem_info[0]), str(dev.pci_bus_id)
+    import psutil
+
+    return int(psutil.virtual_memory().available), "host"
+
+
 def is_cupy(a: Any) -> bool:
     """True for a CuPy ndarray (checked without importing CuPy)."""
     return type(a).__module__.startswith("cupy")

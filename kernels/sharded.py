@@ -90,3 +90,89 @@ class ShardedIndex:
             raise InputError(f"k must be in [1, {self.n_samples_fit_}], got {k}")
         parts = [s.query(Q, int(k)) for s in self.shards_]
         return merge_topk(parts, int(k))
+
+
+# ---------------------------------------------------------------------------------------------
+# memory planning
+# ---------------------------------------------------------------------------------------------
+HEAP_BYTES_PER_QUERY = 256 * 8  # the search's per-query priority queue (HEAP_CAP boxes: key + node)
+BF_TILE_BYTES = {"gpu": 2 << 30, "cpu": 512 << 20}  # the brute force's coarse GEMM tile budget
+
+
+def shard_resident_bytes(rows: int, d: int, *, n_trees: int = 1, leaf_size: int = 64,
+                         method: str = "banns") -> int:
+    """Bytes a loaded shard of ``rows`` rows holds on its device: the rows in input order and,
+    for a forest, each tree's leaf-ordered copy, permutation and nodes (at most 4 per ``leaf_size``
+    rows; a node is its child, split, point range and a box of 2 x ``d`` floats)."""
+    rows, d = int(rows), int(d)
+    total = rows * d * 4
+    if method != "exact":
+        nodes = 4 * -(-rows // int(leaf_size))
+        total += int(n_trees) * (rows * d * 4 + rows * 8 + nodes * (28 + 8 * d))
+    return total
+
+
+def search_working_bytes(rows: int, d: int, block: int, k: int, *, device: str = "gpu") -> int:
+    """Transient bytes of one query block on a shard of ``rows`` rows: the block and its results,
+    the per-query queues, and the exact brute force that finishes queries (a centred copy of the
+    shard's rows, its norms and the GEMM tile budget)."""
+    rows, d, block, k = int(rows), int(d), int(block), int(k)
+    per_query = d * 4 + HEAP_BYTES_PER_QUERY + 20 * k + 64
+    return block * per_query + rows * (d * 4 + 4) + BF_TILE_BYTES.get(device, BF_TILE_BYTES["gpu"])
+
+
+@dataclass
+class ShardPlan:
+    shards: int                 # one per worker
+    block: int                  # queries per block that fit beside the resident shard
+    rows_per_shard: int
+    resident_bytes: int         # per worker
+    working_bytes: int          # per worker, at ``block``
+    memory_bytes: int           # the smallest worker's memory the plan was made for
+    fits: bool
+    min_workers: int            # workers of this memory the index needs at the smallest block
+
+    def describe(self) -> str:
+        g = 2 ** 30
+        return (f"{self.shards} shard(s) of {self.rows_per_shard:,} rows: {self.resident_bytes / g:.1f} GiB resident "
+                f"+ {self.working_bytes / g:.1f} GiB per {self.block:,}-query block on each worker "
+                f"({self.memory_bytes / g:.1f} GiB)")
+
+
+def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int = 65_536, n_trees: int = 1,
+                leaf_size: int = 64, method: str = "banns", device: str = "gpu", headroom: float = 0.85,
+                min_block: int = 256) -> ShardPlan:
+    """Shards and query block for ``n`` x ``d`` reference rows on workers of ``memory_bytes`` each
+    (an int, or one per worker: the smallest counts).
+
+    Every shard stays resident on its worker, so the rows per worker do not shrink with more
+    shards on the same workers: the plan is one shard per worker, and the largest block (at
+    most ``block``, halved down to ``min_block``) whose working set fits beside it within
+    ``headroom`` of the memory. ``fits=False`` means even ``min_block`` does not fit; then
+    ``min_workers`` is the number of such workers the index needs.
+    """
+    mem = [int(m) for m in (memory_bytes if hasattr(memory_bytes, "__len__") else [memory_bytes])]
+    if not mem or min(mem) <= 0:
+        raise InputError(f"memory_bytes must be positive (one value per worker), got {memory_bytes!r}")
+    if int(n) < 1 or int(d) < 1:
+        raise InputError(f"n and d must be >= 1, got n={n}, d={d}")
+    if int(block) < 1 or int(min_block) < 1:
+        raise InputError(f"block and min_block must be >= 1, got {block}, {min_block}")
+    workers, cap = len(mem), headroom * min(mem)
+
+    def need(w: int, b: int) -> tuple[int, int, int]:
+        rows = -(-int(n) // w)
+        res = shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method)
+        return rows, res, search_working_bytes(rows, d, b, k, device=device)
+
+    shards = min(workers, int(n))
+    b = max(1, int(block))
+    rows, res, work = need(shards, b)
+    while res + work > cap and b > min_block:
+        b = max(min_block, b // 2)
+        rows, res, work = need(shards, b)
+    fits = res + work <= cap
+    w = shards
+    while need(w, min_block)[1] + need(w, min_block)[2] > cap and w < int(n):
+        w += 1 if w < 64 else w // 8
+    return ShardPlan(shards, b, rows, res, work, min(mem), fits, max(w, 1) if not fits else shards)

@@ -104,6 +104,24 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
             "shards": len(ranges), "seconds": time.perf_counter() - t0, "tree_seconds": build_s}
 
 
+def plan_for(n: int, d: int, params: dict[str, Any], device: str, *, k: int = 4, memory=None):
+    """The shard plan of an ``n`` x ``d`` reference on this machine's devices (one shard per GPU,
+    or one on the CPU); raises :class:`InputError` when the index cannot fit them."""
+    from scanforest.kernels._backend import device_memory, resolve_device
+    from scanforest.kernels.sharded import plan_shards
+
+    dev = resolve_device(device)
+    mem = memory if memory is not None else device_memory(dev)
+    plan = plan_shards(n, d, mem, k=k, n_trees=int(params.get("n_trees") or 1),
+                       leaf_size=int(params.get("leaf_size") or 64), method=params.get("method") or "banns",
+                       device=dev)
+    if not plan.fits:
+        raise InputError(f"an index of {n:,} x {d} rows does not fit {len(mem)} {dev} device(s) of "
+                         f"{min(mem) / 2**30:.1f} GiB: {plan.describe()}; it needs at least {plan.min_workers} "
+                         "such devices (or a smaller reference)")
+    return plan
+
+
 def index_attrs(store_path: str, name: str) -> dict[str, Any]:
     store = ScanStore(store_path, mode="r")
     idx = store.root["indexes"] if "indexes" in store.root else None

@@ -246,3 +246,60 @@ def test_local_cpu_workers_get_their_share(local_client):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     expect = os.environ.get("NUMBA_NUM_THREADS") or str(max(1, cores // 2))
     assert set(got.values()) == {expect}
+
+
+# ------------------------------------------------------------------ memory planning
+def test_shard_plan_fits_the_block_beside_the_resident_rows():
+    from scanforest.kernels.sharded import plan_shards, search_working_bytes, shard_resident_bytes
+
+    G = 2 ** 30
+    # residency: rows once, plus each tree's leaf-ordered copy, permutation and nodes
+    assert shard_resident_bytes(1000, 8, method="exact") == 1000 * 8 * 4
+    forest = shard_resident_bytes(1000, 8, n_trees=2, leaf_size=10)
+    assert forest == 1000 * 32 + 2 * (1000 * 32 + 1000 * 8 + 400 * (28 + 64))
+    assert search_working_bytes(10, 8, 2000, 4) > search_working_bytes(10, 8, 1000, 4)
+    p = plan_shards(10_000_000, 352, [139 * G], block=65_536)  # one H200: all of it resident, full blocks
+    assert p.fits and p.shards == 1 and p.block == 65_536 and p.rows_per_shard == 10_000_000
+    assert p.resident_bytes + p.working_bytes <= 0.85 * 139 * G
+    res = shard_resident_bytes(10_000_000, 352)
+    lo, hi = (search_working_bytes(10_000_000, 352, b, 4) for b in (256, 65_536))
+    mem = int((res + (lo + hi) / 2) / 0.85)  # room beside the rows for about half the largest block
+    tight = plan_shards(10_000_000, 352, [mem], block=65_536)
+    assert tight.fits and 256 < tight.block < 65_536
+    assert tight.resident_bytes + tight.working_bytes <= 0.85 * mem
+    two = plan_shards(100_000_000, 352, [139 * G, 139 * G])  # 100M x 352 on two H200s: two rows copies don't fit
+    assert not two.fits and two.shards == 2 and two.min_workers > 2
+    assert plan_shards(100_000_000, 352, [139 * G] * two.min_workers).fits
+    assert plan_shards(1000, 8, [G, 3 * G, G]).shards == 3  # one shard per worker; the smallest memory counts
+    with pytest.raises(InputError, match="memory_bytes must be positive"):
+        plan_shards(1000, 8, [])
+
+
+def test_index_build_auto_shards_and_refusal(tmp_path, rng):
+    from scanforest.flows.match import run_index_build
+    from scanforest.tasks.store import ScanStore
+
+    with pytest.raises(InputError, match=r"needs at least \d+ such devices"):
+        idx.plan_for(100_000_000, 352, {"method": "banns"}, "cpu", memory=[64 * 2 ** 30])
+    store = str(tmp_path / "s.zarr")
+    st = ScanStore(store)
+    st.write_scan("ref", {"points": np.zeros((1, 3), np.float32)}, {"sha256": "ref"})
+    st.write_stage("ref", "describe", {"kp_shot": rng.normal(size=(500, 352)).astype(np.float32)}, {})
+    res = run_index_build(store, ["ref"], name="a", shards="auto", params={"method": "anns"}, device="cpu")
+    assert res["status"] == "built" and res["shards"] == 1 and "1 shard(s) of 500 rows" in res["plan"]
+
+
+def test_distributed_block_is_planned_from_free_memory(tmp_path, rng, local_client):
+    X, Q = _data(rng)
+    store = str(tmp_path / "s.zarr")
+    idx.build_index(store, "t", X, shards=2, params={"method": "exact"})
+    di = DistributedIndex(local_client, store, "t", device="cpu")
+    assert di.plan_block(4) == 65_536  # small shards: the largest block
+    assert di.plan_block(3, headroom=1e-12) == 256  # no room at all: down to the smallest block
+    assert di.plan_block(4, headroom=1e-12) == 65_536  # planned once per k
+    d, i = di.query(Q, 3)
+    bd, bi = knn_bruteforce(X, Q, 3, device="cpu")
+    np.testing.assert_array_equal(i, bi)
+    with pytest.raises(InputError, match="block must be >= 1"):
+        di.query(Q, 3, block=0)
+    di.close()
