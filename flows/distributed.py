@@ -85,8 +85,14 @@ class DistributedIndex:
         if k in self._blocks:
             return self._blocks[k]
         self.wait()
-        holders = sorted(set(self.placement.values()))
-        free = self.client.run(_worker_free_memory, self.device, workers=holders)
+        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        holders = sorted(set(self.placement.values()) & alive) or sorted(alive)
+        try:
+            free = self.client.run(_worker_free_memory, self.device, workers=holders, on_error="ignore")
+        except Exception:  # a worker lost meanwhile: plan for the largest block, the OOM split still guards
+            free = {}
+        if not free:
+            return max(1, int(block))
         owners: dict[str, int] = {}
         for _, owner in free.values():
             owners[owner] = owners.get(owner, 0) + 1
