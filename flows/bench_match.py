@@ -39,6 +39,13 @@ def _release(client, di) -> None:
     client.run(_free_gpu_pool)
 
 
+def _resident_bytes(dask_worker) -> int:
+    """Bytes of the index shards held by this worker (their Dask-reported sizes)."""
+    from dask.sizeof import sizeof
+
+    return int(sum(sizeof(v) for key, v in dask_worker.data.items() if str(key).startswith("sf-shard-")))
+
+
 def _timed_query(di, Q, k, block, sync_after=None):
     """(seconds, dist, ids, leaves, bytes moved) of one full query pass after a warm-up block."""
     client = di.client
@@ -147,6 +154,16 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                 di.wait()
                 rep.add(f"shard load (store -> {dev}, trees included), {w} workers", time.perf_counter() - t0, "s",
                         where, higher_is_better=False)
+                # the memory plan beside the measurement: estimated residency vs what the shards hold
+                from scanforest.kernels.sharded import plan_shards
+
+                held = client.run(_resident_bytes, workers=sorted(set(di.placement.values())))
+                plan = plan_shards(n, d, [1 << 50] * w, k=k, block=block, n_trees=n_trees,
+                                   leaf_size=leaf_size, method=method, device=dev)
+                rep.note(f"{w} workers: shards hold {max(held.values()) / 2**30:.2f} GiB on the fullest worker "
+                         f"(the planner's estimate: {plan.resident_bytes / 2**30:.2f} GiB; a {block:,}-query "
+                         f"block's working set {plan.working_bytes / 2**30:.2f} GiB); planned block "
+                         f"{di.plan_block(k)}")
                 variants = [None] + ([int(sync_after)] if sync_after else [])
                 for sa in variants:
                     t, dist, _, leaves, moved = _timed_query(di, Q, k, block, sa)
