@@ -43,7 +43,6 @@ class DistributedIndex:
         self.store_path = store_path
         self.name = name
         self.device = device
-        self.method = method
         self._blocks: dict[int, int] = {}
         self.attrs = idx.index_attrs(store_path, name)
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
