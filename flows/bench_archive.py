@@ -10,6 +10,7 @@ the whole-archive figure, never as credit against the other stages).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -41,8 +42,6 @@ def parse_stages(text: str) -> list[str]:
 
 def _load_record(path: Path, config: dict) -> dict:
     """Stages measured by earlier invocations on the same workdir and configuration."""
-    import json
-
     if not path.exists():
         return {}
     try:
@@ -60,8 +59,6 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     each stage is always a complete run over the whole archive, and its figures are recorded in
     ``workdir/bench-stages.json``, so a long archive can be measured stage by stage (for example
     within a per-command time limit) and the whole-archive figures combine the recorded stages."""
-    import json
-
     from scanforest.kernels._backend import describe_device, gpu_count, resolve_device
     from scanforest.kernels.errors import InputError
     from scanforest.kernels.synthetic import recognition_presets
@@ -115,7 +112,6 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
         record_path.write_text(json.dumps({"config": config, "stages": done}, indent=1))
 
     t_all = time.perf_counter()
-    model_ids = None
     if "ingest" in todo:
         with Utilization() as u:
             s = run_ingest(str(archive), str(store), workers=workers, progress=False)

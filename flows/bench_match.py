@@ -3,6 +3,7 @@ dask-cuda), parallel efficiency, bytes moved between workers, against the exact 
 the same devices in the same run."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -61,8 +62,6 @@ def _timed_query(di, Q, k, block, sync_after=None):
 def _merge_recorded(path: str, rep: BenchReport, qps: dict) -> dict:
     """This run's queries/s per (workers, sync) merged with those recorded on the workdir by
     earlier runs of the same configuration (``rep.params`` less the worker counts); recorded."""
-    import json
-
     config = {k: v for k, v in rep.params.items() if k != "workers"}
     rec = {}
     try:
@@ -155,15 +154,15 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                 rep.add(f"shard load (store -> {dev}, trees included), {w} workers", time.perf_counter() - t0, "s",
                         where, higher_is_better=False)
                 # the memory plan beside the measurement: estimated residency vs what the shards hold
-                from scanforest.kernels.sharded import plan_shards
+                from scanforest.kernels.sharded import search_working_bytes, shard_resident_bytes
 
                 held = client.run(_resident_bytes, workers=sorted(set(di.placement.values())))
-                plan = plan_shards(n, d, [1 << 50] * w, k=k, block=block, n_trees=n_trees,
-                                   leaf_size=leaf_size, method=method, device=dev)
+                rows = -(-n // w)
+                est = shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method)
+                work = search_working_bytes(rows, d, block, k, device=dev)
                 rep.note(f"{w} workers: shards hold {max(held.values()) / 2**30:.2f} GiB on the fullest worker "
-                         f"(the planner's estimate: {plan.resident_bytes / 2**30:.2f} GiB; a {block:,}-query "
-                         f"block's working set {plan.working_bytes / 2**30:.2f} GiB); planned block "
-                         f"{di.plan_block(k)}")
+                         f"(the planner's estimate: {est / 2**30:.2f} GiB; a {block:,}-query "
+                         f"block's working set {work / 2**30:.2f} GiB); planned block {di.plan_block(k)}")
                 variants = [None] + ([int(sync_after)] if sync_after else [])
                 for sa in variants:
                     t, dist, _, leaves, moved = _timed_query(di, Q, k, block, sa)

@@ -79,7 +79,7 @@ class DistributedIndex:
         (:func:`scanforest.kernels.sharded.search_working_bytes`) fits the free memory each
         worker has beside its resident shards; workers that share a GPU (or the host) share its
         free memory. Waits for the shards; planned once per ``k``."""
-        from scanforest.kernels.sharded import search_working_bytes
+        from scanforest.kernels.sharded import fit_block
 
         if k in self._blocks:
             return self._blocks[k]
@@ -99,11 +99,8 @@ class DistributedIndex:
         rows = max(b - a for a, b in self.attrs["shards"])
         d = int(self.attrs["d"])
         dev = "cpu" if set(owners) == {"host"} else "gpu"  # where the shards compute (the tile budget)
-        b = max(1, int(block))
-        while b > min_block and search_working_bytes(rows, d, b, k, device=dev) > headroom * share:
-            b = max(min_block, b // 2)
-        self._blocks[k] = b
-        return b
+        self._blocks[k] = fit_block(rows, d, k, headroom * share, block=block, min_block=min_block, device=dev)
+        return self._blocks[k]
 
     def _reduce(self, parts, k: int):
         c = self.client

@@ -65,8 +65,9 @@ def _match_batch(di: DistributedIndex, store: str, scan_ids: list[str], k: int) 
         todo.append((sid, Q, ok, time.perf_counter() - t0))
     if todo:
         rows = [int(ok.sum()) for _, _, ok, _ in todo]
+        n_rows = sum(rows)
         compute = 0.0
-        if sum(rows):
+        if n_rows:
             d_all, i_all, stats = di.query(np.concatenate([Q[ok] for _, Q, ok, _ in todo]), k, return_stats=True)
             compute = stats["compute_seconds"]
         a = 0
@@ -79,7 +80,7 @@ def _match_batch(di: DistributedIndex, store: str, scan_ids: list[str], k: int) 
             a += n
             st.write_stage(sid, "match", {"match_ids": ids, "match_dist": dist},
                            {"index": di.name, "content_hash": tag, "k": k, "queries": n})
-            share = compute * n / max(1, sum(rows))
+            share = compute * n / max(1, n_rows)
             recs[sid] = {"scan_id": sid, "status": "matched", "queries": n,
                          "seconds": t_read + time.perf_counter() - t0 + share}
     return [recs[s] for s in scan_ids]

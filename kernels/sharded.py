@@ -121,6 +121,16 @@ def search_working_bytes(rows: int, d: int, block: int, k: int, *, device: str =
     return block * per_query + rows * (d * 4 + 4) + BF_TILE_BYTES.get(device, BF_TILE_BYTES["gpu"])
 
 
+def fit_block(rows: int, d: int, k: int, cap: float, *, block: int = 65_536, min_block: int = 256,
+              device: str = "gpu") -> int:
+    """The largest query block (``block`` halved down to ``min_block``) whose working set on a
+    shard of ``rows`` rows fits in ``cap`` bytes (``min_block`` when none does)."""
+    b = max(1, int(block))
+    while b > min_block and search_working_bytes(rows, d, b, k, device=device) > cap:
+        b = max(min_block, b // 2)
+    return b
+
+
 @dataclass
 class ShardPlan:
     shards: int                 # one per worker
@@ -160,19 +170,19 @@ def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int = 65_536
         raise InputError(f"block and min_block must be >= 1, got {block}, {min_block}")
     workers, cap = len(mem), headroom * min(mem)
 
-    def need(w: int, b: int) -> tuple[int, int, int]:
+    def resident(w: int) -> tuple[int, int]:  # rows per shard and resident bytes per worker, w shards
         rows = -(-int(n) // w)
-        res = shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method)
-        return rows, res, search_working_bytes(rows, d, b, k, device=device)
+        return rows, shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method)
+
+    def total(w: int, b: int) -> int:
+        rows, res = resident(w)
+        return res + search_working_bytes(rows, d, b, k, device=device)
 
     shards = min(workers, int(n))
-    b = max(1, int(block))
-    rows, res, work = need(shards, b)
-    while res + work > cap and b > min_block:
-        b = max(min_block, b // 2)
-        rows, res, work = need(shards, b)
-    fits = res + work <= cap
-    w = shards
-    while need(w, min_block)[1] + need(w, min_block)[2] > cap and w < int(n):
+    rows, res = resident(shards)
+    b = fit_block(rows, d, k, cap - res, block=block, min_block=min_block, device=device)
+    work = search_working_bytes(rows, d, b, k, device=device)
+    w = shards  # the workers of this memory the index needs (more than it has when it does not fit)
+    while total(w, min_block) > cap and w < int(n):
         w += 1 if w < 64 else w // 8
-    return ShardPlan(shards, b, rows, res, work, min(mem), fits, max(w, 1) if not fits else shards)
+    return ShardPlan(shards, b, rows, res, work, min(mem), res + work <= cap, w)
