@@ -12,6 +12,7 @@ import time
 from scanforest.kernels._backend import describe_device, resolve_device
 from scanforest.kernels.bruteforce import knn_bruteforce, recall
 
+from scanforest.kernels.errors import InputError
 from ._bench import BenchReport
 from ._runner import dask_client
 
@@ -47,39 +48,91 @@ def _resident_bytes(dask_worker) -> int:
     return int(sum(sizeof(v) for key, v in dask_worker.data.items() if str(key).startswith("sf-shard-")))
 
 
-def _timed_query(di, Q, k, block, sync_after=None):
+def _timed_query(di, Q, k, block, sync_after=None, backtracks=None):
     """(seconds, dist, ids, leaves, bytes moved) of one full query pass after a warm-up block."""
     client = di.client
     di.wait()  # resident on the workers (a gather would copy every shard into this process)
-    di.query(Q[: min(len(Q), block)], k, block=block, sync_after=sync_after)  # warm-up
+    di.query(Q[: min(len(Q), block)], k, block=block, sync_after=sync_after, backtracks=backtracks)  # warm-up
     b0 = _transfer_bytes(client)
     t0 = time.perf_counter()
-    dist, ids = di.query(Q, k, block=block, sync_after=sync_after)
+    dist, ids = di.query(Q, k, block=block, sync_after=sync_after, backtracks=backtracks)
     t = time.perf_counter() - t0
     return t, dist, ids, di.stats_["leaves"], _transfer_bytes(client) - b0
 
 
+_VARIES = ("workers", "sync_after", "backtracks")  # told apart by the (workers, sync, budget) keys
+
+
 def _merge_recorded(path: str, rep: BenchReport, qps: dict) -> dict:
-    """This run's queries/s per (workers, sync) merged with those recorded on the workdir by
-    earlier runs of the same configuration (``rep.params`` less the worker counts); recorded."""
-    config = {k: v for k, v in rep.params.items() if k != "workers"}
+    """This run's ``{(workers, sync, budget): (queries/s, recall)}`` merged with those recorded
+    on the workdir by earlier runs of the same configuration (``rep.params`` less the worker
+    counts, the synchronisation and the budgets, which the keys tell apart); recorded."""
+    config = {k: v for k, v in rep.params.items() if k not in _VARIES}
     rec = {}
     try:
         old = json.loads(open(path).read())
         if old.get("config") == config:
-            rec = {(int(w), None if sa is None else int(sa)): q for w, sa, q in old["qps"]}
+            rec = {(int(w), None if sa is None else int(sa), int(b)): (float(q), float(r))
+                   for w, sa, b, q, r in old["qps"]}
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    earlier = sorted({w for w, _ in rec} - {w for w, _ in qps})
+    earlier = sorted({key[0] for key in rec} - {key[0] for key in qps})
     if earlier:
         rep.note(f"queries/s of {earlier} worker(s) from an earlier run on this workdir (same configuration)")
     rec.update(qps)
     with open(path, "w") as f:
-        json.dump({"config": config, "qps": [[w, sa, q] for (w, sa), q in rec.items()]}, f)
+        json.dump({"config": config, "qps": [[w, sa, b, q, r] for (w, sa, b), (q, r) in rec.items()]}, f)
     return rec
 
 
-def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, backtracks: int | None,
+def _efficiency_rows(rep: BenchReport, qps: dict, where: str) -> None:
+    """Parallel efficiency from 1 to W workers, two ways:
+
+    - at the same budget per shard: more shards then scan more leaves per query in all, so the
+      recall rises with W and the efficiency understates the scaling;
+    - at matched recall: for each 1-worker point, the fastest W-worker point (any budget) whose
+      recall is at least as high: the scaling a user who asks for a recall sees (with more
+      than one budget measured).
+    """
+    tag_budget = len({key[2] for key in qps}) > 1
+    for (w, sa, b), (q, _) in sorted(qps.items(), key=lambda x: (x[0][0], x[0][1] or 0, x[0][2])):
+        if w > 1 and (1, sa, b) in qps:
+            tag = ("" if sa is None else f", sync {sa}") + (f", {b} leaves per shard" if tag_budget else "")
+            rep.add(f"parallel efficiency 1 -> {w} workers{tag}", q / (w * qps[(1, sa, b)][0]), "", where)
+    for (w1, sa1, b1), (q1, r1) in sorted(qps.items(), key=lambda x: (x[0][1] or 0, x[0][2])):
+        if w1 != 1 or not tag_budget:
+            continue
+        for w in sorted({key[0] for key in qps if key[0] > 1}):
+            ok = [(q, b) for (ww, sa, b), (q, r) in qps.items() if ww == w and sa == sa1 and r >= r1]
+            sync = "" if sa1 is None else f", sync {sa1}"
+            if not ok:
+                rep.note(f"no {w}-worker budget{sync} reached the 1-worker recall {r1:.3f} of {b1} leaves")
+                continue
+            q, b = max(ok)
+            rep.add(f"parallel efficiency 1 -> {w} workers at recall >= {r1:.3f}{sync} "
+                    f"(1 worker {b1} leaves; {w} workers {b} leaves per shard)", q / (w * q1), "", where)
+
+
+def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, method, bf_qps, tag_budget):
+    """One timed pass over all queries (sync ``sa``, leaf budget ``budget`` per shard, None:
+    unlimited), its rows, and its ``(queries/s, recall)`` in ``qps[(w, sa, budget or 0)]``."""
+    m = len(Q)
+    t, dist, _, leaves, moved = _timed_query(di, Q, k, block, sa, budget)
+    r = recall(dist[:mb], ref, k)
+    tag = (f", {budget} leaves per shard" if tag_budget else "") + \
+        ("" if sa is None else f", bound sync after {sa} leaves")
+    qps[(w, sa, int(budget or 0))] = (m / t, r)
+    rep.add(f"{method} queries/s, {w} worker{'s' if w > 1 else ''}{tag}", m / t, "queries/s", where,
+            baseline=f"exact brute force, {w} workers", baseline_value=bf_qps, recall=r,
+            workers=w, sync_after=sa, backtracks=budget)
+    rep.add(f"recall@{k}, {w} workers{tag}", r, "", where)
+    rep.add(f"leaves scanned per query (all shards), {w} workers{tag}", leaves / m, "leaves", where,
+            higher_is_better=False)
+    rep.add(f"bytes moved between workers per query, {w} workers{tag}", moved / m, "bytes", where,
+            higher_is_better=False)
+
+
+def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, backtracks,
         leaf_size: int, device: str, block: int, out, clusters: int = 1000, shards: int | None = None,
         sync_after: int | None = None, bf_queries: int | None = None, n_trees: int = 1,
         workdir: str | None = None) -> BenchReport:
@@ -91,6 +144,10 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     ``shards=S`` builds one S-shard index, spread over 1..W workers (the same work on more GPUs).
     ``workdir`` keeps the index stores there: a later run with the same data and parameters
     reuses them (the build row then says so), e.g. to run each worker count in its own command.
+
+    ``backtracks``: a leaf budget per shard, or a list of them (a recall/speed curve on the same
+    resident index: the first is built in, the others are set per query). With several budgets
+    the efficiency is also given at matched recall.
     """
     from scanforest.tasks import index as idx
 
@@ -98,9 +155,14 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     from .distributed import DistributedIndex
 
     dev = resolve_device(device)
+    budgets = list(backtracks) if isinstance(backtracks, (list, tuple)) else [backtracks]
+    if len(budgets) > 1 and any(b is None or int(b) < 1 for b in budgets):
+        raise InputError("a list of budgets needs positive leaf counts (unlimited search takes one budget)")
+    backtracks = budgets[0]
     mb = m if not bf_queries else min(m, int(bf_queries))
     rep = BenchReport("match", {"n": n, "m": m, "d": d, "k": k, "workers": workers, "method": method,
-                                "backtracks": backtracks, "leaf_size": leaf_size, "block": block,
+                                "backtracks": budgets if len(budgets) > 1 else backtracks,
+                                "leaf_size": leaf_size, "block": block,
                                 "shards": shards, "sync_after": sync_after, "bf_queries": mb,
                                 "n_trees": n_trees, "clusters": clusters}, echo=True)
     t0 = time.perf_counter()
@@ -118,7 +180,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     devname = describe_device(dev)
     tmp = workdir or tempfile.mkdtemp(prefix="sf-bench-match-")
     os.makedirs(tmp, exist_ok=True)
-    params = {"method": method, "leaf_size": leaf_size, "backtracks": backtracks, "n_trees": n_trees}
+    # budgets are set per query, so one stored index serves every budget (and every later run)
+    params = {"method": method, "leaf_size": leaf_size, "backtracks": None, "n_trees": n_trees}
     built = {}
 
     def store_for(w):
@@ -164,26 +227,15 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                          f"(the planner's estimate: {est / 2**30:.2f} GiB; a {block:,}-query "
                          f"block's working set {work / 2**30:.2f} GiB); planned block {di.plan_block(k)}")
                 variants = [None] + ([int(sync_after)] if sync_after else [])
-                for sa in variants:
-                    t, dist, _, leaves, moved = _timed_query(di, Q, k, block, sa)
-                    r = recall(dist[:mb], ref, k)
-                    tag = "" if sa is None else f", bound sync after {sa} leaves"
-                    qps[(w, sa)] = m / t
-                    rep.add(f"{method} queries/s, {w} worker{'s' if w > 1 else ''}{tag}", m / t, "queries/s", where,
-                            baseline=f"exact brute force, {w} workers", baseline_value=mb / t_bf, recall=r,
-                            workers=w, sync_after=sa)
-                    rep.add(f"recall@{k}, {w} workers{tag}", r, "", where)
-                    rep.add(f"leaves scanned per query (all shards), {w} workers{tag}", leaves / m, "leaves", where,
-                            higher_is_better=False)
-                    rep.add(f"bytes moved between workers per query, {w} workers{tag}", moved / m, "bytes", where,
-                            higher_is_better=False)
+                for b in budgets:
+                    for sa in variants:
+                        _query_rows(rep, di, Q, k, block, sa, b, mb, ref, qps, w=w, where=where, method=method,
+                                    bf_qps=mb / t_bf, tag_budget=len(budgets) > 1)
                 _release(client, di)
         if workdir:  # worker counts measured by earlier runs on this workdir with the same configuration
             qps = _merge_recorded(os.path.join(tmp, "bench-match.json"), rep, qps)
-        for (w, sa), q in qps.items():
-            if w > 1 and (1, sa) in qps:
-                tag = "" if sa is None else f", sync {sa}"
-                rep.add(f"parallel efficiency 1 -> {w} workers{tag}", q / (w * qps[(1, sa)]), "", devname)
+        _efficiency_rows(rep, qps, devname)
+
         rep.note("workers share one host; with one GPU, several workers share it (efficiency then measures "
                  "orchestration, not GPU scaling)" if dev == "gpu" else
                  f"CPU workers share {os.cpu_count()} cores")
@@ -210,7 +262,8 @@ def register_bench(bench) -> None:
         k: int = typer.Option(4, "-k"),
         workers: str = typer.Option("1,2", help="Worker counts to run (comma separated)."),
         method: str = typer.Option("anns"),
-        backtracks: int = typer.Option(256, help="Leaf visits per query (0 = unlimited, exact)."),
+        backtracks: str = typer.Option("256", help="Leaf visits per query and shard (0 = unlimited, exact); a "
+                                       "comma list runs a recall/speed curve on the same index."),
         leaf_size: int = typer.Option(64),
         block: int = typer.Option(10_000, help="Queries per block sent to every shard."),
         device: str = typer.Option("auto"),
@@ -224,7 +277,8 @@ def register_bench(bench) -> None:
         out: str = typer.Option(None, "--out"),
     ):
         """Distributed matching: queries/s on 1..W workers, efficiency, bytes moved, vs brute force."""
-        run(n, m, d, k, [int(w) for w in workers.split(",")], method=method, backtracks=backtracks or None,
+        run(n, m, d, k, [int(w) for w in workers.split(",")], method=method,
+            backtracks=[int(b) or None for b in backtracks.split(",")],
             leaf_size=leaf_size, device=device, block=block, out=out, clusters=clusters, shards=shards or None,
             sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees, workdir=workdir)
 

@@ -112,7 +112,8 @@ class DistributedIndex:
             parts = nxt
         return parts[0]
 
-    def query_block(self, Q: np.ndarray, k: int, *, sync_after: int | None = None):
+    def query_block(self, Q: np.ndarray, k: int, *, sync_after: int | None = None,
+                    backtracks: int | None = None):
         """Submit one query block to every shard and tree-reduce.
 
         Returns a future of ``(dist2, ids, stats)``; ``stats``: ``{"leaves": leaves scanned by all
@@ -124,6 +125,9 @@ class DistributedIndex:
         second phase searches with the full budget, pruning every box not closer than that bound
         (a shard whose own candidates are all worse than another shard's stops early). The two
         phases are merged with duplicates removed. ``None``: one phase, no synchronisation.
+
+        ``backtracks``: every shard's leaf budget for this block (default: the index's own); the
+        budget of the second phase when synchronising.
         """
         c = self.client
         qf = c.submit(_identity, np.ascontiguousarray(Q, dtype=np.float32), pure=False)
@@ -132,19 +136,23 @@ class DistributedIndex:
             return [c.submit(idx.search_shard, s, qf, k, stats=True, workers=[self.placement[i]],
                              allow_other_workers=True, pure=False, **kw) for i, s in enumerate(self.shards)]
 
+        full = {} if backtracks is None else {"backtracks": int(backtracks)}
         if sync_after is None:
-            return self._reduce(on_shards(), k)
+            return self._reduce(on_shards(**full), k)
         first = self._reduce(on_shards(backtracks=int(sync_after)), k)
         bound = c.submit(idx.kth_bound, first, pure=False)
-        second = self._reduce(on_shards(bounds=bound), k)
+        second = self._reduce(on_shards(bounds=bound, **full), k)
         return c.submit(idx.merge_phases, first, second, k=k, pure=False)
 
     def query(self, Q, k: int, *, block: int | None = None, progress=None, sync_after: int | None = None,
-              return_stats: bool = False):
+              backtracks: int | None = None, return_stats: bool = False):
         """Global top-``k`` of every row of ``Q``: ``(dist2 (M, k) float32, ids (M, k) int64)``.
 
         ``block``: queries per block sent to every shard (default: :meth:`plan_block`, at most
         65,536, fitted to the workers' free memory).
+
+        ``backtracks``: the leaf budget of every shard for this query (default: the index's own,
+        set at build time); a recall/speed trade-off chosen per query, with no rebuild.
 
         ``sync_after``: see :meth:`query_block`. The statistics (``leaves``: the total number of
         leaves scanned over all shards, the backtracks the synchronisation saves;
@@ -156,6 +164,8 @@ class DistributedIndex:
             raise InputError(f"k must be in [1, {self.n}], got {k}")
         if sync_after is not None and (isinstance(sync_after, bool) or int(sync_after) < 1):
             raise InputError(f"sync_after must be a positive number of leaves or None, got {sync_after!r}")
+        if backtracks is not None and (isinstance(backtracks, bool) or int(backtracks) < 1):
+            raise InputError(f"backtracks must be a positive number of leaves or None, got {backtracks!r}")
         Q = np.asarray(Q, dtype=np.float32)
         if Q.ndim != 2 or Q.shape[1] != int(self.attrs["d"]):
             raise InputError(f"queries must be (M, {self.attrs['d']}), got {Q.shape}")
@@ -164,11 +174,12 @@ class DistributedIndex:
         if int(block) < 1:
             raise InputError(f"block must be >= 1, got {block}")
         block = int(block)
-        futs = [self.query_block(Q[a:a + block], int(k), sync_after=sync_after) for a in range(0, len(Q), block)]
+        futs = [self.query_block(Q[a:a + block], int(k), sync_after=sync_after, backtracks=backtracks)
+                for a in range(0, len(Q), block)]
         out = self.client.gather(futs)
         stats = {"leaves": int(sum(o[2]["leaves"] for o in out)),
                  "compute_seconds": float(sum(o[2]["seconds"] for o in out)),
-                 "queries": int(len(Q)), "sync_after": sync_after}
+                 "queries": int(len(Q)), "sync_after": sync_after, "backtracks": backtracks}
         self.stats_ = stats
         if not out:
             res = np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)

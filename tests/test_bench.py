@@ -53,15 +53,63 @@ def test_whole_archive_figures_from_recorded_stages():
 
 def test_bench_match_merges_worker_counts_recorded_on_its_workdir(tmp_path):
     """``bench match --workdir``: each worker count may run in its own command; the efficiency
-    uses the recorded queries/s of the same configuration only."""
+    uses the recorded (queries/s, recall) of the same configuration only, whatever the
+    synchronisation and budgets each command ran."""
     from scanforest.flows.bench_match import _merge_recorded
 
     path = str(tmp_path / "bench-match.json")
-    one = BenchReport("match", {"n": 10, "workers": [1], "sync_after": None})
-    assert _merge_recorded(path, one, {(1, None): 100.0, (1, 8): 80.0}) == {(1, None): 100.0, (1, 8): 80.0}
-    two = BenchReport("match", {"n": 10, "workers": [2], "sync_after": None})
-    merged = _merge_recorded(path, two, {(2, None): 150.0})
-    assert merged == {(1, None): 100.0, (1, 8): 80.0, (2, None): 150.0}
+    one = BenchReport("match", {"n": 10, "workers": [1], "sync_after": None, "backtracks": 384})
+    first = {(1, None, 384): (100.0, 0.93), (1, 8, 384): (80.0, 0.94)}
+    assert _merge_recorded(path, one, dict(first)) == first
+    two = BenchReport("match", {"n": 10, "workers": [2], "sync_after": 8, "backtracks": [192, 256]})
+    merged = _merge_recorded(path, two, {(2, None, 192): (300.0, 0.88), (2, 8, 256): (140.0, 0.95)})
+    assert merged == {**first, (2, None, 192): (300.0, 0.88), (2, 8, 256): (140.0, 0.95)}
     assert any("earlier run" in x for x in two.notes)
     other = BenchReport("match", {"n": 20, "workers": [2], "sync_after": None})  # another configuration
-    assert _merge_recorded(path, other, {(2, None): 50.0}) == {(2, None): 50.0}
+    assert _merge_recorded(path, other, {(2, None, 64): (50.0, 0.9)}) == {(2, None, 64): (50.0, 0.9)}
+
+
+def test_bench_match_efficiency_at_the_same_budget_and_at_matched_recall():
+    """The same-budget efficiency divides by W x the 1-worker rate at that budget; the
+    matched-recall efficiency takes the fastest W-worker budget whose recall is at least the
+    1-worker recall (the figures of the 10M x 352 runs on 2 H200s)."""
+    from scanforest.flows.bench_match import _efficiency_rows
+
+    qps = {(1, None, 384): (14562.0, 0.9307), (2, None, 384): (18297.0, 0.9799),
+           (2, None, 192): (33664.0, 0.8807), (2, None, 256): (25765.0, 0.9426)}
+    rep = BenchReport("match", {})
+    _efficiency_rows(rep, qps, "gpu")
+    rows = {x.figure: x.value for x in rep.rows}
+    assert rows["parallel efficiency 1 -> 2 workers, 384 leaves per shard"] == pytest.approx(18297 / (2 * 14562))
+    matched = [f for f in rows if "at recall >= 0.931" in f]
+    assert len(matched) == 1 and "2 workers 256 leaves per shard" in matched[0]  # 192 misses the recall
+    assert rows[matched[0]] == pytest.approx(25765 / (2 * 14562))
+    one_budget = BenchReport("match", {})  # one budget: no matched-recall row (it would repeat the other)
+    _efficiency_rows(one_budget, {(1, None, 384): (1.0, 0.9), (2, None, 384): (1.5, 0.95)}, "gpu")
+    assert [x.figure for x in one_budget.rows] == ["parallel efficiency 1 -> 2 workers"]
+
+
+def test_bench_match_curve_on_cpu_one_index_for_every_budget(tmp_path):
+    """``bench match --backtracks 4,16``, one worker count per command on a kept workdir: the
+    index is built once (budgets are set per query), the second command merges the first's
+    figures, and every efficiency row is the ratio of the queries/s rows it names."""
+    from scanforest.flows import bench_match
+
+    kw = dict(method="banns", backtracks=[4, 16], leaf_size=16, device="cpu", block=100, clusters=10, shards=2,
+              workdir=str(tmp_path / "wd"))
+    one = bench_match.run(1500, 150, 8, 4, [1], out=str(tmp_path / "one.json"), **kw)
+    two = bench_match.run(1500, 150, 8, 4, [2], out=str(tmp_path / "two.json"), **kw)
+    r1 = {x.figure: x.value for x in one.rows}
+    r2 = {x.figure: x.value for x in two.rows}
+    assert "index build (write + trees), 2 shards" in r1
+    assert "index build (unchanged in the workdir: content hash only), 2 shards" in r2
+    for b in (4, 16):
+        assert 0 < r2[f"recall@4, 2 workers, {b} leaves per shard"] <= 1
+        eff = r2[f"parallel efficiency 1 -> 2 workers, {b} leaves per shard"]
+        assert eff == pytest.approx(r2[f"banns queries/s, 2 workers, {b} leaves per shard"]
+                                    / (2 * r1[f"banns queries/s, 1 worker, {b} leaves per shard"]))
+    assert any("earlier run" in x for x in two.notes)
+    assert any(f.startswith("parallel efficiency 1 -> 2 workers at recall >=") for f in r2)
+    with pytest.raises(InputError, match="positive leaf counts"):
+        bench_match.run(100, 10, 8, 4, [1], method="banns", backtracks=[4, None], leaf_size=16, device="cpu",
+                        block=10, out=None)

@@ -132,6 +132,13 @@ def test_bound_synchronisation_is_exact_and_prunes(tmp_path, rng, local_client, 
     db, _ = di.query(Q, k, block=150, sync_after=4)
     with pytest.raises(InputError):
         di.query(Q, k, sync_after=0)
+    # a budget set per query: the index's own (8) gives the same answer; 2 scans at most 2 per shard
+    dc, _ = di.query(Q, k, block=150, backtracks=8)
+    np.testing.assert_array_equal(dc, da)
+    di.query(Q, k, block=150, backtracks=2)
+    assert 0 < di.stats_["leaves"] <= 2 * len(Q) * shards and di.stats_["backtracks"] == 2
+    with pytest.raises(InputError, match="backtracks"):
+        di.query(Q, k, backtracks=0)
     di.close()
     from scanforest.kernels.bruteforce import recall
 
