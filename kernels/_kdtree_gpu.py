@@ -748,7 +748,11 @@ def _tree_args(tree):
 
 def _exact_redo(tree, queries, idx, k, out_d, out_i):
     """Exact brute force for the queries ``idx`` (heap overflow or residual)."""
-    d2, i2 = knn_bruteforce(tree.data, queries[idx], k, device="gpu")
+    if tree.data is not None:
+        d2, i2 = knn_bruteforce(tree.data, queries[idx], k, device="gpu")
+    else:  # a one-copy tree: the first tree's leaf-ordered rows, answered by input-order id
+        n = tree.n_points
+        d2, i2 = knn_bruteforce(tree.points[:n], queries[idx], k, device="gpu", ids=tree.perm[:n])
     out_d[idx] = d2
     out_i[idx] = i2
 

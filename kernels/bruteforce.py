@@ -25,12 +25,15 @@ import numpy as np
 from numba import njit, prange
 
 from ._backend import is_cupy, resolve_device, to_numpy
-from .errors import InputError, OutOfMemory
+from .errors import InputError
 
 __all__ = ["knn_bruteforce", "recall", "check_points", "MAX_K"]
 
 MAX_K = 256
 _U = 2.0 ** -24
+# a centred copy of the base is made when it takes at most this share of the free memory
+# (available host memory, free GPU memory); otherwise tiles are centred as they are used
+_COPY_SHARE = {"cpu": 0.25, "gpu": 0.5}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,9 +142,11 @@ def _select_coarse_cpu(G, qn, bn, b0, cand_d, cand_i, cnt):
 
 
 @njit(cache=True, parallel=True)
-def _rerank_cpu(base, queries, cand, k, out_d, out_i):
-    """Canonical distances of candidate ids (-1 = none) -> sorted top k per query."""
+def _rerank_cpu(base, queries, cand, k, out_d, out_i, idm):
+    """Canonical distances of candidate rows (-1 = none) -> sorted top k per query, as ids
+    ``idm[row]`` (the row itself when ``idm`` is empty), ties by the smaller id."""
     m, c = cand.shape
+    mapped = idm.shape[0] > 0
     for qi in prange(m):
         dist = np.empty(k, np.float32)
         ids = np.empty(k, np.int64)
@@ -151,7 +156,7 @@ def _rerank_cpu(base, queries, cand, k, out_d, out_i):
             b = cand[qi, j]
             if b < 0:
                 continue
-            cnt = _insert(dist, ids, cnt, k, _sqdist(q, base[b]), b)
+            cnt = _insert(dist, ids, cnt, k, _sqdist(q, base[b]), idm[b] if mapped else b)
         for j in range(k):
             if j < cnt:
                 out_d[qi, j] = dist[j]
@@ -162,9 +167,10 @@ def _rerank_cpu(base, queries, cand, k, out_d, out_i):
 
 
 @njit(cache=True, parallel=True)
-def _rerank_pairs_cpu(base, queries, starts, cols, k, out_d, out_i):
+def _rerank_pairs_cpu(base, queries, starts, cols, k, out_d, out_i, idm):
     """Like _rerank_cpu for a CSR list of candidates: row r holds cols[starts[r]:starts[r+1]]."""
     m = starts.shape[0] - 1
+    mapped = idm.shape[0] > 0
     for qi in prange(m):
         dist = np.empty(k, np.float32)
         ids = np.empty(k, np.int64)
@@ -172,7 +178,7 @@ def _rerank_pairs_cpu(base, queries, starts, cols, k, out_d, out_i):
         q = queries[qi]
         for j in range(starts[qi], starts[qi + 1]):
             b = cols[j]
-            cnt = _insert(dist, ids, cnt, k, _sqdist(q, base[b]), b)
+            cnt = _insert(dist, ids, cnt, k, _sqdist(q, base[b]), idm[b] if mapped else b)
         for j in range(k):
             out_d[qi, j] = dist[j] if j < cnt else np.inf
             out_i[qi, j] = ids[j] if j < cnt else -1
@@ -376,7 +382,7 @@ def _blocks(n_rows: int, n_base: int, d: int, budget_bytes: int, block):
     return qb, bb
 
 
-def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None):
+def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None, ids=None):
     """Exact k nearest neighbours of every query in ``base`` (squared L2).
 
     Parameters
@@ -392,13 +398,24 @@ def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None):
     block : int or (int, int), optional, keyword-only
         Query block (and base block) size of the coarse GEMM tiles; by default sized to fit a
         tile budget (512 MiB on the CPU, 2 GiB on the GPU).
+    ids : (N,) int array, optional, keyword-only
+        The id of each base row, returned instead of the row index and used to break ties
+        (e.g. a KD-tree's leaf-ordered rows with its permutation: the answer is then the one on
+        the rows in input order). Distinct, ``0 <= id < 2**32``.
+
+    Notes
+    -----
+    The coarse pass works on mean-centred rows. A centred copy of ``base`` is made when it fits
+    (half the free GPU memory, a quarter of the available host memory); otherwise each base
+    tile is centred as it is used, so the search needs no more memory than ``base`` itself plus
+    the tiles.
 
     Returns
     -------
     dist2 : (M, k) float32
         Canonical squared distances, ascending.
     ids : (M, k) int64
-        Row indices into ``base``; ties broken by the smaller id.
+        Row indices into ``base`` (or ``ids`` of them); ties broken by the smaller id.
     """
     dev = resolve_device(device, base, queries)
     if dev == "gpu":
@@ -409,24 +426,59 @@ def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None):
     base = check_points(conv(base), "base", xp=xp)
     queries = check_points(conv(queries), "queries", dim=base.shape[1], xp=xp)
     k = check_k(k, base.shape[0])
+    if ids is not None:
+        ids = conv(ids)
+        if ids.shape != (base.shape[0],) or ids.dtype.kind not in "iu":
+            raise InputError(f"ids must be ({base.shape[0]},) integers (one per base row), got "
+                             f"{tuple(ids.shape)} {ids.dtype}")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= 2 ** 32):
+            raise InputError("ids must lie in [0, 2**32)")
+        ids = xp.ascontiguousarray(ids, dtype=xp.int64)
     if dev == "gpu":
-        return _bf_gpu(base, queries, k, block)
-    return _bf_cpu(base, queries, k, block)
+        return _bf_gpu(base, queries, k, block, ids)
+    return _bf_cpu(base, queries, k, block, ids)
+
+
+def _host_available() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # pragma: no cover - psutil comes with distributed
+        return 1 << 62
+
+
+class _Tiles:
+    """Mean-centred tiles of ``base`` rows ``[b0, b0 + bb)``: views of one centred copy when
+    ``copy``, else centred as they are asked for (no second copy of the base)."""
+
+    def __init__(self, base, mu, copy: bool):
+        self.base, self.mu = base, mu
+        self.bc = base - mu if copy else None
+
+    def __call__(self, b0: int, bb: int):
+        if self.bc is not None:
+            return self.bc[b0:b0 + bb]
+        return self.base[b0:b0 + bb] - self.mu
 
 
 def _candidates(k: int, n: int) -> int:
     return min(n, 2 * k + 16)
 
 
-def _bf_cpu(base, queries, k, block):
+def _bf_cpu(base, queries, k, block, ids=None):
     n, d = base.shape
     m = queries.shape[0]
     kc = _candidates(k, n)
+    idm = np.empty(0, np.int64) if ids is None else ids
     mu = base.mean(axis=0, dtype=np.float64).astype(np.float32)
-    bc = base - mu
-    bn = np.einsum("ij,ij->i", bc, bc, dtype=np.float32)
-    bnmax = float(bn.max())
     qb, bb = _blocks(m, n, d, 512 << 20, block)
+    tiles = _Tiles(base, mu, copy=base.nbytes <= _host_available() * _COPY_SHARE["cpu"])
+    bn = np.empty(n, np.float32)
+    for b0 in range(0, n, bb):
+        t = tiles(b0, bb)
+        bn[b0:b0 + bb] = np.einsum("ij,ij->i", t, t, dtype=np.float32)
+    bnmax = float(bn.max())
     out_d = np.empty((m, k), np.float32)
     out_i = np.empty((m, k), np.int64)
     g = _gamma(d)
@@ -439,29 +491,29 @@ def _bf_cpu(base, queries, k, block):
         cnt = np.zeros(qs.shape[0], np.int32)
         for b0 in range(0, n, bb):
             # BLAS tile, then one fused parallel pass keeps each row's kc smallest coarse distances
-            _select_coarse_cpu(qc @ bc[b0:b0 + bb].T, qn, bn, b0, cand_d, cand, cnt)
+            _select_coarse_cpu(qc @ tiles(b0, bb).T, qn, bn, b0, cand_d, cand, cnt)
         rd = np.empty((qs.shape[0], k), np.float32)
         ri = np.empty((qs.shape[0], k), np.int64)
-        _rerank_cpu(base, qs, cand, k, rd, ri)
+        _rerank_cpu(base, qs, cand, k, rd, ri, idm)
         if kc < n:
             clast = cand_d[:, -1].astype(np.float64)  # lists are full (kc <= n) and ascending
             err = 4 * g * (qn.astype(np.float64) + bnmax) + 2 * g * rd[:, -1] + 1e-30
             bad = np.nonzero(~(rd[:, -1].astype(np.float64) + err < clast))[0]
             if bad.size:
                 thr = rd[bad, -1].astype(np.float64) + err[bad]
-                _fix_cpu(base, qs, bad, thr, mu, bc, bn, bb, k, rd, ri)
+                _fix_cpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, idm)
         out_d[q0:q0 + qb] = rd
         out_i[q0:q0 + qb] = ri
     return out_d, out_i
 
 
-def _fix_cpu(base, qs, bad, thr, mu, bc, bn, bb, k, rd, ri):
+def _fix_cpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, idm):
     """Re-rank every point whose coarse distance is within the error bound (exact fallback)."""
     qc = qs[bad] - mu
     qn = np.einsum("ij,ij->i", qc, qc, dtype=np.float32)
     rows, cols = [], []
     for b0 in range(0, base.shape[0], bb):
-        D = (qn[:, None] + bn[None, b0:b0 + bb]) - 2.0 * (qc @ bc[b0:b0 + bb].T)
+        D = (qn[:, None] + bn[None, b0:b0 + bb]) - 2.0 * (qc @ tiles(b0, bb).T)
         r, c = np.nonzero(D <= thr[:, None])
         rows.append(r)
         cols.append(c.astype(np.int64) + b0)
@@ -472,27 +524,27 @@ def _fix_cpu(base, qs, bad, thr, mu, bc, bn, bb, k, rd, ri):
     starts = np.searchsorted(rows[order], np.arange(bad.size + 1))
     fd = np.empty((bad.size, k), np.float32)
     fi = np.empty((bad.size, k), np.int64)
-    _rerank_pairs_cpu(base, np.ascontiguousarray(qs[bad]), starts.astype(np.int64), cols, k, fd, fi)
+    _rerank_pairs_cpu(base, np.ascontiguousarray(qs[bad]), starts.astype(np.int64), cols, k, fd, fi, idm)
     rd[bad] = fd
     ri[bad] = fi
 
 
-def _bf_gpu(base, queries, k, block):
+def _bf_gpu(base, queries, k, block, ids=None):
     import cupy as cp
 
     n, d = base.shape
     m = queries.shape[0]
     kc = _candidates(k, n)
     mu = base.mean(axis=0, dtype=cp.float64).astype(cp.float32)
-    bc = base - mu
-    bn = cp.einsum("ij,ij->i", bc, bc)
-    bnmax = float(bn.max())
     free = cp.cuda.Device().mem_info[0]
     budget = int(min(2 << 30, max(64 << 20, free // 4)))
-    if bc.nbytes > free * 0.8:
-        raise OutOfMemory(f"the centred copy of base ({bc.nbytes / 2**30:.1f} GiB) does not fit the "
-                          f"free GPU memory ({free / 2**30:.1f} GiB)")
     qb, bb = _blocks(m, n, d, budget, block)
+    tiles = _Tiles(base, mu, copy=base.nbytes <= free * _COPY_SHARE["gpu"])  # else centred tile by tile
+    bn = cp.empty(n, cp.float32)
+    for b0 in range(0, n, bb):
+        t = tiles(b0, bb)
+        bn[b0:b0 + bb] = cp.einsum("ij,ij->i", t, t)
+    bnmax = float(bn.max())
     out_d = cp.empty((m, k), cp.float32)
     out_i = cp.empty((m, k), cp.int64)
     g = _gamma(d)
@@ -502,14 +554,14 @@ def _bf_gpu(base, queries, k, block):
         qn = cp.einsum("ij,ij->i", qc, qc)
         keys = None
         for b0 in range(0, n, bb):
-            G = qc @ bc[b0:b0 + bb].T
+            G = qc @ tiles(b0, bb).T
             keys = _select_gpu(G, kc, qn=qn, bn=bn[b0:b0 + bb], col_offset=b0, prev=keys)
         cd, ci = decode_keys(keys)
         clast = cd[:, -1].astype(cp.float64)
         nq = qs.shape[0]
         qidx = cp.repeat(cp.arange(nq, dtype=cp.int64), kc)
         dist = pair_dist_gpu(base, qs, qidx, ci).reshape(nq, kc)
-        rkeys = _keys_from(dist, ci)
+        rkeys = _keys_from(dist, ci if ids is None else cp.where(ci >= 0, ids[cp.maximum(ci, 0)], -1))
         top = topk_keys_rows(rkeys, k)
         rd, ri = decode_keys(top)
         if kc < n:
@@ -517,7 +569,7 @@ def _bf_gpu(base, queries, k, block):
             bad = cp.nonzero(~(rd[:, -1].astype(cp.float64) + err < clast))[0]
             if int(bad.size):
                 thr = rd[bad, -1].astype(cp.float64) + err[bad]
-                _fix_gpu(base, qs, bad, thr, mu, bc, bn, bb, k, rd, ri)
+                _fix_gpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, ids)
         out_d[q0:q0 + qb] = rd
         out_i[q0:q0 + qb] = ri
     return out_d, out_i
@@ -533,22 +585,22 @@ def _keys_from(dist, ids):
     return cp.where(none, np.uint64(0xFFFFFFFFFFFFFFFF), k)
 
 
-def _fix_gpu(base, qs, bad, thr, mu, bc, bn, bb, k, rd, ri):
+def _fix_gpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, ids=None):
     import cupy as cp
 
     qsub = cp.ascontiguousarray(qs[bad])
     qc = qsub - mu
     qn = cp.einsum("ij,ij->i", qc, qc)
     rows, cols = [], []
-    for b0 in range(0, bc.shape[0], bb):
-        D = (qn[:, None] + bn[None, b0:b0 + bb]) - 2.0 * (qc @ bc[b0:b0 + bb].T)
+    for b0 in range(0, base.shape[0], bb):
+        D = (qn[:, None] + bn[None, b0:b0 + bb]) - 2.0 * (qc @ tiles(b0, bb).T)
         r, c = cp.nonzero(D <= thr[:, None].astype(cp.float32) * (1 + 1e-6))
         rows.append(r.astype(cp.int64))
         cols.append(c.astype(cp.int64) + b0)
     rows = cp.concatenate(rows)
     cols = cp.concatenate(cols)
     dist = pair_dist_gpu(base, qsub, rows, cols)
-    keys = _keys_from(dist, cols)
+    keys = _keys_from(dist, cols if ids is None else ids[cols])
     o1 = cp.argsort(keys)
     o2 = cp.argsort(rows[o1])  # cupy sorts are stable
     order = o1[o2]

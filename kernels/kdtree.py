@@ -82,7 +82,7 @@ class KDTree:
     depth: int
     leaf_size: int
     params: dict = field(default_factory=dict)
-    data: Any = None  # (N, d) float32 points in input order (exact fallbacks use it)
+    data: Any = None  # (N, d) float32 points in input order, or None (exact fallbacks then use points + perm)
     roots: Any = None  # (T,) int32 root node of each tree of a packed forest; None: one tree, root 0
 
     @property

@@ -13,10 +13,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit, prange
 
 from ._backend import is_cupy, xp_for
 from .errors import InputError
 from .topk import merge_topk, pad_topk
+
+
+@njit(cache=True, parallel=True)
+def _gather_rows_nb(X, perm, out):
+    for i in prange(perm.shape[0]):
+        out[i] = X[perm[i]]
+
+
+def gather_rows(X: np.ndarray, perm: np.ndarray) -> np.ndarray:
+    """``X[perm]`` on the host with all cores (numpy's fancy indexing copies on one): a
+    shard's leaf-ordered rows, made before they go to the device (no second copy there)."""
+    X = np.asarray(X)
+    perm = np.asarray(perm, np.int64)
+    out = np.empty((perm.shape[0],) + X.shape[1:], X.dtype)
+    _gather_rows_nb(X, perm, out)
+    return out
 
 
 def shard_ranges(n: int, shards: int) -> list[tuple[int, int]]:
@@ -101,24 +118,24 @@ BF_TILE_BYTES = {"gpu": 2 << 30, "cpu": 512 << 20}  # the brute force's coarse G
 
 def shard_resident_bytes(rows: int, d: int, *, n_trees: int = 1, leaf_size: int = 64,
                          method: str = "banns") -> int:
-    """Bytes a loaded shard of ``rows`` rows holds on its device: the rows in input order and,
-    for a forest, each tree's leaf-ordered copy, permutation and nodes (at most 4 per ``leaf_size``
-    rows; a node is its child, split, point range and a box of 2 x ``d`` floats)."""
+    """Bytes a loaded shard of ``rows`` rows holds on its device: for the exact method the rows;
+    for a forest each tree's leaf-ordered rows (no input-order copy), permutation and nodes (at
+    most 4 per ``leaf_size`` rows; a node is its child, split, point range and a box of 2 x ``d``
+    floats)."""
     rows, d = int(rows), int(d)
-    total = rows * d * 4
-    if method != "exact":
-        nodes = 4 * -(-rows // int(leaf_size))
-        total += int(n_trees) * (rows * d * 4 + rows * 8 + nodes * (28 + 8 * d))
-    return total
+    if method == "exact":
+        return rows * d * 4
+    nodes = 4 * -(-rows // int(leaf_size))
+    return int(n_trees) * (rows * d * 4 + rows * 8 + nodes * (28 + 8 * d))
 
 
 def search_working_bytes(rows: int, d: int, block: int, k: int, *, device: str = "gpu") -> int:
     """Transient bytes of one query block on a shard of ``rows`` rows: the block and its results,
-    the per-query queues, and the exact brute force that finishes queries (a centred copy of the
-    shard's rows, its norms and the GEMM tile budget)."""
+    the per-query queues, and the exact brute force that finishes queries (the rows' norms and
+    the GEMM tile budget; it centres the rows tile by tile when a centred copy does not fit)."""
     rows, d, block, k = int(rows), int(d), int(block), int(k)
     per_query = d * 4 + HEAP_BYTES_PER_QUERY + 20 * k + 64
-    return block * per_query + rows * (d * 4 + 4) + BF_TILE_BYTES.get(device, BF_TILE_BYTES["gpu"])
+    return block * per_query + rows * 4 + BF_TILE_BYTES.get(device, BF_TILE_BYTES["gpu"])
 
 
 def fit_block(rows: int, d: int, k: int, cap: float, *, block: int = 65_536, min_block: int = 256,

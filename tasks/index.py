@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from scanforest.kernels.errors import InputError, OutOfMemory
-from scanforest.kernels.sharded import Shard, shard_ranges
+from scanforest.kernels.sharded import Shard, gather_rows, shard_ranges
 from scanforest.kernels.topk import merge_topk
 
 from .store import ScanStore, _jsonable
@@ -171,8 +171,8 @@ except ImportError:  # pragma: no cover - dask is a dependency
 def load_shard(store_path: str, name: str, shard: int, device: str = "auto", method: str | None = None) -> Shard:
     """Load shard ``shard`` of index ``name`` on this worker (GPU when ``device`` resolves to it).
 
-    The persisted tree is used as it is; an index written without trees builds the shard's
-    tree here. ``method="exact"`` loads the rows only and searches them by brute force (the
+    The persisted tree is used as it is, and the device holds one copy of the rows, in the
+    tree's leaf order; an index written without trees builds the shard's tree here. ``method="exact"`` loads the rows only and searches them by brute force (the
     exact baseline on the same shards and workers).
     """
     from scanforest.kernels._backend import resolve_device
@@ -195,18 +195,26 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
         import cupy as xp
     else:
         xp = np
-    arrays = {k: xp.asarray(tg[k][...]) for k in TREE_ARRAYS}
+    perm = np.asarray(tg["perm"][...], np.int64)
+    if perm.size % max(1, int(b - a)) or (perm.size and (perm.min() < 0 or perm.max() >= b - a)):
+        raise InputError(f"index {name!r} shard {shard} in {store_path}: its tree's permutation does not "
+                         f"index its {b - a} rows (a damaged store: rebuild the index)")
+    arrays = {k: xp.asarray(tg[k][...]) for k in TREE_ARRAYS if k != "perm"}
+    arrays["perm"] = xp.asarray(perm)
     roots = np.asarray(tg["roots"][...], np.int32) if "roots" in tg else np.zeros(1, np.int32)
     arrays["roots"] = None if roots.shape == (1,) else xp.asarray(roots)
-    Xd = xp.asarray(X)
-    tree = KDTree(dev, points=Xd[arrays["perm"]], depth=int(tg.attrs["depth"]), leaf_size=int(tg.attrs["leaf_size"]),
-                  params=dict(tg.attrs.get("params", {})), data=Xd, **arrays)
+    # one copy of the rows on the device: the leaf-ordered ones, gathered on the host; the exact
+    # fallbacks search them through ``perm`` (same answer as on the rows in input order)
+    points = xp.asarray(gather_rows(np.ascontiguousarray(X, dtype=np.float32), perm))
+    del X
+    tree = KDTree(dev, points=points, depth=int(tg.attrs["depth"]), leaf_size=int(tg.attrs["leaf_size"]),
+                  params=dict(tg.attrs.get("params", {})), data=None, **arrays)
     p = dict(params)
     p["seed"] = int(p.get("seed", 0)) + shard
     forest = KDForest(device=dev, **p)
     forest._validate()
-    forest.device_, forest.n_samples_fit_, forest.n_features_in_ = dev, int(b - a), int(X.shape[1])
-    forest._fit_X, forest.tree_, forest.stats_ = Xd, tree, {}
+    forest.device_, forest.n_samples_fit_, forest.n_features_in_ = dev, int(b - a), int(points.shape[1])
+    forest._fit_X, forest.tree_, forest.stats_ = None, tree, {}
     return Shard(a, b, forest)
 
 

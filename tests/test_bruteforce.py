@@ -131,3 +131,56 @@ def test_gpu_duplicates_and_blocks(rng):
     gd, gi = knn_bruteforce(cp.asarray(base), cp.asarray(queries), 100, block=(16, 1000))
     np.testing.assert_array_equal(gi.get(), oi)
     np.testing.assert_array_equal(gd.get(), od.astype(np.float32))
+
+
+def _permuted_case(rng, n=4000, m=60, d=6):
+    """Rows with many exact duplicates (ties), a random permutation of them, queries."""
+    base = rng.integers(0, 3, (n, d)).astype(np.float32)
+    base[::7] += rng.standard_normal((len(base[::7]), d)).astype(np.float32)
+    perm = rng.permutation(n).astype(np.int64)
+    return base, perm, rng.integers(0, 3, (m, d)).astype(np.float32)
+
+
+@pytest.mark.parametrize("share", [None, 0.0])
+def test_ids_map_permuted_rows_to_the_input_order_answer(rng, monkeypatch, share):
+    """``ids=perm`` on ``base[perm]`` (a KD-tree's leaf-ordered rows) gives exactly the answer on
+    ``base`` itself, ties included; the same whether the base is centred in one copy or tile by
+    tile (``share=0``: no copy, as for a shard that fills the memory)."""
+    import scanforest.kernels.bruteforce as bf
+
+    if share is not None:
+        monkeypatch.setitem(bf._COPY_SHARE, "cpu", share)
+    base, perm, queries = _permuted_case(rng)
+    rd, ri = knn_bruteforce(base, queries, 40, device="cpu")  # rows in input order (oracle-tested above)
+    for block in (None, (16, 500)):
+        dist, ids = knn_bruteforce(base[perm], queries, 40, device="cpu", block=block, ids=perm)
+        np.testing.assert_array_equal(ids, ri)
+        np.testing.assert_array_equal(dist, rd)
+    with pytest.raises(InputError, match="ids must be"):
+        knn_bruteforce(base, queries, 4, device="cpu", ids=perm[:10])
+    with pytest.raises(InputError, match="2\\*\\*32"):
+        knn_bruteforce(base, queries, 4, device="cpu", ids=perm - 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("share", [None, 0.0])
+def test_gpu_ids_map_and_tile_centring(rng, monkeypatch, share):
+    import cupy as cp
+
+    import scanforest.kernels.bruteforce as bf
+
+    if share is not None:
+        monkeypatch.setitem(bf._COPY_SHARE, "gpu", share)
+    base, perm, queries = _permuted_case(rng)
+    rd, ri = knn_bruteforce(base, queries, 40, device="cpu")
+    for block in (None, (16, 500)):
+        gd, gi = knn_bruteforce(cp.asarray(base[perm]), cp.asarray(queries), 40, block=block,
+                                ids=cp.asarray(perm))
+        np.testing.assert_array_equal(gi.get(), ri)
+        np.testing.assert_array_equal(gd.get(), rd)
+    big = rng.standard_normal((20000, 352)).astype(np.float32)  # SHOT-sized rows, tile-centred vs CPU
+    q = rng.standard_normal((300, 352)).astype(np.float32)
+    cd, ci = knn_bruteforce(big, q, 8, device="cpu")
+    gd, gi = knn_bruteforce(cp.asarray(big), cp.asarray(q), 8)
+    np.testing.assert_array_equal(gi.get(), ci)
+    np.testing.assert_array_equal(gd.get(), cd)

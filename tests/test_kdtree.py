@@ -375,3 +375,22 @@ def test_pcl_shot_dataset_holds_out_queries(pcl_dir, tmp_path):
     both = np.concatenate([X, Q])
     key = lambda a: a[np.lexsort(a.T[::-1])]  # noqa: E731
     np.testing.assert_array_equal(key(both), key(ref))
+
+
+@pytest.mark.gpu
+def test_gpu_heap_overflow_exact_on_a_one_copy_tree(rng):
+    """A tree without its input-order rows (a shard loaded with one copy) finishes overflowing
+    queries by brute force on its leaf-ordered rows through ``perm``: the same exact answer."""
+    import dataclasses
+
+    import cupy as cp
+
+    X = rng.standard_normal((3000, 8)).astype(np.float32)
+    Q = rng.standard_normal((20, 8)).astype(np.float32)
+    gt = build_kdtree(cp.asarray(X), leaf_size=1)
+    bd, bi = knn_bruteforce(X, Q, 256, device="cpu")
+    for tree in (gt, dataclasses.replace(gt, data=None)):
+        d, i, stats = query_kdtree(tree, cp.asarray(Q), 256, return_stats=True, method="anns")
+        assert stats["heap_overflow"] > 0
+        np.testing.assert_array_equal(i.get(), bi)
+        np.testing.assert_array_equal(d.get(), bd)

@@ -162,6 +162,32 @@ def test_shards_stay_on_their_workers(tmp_path, rng, local_client):
     di.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_loaded_shard_holds_one_copy_of_its_rows(tmp_path, rng, device):
+    """A loaded forest shard keeps only the leaf-ordered rows (no input-order copy, no second
+    copy for the exact fallbacks) and still answers an unlimited search exactly."""
+    from scanforest.kernels._backend import to_numpy
+    from scanforest.kernels.sharded import gather_rows
+
+    X, Q = _data(rng, n=3000, m=40, d=8)
+    store = str(tmp_path / "s.zarr")
+    idx.build_index(store, "t", X, shards=2, params={"method": "anns", "leaf_size": 1, "backtracks": None})
+    bd, bi = knn_bruteforce(X, Q, 200, device="cpu")
+    parts = []
+    for s in range(2):
+        sh = idx.load_shard(store, "t", s, device)
+        tree = sh.forest.tree_
+        assert tree.data is None and sh.forest._fit_X is None
+        perm = to_numpy(tree.perm)
+        np.testing.assert_array_equal(to_numpy(tree.points), gather_rows(X[sh.start:sh.stop], perm))
+        d, i = idx.search_shard(sh, Q, 200)
+        assert sh.forest.stats_["heap_overflow"] > 0  # the exact fallback ran
+        parts.append((d, i))
+    d, i = merge_topk(parts, 200)
+    np.testing.assert_array_equal(to_numpy(i), bi)
+    np.testing.assert_array_equal(to_numpy(d), bd)
+
+
 def test_wait_keeps_shards_resident_and_reports_stats(tmp_path, rng, local_client):
     X, Q = _data(rng)
     store = str(tmp_path / "s.zarr")
@@ -260,10 +286,10 @@ def test_shard_plan_fits_the_block_beside_the_resident_rows():
     from scanforest.kernels.sharded import plan_shards, search_working_bytes, shard_resident_bytes
 
     G = 2 ** 30
-    # residency: rows once, plus each tree's leaf-ordered copy, permutation and nodes
+    # residency: the rows once (exact), or each tree's leaf-ordered rows, permutation and nodes
     assert shard_resident_bytes(1000, 8, method="exact") == 1000 * 8 * 4
     forest = shard_resident_bytes(1000, 8, n_trees=2, leaf_size=10)
-    assert forest == 1000 * 32 + 2 * (1000 * 32 + 1000 * 8 + 400 * (28 + 64))
+    assert forest == 2 * (1000 * 32 + 1000 * 8 + 400 * (28 + 64))
     assert search_working_bytes(10, 8, 2000, 4) > search_working_bytes(10, 8, 1000, 4)
     p = plan_shards(10_000_000, 352, [139 * G], block=65_536)  # one H200: all of it resident, full blocks
     assert p.fits and p.shards == 1 and p.block == 65_536 and p.rows_per_shard == 10_000_000
@@ -274,9 +300,10 @@ def test_shard_plan_fits_the_block_beside_the_resident_rows():
     tight = plan_shards(10_000_000, 352, [mem], block=65_536)
     assert tight.fits and 256 < tight.block < 65_536
     assert tight.resident_bytes + tight.working_bytes <= 0.85 * mem
-    two = plan_shards(100_000_000, 352, [139 * G, 139 * G])  # 100M x 352 on two H200s: two rows copies don't fit
-    assert not two.fits and two.shards == 2 and two.min_workers > 2
-    assert plan_shards(100_000_000, 352, [139 * G] * two.min_workers).fits
+    one = plan_shards(100_000_000, 352, [139 * G])  # 100M x 352 fp32 (131 GiB) on one H200: no
+    assert not one.fits and one.min_workers == 2
+    two = plan_shards(100_000_000, 352, [139 * G, 139 * G])  # on two: one copy of 50M rows each, full blocks
+    assert two.fits and two.shards == 2 and two.block == 65_536 and two.resident_bytes < 80 * G
     assert plan_shards(1000, 8, [G, 3 * G, G]).shards == 3  # one shard per worker; the smallest memory counts
     with pytest.raises(InputError, match="memory_bytes must be positive"):
         plan_shards(1000, 8, [])
