@@ -9,6 +9,8 @@ import shutil
 import tempfile
 import time
 
+import numpy as np
+
 from scanforest.kernels._backend import describe_device, resolve_device
 from scanforest.kernels.bruteforce import knn_bruteforce, recall
 
@@ -113,6 +115,30 @@ def _efficiency_rows(rep: BenchReport, qps: dict, where: str) -> None:
                     f"(1 worker {b1} leaves; {w} workers {b} leaves per shard)", q / (w * q1), "", where)
 
 
+def _reference(n: int, d: int, clusters: int, dev: str, dtype: str, piece: int = 1 << 22,
+               whole_max: int = 1 << 24) -> np.ndarray:
+    """The synthetic reference (seed 1): whole up to ``whole_max`` (16M) rows (the figures of
+    earlier runs), else in ``piece``-row parts of their own seeds, written into a host array of
+    ``dtype`` (a 100M x 352 reference never exists in float32 anywhere)."""
+    from .cli_ann import clustered
+
+    xp = np
+    if dev == "gpu":
+        import cupy as xp
+    if n <= whole_max:
+        X = clustered(n, d, clusters=clusters, seed=1, xp=xp)
+        X = X.get() if xp is not np else X
+        return X if dtype == "float32" else X.astype(dtype)
+    X = np.empty((n, d), dtype)
+    for i, a in enumerate(range(0, n, piece)):
+        part = clustered(min(piece, n - a), d, clusters=clusters, seed=1_000_003 * (i + 1) + 1, xp=xp)
+        X[a:a + part.shape[0]] = (part.get() if xp is not np else part).astype(dtype, copy=False)
+        del part
+    if xp is not np:
+        xp.get_default_memory_pool().free_all_blocks()
+    return X
+
+
 def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, method, bf_qps, tag_budget):
     """One timed pass over all queries (sync ``sa``, leaf budget ``budget`` per shard, None:
     unlimited), its rows, and its ``(queries/s, recall)`` in ``qps[(w, sa, budget or 0)]``."""
@@ -135,7 +161,7 @@ def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, met
 def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, backtracks,
         leaf_size: int, device: str, block: int, out, clusters: int = 1000, shards: int | None = None,
         sync_after: int | None = None, bf_queries: int | None = None, n_trees: int = 1,
-        workdir: str | None = None) -> BenchReport:
+        workdir: str | None = None, store_dtype: str = "float32") -> BenchReport:
     """One table: for each worker count, the forest (with and without the global bound
     synchronisation when ``sync_after`` is given) and the exact brute force over the same
     resident shards; recall against the exact answer of the first ``bf_queries`` queries.
@@ -148,6 +174,11 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     ``backtracks``: a leaf budget per shard, or a list of them (a recall/speed curve on the same
     resident index: the first is built in, the others are set per query). With several budgets
     the efficiency is also given at matched recall.
+
+    ``store_dtype="float16"`` stores the reference in half precision (100M x 352 rows: 70 GB
+    instead of 141 GB of disk and host memory); the brute force and the recall are then over the
+    same rounded rows. References over 16M rows are generated in 4M-row pieces (never whole on
+    one device) straight into a host array of that dtype.
     """
     from scanforest.tasks import index as idx
 
@@ -164,19 +195,19 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                                 "backtracks": budgets if len(budgets) > 1 else backtracks,
                                 "leaf_size": leaf_size, "block": block,
                                 "shards": shards, "sync_after": sync_after, "bf_queries": mb,
-                                "n_trees": n_trees, "clusters": clusters}, echo=True)
+                                "n_trees": n_trees, "clusters": clusters,
+                                **({"store_dtype": store_dtype} if store_dtype != "float32" else {})}, echo=True)
     t0 = time.perf_counter()
+    X = _reference(n, d, clusters, dev, store_dtype)
     if dev == "gpu":
         import cupy as cp
 
-        X = cp.asnumpy(clustered(n, d, clusters=clusters, seed=1, xp=cp))
         Q = cp.asnumpy(clustered(m, d, clusters=clusters, seed=2, xp=cp))
         cp.get_default_memory_pool().free_all_blocks()
     else:
-        X = clustered(n, d, clusters=clusters, seed=1)
         Q = clustered(m, d, clusters=clusters, seed=2)
-    rep.note(f"data: {n:,} x {d} reference, {m:,} queries, {clusters} Gaussian clusters, "
-             f"generated in {time.perf_counter() - t0:.1f} s")
+    rep.note(f"data: {n:,} x {d} reference ({store_dtype} in the store), {m:,} queries, {clusters} Gaussian "
+             f"clusters, generated in {time.perf_counter() - t0:.1f} s")
     devname = describe_device(dev)
     tmp = workdir or tempfile.mkdtemp(prefix="sf-bench-match-")
     os.makedirs(tmp, exist_ok=True)
@@ -189,7 +220,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         if s_count not in built:
             store = os.path.join(tmp, f"s{s_count}.zarr")
             t0 = time.perf_counter()
-            res = idx.build_index(store, "bench", X, shards=s_count, params=params, device=dev)
+            res = idx.build_index(store, "bench", X, shards=s_count, params=params, device=dev, dtype=store_dtype)
             built[s_count] = (store, time.perf_counter() - t0)
             what = "write + trees" if res["status"] == "built" else "unchanged in the workdir: content hash only"
             rep.add(f"index build ({what}), {s_count} shard{'s' if s_count > 1 else ''}", built[s_count][1],
@@ -197,6 +228,9 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         return built[s_count][0]
 
     try:
+        for w in workers:  # every index first: the reference then leaves this process's memory
+            store_for(w)
+        del X
         ref = None
         qps = {}
         for w in workers:
@@ -274,11 +308,14 @@ def register_bench(bench) -> None:
         clusters: int = typer.Option(1000, help="Gaussian clusters of the synthetic descriptors."),
         workdir: str = typer.Option(None, help="Keep the index stores here and reuse them in later runs "
                                     "with the same data and parameters (default: a temporary folder)."),
+        store_dtype: str = typer.Option("float32", help="Reference rows in the store: float32, or float16 (half "
+                                        "the disk; e.g. 100M x 352 needs 70 GB instead of 141 GB)."),
         out: str = typer.Option(None, "--out"),
     ):
         """Distributed matching: queries/s on 1..W workers, efficiency, bytes moved, vs brute force."""
         run(n, m, d, k, [int(w) for w in workers.split(",")], method=method,
             backtracks=[int(b) or None for b in backtracks.split(",")],
             leaf_size=leaf_size, device=device, block=block, out=out, clusters=clusters, shards=shards or None,
-            sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees, workdir=workdir)
+            sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees, workdir=workdir,
+            store_dtype=store_dtype)
 

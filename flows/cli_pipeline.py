@@ -56,6 +56,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         backtracks: Optional[int] = typer.Option(None, help="Leaf visits per query (None = exact search)."),
         random_dims: Optional[int] = typer.Option(None, help="Randomized split among the F widest dimensions."),
         seed: int = typer.Option(0),
+        dtype: str = typer.Option("float32", help="Stored rows: float32, or float16 (half the disk and host "
+                                  "memory; searches are exact for the rounded rows)."),
         device: str = DeviceOpt,
     ):
         """Build a sharded KD-forest index over the SHOT descriptors of the reference scans (kept when unchanged)."""
@@ -74,7 +76,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         if shards != "auto" and not shards.isdigit():
             raise typer.BadParameter(f"--shards takes a number or 'auto', got {shards!r}")
         typer.echo(json.dumps(run_index_build(store, chosen, name=name, params=params, device=choose_device(device),
-                                              shards=shards if shards == "auto" else int(shards)), indent=2))
+                                              shards=shards if shards == "auto" else int(shards), dtype=dtype),
+                                   indent=2))
 
     @app.command("match")
     def match_cmd(

@@ -23,9 +23,10 @@ from .distributed import DistributedIndex
 
 @flow(name="scanforest-index-build")
 def index_build_flow(store: str, reference: list[str], name: str = "default", shards: int | str = 1,
-                     params: dict | None = None, device: str = "cpu", k: int = 4) -> dict[str, Any]:
+                     params: dict | None = None, device: str = "cpu", k: int = 4,
+                     dtype: str = "float32") -> dict[str, Any]:
     """Build (or keep, when unchanged) the sharded index ``name`` over the SHOT descriptors of the
-    ``reference`` scans. ``shards="auto"``: one per local GPU (one on the CPU), checked against
+    ``reference`` scans (stored as ``dtype``: float32, or float16 for half the disk). ``shards="auto"``: one per local GPU (one on the CPU), checked against
     the devices' memory with :func:`scanforest.kernels.sharded.plan_shards` (an index that cannot
     fit is refused before anything is written)."""
     st = ScanStore(store)
@@ -38,7 +39,7 @@ def index_build_flow(store: str, reference: list[str], name: str = "default", sh
         plan = idx.plan_for(ref.shape[0], ref.shape[1], params or {}, device, k=k)
         shards = plan.shards
     res = idx.build_index(store, name, ref, shards=int(shards), params=params or {}, ref_scan=ref_scan,
-                          ref_row=ref_row, scans=reference, device=device)
+                          ref_row=ref_row, scans=reference, device=device, dtype=dtype)
     if plan is not None:
         res["plan"] = plan.describe()
     record_run(st, "index-build", {"name": name, "shards": shards, **(params or {})}, res, [])

@@ -643,7 +643,7 @@ def _grid(n: int, threads: int = 256):
 # ----------------------------------------------------------------------------------------------
 # construction
 # ----------------------------------------------------------------------------------------------
-def build(X, leaf_size, max_depth, rand_f, seed, params, median=True):
+def build(X, leaf_size, max_depth, rand_f, seed, params, median=True, leaf_rows=True):
     import cupy as cp
 
     from .kdtree import KDTree
@@ -724,10 +724,10 @@ def build(X, leaf_size, max_depth, rand_f, seed, params, median=True):
         l0, l1 = l1, need
         depth += 1
     nn = l1
-    points = cp.take(X, perm, axis=0)
+    points = cp.take(X, perm, axis=0) if leaf_rows else None  # leaf_rows=False: no second copy
     tree = KDTree("gpu", points, perm, child[:nn].copy(), sdim[:nn].copy(), sval[:nn].copy(),
                   start[:nn].copy(), end[:nn].copy(), cp.ascontiguousarray(lo[:nn]),
-                  cp.ascontiguousarray(hi[:nn]), depth, leaf_size, params, data=X)
+                  cp.ascontiguousarray(hi[:nn]), depth, leaf_size, params, data=X if leaf_rows else None)
     return tree
 
 

@@ -117,8 +117,12 @@ class KDForest:
         check_split(self.split)
         return _check_build_params(self.leaf_size, self.max_depth, self.random_dims, self.seed)
 
-    def fit(self, X, y=None) -> "KDForest":
-        """Validate the parameters and build the index of ``X`` ((N, d) float array)."""
+    def fit(self, X, y=None, *, keep_rows: bool = True) -> "KDForest":
+        """Validate the parameters and build the index of ``X`` ((N, d) float array).
+
+        ``keep_rows=False`` builds the trees only, keeping no copy of the rows (``tree_.points``
+        is None and this forest cannot answer queries): the arrays an index in a store needs,
+        built with one copy of the rows on the device."""
         leaf_size, max_depth, rand_f, seed = self._validate()
         n_trees = int(self.n_trees)
         dev = resolve_device(self.device, X)
@@ -140,12 +144,13 @@ class KDForest:
             raise InputError(f"n_trees={n_trees} needs random_dims >= 2 (random_dims={self.random_dims!r} on "
                              f"d={d} makes every tree identical)")
         self.n_samples_fit_, self.n_features_in_ = int(X.shape[0]), d
-        self._fit_X = X
+        self._fit_X = X if keep_rows else None
         self.tree_ = None
         self.random_dims_ = rand_f or None
         if self.method != "exact":
             self.tree_ = build_kdforest(X, n_trees=n_trees, leaf_size=leaf_size, max_depth=max_depth,
-                                        random_dims=rand_f or None, seed=seed, split=self.split, device=dev)
+                                        random_dims=rand_f or None, seed=seed, split=self.split, device=dev,
+                                        leaf_rows=keep_rows)
         self.stats_ = {}
         return self
 
@@ -176,6 +181,9 @@ class KDForest:
         """
         if not hasattr(self, "n_samples_fit_"):
             raise InputError("this KDForest is not fitted yet: call fit(X) first")
+        if self._fit_X is None and (self.tree_ is None or self.tree_.points is None):
+            raise InputError("this KDForest was fitted with keep_rows=False (trees only): it cannot answer "
+                             "queries; fit it again, or load the index from its store")
         if self.method not in _METHODS:
             raise InputError(f"method must be one of {_METHODS}, got {self.method!r}")
         k = check_k(k, self.n_samples_fit_)

@@ -96,7 +96,7 @@ class KDTree:
 
     @property
     def n_dims(self) -> int:
-        return int(self.points.shape[1])
+        return int(self.lo.shape[1])
 
     @property
     def n_nodes(self) -> int:
@@ -369,7 +369,7 @@ def _check_build_params(leaf_size, max_depth, random_dims, seed):
 
 
 def build_kdtree(X, *, leaf_size: int = 64, max_depth: int | None = None, random_dims: int | None = None,
-                 seed: int = 0, split: str = "median", device: str = "auto") -> KDTree:
+                 seed: int = 0, split: str = "median", device: str = "auto", leaf_rows: bool = True) -> KDTree:
     """Build the array KD-tree of ``X``.
 
     Parameters
@@ -390,6 +390,9 @@ def build_kdtree(X, *, leaf_size: int = 64, max_depth: int | None = None, random
         robust on skewed data such as SHOT descriptors. ``"midpoint"``: widest box dimension cut
         at the box midpoint (the paper's rule). See the module docstring.
     device : {"auto", "cpu", "gpu"}
+    leaf_rows : bool
+        ``False``: the tree's arrays only (``points`` and ``data`` are None, the tree cannot be
+        searched): what writing an index to a store needs, with no second copy of the rows.
 
     Returns
     -------
@@ -405,11 +408,12 @@ def build_kdtree(X, *, leaf_size: int = 64, max_depth: int | None = None, random
         from . import _kdtree_gpu
 
         X = check_points(cp.asarray(X), "X", xp=cp)
-        return _kdtree_gpu.build(X, leaf_size, max_depth, rand_f, seed, params, median=median)
+        return _kdtree_gpu.build(X, leaf_size, max_depth, rand_f, seed, params, median=median,
+                                 leaf_rows=leaf_rows)
     X = check_points(to_numpy(X), "X", xp=np)
     perm, child, sdim, sval, start, end, lo, hi, depth = _build_cpu(X, leaf_size, max_depth, rand_f, seed, median)
-    return KDTree("cpu", np.ascontiguousarray(X[perm]), perm, child, sdim, sval, start, end, lo, hi,
-                  depth, leaf_size, params, data=X)
+    return KDTree("cpu", np.ascontiguousarray(X[perm]) if leaf_rows else None, perm, child, sdim, sval, start,
+                  end, lo, hi, depth, leaf_size, params, data=X if leaf_rows else None)
 
 
 def _check_n_trees(n_trees):
@@ -434,7 +438,8 @@ def pack_forest(trees) -> KDTree:
         return t0
     n = t0.n_points
     for t in trees[1:]:
-        if t.device != t0.device or t.n_points != n or t.n_dims != t0.n_dims or t.n_trees != 1:
+        if t.device != t0.device or t.n_points != n or t.n_dims != t0.n_dims or t.n_trees != 1 \
+                or (t.points is None) != (t0.points is None):
             raise InputError("pack_forest: every tree must be a single tree over the same points on one device")
     if t0.device == "gpu":
         import cupy as xp
@@ -446,7 +451,8 @@ def pack_forest(trees) -> KDTree:
     start = xp.concatenate([t.start + i * n for i, t in enumerate(trees)])
     end = xp.concatenate([t.end + i * n for i, t in enumerate(trees)])
     cat = {name: xp.concatenate([getattr(t, name) for t in trees])
-           for name in ("points", "perm", "split_dim", "split_val", "lo", "hi")}
+           for name in ("perm", "split_dim", "split_val", "lo", "hi")}
+    cat["points"] = None if t0.points is None else xp.concatenate([t.points for t in trees])
     params = dict(t0.params, n_trees=len(trees))
     return KDTree(t0.device, start=start, end=end, child=child, depth=max(t.depth for t in trees),
                   leaf_size=t0.leaf_size, params=params, data=t0.data,
@@ -455,7 +461,7 @@ def pack_forest(trees) -> KDTree:
 
 def build_kdforest(X, *, n_trees: int = 1, leaf_size: int = 64, max_depth: int | None = None,
                    random_dims: int | None = None, seed: int = 0, split: str = "median",
-                   device: str = "auto") -> KDTree:
+                   device: str = "auto", leaf_rows: bool = True) -> KDTree:
     """Build ``n_trees`` randomized KD-trees over the same points, packed for a shared-queue search.
 
     Tree ``t`` is ``build_kdtree(X, random_dims=random_dims, seed=seed + t, ...)``; the trees
@@ -468,7 +474,7 @@ def build_kdforest(X, *, n_trees: int = 1, leaf_size: int = 64, max_depth: int |
     n_trees : int, keyword-only
         Number of trees (``>= 1``). ``n_trees > 1`` needs ``random_dims >= 2`` (otherwise every
         tree would be the same tree).
-    leaf_size, max_depth, random_dims, seed, split, device
+    leaf_size, max_depth, random_dims, seed, split, device, leaf_rows
         As in :func:`build_kdtree`.
     """
     n_trees = _check_n_trees(n_trees)
@@ -479,8 +485,9 @@ def build_kdforest(X, *, n_trees: int = 1, leaf_size: int = 64, max_depth: int |
     trees = []
     for t in range(n_trees):
         tree = build_kdtree(X, leaf_size=leaf_size, max_depth=max_depth, random_dims=rand_f or None,
-                            seed=seed + t, split=split, device=device)
-        X = tree.data  # validated, on the tree's device: no second conversion
+                            seed=seed + t, split=split, device=device, leaf_rows=leaf_rows)
+        if tree.data is not None:
+            X = tree.data  # validated, on the tree's device: no second conversion
         trees.append(tree)
     forest = pack_forest(trees)
     forest.params["seed"] = seed

@@ -29,10 +29,11 @@ def _gather_rows_nb(X, perm, out):
 def gather_rows(X: np.ndarray, perm: np.ndarray) -> np.ndarray:
     """``X[perm]`` on the host with all cores (numpy's fancy indexing copies on one): a
     shard's leaf-ordered rows, made before they go to the device (no second copy there)."""
-    X = np.asarray(X)
+    X = np.ascontiguousarray(X)
     perm = np.asarray(perm, np.int64)
     out = np.empty((perm.shape[0],) + X.shape[1:], X.dtype)
-    _gather_rows_nb(X, perm, out)
+    bits = f"u{X.dtype.itemsize}"  # rows are moved as bits (numba has no float16)
+    _gather_rows_nb(X.view(bits), perm, out.view(bits))
     return out
 
 

@@ -36,13 +36,25 @@ FOREST_KEYS = ("n_trees", "leaf_size", "backtracks", "method", "random_dims", "s
                "split")
 
 
+REFERENCE_DTYPES = ("float32", "float16")
+
+
 def content_hash(reference: np.ndarray, params: dict[str, Any]) -> str:
+    """SHA-256 over the parameters, the shape and dtype, and the SHA-256 of every 65,536-row
+    block of the reference (blocks hashed on all cores: hashlib releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    step = 1 << 16
+
+    def block(a: int) -> bytes:
+        return hashlib.sha256(np.ascontiguousarray(reference[a:a + step]).tobytes()).digest()
+
     h = hashlib.sha256()
     h.update(json.dumps(_jsonable(params), sort_keys=True).encode())
-    h.update(str(reference.shape).encode())
-    step = 1 << 16
-    for a in range(0, reference.shape[0], step):
-        h.update(np.ascontiguousarray(reference[a:a + step]).tobytes())
+    h.update(f"{reference.shape} {reference.dtype}".encode())
+    with ThreadPoolExecutor() as pool:
+        for digest in pool.map(block, range(0, reference.shape[0], step)):
+            h.update(digest)
     return h.hexdigest()
 
 
@@ -62,16 +74,28 @@ def collect_reference(store: ScanStore, scans: list[str], array: str = "kp_shot"
 
 def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: int = 1,
                 params: dict[str, Any] | None = None, ref_scan=None, ref_row=None, scans=None,
-                build_trees: bool = True, device: str = "cpu") -> dict[str, Any]:
-    """Write ``reference`` as a sharded index ``name`` (no-op if the content hash matches)."""
+                build_trees: bool = True, device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
+    """Write ``reference`` as a sharded index ``name`` (no-op if the content hash matches).
+
+    ``dtype="float16"`` stores the rows in half precision (half the disk and host memory;
+    e.g. 100M SHOT352 rows are 70 GB instead of 141 GB). The trees are built on, and searches
+    load, the stored (rounded) rows as float32, so every answer is exact for them.
+    """
     store = ScanStore(store_path)
     params = {k: v for k, v in (params or {}).items() if k in FOREST_KEYS}
+    if dtype not in REFERENCE_DTYPES:
+        raise InputError(f"dtype must be one of {REFERENCE_DTYPES}, got {dtype!r}")
     if reference.ndim != 2 or reference.shape[0] == 0:
         raise InputError(f"reference must be a non-empty (N, d) array, got {reference.shape}")
-    if not np.isfinite(reference).all():
+    if dtype == "float16" and reference.dtype != np.float16:
+        if max(float(reference.max()), -float(reference.min())) >= 65504:
+            raise InputError("reference has values beyond float16's range (65504): store it as float32")
+        reference = reference.astype(np.float16)
+    if not _all_finite(reference):
         raise InputError("reference has NaN or infinite rows; drop them first")
     ranges = shard_ranges(reference.shape[0], shards)
-    digest = content_hash(reference, {**params, "shards": shards})
+    digest = content_hash(reference, {**params, "shards": shards} if dtype == "float32"
+                          else {**params, "shards": shards, "dtype": dtype})
     idx = store.root.require_group("indexes")
     if name in idx and idx[name].attrs.get("complete") and idx[name].attrs.get("content_hash") == digest:
         return {"name": name, "status": "unchanged", "content_hash": digest, "n": int(reference.shape[0])}
@@ -81,23 +105,27 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
     g.attrs.update({"complete": False})
     t0 = time.perf_counter()
     rows = max(1, min(1 << 16, ranges[0][1] - ranges[0][0]))
-    z = g.create_array("reference", shape=reference.shape, dtype="float32", chunks=(rows, reference.shape[1]),
+    z = g.create_array("reference", shape=reference.shape, dtype=dtype, chunks=(rows, reference.shape[1]),
                        compressors=None)  # float descriptors barely compress; raw chunks load faster
-    z[...] = reference.astype(np.float32, copy=False)
+    z[...] = reference.astype(dtype, copy=False)
     if ref_scan is not None:
         store._write_array(g, "ref_scan", np.asarray(ref_scan, np.int32))
         store._write_array(g, "ref_row", np.asarray(ref_row, np.int64))
     build_s = []
     if build_trees and params.get("method", "banns") != "exact":
+        from scanforest.kernels._backend import resolve_device
+
+        dev = resolve_device(device)
         for i, (a, b) in enumerate(ranges):
             t = time.perf_counter()
-            forest = _fit_forest(reference[a:b], params, i, device)
+            # the trees only (no leaf-ordered copy): one copy of the shard's rows on the device
+            forest = _fit_forest(_to_float32(reference[a:b], dev), params, i, dev, keep_rows=False)
             _write_tree(store, g.require_group(f"shard_{i}"), forest.tree_)
             del forest
             _free_gpu_pool()  # a shard's rows and tree on the GPU: give them back before the next one
             build_s.append(time.perf_counter() - t)
     g.attrs.update({"params": _jsonable(params), "shards": [list(r) for r in ranges], "n": int(reference.shape[0]),
-                    "d": int(reference.shape[1]), "content_hash": digest, "scans": list(scans or []),
+                    "d": int(reference.shape[1]), "dtype": dtype, "content_hash": digest, "scans": list(scans or []),
                     "build_seconds": build_s, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "complete": True})
     return {"name": name, "status": "built", "content_hash": digest, "n": int(reference.shape[0]),
@@ -130,12 +158,27 @@ def index_attrs(store_path: str, name: str) -> dict[str, Any]:
     return dict(idx[name].attrs)
 
 
-def _fit_forest(X, params: dict[str, Any], shard: int, device: str):
+def _all_finite(a: np.ndarray, step: int = 1 << 18) -> bool:
+    """``np.isfinite(a).all()`` block by block on all cores (no full-size temporary); float16
+    is checked on its exponent bits (numpy's float16 arithmetic is slow)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ok(i: int) -> bool:
+        blk = a[i:i + step]
+        if blk.dtype == np.float16:
+            return bool(((np.ascontiguousarray(blk).view(np.uint16) & 0x7C00) != 0x7C00).all())
+        return bool(np.isfinite(blk).all())
+
+    with ThreadPoolExecutor() as pool:
+        return all(pool.map(ok, range(0, a.shape[0], step)))
+
+
+def _fit_forest(X, params: dict[str, Any], shard: int, device: str, keep_rows: bool = True):
     from scanforest.kernels.kdforest import KDForest
 
     p = dict(params)
     p["seed"] = int(p.get("seed", 0)) + shard
-    return KDForest(device=device, **p).fit(X)
+    return KDForest(device=device, **p).fit(X, keep_rows=keep_rows)
 
 
 def _write_tree(store: ScanStore, grp, tree) -> None:
@@ -183,13 +226,13 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     a, b = attrs["shards"][shard]
     store = ScanStore(store_path, mode="r")
     g = store.root["indexes"][name]
-    X = g["reference"][a:b]
+    X = g["reference"][a:b]  # float32, or float16 (cast on the device after the upload)
     dev = resolve_device(device)
     params = dict(attrs["params"])
     if method is not None:
         params["method"] = method
     if params.get("method", "banns") == "exact" or f"shard_{shard}" not in g:
-        return Shard(a, b, _fit_forest(X, params, shard, dev))
+        return Shard(a, b, _fit_forest(_to_float32(X, dev), params, shard, dev))
     tg = g[f"shard_{shard}"]
     if dev == "gpu":
         import cupy as xp
@@ -205,7 +248,7 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     arrays["roots"] = None if roots.shape == (1,) else xp.asarray(roots)
     # one copy of the rows on the device: the leaf-ordered ones, gathered on the host; the exact
     # fallbacks search them through ``perm`` (same answer as on the rows in input order)
-    points = xp.asarray(gather_rows(np.ascontiguousarray(X, dtype=np.float32), perm))
+    points = _to_float32(gather_rows(np.ascontiguousarray(X), perm), dev)
     del X
     tree = KDTree(dev, points=points, depth=int(tg.attrs["depth"]), leaf_size=int(tg.attrs["leaf_size"]),
                   params=dict(tg.attrs.get("params", {})), data=None, **arrays)
@@ -216,6 +259,17 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     forest.device_, forest.n_samples_fit_, forest.n_features_in_ = dev, int(b - a), int(points.shape[1])
     forest._fit_X, forest.tree_, forest.stats_ = None, tree, {}
     return Shard(a, b, forest)
+
+
+def _to_float32(X: np.ndarray, dev: str):
+    """Host rows (float32 or float16) as float32 on ``dev``; float16 travels as it is and is
+    widened on the GPU (half the transfer, no float32 host copy)."""
+    if dev != "gpu":
+        return np.ascontiguousarray(X, dtype=np.float32)
+    import cupy as cp
+
+    Xd = cp.asarray(X)
+    return Xd if Xd.dtype == cp.float32 else Xd.astype(cp.float32)
 
 
 def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool = False, **search):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from scanforest.flows import bench_archive as ba
@@ -96,6 +97,7 @@ def test_bench_match_curve_on_cpu_one_index_for_every_budget(tmp_path):
     from scanforest.flows import bench_match
 
     kw = dict(method="banns", backtracks=[4, 16], leaf_size=16, device="cpu", block=100, clusters=10, shards=2,
+              store_dtype="float16",
               workdir=str(tmp_path / "wd"))
     one = bench_match.run(1500, 150, 8, 4, [1], out=str(tmp_path / "one.json"), **kw)
     two = bench_match.run(1500, 150, 8, 4, [2], out=str(tmp_path / "two.json"), **kw)
@@ -113,3 +115,17 @@ def test_bench_match_curve_on_cpu_one_index_for_every_budget(tmp_path):
     with pytest.raises(InputError, match="positive leaf counts"):
         bench_match.run(100, 10, 8, 4, [1], method="banns", backtracks=[4, None], leaf_size=16, device="cpu",
                         block=10, out=None)
+
+
+def test_bench_match_reference_in_pieces():
+    """Above ``whole_max`` rows the reference is made piece by piece (own seeds) straight into
+    the stored dtype; at most ``whole_max`` it is the one-piece data of earlier runs."""
+    from scanforest.flows.bench_match import _reference
+    from scanforest.flows.cli_ann import clustered
+
+    whole = _reference(3000, 8, 10, "cpu", "float32")
+    np.testing.assert_array_equal(whole, clustered(3000, 8, clusters=10, seed=1))
+    parts = _reference(3000, 8, 10, "cpu", "float16", piece=1000, whole_max=0)
+    assert parts.dtype == np.float16 and parts.shape == (3000, 8) and np.isfinite(parts).all()
+    assert not np.array_equal(parts[:1000], parts[1000:2000])  # each piece its own draw
+    np.testing.assert_array_equal(parts[:1000], clustered(1000, 8, clusters=10, seed=1_000_004).astype(np.float16))

@@ -162,8 +162,9 @@ def test_shards_stay_on_their_workers(tmp_path, rng, local_client):
     di.close()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_loaded_shard_holds_one_copy_of_its_rows(tmp_path, rng, device):
+def test_loaded_shard_holds_one_copy_of_its_rows(tmp_path, rng, device, dtype):
     """A loaded forest shard keeps only the leaf-ordered rows (no input-order copy, no second
     copy for the exact fallbacks) and still answers an unlimited search exactly."""
     from scanforest.kernels._backend import to_numpy
@@ -171,7 +172,9 @@ def test_loaded_shard_holds_one_copy_of_its_rows(tmp_path, rng, device):
 
     X, Q = _data(rng, n=3000, m=40, d=8)
     store = str(tmp_path / "s.zarr")
-    idx.build_index(store, "t", X, shards=2, params={"method": "anns", "leaf_size": 1, "backtracks": None})
+    idx.build_index(store, "t", X, shards=2, params={"method": "anns", "leaf_size": 1, "backtracks": None},
+                    dtype=dtype)
+    X = X.astype(dtype).astype(np.float32)  # the stored rows
     bd, bi = knn_bruteforce(X, Q, 200, device="cpu")
     parts = []
     for s in range(2):
@@ -186,6 +189,47 @@ def test_loaded_shard_holds_one_copy_of_its_rows(tmp_path, rng, device):
     d, i = merge_topk(parts, 200)
     np.testing.assert_array_equal(to_numpy(i), bi)
     np.testing.assert_array_equal(to_numpy(d), bd)
+
+
+def test_float16_index_is_exact_for_its_rounded_rows(tmp_path, rng, local_client):
+    """``dtype="float16"`` stores half the bytes; trees and searches use the stored (rounded)
+    rows, so an unlimited search equals the brute force over them, ids and distances."""
+    from scanforest.tasks.store import ScanStore
+
+    X, Q = _data(rng, n=3000, m=50, d=16)
+    store = str(tmp_path / "h.zarr")
+    params = {"method": "banns", "leaf_size": 16, "backtracks": None}
+    res = idx.build_index(store, "h", X, shards=2, params=params, dtype="float16")
+    assert res["status"] == "built"
+    g = ScanStore(store, mode="r").root["indexes"]["h"]
+    assert str(g["reference"].dtype) == "float16" and g.attrs["dtype"] == "float16"
+    X16 = X.astype(np.float16).astype(np.float32)
+    bd, bi = knn_bruteforce(X16, Q, 8, device="cpu")
+    di = DistributedIndex(local_client, store, "h")
+    d, i = di.query(Q, 8, block=20)
+    di.close()
+    np.testing.assert_array_equal(i, bi)
+    np.testing.assert_array_equal(d, bd)
+    assert idx.build_index(store, "h", X, shards=2, params=params, dtype="float16")["status"] == "unchanged"
+    assert idx.build_index(store, "h", X, shards=2, params=params)["status"] == "built"  # float32: a new index
+    with pytest.raises(InputError, match="float16's range"):
+        idx.build_index(store, "big", X * 1e5, params=params, dtype="float16")
+    with pytest.raises(InputError, match="dtype must be"):
+        idx.build_index(store, "x", X, params=params, dtype="int8")
+
+
+def test_trees_only_fit_keeps_no_rows(rng):
+    """``fit(keep_rows=False)``: the same tree arrays, no copy of the rows, and no queries."""
+    from scanforest.kernels.kdforest import KDForest
+
+    X, Q = _data(rng, n=2000, m=40, d=8)
+    full = KDForest(n_trees=2, leaf_size=16, device="cpu").fit(X)
+    bare = KDForest(n_trees=2, leaf_size=16, device="cpu").fit(X, keep_rows=False)
+    assert bare.tree_.points is None and bare.tree_.data is None and bare._fit_X is None
+    for name in idx.TREE_ARRAYS:
+        np.testing.assert_array_equal(getattr(bare.tree_, name), getattr(full.tree_, name))
+    with pytest.raises(InputError, match="keep_rows=False"):
+        bare.query(Q, 2)
 
 
 def test_wait_keeps_shards_resident_and_reports_stats(tmp_path, rng, local_client):
