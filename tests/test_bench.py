@@ -104,7 +104,9 @@ def test_bench_match_curve_on_cpu_one_index_for_every_budget(tmp_path):
     r1 = {x.figure: x.value for x in one.rows}
     r2 = {x.figure: x.value for x in two.rows}
     assert "index build (write + trees), 2 shards" in r1
-    assert "index build (unchanged in the workdir: content hash only), 2 shards" in r2
+    assert "index build (unchanged in the workdir: same generated data and parameters), 2 shards" in r2
+    assert any("reference generated" in x for x in one.notes)
+    assert not any("reference generated" in x for x in two.notes)  # nothing regenerated
     for b in (4, 16):
         assert 0 < r2[f"recall@4, 2 workers, {b} leaves per shard"] <= 1
         eff = r2[f"parallel efficiency 1 -> 2 workers, {b} leaves per shard"]
@@ -112,6 +114,9 @@ def test_bench_match_curve_on_cpu_one_index_for_every_budget(tmp_path):
                                     / (2 * r1[f"banns queries/s, 1 worker, {b} leaves per shard"]))
     assert any("earlier run" in x for x in two.notes)
     assert any(f.startswith("parallel efficiency 1 -> 2 workers at recall >=") for f in r2)
+    other = bench_match.run(1500, 150, 8, 4, [1], out=str(tmp_path / "o.json"),
+                            **{**kw, "clusters": 11, "backtracks": [4]})
+    assert "index build (write + trees), 2 shards" in {x.figure for x in other.rows}  # other data: rebuilt
     with pytest.raises(InputError, match="positive leaf counts"):
         bench_match.run(100, 10, 8, 4, [1], method="banns", backtracks=[4, None], leaf_size=16, device="cpu",
                         block=10, out=None)
