@@ -211,6 +211,24 @@ except ImportError:  # pragma: no cover - dask is a dependency
     pass
 
 
+def _pin_on_dask_cuda() -> bool:
+    """On a dask-cuda worker, keep resident shards out of its spilling: its DeviceHostFile
+    counts a Shard (not a CUDA array) as host data and would write it to disk once the host
+    share is full (a 100M x 352 index puts 74 GiB in each shard); objects that dask-cuda
+    calls "spillable" manage themselves and stay. Done in the worker when a shard loads (where
+    dask-cuda is already imported); True when registered."""
+    import sys
+
+    if "dask_cuda" not in sys.modules:
+        return False
+    try:
+        from dask_cuda.is_spillable_object import is_spillable_object
+    except Exception:  # another dask-cuda layout: its default spilling applies
+        return False
+    is_spillable_object.register(Shard)(lambda shard: True)
+    return True
+
+
 def load_shard(store_path: str, name: str, shard: int, device: str = "auto", method: str | None = None) -> Shard:
     """Load shard ``shard`` of index ``name`` on this worker (GPU when ``device`` resolves to it).
 
@@ -222,6 +240,7 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     from scanforest.kernels.kdforest import KDForest
     from scanforest.kernels.kdtree import KDTree
 
+    _pin_on_dask_cuda()
     attrs = index_attrs(store_path, name)
     a, b = attrs["shards"][shard]
     store = ScanStore(store_path, mode="r")

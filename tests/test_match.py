@@ -381,3 +381,19 @@ def test_distributed_block_is_planned_from_free_memory(tmp_path, rng, local_clie
     with pytest.raises(InputError, match="block must be >= 1"):
         di.query(Q, 3, block=0)
     di.close()
+
+
+@pytest.mark.gpu
+def test_dask_cuda_keeps_resident_shards_out_of_its_spilling(tmp_path, rng):
+    """A dask-cuda worker's DeviceHostFile puts a Shard among the objects it never spills."""
+    pytest.importorskip("dask_cuda")
+    from dask_cuda.device_host_file import DeviceHostFile
+
+    X, _ = _data(rng, n=500, m=1, d=8)
+    store = str(tmp_path / "s.zarr")
+    idx.build_index(store, "t", X, params={"method": "anns", "leaf_size": 16})
+    sh = idx.load_shard(store, "t", 0, "gpu")
+    assert idx._pin_on_dask_cuda()
+    f = DeviceHostFile(device_memory_limit=1, memory_limit=1, worker_local_directory=str(tmp_path / "spill"))
+    f["shard"] = sh  # over both limits: spilled at once unless kept apart
+    assert "shard" in f.others and f["shard"] is sh
