@@ -54,7 +54,9 @@ def _timed_query(di, Q, k, block, sync_after=None, backtracks=None):
     """(seconds, dist, ids, leaves, bytes moved) of one full query pass after a warm-up block."""
     client = di.client
     di.wait()  # resident on the workers (a gather would copy every shard into this process)
-    di.query(Q[: min(len(Q), block)], k, block=block, sync_after=sync_after, backtracks=backtracks)  # warm-up
+    # warm-up (kernels compiled, pools grown): a few thousand queries, not a whole block (at 100M
+    # rows a 65,536-query block of the brute force takes as long as the 20,000 timed ones)
+    di.query(Q[: min(len(Q), block, 4096)], k, block=block, sync_after=sync_after, backtracks=backtracks)
     b0 = _transfer_bytes(client)
     t0 = time.perf_counter()
     dist, ids = di.query(Q, k, block=block, sync_after=sync_after, backtracks=backtracks)
@@ -180,6 +182,9 @@ def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, met
             higher_is_better=False)
     rep.add(f"bytes moved between workers per query, {w} workers{tag}", moved / m, "bytes", where,
             higher_is_better=False)
+    # where the time goes: the workers' time inside shard searches and merges, against W x wall
+    rep.add(f"worker busy share (searches + merges / workers x wall), {w} workers{tag}",
+            di.stats_["compute_seconds"] / (w * t), "", where)
 
 
 def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, backtracks,

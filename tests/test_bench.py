@@ -109,6 +109,7 @@ def test_bench_match_curve_on_cpu_one_index_for_every_budget(tmp_path):
     assert not any("reference generated" in x for x in two.notes)  # nothing regenerated
     for b in (4, 16):
         assert 0 < r2[f"recall@4, 2 workers, {b} leaves per shard"] <= 1
+        assert 0 < r2[f"worker busy share (searches + merges / workers x wall), 2 workers, {b} leaves per shard"]
         eff = r2[f"parallel efficiency 1 -> 2 workers, {b} leaves per shard"]
         assert eff == pytest.approx(r2[f"banns queries/s, 2 workers, {b} leaves per shard"]
                                     / (2 * r1[f"banns queries/s, 1 worker, {b} leaves per shard"]))
