@@ -245,3 +245,16 @@ class Utilization:
     def extra(self) -> dict[str, float]:
         return {k: round(v, 1) for k, v in (("host_cpu_busy_pct", self.cpu), ("gpu_busy_pct", self.gpu))
                 if v is not None}
+
+
+def read_record(path, config: dict) -> dict | None:
+    """A bench's record kept on its workdir (JSON with a ``config``), when it was made with
+    ``config``; None when absent, unreadable or of another configuration."""
+    import json
+
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("config") == config else None

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ._bench import BenchReport, Utilization
+from ._bench import BenchReport, Utilization, read_record
 
 
 STAGES = ("ingest", "describe", "match", "recognize")
@@ -42,13 +42,7 @@ def parse_stages(text: str) -> list[str]:
 
 def _load_record(path: Path, config: dict) -> dict:
     """Stages measured by earlier invocations on the same workdir and configuration."""
-    if not path.exists():
-        return {}
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return rec.get("stages", {}) if rec.get("config") == config else {}
+    return (read_record(path, config) or {}).get("stages", {})
 
 
 def run(scans: int, points: int, models: int, workers: int | None, device: str, workdir: Path, out,

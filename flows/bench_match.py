@@ -12,11 +12,16 @@ import time
 import numpy as np
 
 from scanforest.kernels._backend import describe_device, resolve_device
-from scanforest.kernels.bruteforce import knn_bruteforce, recall
-
+from scanforest.kernels.bruteforce import recall
 from scanforest.kernels.errors import InputError
-from ._bench import BenchReport
+
+from ._bench import BenchReport, read_record
 from ._runner import dask_client
+
+# synthetic references up to WHOLE_MAX rows are drawn in one piece (the data of earlier runs),
+# larger ones in PIECE-row parts of their own seeds
+WHOLE_MAX = 1 << 24
+PIECE = 1 << 22
 
 
 def _transfer_bytes(client) -> int:
@@ -72,14 +77,11 @@ def _merge_recorded(path: str, rep: BenchReport, qps: dict) -> dict:
     on the workdir by earlier runs of the same configuration (``rep.params`` less the worker
     counts, the synchronisation and the budgets, which the keys tell apart); recorded."""
     config = {k: v for k, v in rep.params.items() if k not in _VARIES}
-    rec = {}
     try:
-        old = json.loads(open(path).read())
-        if old.get("config") == config:
-            rec = {(int(w), None if sa is None else int(sa), int(b)): (float(q), float(r))
-                   for w, sa, b, q, r in old["qps"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+        rec = {(int(w), None if sa is None else int(sa), int(b)): (float(q), float(r))
+               for w, sa, b, q, r in (read_record(path, config) or {}).get("qps", [])}
+    except (ValueError, TypeError):  # a record of another layout: start afresh
+        rec = {}
     earlier = sorted({key[0] for key in rec} - {key[0] for key in qps})
     if earlier:
         rep.note(f"queries/s of {earlier} worker(s) from an earlier run on this workdir (same configuration)")
@@ -119,7 +121,7 @@ def _efficiency_rows(rep: BenchReport, qps: dict, where: str) -> None:
 
 def _source_key(n, d, clusters, dtype, params, shards) -> str:
     """What a bench index was generated and built from (the reference is a function of these)."""
-    gen = "clustered-whole" if n <= 1 << 24 else "clustered-pieces-4M"
+    gen = "clustered-whole" if n <= WHOLE_MAX else f"clustered-pieces-{PIECE}"
     return json.dumps({"n": n, "d": d, "clusters": clusters, "dtype": dtype, "params": params, "shards": shards,
                        "generator": gen, "seed": 1}, sort_keys=True)
 
@@ -140,8 +142,8 @@ def _mark_workdir_index(store: str, source: str) -> None:
     ScanStore(store).root["indexes"]["bench"].attrs.update({"bench_source": source})
 
 
-def _reference(n: int, d: int, clusters: int, dev: str, dtype: str, piece: int = 1 << 22,
-               whole_max: int = 1 << 24) -> np.ndarray:
+def _reference(n: int, d: int, clusters: int, dev: str, dtype: str, piece: int = PIECE,
+               whole_max: int = WHOLE_MAX) -> np.ndarray:
     """The synthetic reference (seed 1): whole up to ``whole_max`` (16M) rows (the figures of
     earlier runs), else in ``piece``-row parts of their own seeds, written into a host array of
     ``dtype`` (a 100M x 352 reference never exists in float32 anywhere)."""

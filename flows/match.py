@@ -26,9 +26,10 @@ def index_build_flow(store: str, reference: list[str], name: str = "default", sh
                      params: dict | None = None, device: str = "cpu", k: int = 4,
                      dtype: str = "float32") -> dict[str, Any]:
     """Build (or keep, when unchanged) the sharded index ``name`` over the SHOT descriptors of the
-    ``reference`` scans (stored as ``dtype``: float32, or float16 for half the disk). ``shards="auto"``: one per local GPU (one on the CPU), checked against
-    the devices' memory with :func:`scanforest.kernels.sharded.plan_shards` (an index that cannot
-    fit is refused before anything is written)."""
+    ``reference`` scans, stored as ``dtype`` (float32, or float16 for half the disk).
+    ``shards="auto"``: one per local GPU (one on the CPU), checked against the devices' memory
+    with :func:`scanforest.kernels.sharded.plan_shards` (an index that cannot fit is refused
+    before anything is written)."""
     st = ScanStore(store)
     missing = [s for s in reference if not st.has_stage(s, "describe")]
     if missing:

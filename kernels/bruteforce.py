@@ -24,7 +24,7 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from ._backend import is_cupy, resolve_device, to_numpy
+from ._backend import free_memory, is_cupy, resolve_device, to_numpy
 from .errors import InputError
 
 __all__ = ["knn_bruteforce", "recall", "check_points", "MAX_K"]
@@ -439,15 +439,6 @@ def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None, i
     return _bf_cpu(base, queries, k, block, ids)
 
 
-def _host_available() -> int:
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # pragma: no cover - psutil comes with distributed
-        return 1 << 62
-
-
 class _Tiles:
     """Mean-centred tiles of ``base`` rows ``[b0, b0 + bb)``: views of one centred copy when
     ``copy``, else centred as they are asked for (no second copy of the base)."""
@@ -473,7 +464,7 @@ def _bf_cpu(base, queries, k, block, ids=None):
     idm = np.empty(0, np.int64) if ids is None else ids
     mu = base.mean(axis=0, dtype=np.float64).astype(np.float32)
     qb, bb = _blocks(m, n, d, 512 << 20, block)
-    tiles = _Tiles(base, mu, copy=base.nbytes <= _host_available() * _COPY_SHARE["cpu"])
+    tiles = _Tiles(base, mu, copy=base.nbytes <= free_memory("cpu")[0] * _COPY_SHARE["cpu"])
     bn = np.empty(n, np.float32)
     for b0 in range(0, n, bb):
         t = tiles(b0, bb)

@@ -482,13 +482,15 @@ def build_kdforest(X, *, n_trees: int = 1, leaf_size: int = 64, max_depth: int |
     if n_trees > 1 and rand_f < 2:
         raise InputError(f"n_trees={n_trees} needs random_dims >= 2 (random_dims={random_dims!r} makes every "
                          "tree identical)")
-    trees = []
-    for t in range(n_trees):
-        tree = build_kdtree(X, leaf_size=leaf_size, max_depth=max_depth, random_dims=rand_f or None,
-                            seed=seed + t, split=split, device=device, leaf_rows=leaf_rows)
-        if tree.data is not None:
-            X = tree.data  # validated, on the tree's device: no second conversion
-        trees.append(tree)
+    if resolve_device(device, X) == "gpu":  # validated and on its device once, not once per tree
+        import cupy as cp
+
+        X = check_points(cp.asarray(X), "X", xp=cp)
+    else:
+        X = check_points(to_numpy(X), "X", xp=np)
+    trees = [build_kdtree(X, leaf_size=leaf_size, max_depth=max_depth, random_dims=rand_f or None,
+                          seed=seed + t, split=split, device=device, leaf_rows=leaf_rows)
+             for t in range(n_trees)]
     forest = pack_forest(trees)
     forest.params["seed"] = seed
     return forest

@@ -233,8 +233,9 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     """Load shard ``shard`` of index ``name`` on this worker (GPU when ``device`` resolves to it).
 
     The persisted tree is used as it is, and the device holds one copy of the rows, in the
-    tree's leaf order; an index written without trees builds the shard's tree here. ``method="exact"`` loads the rows only and searches them by brute force (the
-    exact baseline on the same shards and workers).
+    tree's leaf order; an index written without trees builds the shard's tree here.
+    ``method="exact"`` loads the rows only and searches them by brute force (the exact
+    baseline on the same shards and workers).
     """
     from scanforest.kernels._backend import resolve_device
     from scanforest.kernels.kdforest import KDForest
