@@ -31,7 +31,9 @@ HCAP = 256   # heap capacity (kept equal to kdtree.HEAP_CAP)
 QB = 64      # queries per block of the "tile" leaf kernel (one per thread)
 RQ = 32      # queries per block of the "rotate" leaf kernel
 RP = 64      # leaf points per tile (= threads) of the "rotate" leaf kernel
-WINDOW_KERNEL = "rotate"  # sliding-window leaf kernel: "rotate" (threads over points) or "tile"
+WINDOW_KERNEL = "stream"  # sliding-window leaf kernel: "stream", "rotate" (threads over points) or "tile"
+SQ = 8       # queries per block of the "stream" leaf kernel (staged whole in shared memory)
+SP = 64      # threads (leaf points in flight) per block of the "stream" leaf kernel
 PB = 32      # leaf points per shared-memory tile
 DC = 32      # dimensions per shared-memory chunk
 
@@ -42,6 +44,8 @@ _SRC = _CUDA_COMMON + r"""
 #define QB 64
 #define PB 32
 #define DC 32
+#define SQ 8
+#define SP 64
 #define F_INF __int_as_float(0x7f800000)
 
 __device__ __forceinline__ unsigned long long sf_hash(unsigned long long seed, unsigned long long node) {
@@ -239,17 +243,33 @@ extern "C" __global__ void decode_box(const unsigned int* __restrict__ e, long l
 }
 
 // ---------------------------------------------------------------------------- search helpers
+__device__ __forceinline__ float box_term(float v, float l, float h) {
+    float t;
+    if (v < l) t = __fsub_rn(l, v);
+    else if (v > h) t = __fsub_rn(v, h);
+    else t = 0.0f;
+    return __fmul_rn(t, t);
+}
+// squared distance from q to the box [L, H], summed in dimension order (float4 loads when the
+// rows are 16-byte aligned: the same sum, bit for bit)
 __device__ __forceinline__ float box_dist(const float* __restrict__ q, const float* __restrict__ L,
                                           const float* __restrict__ H, int d) {
     float acc = 0.0f;
-    for (int j = 0; j < d; ++j) {
-        float v = q[j], t;
-        float l = L[j], h = H[j];
-        if (v < l) t = __fsub_rn(l, v);
-        else if (v > h) t = __fsub_rn(v, h);
-        else t = 0.0f;
-        acc = __fadd_rn(acc, __fmul_rn(t, t));
+    if (((d & 3) | (((unsigned long long)q | (unsigned long long)L | (unsigned long long)H) & 15)) == 0) {
+        const float4* q4 = (const float4*)q;
+        const float4* L4 = (const float4*)L;
+        const float4* H4 = (const float4*)H;
+#pragma unroll 2
+        for (int j = 0; j < (d >> 2); ++j) {
+            float4 v = __ldg(q4 + j), l = __ldg(L4 + j), h = __ldg(H4 + j);
+            acc = __fadd_rn(acc, box_term(v.x, l.x, h.x));
+            acc = __fadd_rn(acc, box_term(v.y, l.y, h.y));
+            acc = __fadd_rn(acc, box_term(v.z, l.z, h.z));
+            acc = __fadd_rn(acc, box_term(v.w, l.w, h.w));
+        }
+        return acc;
     }
+    for (int j = 0; j < d; ++j) acc = __fadd_rn(acc, box_term(q[j], L[j], H[j]));
     return acc;
 }
 // insert a key into the ascending top-k list unless it is already there (a point reached through a
@@ -570,6 +590,103 @@ extern "C" __global__ void banns_leaf_plain(const int* __restrict__ blk_leaf,
     }
 }
 
+// Streaming leaf scan for the few queries a leaf gets per round (the common case: 1-2 at 65k
+// buffered queries over 10^5 leaves, where the tiled kernels above are bound on their own
+// per-block overhead, not on memory). One block of SP threads per (leaf, chunk of <= SQ
+// queries); the chunk's queries are staged whole in shared memory, thread t streams leaf point t
+// straight from global memory (float4 when d % 4 == 0) and keeps one running sum per query, in
+// dimension order (canon_dist's rounding, bit for bit). Only keys below a query's current k-th
+// key become candidates; thread r then merges query r's candidates (one writer per list).
+extern "C" __global__ void __launch_bounds__(SP) banns_leaf_stream(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
+        const float* __restrict__ Q, const float* __restrict__ points, const long long* __restrict__ perm,
+        const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
+        unsigned long long* __restrict__ top) {
+    extern __shared__ float4 qs4[];                      // [SQ][d] floats
+    float* qs = (float*)qs4;
+    __shared__ unsigned long long cand[SQ][SP];
+    __shared__ unsigned long long thr[SQ];
+    __shared__ int ncand[SQ];
+    __shared__ int qid[SQ];
+    int b = blockIdx.x, t = threadIdx.x;
+    int leaf = blk_leaf[b], f = blk_first[b], qc = blk_cnt[b];
+    if (leaf < 0) return;  // queries whose bounded descent found nothing (whole block)
+    if (t < qc) qid[t] = sorted_q[f + t];
+    if (t < SQ) ncand[t] = 0;
+    __syncthreads();
+    for (int idx = t; idx < qc * d; idx += SP) {
+        int r = idx / d;
+        qs[idx] = Q[(long long)qid[r] * d + (idx - r * d)];
+    }
+    unsigned long long* mytop = t < qc ? top + (long long)qid[t] * k : NULL;
+    int cnt = 0;
+    if (mytop) {
+        while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
+        thr[t] = cnt < k ? KEY_NONE : mytop[k - 1];
+    }
+    __syncthreads();
+    const bool vec = ((d & 3) | ((unsigned long long)points & 15)) == 0;
+    long long p_beg = start[leaf], p_end = end[leaf];
+    for (long long p0 = p_beg; p0 < p_end; p0 += SP) {
+        long long p = p0 + t;
+        if (p < p_end) {
+            float acc[SQ];
+#pragma unroll
+            for (int s = 0; s < SQ; ++s) acc[s] = 0.0f;
+            if (vec) {
+                const float4* x4 = (const float4*)(points + p * d);
+                int d4 = d >> 2;
+#pragma unroll 4
+                for (int j = 0; j < d4; ++j) {
+                    float4 v = __ldg(x4 + j);
+#pragma unroll
+                    for (int s = 0; s < SQ; ++s) {
+                        if (s < qc) {
+                            float4 qv = qs4[s * d4 + j];
+                            float e;
+                            e = __fsub_rn(qv.x, v.x); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qv.y, v.y); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qv.z, v.z); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qv.w, v.w); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                        }
+                    }
+                }
+            } else {
+                const float* x = points + p * d;
+                for (int j = 0; j < d; ++j) {
+                    float v = __ldg(x + j);
+#pragma unroll
+                    for (int s = 0; s < SQ; ++s) {
+                        if (s < qc) {
+                            float e = __fsub_rn(qs[s * d + j], v);
+                            acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                        }
+                    }
+                }
+            }
+            long long id = perm[p];
+#pragma unroll
+            for (int s = 0; s < SQ; ++s) {
+                if (s < qc) {
+                    unsigned long long key = make_key(acc[s], id);
+                    if (key < thr[s]) cand[s][atomicAdd(&ncand[s], 1)] = key;
+                }
+            }
+        }
+        __syncthreads();
+        if (mytop) {
+            int nc = ncand[t];
+            for (int c = 0; c < nc; ++c) {
+                unsigned long long key = cand[t][c];
+                if (cnt < k || key < mytop[k - 1]) top_insert(mytop, cnt, k, key);
+            }
+            ncand[t] = 0;
+            thr[t] = cnt < k ? KEY_NONE : mytop[k - 1];
+        }
+        __syncthreads();
+    }
+}
+
 extern "C" __global__ void banns_advance(const int* __restrict__ active, int na, int k, int budget,
         const unsigned long long* __restrict__ top, const float* __restrict__ lim,
         const int* __restrict__ leaf_of, float* __restrict__ HD, int* __restrict__ HN,
@@ -806,10 +923,14 @@ def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None,
     lim = cp.ascontiguousarray(lim, dtype=cp.float32)
     mod = _module(_kp(k))
     f_desc = mod.get_function("banns_descend")
+    smem = 0
     if not sliding_window:
         f_leaf, qb, threads = mod.get_function("banns_leaf_plain"), QB, QB
     elif WINDOW_KERNEL == "tile":
         f_leaf, qb, threads = mod.get_function("banns_leaf_window"), QB, QB
+    elif WINDOW_KERNEL == "stream" and SQ * d * 4 <= 40 * 1024:
+        f_leaf, qb, threads = mod.get_function("banns_leaf_stream"), SQ, SP
+        smem = SQ * d * 4
     else:
         f_leaf, qb, threads = mod.get_function("banns_leaf_rotate"), RQ, RP
     f_adv = mod.get_function("banns_advance")
@@ -854,7 +975,7 @@ def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None,
         bleaf = sleaf[gstart[bg]]
         e2 = E(); e2.record()
         f_leaf((nb,), (threads,), (bleaf, first.astype(cp.int32), cnt, sorted_q, queries, tree.points, tree.perm,
-                              tree.start, tree.end, np.int32(d), np.int32(k), top))
+                              tree.start, tree.end, np.int32(d), np.int32(k), top), shared_mem=smem)
         e3 = E(); e3.record()
         keep = cp.empty(na, cp.uint8)
         f_adv(_grid(na, 128), (128,), (active, np.int32(na), np.int32(k), np.int32(budget), top, lim, leaf_of,

@@ -389,7 +389,7 @@ def test_dask_cuda_keeps_resident_shards_out_of_its_spilling(tmp_path, rng):
     pytest.importorskip("dask_cuda")
     from dask_cuda.device_host_file import DeviceHostFile
 
-    X, _ = _data(rng, n=500, m=1, d=8)
+    X, _ = _data(rng, n=500, m=40, d=8)
     store = str(tmp_path / "s.zarr")
     idx.build_index(store, "t", X, params={"method": "anns", "leaf_size": 16})
     sh = idx.load_shard(store, "t", 0, "gpu")
