@@ -74,12 +74,13 @@ class DistributedIndex:
     def n(self) -> int:
         return int(self.attrs["n"])
 
-    def plan_block(self, k: int, block: int = 65_536, *, headroom: float = 0.85, min_block: int = 256) -> int:
-        """The largest query block (``block`` halved down to ``min_block``) whose working set
+    def plan_block(self, k: int, block: int | None = None, *, headroom: float = 0.85, min_block: int = 256) -> int:
+        """The largest query block (``block``, default ``MAX_BLOCK`` of the shards' device:
+        262,144 on GPUs, 65,536 on CPUs, halved down to ``min_block``) whose working set
         (:func:`scanforest.kernels.sharded.search_working_bytes`) fits the free memory each
         worker has beside its resident shards; workers that share a GPU (or the host) share its
         free memory. Waits for the shards; planned once per ``k``."""
-        from scanforest.kernels.sharded import fit_block
+        from scanforest.kernels.sharded import MAX_BLOCK, fit_block
 
         if k in self._blocks:
             return self._blocks[k]
@@ -91,7 +92,7 @@ class DistributedIndex:
         except Exception:  # a worker lost meanwhile: plan for the largest block, the OOM split still guards
             free = {}
         if not free:
-            return max(1, int(block))
+            return max(1, int(block or MAX_BLOCK.get(self.device, MAX_BLOCK["cpu"])))
         owners: dict[str, int] = {}
         for _, owner in free.values():
             owners[owner] = owners.get(owner, 0) + 1
@@ -149,7 +150,7 @@ class DistributedIndex:
         """Global top-``k`` of every row of ``Q``: ``(dist2 (M, k) float32, ids (M, k) int64)``.
 
         ``block``: queries per block sent to every shard (default: :meth:`plan_block`, at most
-        65,536, fitted to the workers' free memory).
+        262,144 on GPUs and 65,536 on CPUs, fitted to the workers' free memory).
 
         ``backtracks``: the leaf budget of every shard for this query (default: the index's own,
         set at build time); a recall/speed trade-off chosen per query, with no rebuild.

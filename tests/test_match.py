@@ -347,7 +347,10 @@ def test_shard_plan_fits_the_block_beside_the_resident_rows():
     one = plan_shards(100_000_000, 352, [139 * G])  # 100M x 352 fp32 (131 GiB) on one H200: no
     assert not one.fits and one.min_workers == 2
     two = plan_shards(100_000_000, 352, [139 * G, 139 * G])  # on two: one copy of 50M rows each, full blocks
-    assert two.fits and two.shards == 2 and two.block == 65_536 and two.resident_bytes < 80 * G
+    assert two.fits and two.shards == 2 and two.block == 262_144 and two.resident_bytes < 80 * G
+    # the default block: 262,144 queries on GPUs, 65,536 on CPUs, when they fit
+    assert plan_shards(10_000_000, 352, [139 * G]).block == 262_144
+    assert plan_shards(1_000_000, 352, [64 * G], device="cpu").block == 65_536
     assert plan_shards(1000, 8, [G, 3 * G, G]).shards == 3  # one shard per worker; the smallest memory counts
     with pytest.raises(InputError, match="memory_bytes must be positive"):
         plan_shards(1000, 8, [])
