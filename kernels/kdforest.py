@@ -46,7 +46,8 @@ class KDForest:
     max_depth : int or None, default None
         Nodes at this depth stay leaves (default 64).
     sliding_window : bool, default True
-        P-BANNS leaf kernel: shared-memory sliding-window schedule or the plain one.
+        P-BANNS leaf kernel: queries staged in shared memory per leaf block (the default
+        streaming kernel, or the paper's rotating windows) or the plain per-thread scan.
     split : {"median", "midpoint"}, default "median"
         Split value rule: the median of a 64-point sample of the node, on the dimension of largest
         sample extent (robust on skewed data such as SHOT descriptors), or the box midpoint of the

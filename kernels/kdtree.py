@@ -741,8 +741,10 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
         Maximum number of leaves scanned per query (over all trees of a forest); ``None``
         means unlimited, which returns the exact brute-force answer.
     sliding_window : bool
-        P-BANNS only: shared-memory tiles with the rotating schedule (True) or the naive
-        per-thread global-memory scan (False).
+        P-BANNS only: a block per leaf with its buffered queries staged in shared memory (True:
+        ``_kdtree_gpu.WINDOW_KERNEL``, default ``"stream"``; ``"rotate"``/``"tile"`` are the
+        paper's rotating windows) or the naive per-thread global-memory scan (False). Every
+        kernel returns the same answer.
     finish_below : int, optional
         P-BANNS only: when at most this many queries are still active they are finished by exact
         brute force (default ``max(32, M // 256)``).
