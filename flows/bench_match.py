@@ -296,7 +296,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
 
                 held = client.run(_resident_bytes, workers=sorted(set(di.placement.values())))
                 rows = -(-n // w)
-                est = shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method)
+                est = shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method,
+                                           row_bytes=idx.resident_row_bytes(store_dtype, dev))
                 work = search_working_bytes(rows, d, block, k, device=dev)
                 rep.note(f"{w} workers: shards hold {max(held.values()) / 2**30:.2f} GiB on the fullest worker "
                          f"(the planner's estimate: {est / 2**30:.2f} GiB; a {block:,}-query "

@@ -37,7 +37,7 @@ def index_build_flow(store: str, reference: list[str], name: str = "default", sh
     ref, ref_scan, ref_row = idx.collect_reference(st, reference)
     plan = None
     if shards == "auto":
-        plan = idx.plan_for(ref.shape[0], ref.shape[1], params or {}, device, k=k)
+        plan = idx.plan_for(ref.shape[0], ref.shape[1], params or {}, device, k=k, dtype=dtype)
         shards = plan.shards
     res = idx.build_index(store, name, ref, shards=int(shards), params=params or {}, ref_scan=ref_scan,
                           ref_row=ref_row, scans=reference, device=device, dtype=dtype)

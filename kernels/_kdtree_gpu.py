@@ -27,11 +27,12 @@ import numpy as np
 
 from .bruteforce import _CUDA_COMMON, decode_keys, knn_bruteforce
 
-HCAP = 256   # heap capacity (kept equal to kdtree.HEAP_CAP)
+HCAP = 256   # default heap capacity (kdtree.HEAP_CAP); a search passes kdtree.heap_capacity's
 QB = 64      # queries per block of the "tile" leaf kernel (one per thread)
 RQ = 32      # queries per block of the "rotate" leaf kernel
 RP = 64      # leaf points per tile (= threads) of the "rotate" leaf kernel
 WINDOW_KERNEL = "stream"  # sliding-window leaf kernel: "stream", "rotate" (threads over points) or "tile"
+HALF_REDO_ROWS = 1 << 22  # rows widened at a time by the exact fallback over float16 rows
 SQ = 8       # queries per block of the "stream" leaf kernel (staged whole in shared memory)
 SP = 64      # threads (leaf points in flight) per block of the "stream" leaf kernel
 PB = 32      # leaf points per shared-memory tile
@@ -47,6 +48,28 @@ _SRC = _CUDA_COMMON + r"""
 #define SQ 8
 #define SP 64
 #define F_INF __int_as_float(0x7f800000)
+
+// leaf-ordered rows: float, or IEEE half (PT_HALF) widened exactly to float in registers, so every
+// distance is the float one of the widened rows, bit for bit (half the bytes a leaf scan reads)
+#ifdef PT_HALF
+typedef unsigned short PT;
+__device__ __forceinline__ float ldp(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+#else
+typedef float PT;
+__device__ __forceinline__ float ldp(float x) { return x; }
+#endif
+__device__ __forceinline__ float canon_dist_p(const float* __restrict__ q, const PT* __restrict__ x, int d) {
+    float acc = 0.0f;
+    for (int j = 0; j < d; ++j) {
+        float t = __fsub_rn(q[j], ldp(x[j]));
+        acc = __fadd_rn(acc, __fmul_rn(t, t));
+    }
+    return acc;
+}
 
 __device__ __forceinline__ unsigned long long sf_hash(unsigned long long seed, unsigned long long node) {
     unsigned long long z = seed * 0x9E3779B97F4A7C15ULL + node + 0x632BE59BD9B4E019ULL;
@@ -358,7 +381,7 @@ __device__ __forceinline__ int pop_within(float* hd, int* hn, int& hs, float wor
 // One queue over the boxes of every tree of a (packed) forest: the roots are pushed first, then
 // "pop the closest box -> descend to its nearest leaf pushing far siblings -> scan the leaf".
 // lim[qi]: boxes farther than it are pruned (the float below the query's bound, or +inf).
-extern "C" __global__ void anns(const float* __restrict__ points, const long long* __restrict__ perm,
+extern "C" __global__ void anns(const PT* __restrict__ points, const long long* __restrict__ perm,
         const int* __restrict__ child, const int* __restrict__ sdim, const float* __restrict__ sval,
         const long long* __restrict__ start, const long long* __restrict__ end, const float* __restrict__ lo,
         const float* __restrict__ hi, int d, const float* __restrict__ Q, int m, int k, int budget,
@@ -389,7 +412,7 @@ extern "C" __global__ void anns(const float* __restrict__ points, const long lon
         node = descend(node, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, check_near);
         if (node < 0) continue;
         for (long long p = start[node]; p < end[node]; ++p) {
-            unsigned long long key = make_key(canon_dist(q, points + p * d, d), perm[p]);
+            unsigned long long key = make_key(canon_dist_p(q, points + p * d, d), perm[p]);
             if (cnt < k || key < top[k - 1]) top_insert(top, cnt, k, key);
         }
         visits += 1;
@@ -432,7 +455,7 @@ extern "C" __global__ void banns_descend(const int* __restrict__ active, int na,
 // with the +1 padding) and every query's top-P list has a single writer.
 extern "C" __global__ void __launch_bounds__(QB) banns_leaf_window(const int* __restrict__ blk_leaf,
         const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
-        const float* __restrict__ Q, const float* __restrict__ points, const long long* __restrict__ perm,
+        const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
         const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
         unsigned long long* __restrict__ top) {
     __shared__ float qs[QB][DC + 1];
@@ -459,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(QB) banns_leaf_window(const int* __
             }
             for (int idx = t; idx < PB * DC; idx += QB) {
                 int r = idx / DC, j = idx % DC;
-                ps[r][j] = (r < np && c0 + j < d) ? points[(p0 + r) * d + c0 + j] : 0.0f;
+                ps[r][j] = (r < np && c0 + j < d) ? ldp(points[(p0 + r) * d + c0 + j]) : 0.0f;
             }
             __syncthreads();
             if (t < qc) {
@@ -493,7 +516,7 @@ extern "C" __global__ void __launch_bounds__(QB) banns_leaf_window(const int* __
 // go to shared memory and thread r then merges row r into query r's top-P list (one writer).
 extern "C" __global__ void __launch_bounds__(RP) banns_leaf_rotate(const int* __restrict__ blk_leaf,
         const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
-        const float* __restrict__ Q, const float* __restrict__ points, const long long* __restrict__ perm,
+        const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
         const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
         unsigned long long* __restrict__ top) {
     __shared__ float qs[RQ][DC + 1];
@@ -535,7 +558,7 @@ extern "C" __global__ void __launch_bounds__(RP) banns_leaf_rotate(const int* __
             }
             for (int idx = t; idx < np * DC; idx += RP) {
                 int r = idx / DC, j = idx % DC;
-                ps[r][j] = (c0 + j < d) ? points[(p0 + r) * d + c0 + j] : 0.0f;
+                ps[r][j] = (c0 + j < d) ? ldp(points[(p0 + r) * d + c0 + j]) : 0.0f;
             }
             __syncthreads();
             if (t < np) {
@@ -572,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(RP) banns_leaf_rotate(const int* __
 // the same work without staging: each thread reads its query and the leaf points from global memory
 extern "C" __global__ void banns_leaf_plain(const int* __restrict__ blk_leaf,
         const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
-        const float* __restrict__ Q, const float* __restrict__ points, const long long* __restrict__ perm,
+        const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
         const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
         unsigned long long* __restrict__ top) {
     int b = blockIdx.x, t = threadIdx.x;
@@ -585,7 +608,7 @@ extern "C" __global__ void banns_leaf_plain(const int* __restrict__ blk_leaf,
     int cnt = 0;
     while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
     for (long long p = start[leaf]; p < end[leaf]; ++p) {
-        unsigned long long key = make_key(canon_dist(q, points + p * d, d), perm[p]);
+        unsigned long long key = make_key(canon_dist_p(q, points + p * d, d), perm[p]);
         if (cnt < k || key < mytop[k - 1]) top_insert(mytop, cnt, k, key);
     }
 }
@@ -599,7 +622,7 @@ extern "C" __global__ void banns_leaf_plain(const int* __restrict__ blk_leaf,
 // key become candidates; thread r then merges query r's candidates (one writer per list).
 extern "C" __global__ void __launch_bounds__(SP) banns_leaf_stream(const int* __restrict__ blk_leaf,
         const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
-        const float* __restrict__ Q, const float* __restrict__ points, const long long* __restrict__ perm,
+        const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
         const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
         unsigned long long* __restrict__ top) {
     extern __shared__ float4 qs4[];                      // [SQ][d] floats
@@ -625,7 +648,7 @@ extern "C" __global__ void __launch_bounds__(SP) banns_leaf_stream(const int* __
         thr[t] = cnt < k ? KEY_NONE : mytop[k - 1];
     }
     __syncthreads();
-    const bool vec = ((d & 3) | ((unsigned long long)points & 15)) == 0;
+    const bool vec = ((d & 3) | ((unsigned long long)points & (4 * sizeof(PT) - 1))) == 0;
     long long p_beg = start[leaf], p_end = end[leaf];
     for (long long p0 = p_beg; p0 < p_end; p0 += SP) {
         long long p = p0 + t;
@@ -634,11 +657,21 @@ extern "C" __global__ void __launch_bounds__(SP) banns_leaf_stream(const int* __
 #pragma unroll
             for (int s = 0; s < SQ; ++s) acc[s] = 0.0f;
             if (vec) {
+#ifdef PT_HALF
+                const uint2* x4 = (const uint2*)(points + p * d);  // 4 halves per load
+#else
                 const float4* x4 = (const float4*)(points + p * d);
+#endif
                 int d4 = d >> 2;
 #pragma unroll 4
                 for (int j = 0; j < d4; ++j) {
+#ifdef PT_HALF
+                    uint2 h = __ldg(x4 + j);
+                    float4 v = make_float4(ldp((unsigned short)(h.x & 0xffffu)), ldp((unsigned short)(h.x >> 16)),
+                                           ldp((unsigned short)(h.y & 0xffffu)), ldp((unsigned short)(h.y >> 16)));
+#else
                     float4 v = __ldg(x4 + j);
+#endif
 #pragma unroll
                     for (int s = 0; s < SQ; ++s) {
                         if (s < qc) {
@@ -652,9 +685,9 @@ extern "C" __global__ void __launch_bounds__(SP) banns_leaf_stream(const int* __
                     }
                 }
             } else {
-                const float* x = points + p * d;
+                const PT* x = points + p * d;
                 for (int j = 0; j < d; ++j) {
-                    float v = __ldg(x + j);
+                    float v = ldp(__ldg(x + j));
 #pragma unroll
                     for (int s = 0; s < SQ; ++s) {
                         if (s < qc) {
@@ -743,10 +776,18 @@ extern "C" __global__ void banns_init(int m, const float* __restrict__ Q, int d,
 
 
 @functools.lru_cache(maxsize=None)
-def _module(kp: int):
+def _module(kp: int, half: bool = False, hcap: int = HCAP):
+    """The search kernels for top-``kp`` lists over float32 rows, or float16 ones (``half``),
+    with queues of ``hcap`` pending boxes."""
     import cupy as cp
 
-    return cp.RawModule(code=_SRC.replace("__KP__", str(kp)), options=("--std=c++14",))
+    opts = ("--std=c++14",) + (("-DPT_HALF",) if half else ())
+    src = _SRC.replace("__KP__", str(kp)).replace("#define HCAP 256", f"#define HCAP {int(hcap)}")
+    return cp.RawModule(code=src, options=opts)
+
+
+def _is_half(tree) -> bool:
+    return tree.points is not None and tree.points.dtype == np.float16
 
 
 def _kp(k: int) -> int:
@@ -867,14 +908,23 @@ def _exact_redo(tree, queries, idx, k, out_d, out_i):
     """Exact brute force for the queries ``idx`` (heap overflow or residual)."""
     if tree.data is not None:
         d2, i2 = knn_bruteforce(tree.data, queries[idx], k, device="gpu")
-    else:  # a one-copy tree: the first tree's leaf-ordered rows, answered by input-order id
+    elif not _is_half(tree):  # a one-copy tree: the first tree's leaf-ordered rows, by input-order id
         n = tree.n_points
         d2, i2 = knn_bruteforce(tree.points[:n], queries[idx], k, device="gpu", ids=tree.perm[:n])
+    else:  # half rows: widened a slice at a time (a float32 copy of all of them may not fit)
+        from .topk import merge_topk
+
+        n = tree.n_points
+        step = HALF_REDO_ROWS
+        parts = [knn_bruteforce(tree.points[a:min(n, a + step)].astype(np.float32), queries[idx],
+                                min(k, min(n, a + step) - a), device="gpu", ids=tree.perm[a:min(n, a + step)])
+                 for a in range(0, n, step)]
+        d2, i2 = parts[0] if len(parts) == 1 else merge_topk(parts, k)
     out_d[idx] = d2
     out_i[idx] = i2
 
 
-def anns(tree, queries, k, budget, *, roots=None, lim=None):
+def anns(tree, queries, k, budget, *, roots=None, lim=None, hcap=HCAP):
     """P-ANNS: one thread per query, private heap and top-k in local memory.
 
     ``roots``: (T,) int32 roots of a packed forest (default: one tree, root 0); ``lim``: (M,)
@@ -890,7 +940,7 @@ def anns(tree, queries, k, budget, *, roots=None, lim=None):
     roots = cp.ascontiguousarray(roots, dtype=cp.int32)
     lim = cp.ascontiguousarray(lim, dtype=cp.float32)
     kp = _kp(k)
-    fn = _module(kp).get_function("anns")
+    fn = _module(kp, _is_half(tree), hcap).get_function("anns")
     out = cp.empty((m, k), cp.uint64)
     ovf = cp.zeros(m, cp.int32)
     visits = cp.zeros(m, cp.int32)
@@ -906,7 +956,7 @@ def anns(tree, queries, k, budget, *, roots=None, lim=None):
     return out_d, out_i, {"heap_overflow": n_ovf, "leaves_visited": cp.asnumpy(visits)}
 
 
-def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None, lim=None):
+def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None, lim=None, hcap=HCAP):
     """P-BANNS: rounds of descend -> bucket by leaf -> one block per leaf chunk -> advance.
 
     ``roots``: (T,) int32 roots of a packed forest (one queue per query over all trees);
@@ -921,7 +971,7 @@ def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None,
         lim = cp.full(m, np.inf, cp.float32)
     roots = cp.ascontiguousarray(roots, dtype=cp.int32)
     lim = cp.ascontiguousarray(lim, dtype=cp.float32)
-    mod = _module(_kp(k))
+    mod = _module(_kp(k), _is_half(tree), hcap)
     f_desc = mod.get_function("banns_descend")
     smem = 0
     if not sliding_window:
@@ -938,8 +988,8 @@ def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None,
     if finish_below is None:
         finish_below = max(32, m // 256)
     top = cp.full((m, k), np.uint64(0xFFFFFFFFFFFFFFFF), cp.uint64)
-    HD = cp.empty((m, HCAP), cp.float32)
-    HN = cp.empty((m, HCAP), cp.int32)
+    HD = cp.empty((m, hcap), cp.float32)
+    HN = cp.empty((m, hcap), cp.int32)
     HS = cp.zeros(m, cp.int32)
     OVF = cp.zeros(m, cp.int32)
     visits = cp.zeros(m, cp.int32)

@@ -7,7 +7,7 @@ from ._backend import is_cupy, resolve_device
 from .bruteforce import check_k, check_points, knn_bruteforce
 from .errors import InputError
 from .kdtree import (_bound_limit, _check_budget, _check_build_params, _check_n_trees, build_kdforest, check_split,
-                     check_bounds, query_kdtree)
+                     check_bounds, heap_capacity, query_kdtree)
 
 __all__ = ["KDForest", "merge_topk_unique"]
 
@@ -52,6 +52,9 @@ class KDForest:
         Split value rule: the median of a 64-point sample of the node, on the dimension of largest
         sample extent (robust on skewed data such as SHOT descriptors), or the box midpoint of the
         widest dimension (the paper's rule). See :mod:`scanforest.kernels.kdtree`.
+    heap_cap : int or None, default None
+        Pending boxes each query's queue keeps (a full queue drops its farthest box). ``None``
+        grows it with the budget (:func:`scanforest.kernels.kdtree.heap_capacity`).
 
     Attributes
     ----------
@@ -79,7 +82,7 @@ class KDForest:
     def __init__(self, *, n_trees: int = 1, leaf_size: int = 64, backtracks: int | None = None,
                  method: str = "banns", random_dims: int | None = None, seed: int = 0,
                  device: str = "auto", max_depth: int | None = None, sliding_window: bool = True,
-                 split: str = "median"):
+                 split: str = "median", heap_cap: int | None = None):
         self.n_trees = n_trees
         self.leaf_size = leaf_size
         self.backtracks = backtracks
@@ -90,10 +93,12 @@ class KDForest:
         self.max_depth = max_depth
         self.sliding_window = sliding_window
         self.split = split
+        self.heap_cap = heap_cap
 
     def get_params(self, deep: bool = True) -> dict:
         return {k: getattr(self, k) for k in ("n_trees", "leaf_size", "backtracks", "method", "random_dims",
-                                              "seed", "device", "max_depth", "sliding_window", "split")}
+                                              "seed", "device", "max_depth", "sliding_window", "split",
+                                              "heap_cap")}
 
     def set_params(self, **params) -> "KDForest":
         for k, v in params.items():
@@ -115,6 +120,7 @@ class KDForest:
         if not isinstance(self.sliding_window, (bool, np.bool_)):
             raise InputError(f"sliding_window must be a bool, got {self.sliding_window!r}")
         _check_budget(self.backtracks)
+        heap_capacity(1, self.heap_cap)
         check_split(self.split)
         return _check_build_params(self.leaf_size, self.max_depth, self.random_dims, self.seed)
 
@@ -216,7 +222,8 @@ class KDForest:
         budget = self.backtracks if backtracks is _UNSET else backtracks
         _check_budget(budget)
         dist, ids, stats = query_kdtree(self.tree_, Q, k, method=self.method, backtracks=budget,
-                                        sliding_window=self.sliding_window, bounds=bounds, return_stats=True)
+                                        sliding_window=self.sliding_window, bounds=bounds, return_stats=True,
+                                        heap_cap=self.heap_cap)
         self.stats_ = dict(stats, method=self.method)
         return dist, ids
 

@@ -113,7 +113,8 @@ class ShardedIndex:
 # ---------------------------------------------------------------------------------------------
 # memory planning
 # ---------------------------------------------------------------------------------------------
-HEAP_BYTES_PER_QUERY = 256 * 8  # the search's per-query priority queue (HEAP_CAP boxes: key + node)
+# the search's per-query priority queue at its largest (kdtree.MAX_HEAP_CAP boxes: key + node)
+HEAP_BYTES_PER_QUERY = 2048 * 8
 BF_TILE_BYTES = {"gpu": 2 << 30, "cpu": 512 << 20}  # the brute force's coarse GEMM tile budget
 # the largest query block planned by default: a GPU search round has fixed costs (bucketing,
 # launches, one host sync) that a larger block spreads (10M x 352 on an H200, 384 leaves: 35,000
@@ -122,16 +123,17 @@ MAX_BLOCK = {"gpu": 262_144, "cpu": 65_536}
 
 
 def shard_resident_bytes(rows: int, d: int, *, n_trees: int = 1, leaf_size: int = 64,
-                         method: str = "banns") -> int:
-    """Bytes a loaded shard of ``rows`` rows holds on its device: for the exact method the rows;
-    for a forest each tree's leaf-ordered rows (no input-order copy), permutation and nodes (at
-    most 4 per ``leaf_size`` rows; a node is its child, split, point range and a box of 2 x ``d``
-    floats)."""
+                         method: str = "banns", row_bytes: int = 4) -> int:
+    """Bytes a loaded shard of ``rows`` rows holds on its device: for the exact method the rows
+    (float32); for a forest each tree's leaf-ordered rows (``row_bytes`` per value: 2 for a
+    float16 index on a GPU, which keeps its rows in half precision), permutation and nodes (at
+    most 4 per ``leaf_size`` rows; a node is its child, split, point range and a box of 2 x
+    ``d`` floats)."""
     rows, d = int(rows), int(d)
     if method == "exact":
         return rows * d * 4
     nodes = 4 * -(-rows // int(leaf_size))
-    return int(n_trees) * (rows * d * 4 + rows * 8 + nodes * (28 + 8 * d))
+    return int(n_trees) * (rows * d * int(row_bytes) + rows * 8 + nodes * (28 + 8 * d))
 
 
 def search_working_bytes(rows: int, d: int, block: int, k: int, *, device: str = "gpu") -> int:
@@ -174,7 +176,7 @@ class ShardPlan:
 
 def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int | None = None, n_trees: int = 1,
                 leaf_size: int = 64, method: str = "banns", device: str = "gpu", headroom: float = 0.85,
-                min_block: int = 256) -> ShardPlan:
+                min_block: int = 256, row_bytes: int = 4) -> ShardPlan:
     """Shards and query block for ``n`` x ``d`` reference rows on workers of ``memory_bytes`` each
     (an int, or one per worker: the smallest counts).
 
@@ -182,7 +184,8 @@ def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int | None =
     shards on the same workers: the plan is one shard per worker, and the largest block (at
     most ``block``, default ``MAX_BLOCK[device]``, halved down to ``min_block``) whose working set fits beside it within
     ``headroom`` of the memory. ``fits=False`` means even ``min_block`` does not fit; then
-    ``min_workers`` is the number of such workers the index needs.
+    ``min_workers`` is the number of such workers the index needs. ``row_bytes``: bytes per
+    resident value of the rows (2 for a float16 index on GPUs).
     """
     mem = [int(m) for m in (memory_bytes if hasattr(memory_bytes, "__len__") else [memory_bytes])]
     if not mem or min(mem) <= 0:
@@ -197,7 +200,8 @@ def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int | None =
 
     def resident(w: int) -> tuple[int, int]:  # rows per shard and resident bytes per worker, w shards
         rows = -(-int(n) // w)
-        return rows, shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method)
+        return rows, shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method,
+                                          row_bytes=row_bytes)
 
     def total(w: int, b: int) -> int:
         rows, res = resident(w)

@@ -107,7 +107,8 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
     rows = max(1, min(1 << 16, ranges[0][1] - ranges[0][0]))
     z = g.create_array("reference", shape=reference.shape, dtype=dtype, chunks=(rows, reference.shape[1]),
                        compressors=None)  # float descriptors barely compress; raw chunks load faster
-    z[...] = reference.astype(dtype, copy=False)
+    for i, j in _row_blocks(z, 0, reference.shape[0]):  # block by block: no whole-array copies
+        z[i:j] = reference[i:j].astype(dtype, copy=False)
     if ref_scan is not None:
         store._write_array(g, "ref_scan", np.asarray(ref_scan, np.int32))
         store._write_array(g, "ref_row", np.asarray(ref_row, np.int64))
@@ -119,7 +120,7 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
         for i, (a, b) in enumerate(ranges):
             t = time.perf_counter()
             # the trees only (no leaf-ordered copy): one copy of the shard's rows on the device
-            forest = _fit_forest(_to_float32(reference[a:b], dev), params, i, dev, keep_rows=False)
+            forest = _fit_forest(_stored_rows(reference, a, b, dev), params, i, dev, keep_rows=False)
             _write_tree(store, g.require_group(f"shard_{i}"), forest.tree_)
             del forest
             _free_gpu_pool()  # a shard's rows and tree on the GPU: give them back before the next one
@@ -132,9 +133,21 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
             "shards": len(ranges), "seconds": time.perf_counter() - t0, "tree_seconds": build_s}
 
 
-def plan_for(n: int, d: int, params: dict[str, Any], device: str, *, k: int = 4, memory=None):
-    """The shard plan of an ``n`` x ``d`` reference on this machine's devices (one shard per GPU,
-    or one on the CPU); raises :class:`InputError` when the index cannot fit them."""
+# a float16 index keeps its leaf-ordered rows in half precision on GPUs (the search kernels widen
+# them exactly in registers: the same answers, half the memory and half the bytes a leaf scan reads)
+GPU_HALF_ROWS = True
+
+
+def resident_row_bytes(dtype: str, device: str) -> int:
+    """Bytes per value of a forest shard's resident rows: 2 for a float16 index on a GPU."""
+    return 2 if (str(dtype) == "float16" and device == "gpu" and GPU_HALF_ROWS) else 4
+
+
+def plan_for(n: int, d: int, params: dict[str, Any], device: str, *, k: int = 4, memory=None,
+             dtype: str = "float32"):
+    """The shard plan of an ``n`` x ``d`` reference stored as ``dtype`` on this machine's devices
+    (one shard per GPU, or one on the CPU); raises :class:`InputError` when the index cannot fit
+    them."""
     from scanforest.kernels._backend import device_memory, resolve_device
     from scanforest.kernels.sharded import plan_shards
 
@@ -142,7 +155,7 @@ def plan_for(n: int, d: int, params: dict[str, Any], device: str, *, k: int = 4,
     mem = memory if memory is not None else device_memory(dev)
     plan = plan_shards(n, d, mem, k=k, n_trees=int(params.get("n_trees") or 1),
                        leaf_size=int(params.get("leaf_size") or 64), method=params.get("method") or "banns",
-                       device=dev)
+                       device=dev, row_bytes=resident_row_bytes(dtype, dev))
     if not plan.fits:
         raise InputError(f"an index of {n:,} x {d} rows does not fit {len(mem)} {dev} device(s) of "
                          f"{min(mem) / 2**30:.1f} GiB: {plan.describe()}; it needs at least {plan.min_workers} "
@@ -246,13 +259,13 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     a, b = attrs["shards"][shard]
     store = ScanStore(store_path, mode="r")
     g = store.root["indexes"][name]
-    X = g["reference"][a:b]  # float32, or float16 (cast on the device after the upload)
+    z = g["reference"]  # float32, or float16 (widened on the device after the upload)
     dev = resolve_device(device)
     params = dict(attrs["params"])
     if method is not None:
         params["method"] = method
     if params.get("method", "banns") == "exact" or f"shard_{shard}" not in g:
-        return Shard(a, b, _fit_forest(_to_float32(X, dev), params, shard, dev))
+        return Shard(a, b, _fit_forest(_stored_rows(z, a, b, dev), params, shard, dev))
     tg = g[f"shard_{shard}"]
     if dev == "gpu":
         import cupy as xp
@@ -266,10 +279,10 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     arrays["perm"] = xp.asarray(perm)
     roots = np.asarray(tg["roots"][...], np.int32) if "roots" in tg else np.zeros(1, np.int32)
     arrays["roots"] = None if roots.shape == (1,) else xp.asarray(roots)
-    # one copy of the rows on the device: the leaf-ordered ones, gathered on the host; the exact
-    # fallbacks search them through ``perm`` (same answer as on the rows in input order)
-    points = _to_float32(gather_rows(np.ascontiguousarray(X), perm), dev)
-    del X
+    # one copy of the rows on the device: the leaf-ordered ones; the exact fallbacks search
+    # them through ``perm`` (same answer as on the rows in input order)
+    half = resident_row_bytes(str(z.dtype), dev) == 2
+    points = _leaf_rows(z, a, b, perm, dev, dtype=np.float16 if half else np.float32)
     tree = KDTree(dev, points=points, depth=int(tg.attrs["depth"]), leaf_size=int(tg.attrs["leaf_size"]),
                   params=dict(tg.attrs.get("params", {})), data=None, **arrays)
     p = dict(params)
@@ -281,15 +294,97 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     return Shard(a, b, forest)
 
 
-def _to_float32(X: np.ndarray, dev: str):
-    """Host rows (float32 or float16) as float32 on ``dev``; float16 travels as it is and is
-    widened on the GPU (half the transfer, no float32 host copy)."""
+# rows per host block when a shard streams from the store to a GPU (a whole number of chunks):
+# the host then never holds a whole shard (at 50M x 352 float16 one is 35 GB, and the workers
+# of a machine share its memory)
+STREAM_BYTES = 1 << 28
+
+
+def _row_blocks(z, a: int, b: int, nbytes: int = STREAM_BYTES):
+    """Chunk-aligned ``[i, j)`` row ranges covering ``[a, b)`` of the stored array ``z`` (or of
+    a host array), about ``nbytes`` each."""
+    c = int(getattr(z, "chunks", (1,))[0])  # a numpy array: any row
+    row = int(np.prod(z.shape[1:])) * z.dtype.itemsize
+    step = max(1, nbytes // max(1, row * c)) * c
+    i = a
+    while i < b:
+        j = min(b, (i // c) * c + step)
+        yield i, j
+        i = j
+
+
+def _stored_rows(z, a: int, b: int, dev: str, nbytes: int = STREAM_BYTES):
+    """Rows ``a:b`` of the stored reference ``z`` (or of a host array) as float32 on ``dev``.
+
+    To a GPU they stream in blocks of about ``nbytes``: float16 travels as it is and is widened
+    there, and neither side ever holds a second whole copy (``cupy.asarray`` of a host array
+    stages all of it in page-locked memory, which CuPy's pinned pool then keeps: a 35 GB
+    upload left 35 GB of the host's memory pinned).
+    """
     if dev != "gpu":
-        return np.ascontiguousarray(X, dtype=np.float32)
+        return np.ascontiguousarray(z[a:b], dtype=np.float32)
     import cupy as cp
 
-    Xd = cp.asarray(X)
-    return Xd if Xd.dtype == cp.float32 else Xd.astype(cp.float32)
+    out = cp.empty((b - a,) + tuple(z.shape[1:]), cp.float32)
+    for i, j in _row_blocks(z, a, b, nbytes):
+        out[i - a:j - a] = cp.asarray(z[i:j])
+    _free_pinned()
+    return out
+
+
+def _free_pinned() -> None:
+    """Give the staging buffers of finished uploads back to the host."""
+    import cupy as cp
+
+    cp.cuda.get_current_stream().synchronize()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def _leaf_rows(z, a: int, b: int, perm: np.ndarray, dev: str, *, where: str = "auto",
+               nbytes: int = STREAM_BYTES, dtype=np.float32):
+    """``z[a:b][perm]`` as ``dtype`` on ``dev`` (float32; on a GPU also float16 from a float16
+    store): a shard's rows in its trees' leaf order.
+
+    On a GPU the gather happens where there is room for it: ``where="device"`` streams the rows
+    in their stored dtype to the GPU and gathers there (the host holds one block at a time; the
+    GPU briefly holds the stored rows beside the float32 result), ``where="host"`` reads the
+    rows into host memory once and uploads them gathered, block by block (no second copy on
+    either side); ``"auto"`` picks the device when its free memory holds both with a quarter
+    to spare.
+    """
+    if dev != "gpu":
+        return np.ascontiguousarray(gather_rows(np.ascontiguousarray(z[a:b]), perm), dtype=np.float32)
+    import cupy as cp
+
+    from scanforest.kernels._backend import free_memory
+
+    dtype = np.dtype(dtype)
+    if dtype == np.float16 and z.dtype != np.float16:
+        raise InputError("float16 leaf rows need a float16 store (rounding here would change the answers)")
+    shape = tuple(z.shape[1:])
+    row = int(np.prod(shape))
+    out_bytes = perm.size * row * dtype.itemsize
+    if where == "auto":
+        need = (b - a) * row * z.dtype.itemsize + out_bytes
+        where = "device" if free_memory("gpu")[0] >= 1.25 * need else "host"
+    if where not in ("device", "host"):
+        raise ValueError(f"where must be 'auto', 'device' or 'host', got {where!r}")
+    out = cp.empty((perm.size,) + shape, dtype)
+    step = max(1, nbytes // max(1, row * dtype.itemsize))
+    if where == "device":
+        rows = cp.empty((b - a,) + shape, z.dtype)
+        for i, j in _row_blocks(z, a, b, nbytes):
+            rows[i - a:j - a] = cp.asarray(z[i:j])
+        for i in range(0, perm.size, step):
+            out[i:i + step] = rows[cp.asarray(perm[i:i + step])]
+        del rows
+    else:
+        X = z[a:b]
+        for i in range(0, perm.size, step):
+            out[i:i + step] = cp.asarray(gather_rows(X, perm[i:i + step]))
+        del X
+    _free_pinned()
+    return out
 
 
 def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool = False, **search):
@@ -345,6 +440,7 @@ def _free_gpu_pool() -> None:
         import cupy as cp
 
         cp.get_default_memory_pool().free_all_blocks()
+        cp.get_default_pinned_memory_pool().free_all_blocks()
     except Exception:
         pass
 

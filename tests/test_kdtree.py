@@ -176,11 +176,36 @@ def test_heap_overflow_falls_back_exactly(rng):
     X = rng.standard_normal((3000, 8)).astype(np.float32)
     Q = rng.standard_normal((20, 8)).astype(np.float32)
     tree = build_kdtree(X, leaf_size=1, device="cpu")
-    d, i, stats = query_kdtree(tree, Q, 256, return_stats=True)
+    d, i, stats = query_kdtree(tree, Q, 256, return_stats=True, heap_cap=256)
     assert stats["heap_overflow"] > 0
     bd, bi = knn_bruteforce(X, Q, 256, device="cpu")
     np.testing.assert_array_equal(i, bi)
     np.testing.assert_array_equal(d, bd)
+
+
+def test_queue_grows_with_the_budget(rng):
+    """A full queue drops its farthest box for good: with the fixed 256 boxes a larger budget
+    stopped paying (queries ran out of boxes before their budget); the default capacity grows
+    with the budget, and the search then uses the budget and finds more of the true neighbours."""
+    from scanforest.kernels.kdtree import HEAP_CAP, MAX_HEAP_CAP, heap_capacity
+
+    assert heap_capacity(1) == heap_capacity(256) == HEAP_CAP and heap_capacity(300) == 512
+    assert heap_capacity(2048) == heap_capacity(10 ** 6) == MAX_HEAP_CAP and heap_capacity(0) == 1024
+    assert heap_capacity(300, 64) == 64
+    for bad in (0, 7, 1.5, True, 1 << 17):
+        with pytest.raises(InputError, match="heap_cap"):
+            heap_capacity(10, bad)
+    X = rng.standard_normal((20000, 24)).astype(np.float32)
+    Q = rng.standard_normal((200, 24)).astype(np.float32)
+    tree = build_kdtree(X, leaf_size=4, device="cpu")
+    bd, _ = knn_bruteforce(X, Q, 8, device="cpu")
+    d0, _, s0 = query_kdtree(tree, Q, 8, backtracks=2000, heap_cap=256, return_stats=True)
+    d1, _, s1 = query_kdtree(tree, Q, 8, backtracks=2000, return_stats=True)
+    assert s0["leaves_visited"].mean() < 1900 and s1["leaves_visited"].mean() == 2000
+    assert s1["heap_overflow"] < s0["heap_overflow"]
+    assert recall(d1, bd, 8) > recall(d0, bd, 8) + 0.1
+    with pytest.raises(InputError, match="heap_cap"):
+        KDForest(heap_cap=3).fit(X)
 
 
 def test_kdforest_api(rng):
@@ -336,8 +361,9 @@ def test_gpu_limited_budget_matches_cpu(rng, d):
     # many boxes pending (k = 256, leaf 1): the bounded queue evicts identically on both devices
     ct = build_kdtree(X[:3000, :8], leaf_size=1, device="cpu")
     gt = build_kdtree(cp.asarray(X[:3000, :8]), leaf_size=1)
-    cd, ci, cs = query_kdtree(ct, Q[:200, :8], 256, backtracks=300, return_stats=True)
-    ad, ai, gs = query_kdtree(gt, cp.asarray(Q[:200, :8]), 256, backtracks=300, method="anns", return_stats=True)
+    cd, ci, cs = query_kdtree(ct, Q[:200, :8], 256, backtracks=300, return_stats=True, heap_cap=256)
+    ad, ai, gs = query_kdtree(gt, cp.asarray(Q[:200, :8]), 256, backtracks=300, method="anns", return_stats=True,
+                              heap_cap=256)
     assert cs["heap_overflow"] > 0 and cs["heap_overflow"] == gs["heap_overflow"]
     np.testing.assert_array_equal(ai.get(), ci)
 
@@ -393,7 +419,81 @@ def test_gpu_heap_overflow_exact_on_a_one_copy_tree(rng):
     gt = build_kdtree(cp.asarray(X), leaf_size=1)
     bd, bi = knn_bruteforce(X, Q, 256, device="cpu")
     for tree in (gt, dataclasses.replace(gt, data=None)):
-        d, i, stats = query_kdtree(tree, cp.asarray(Q), 256, return_stats=True, method="anns")
+        d, i, stats = query_kdtree(tree, cp.asarray(Q), 256, return_stats=True, method="anns", heap_cap=256)
         assert stats["heap_overflow"] > 0
         np.testing.assert_array_equal(i.get(), bi)
         np.testing.assert_array_equal(d.get(), bd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [16, 13])
+def test_gpu_half_rows_answer_as_their_float32_widening(rng, monkeypatch, d):
+    """Leaf rows kept in float16 on the GPU (a float16 index) are widened exactly in the kernels:
+    every search method, leaf kernel and budget returns what the float32 copy of the same rows
+    returns, ids and distances bit for bit, on single trees and packed forests; the exact
+    fallback widens a slice at a time and stays exact."""
+    import dataclasses
+
+    import cupy as cp
+
+    from scanforest.kernels import _kdtree_gpu
+    from scanforest.kernels.kdtree import build_kdforest
+
+    X = rng.standard_normal((20000, d)).astype(np.float16).astype(np.float32)  # the stored (rounded) rows
+    Q = cp.asarray(rng.standard_normal((600, d)).astype(np.float32))
+    trees = (build_kdtree(cp.asarray(X), leaf_size=32),
+             build_kdforest(cp.asarray(X), n_trees=2, random_dims=5, leaf_size=32))
+    for full in trees:
+        half = dataclasses.replace(full, points=full.points.astype(cp.float16), data=None)
+        assert half.points.dtype == cp.float16 and half.points.nbytes * 2 == full.points.nbytes
+        for b in (1, 7, 40):
+            for method, sw, kern in [("anns", True, None), ("banns", False, None), ("banns", True, "stream"),
+                                     ("banns", True, "rotate"), ("banns", True, "tile")]:
+                if kern:
+                    monkeypatch.setattr(_kdtree_gpu, "WINDOW_KERNEL", kern)
+                kw = {} if method == "anns" else {"sliding_window": sw, "finish_below": 0}
+                fd, fi = query_kdtree(full, Q, 4, backtracks=b, method=method, **kw)
+                hd, hi = query_kdtree(half, Q, 4, backtracks=b, method=method, **kw)
+                np.testing.assert_array_equal(hi.get(), fi.get(), err_msg=f"{method} {kern} budget {b}")
+                np.testing.assert_array_equal(hd.get(), fd.get(), err_msg=f"{method} {kern} budget {b}")
+    # unlimited budget, the residual queries finished by the exact fallback over 4,096-row slices
+    monkeypatch.setattr(_kdtree_gpu, "HALF_REDO_ROWS", 4096)
+    tree = build_kdtree(cp.asarray(X), leaf_size=32)
+    half = dataclasses.replace(tree, points=tree.points.astype(cp.float16), data=None)
+    bd, bi = knn_bruteforce(X, Q.get(), 5, device="cpu")
+    d2, ids, stats = query_kdtree(half, Q, 5, method="banns", finish_below=10_000, return_stats=True)
+    assert stats["finished_by_bruteforce"] == 600
+    np.testing.assert_array_equal(ids.get(), bi)
+    np.testing.assert_array_equal(d2.get(), bd)
+    d2, ids = query_kdtree(half, Q, 5, method="anns")
+    np.testing.assert_array_equal(ids.get(), bi)
+    np.testing.assert_array_equal(d2.get(), bd)
+    # the same tree on the host: its half rows are widened there too
+    cd, ci = query_kdtree(half.to_numpy(), Q.get(), 5, backtracks=7)
+    fd, fi = query_kdtree(tree.to_numpy(), Q.get(), 5, backtracks=7)
+    np.testing.assert_array_equal(ci, fi)
+    np.testing.assert_array_equal(cd, fd)
+
+
+@pytest.mark.gpu
+def test_gpu_budget_sized_queue_matches_cpu(rng, monkeypatch):
+    """The queue capacity that grows with the budget (512 and 2,048 boxes here) is the same on
+    both devices: P-ANNS and every P-BANNS leaf kernel return the CPU answer bit for bit."""
+    import cupy as cp
+
+    from scanforest.kernels import _kdtree_gpu
+
+    X = rng.standard_normal((20000, 24)).astype(np.float32)
+    Q = rng.standard_normal((300, 24)).astype(np.float32)
+    ct = build_kdtree(X, leaf_size=4, device="cpu")
+    gt = build_kdtree(cp.asarray(X), leaf_size=4)
+    for b in (300, 2000):
+        cd, ci, cs = query_kdtree(ct, Q, 8, backtracks=b, return_stats=True)
+        ad, ai, gs = query_kdtree(gt, cp.asarray(Q), 8, backtracks=b, method="anns", return_stats=True)
+        np.testing.assert_array_equal(ai.get(), ci)
+        np.testing.assert_array_equal(gs["leaves_visited"], cs["leaves_visited"])
+        for kern in ("stream", "rotate"):
+            monkeypatch.setattr(_kdtree_gpu, "WINDOW_KERNEL", kern)
+            bd, bi = query_kdtree(gt, cp.asarray(Q), 8, backtracks=b, method="banns", finish_below=0)
+            np.testing.assert_array_equal(bi.get(), ci)
+            np.testing.assert_array_equal(bd.get(), cd)

@@ -181,14 +181,86 @@ def test_loaded_shard_holds_one_copy_of_its_rows(tmp_path, rng, device, dtype):
         sh = idx.load_shard(store, "t", s, device)
         tree = sh.forest.tree_
         assert tree.data is None and sh.forest._fit_X is None
+        # a float16 index keeps half rows on a GPU (widened exactly by the kernels)
+        assert tree.points.dtype == (np.float16 if (device, dtype) == ("gpu", "float16") else np.float32)
         perm = to_numpy(tree.perm)
         np.testing.assert_array_equal(to_numpy(tree.points), gather_rows(X[sh.start:sh.stop], perm))
+        sh.forest.heap_cap = 256  # a queue that overflows (the default grows with the budget)
         d, i = idx.search_shard(sh, Q, 200)
         assert sh.forest.stats_["heap_overflow"] > 0  # the exact fallback ran
         parts.append((d, i))
     d, i = merge_topk(parts, 200)
     np.testing.assert_array_equal(to_numpy(i), bi)
     np.testing.assert_array_equal(to_numpy(d), bd)
+
+
+def test_plan_counts_half_rows_of_a_float16_index_on_gpus():
+    """A float16 index holds its forest rows in half precision on GPUs: the plan (and the
+    refusal of an index that does not fit) counts 2 bytes a value there, 4 on the host."""
+    from scanforest.kernels.sharded import plan_shards, shard_resident_bytes
+
+    full = shard_resident_bytes(50_000_000, 352)
+    half = shard_resident_bytes(50_000_000, 352, row_bytes=2)
+    assert full - half == 50_000_000 * 352 * 2
+    assert idx.resident_row_bytes("float16", "gpu") == 2
+    assert idx.resident_row_bytes("float16", "cpu") == 4 and idx.resident_row_bytes("float32", "gpu") == 4
+    gib = 2 ** 30
+    # 50M x 352 on one 80 GiB GPU: float32 rows do not fit, half rows do
+    assert not plan_shards(50_000_000, 352, 80 * gib).fits
+    assert plan_shards(50_000_000, 352, 80 * gib, row_bytes=2).fits
+    for dtype in ("float32", "float16"):  # the host widens a float16 index to float32 rows
+        with pytest.raises(InputError, match="does not fit"):
+            idx.plan_for(50_000_000, 352, {}, "cpu", memory=[80 * gib], dtype=dtype)
+
+
+def test_row_blocks_cover_a_range_on_chunk_boundaries(tmp_path):
+    """A shard streams from the store in chunk-aligned blocks that cover its rows exactly once,
+    whatever its first row and the block size."""
+    import zarr
+
+    z = zarr.create_array(str(tmp_path / "z.zarr"), shape=(1000, 6), chunks=(64, 6), dtype="float16")
+    for a, b, nbytes in [(0, 1000, 1), (37, 1000, 64 * 12 * 3), (130, 131, 1 << 20), (64, 640, 64 * 12 * 2)]:
+        blocks = list(idx._row_blocks(z, a, b, nbytes))
+        assert blocks[0][0] == a and blocks[-1][1] == b
+        assert all(j == i2 for (_, j), (i2, _) in zip(blocks, blocks[1:]))
+        assert all(i < j for i, j in blocks)
+        assert all(j % 64 == 0 for _, j in blocks[:-1])  # each block ends on a chunk boundary
+        assert max(j - i for i, j in blocks) <= max(64, (nbytes // (64 * 12)) * 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("where", ["device", "host", "auto"])
+def test_gpu_shard_rows_stream_to_the_device(tmp_path, rng, dtype, where):
+    """A shard's rows reach the GPU in small blocks, gathered into leaf order on the device or
+    on the host, and equal the host gather of the stored rows bit for bit (replicated forests:
+    one leaf-ordered copy per tree)."""
+    import cupy as cp
+
+    from scanforest.kernels.sharded import gather_rows
+    from scanforest.tasks.store import ScanStore
+
+    X, _ = _data(rng, n=5000, m=40, d=12)
+    store = str(tmp_path / "s.zarr")
+    idx.build_index(store, "t", X, shards=2, params={"method": "anns", "leaf_size": 8}, dtype=dtype,
+                    build_trees=False)
+    z = ScanStore(store, mode="r").root["indexes"]["t"]["reference"]
+    a, b = 2500, 5000
+    host = X[a:b].astype(dtype).astype(np.float32)
+    perm = np.concatenate([rng.permutation(b - a), rng.permutation(b - a)])  # two trees' orders
+    small = 12 * 4 * 300  # about 300 rows per block: several blocks and a partial last one
+    got = idx._leaf_rows(z, a, b, perm, "gpu", where=where, nbytes=small)
+    assert isinstance(got, cp.ndarray) and got.dtype == cp.float32 and got.shape == (2 * (b - a), 12)
+    np.testing.assert_array_equal(cp.asnumpy(got), gather_rows(host, perm))
+    rows = idx._stored_rows(z, a, b, "gpu", nbytes=small)
+    np.testing.assert_array_equal(cp.asnumpy(rows), host)
+    if dtype == "float16":  # kept in half precision (what a float16 index holds on a GPU)
+        half = idx._leaf_rows(z, a, b, perm, "gpu", where=where, nbytes=small, dtype=np.float16)
+        assert half.dtype == cp.float16
+        np.testing.assert_array_equal(cp.asnumpy(half).astype(np.float32), gather_rows(host, perm))
+    else:
+        with pytest.raises(InputError, match="float16 store"):
+            idx._leaf_rows(z, a, b, perm, "gpu", dtype=np.float16)
 
 
 def test_float16_index_is_exact_for_its_rounded_rows(tmp_path, rng, local_client):
