@@ -306,45 +306,74 @@ __device__ __forceinline__ void top_insert(unsigned long long* top, int& cnt, in
     while (pos > 0 && top[pos - 1] > key) { top[pos] = top[pos - 1]; --pos; }
     top[pos] = key;
 }
-__device__ __forceinline__ int heap_push(float* hd, int* hn, int size, float dv, int nv) {
-    int pos = size;
-    while (pos > 0) {
-        int par = (pos - 1) >> 1;
-        if (hd[par] <= dv) break;
-        hd[pos] = hd[par]; hn[pos] = hn[par]; pos = par;
-    }
-    hd[pos] = dv; hn[pos] = nv;
-    return size + 1;
+// the queue of pending boxes: a min-max heap, as kdtree._heap_* (same code order, same ties)
+__device__ __forceinline__ void mm_swap(float* hd, int* hn, int a, int b) {
+    float t = hd[a]; hd[a] = hd[b]; hd[b] = t;
+    int u = hn[a]; hn[a] = hn[b]; hn[b] = u;
 }
-__device__ __forceinline__ int heap_pop(float* hd, int* hn, int size) {
-    size -= 1;
-    float dv = hd[size]; int nv = hn[size];
-    int pos = 0;
+__device__ __forceinline__ bool mm_min_level(int i) { return ((31 - __clz(i + 1)) & 1) == 0; }
+__device__ __forceinline__ bool mm_before(bool is_min, float a, float b) { return is_min ? a < b : a > b; }
+__device__ __forceinline__ void mm_up(float* hd, int* hn, int pos) {
+    if (pos == 0) return;
+    int par = (pos - 1) >> 1;
+    bool is_min = mm_min_level(pos);
+    if (mm_before(!is_min, hd[pos], hd[par])) {  // min level above its (max) parent, or the reverse
+        mm_swap(hd, hn, pos, par);
+        pos = par;
+        is_min = !is_min;
+    }
+    while (pos >= 3) {
+        int g = (((pos - 1) >> 1) - 1) >> 1;
+        if (mm_before(is_min, hd[pos], hd[g])) { mm_swap(hd, hn, pos, g); pos = g; }
+        else break;
+    }
+}
+__device__ __forceinline__ void mm_down(float* hd, int* hn, int pos, int size) {
+    bool is_min = mm_min_level(pos);
     while (true) {
         int c = 2 * pos + 1;
-        if (c >= size) break;
-        if (c + 1 < size && hd[c + 1] < hd[c]) c += 1;
-        if (hd[c] >= dv) break;
-        hd[pos] = hd[c]; hn[pos] = hn[c]; pos = c;
+        if (c >= size) return;
+        int m = c;
+        int cand[5] = {c + 1, 2 * c + 1, 2 * c + 2, 2 * c + 3, 2 * c + 4};
+#pragma unroll
+        for (int t = 0; t < 5; ++t) {
+            int j = cand[t];
+            if (j < size && mm_before(is_min, hd[j], hd[m])) m = j;
+        }
+        if (m > c + 1) {  // a grandchild
+            if (mm_before(is_min, hd[m], hd[pos])) {
+                mm_swap(hd, hn, m, pos);
+                int p = (m - 1) >> 1;
+                if (mm_before(!is_min, hd[m], hd[p])) mm_swap(hd, hn, m, p);
+                pos = m;
+            } else return;
+        } else {
+            if (mm_before(is_min, hd[m], hd[pos])) mm_swap(hd, hn, m, pos);
+            return;
+        }
     }
-    if (size > 0) { hd[pos] = dv; hn[pos] = nv; }
+}
+__device__ __forceinline__ int heap_push(float* hd, int* hn, int size, float dv, int nv) {
+    hd[size] = dv; hn[size] = nv;
+    mm_up(hd, hn, size);
+    return size + 1;
+}
+__device__ __forceinline__ int heap_remove(float* hd, int* hn, int size, int pos) {
+    size -= 1;
+    if (pos < size) { hd[pos] = hd[size]; hn[pos] = hn[size]; mm_down(hd, hn, pos, size); }
     return size;
 }
+// remove the root (the closest box; the caller read hd[0], hn[0]); returns the new size
+__device__ __forceinline__ int heap_pop(float* hd, int* hn, int size) { return heap_remove(hd, hn, size, 0); }
 // keeps the HCAP closest boxes: when full the farthest entry is replaced by a closer new one;
 // returns the evicted distance (or -1)
 __device__ __forceinline__ float heap_push_bounded(float* hd, int* hn, int& size, float dv, int nv) {
     if (size < HCAP) { size = heap_push(hd, hn, size, dv, nv); return -1.0f; }
-    int mi = size >> 1;
-    for (int i = (size >> 1) + 1; i < size; ++i) if (hd[i] > hd[mi]) mi = i;
+    int mi = size <= 2 ? size - 1 : (hd[2] > hd[1] ? 2 : 1);
     if (!(dv < hd[mi])) return dv;
     float ev = hd[mi];
-    int pos = mi;
-    while (pos > 0) {
-        int par = (pos - 1) >> 1;
-        if (hd[par] <= dv) break;
-        hd[pos] = hd[par]; hn[pos] = hn[par]; pos = par;
-    }
-    hd[pos] = dv; hn[pos] = nv;
+    size = heap_remove(hd, hn, size, mi);
+    size = heap_push(hd, hn, size, dv, nv);
     return ev;
 }
 // descend from `node` to a leaf, pushing far siblings; returns the leaf, or -1 when check_near

@@ -497,3 +497,53 @@ def test_gpu_budget_sized_queue_matches_cpu(rng, monkeypatch):
             bd, bi = query_kdtree(gt, cp.asarray(Q), 8, backtracks=b, method="banns", finish_below=0)
             np.testing.assert_array_equal(bi.get(), ci)
             np.testing.assert_array_equal(bd.get(), cd)
+
+
+def test_bounded_queue_keeps_the_closest_boxes():
+    """The queue of pending boxes (a min-max heap) pops the closest box and, when full, replaces
+    its farthest by a closer one, like a sorted list that keeps the ``cap`` smallest; checked on
+    random push/pop sequences with many ties and every capacity from 1 to 40."""
+    from numba import njit
+
+    from scanforest.kernels import kdtree as K
+
+    @njit
+    def run(ops, vals, cap, pops, evs):
+        hd = np.empty(cap, np.float32)
+        hn = np.empty(cap, np.int32)
+        size = n_pop = n_ev = 0
+        for t in range(ops.shape[0]):
+            if ops[t] == 0:
+                size, ev = K._heap_push_bounded(hd, hn, size, cap, vals[t], t)
+                evs[n_ev] = ev
+                n_ev += 1
+            elif size > 0:
+                pops[n_pop] = hd[0]
+                n_pop += 1
+                size = K._heap_pop(hd, hn, size)
+        return n_pop, n_ev
+
+    rng = np.random.default_rng(1)
+    for cap in range(1, 41):
+        for _ in range(5):
+            n = int(rng.integers(1, 400))
+            ops = (rng.random(n) < rng.random() * 0.5).astype(np.int64)  # 1: pop the closest
+            vals = rng.integers(0, 30, n).astype(np.float32)
+            pops, evs = np.empty(n, np.float32), np.empty(n, np.float32)
+            a, b = run(ops, vals, cap, pops, evs)
+            kept, ref_pops, ref_evs = [], [], []
+            for t in range(n):
+                if ops[t] == 0:
+                    if len(kept) < cap:
+                        kept.append(vals[t])
+                        ref_evs.append(-1.0)
+                    elif vals[t] < max(kept):
+                        ref_evs.append(max(kept))
+                        kept.remove(max(kept))
+                        kept.append(vals[t])
+                    else:
+                        ref_evs.append(vals[t])
+                elif kept:
+                    ref_pops.append(min(kept))
+                    kept.remove(min(kept))
+            assert list(pops[:a]) == ref_pops and list(evs[:b]) == ref_evs
