@@ -3,11 +3,13 @@ dask-cuda), parallel efficiency, bytes moved between workers, against the exact 
 the same devices in the same run."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -160,11 +162,105 @@ def _reference(n: int, d: int, clusters: int, dev: str, dtype: str, piece: int =
         return host(clustered(n, d, clusters=clusters, seed=1, xp=xp))
     X = np.empty((n, d), dtype)
     for i, a in enumerate(range(0, n, piece)):
-        X[a:min(n, a + piece)] = host(clustered(min(piece, n - a), d, clusters=clusters,
-                                                seed=1_000_003 * (i + 1) + 1, xp=xp))
+        X[a:min(n, a + piece)] = host(_piece(i, n, d, clusters, xp, piece))
     if xp is not np:
         xp.get_default_memory_pool().free_all_blocks()
     return X
+
+
+def _piece(i: int, n: int, d: int, clusters: int, xp, piece: int = PIECE):
+    """Piece ``i`` (rows ``i * piece`` to ``(i + 1) * piece``) of a reference drawn in pieces, float32."""
+    from .cli_ann import clustered
+
+    a = i * piece
+    return clustered(min(piece, n - a), d, clusters=clusters, seed=1_000_003 * (i + 1) + 1, xp=xp)
+
+
+@dataclass(frozen=True)
+class GeneratedShards:
+    """The bench's synthetic reference drawn on the workers, shard by shard, instead of read from
+    a store: the rows of :func:`_reference` in pieces (the same values for ``n`` above
+    ``WHOLE_MAX`` on the same kind of device), rounded to ``dtype``, each shard's trees built
+    where it lives. For references whose store does not fit the machine (100M x 352 is 70 GB in
+    float16; one H200 machine has 64 GB of disk); a lost worker's shard is drawn again.
+
+    A float16 reference keeps half rows on a GPU, as a stored float16 index does (the trees are
+    built on its float32 widening, the rows then drawn again in leaf order: the device never
+    holds the float32 rows beside the half ones).
+    """
+
+    n: int
+    d: int
+    clusters: int
+    dtype: str
+    params: tuple  # the forest parameters, as sorted (key, value) pairs (hashable)
+    shards: int
+    piece: int = PIECE
+
+    @property
+    def key(self) -> str:
+        return "generated"
+
+    @property
+    def attrs(self) -> dict:
+        from scanforest.kernels.sharded import shard_ranges
+
+        src = json.dumps({"n": self.n, "d": self.d, "clusters": self.clusters, "dtype": self.dtype,
+                          "params": dict(self.params), "shards": self.shards, "piece": self.piece}, sort_keys=True)
+        return {"shards": [list(r) for r in shard_ranges(self.n, self.shards)], "n": self.n, "d": self.d,
+                "params": dict(self.params), "dtype": self.dtype,
+                "content_hash": hashlib.sha256(src.encode()).hexdigest()}
+
+    def rows(self, a: int, b: int, xp, dtype):
+        """Rows ``[a, b)`` as ``dtype`` (after rounding to the reference's own dtype) on ``xp``."""
+        out = xp.empty((b - a, self.d), dtype)
+        for i in range(a // self.piece, -(-b // self.piece)):
+            p0 = i * self.piece
+            lo, hi = max(a, p0), min(b, p0 + self.piece)
+            blk = _piece(i, self.n, self.d, self.clusters, xp, self.piece)[lo - p0:hi - p0]
+            out[lo - a:hi - a] = blk.astype(self.dtype, copy=False).astype(dtype, copy=False)
+            del blk
+        return out
+
+    def load(self, shard: int, device: str = "auto", method: str | None = None):
+        from scanforest.kernels.sharded import Shard
+        from scanforest.tasks import index as idx
+
+        idx._pin_on_dask_cuda()
+        dev = resolve_device(device)
+        xp = np
+        if dev == "gpu":
+            import cupy as xp
+        a, b = self.attrs["shards"][shard]
+        params = dict(self.params)
+        if method is not None:
+            params["method"] = method
+        rdt = np.float16 if idx.resident_row_bytes(self.dtype, dev) == 2 else np.float32
+        if params.get("method", "banns") == "exact":
+            return Shard(a, b, idx._fit_forest(self.rows(a, b, xp, rdt), params, shard, dev))
+        forest = idx._fit_forest(self.rows(a, b, xp, np.float32), params, shard, dev, keep_rows=False)
+        tree = forest.tree_
+        del forest
+        if dev == "gpu":
+            idx._free_gpu_pool()
+        # leaf order without a second copy: each source row r goes to every position p with
+        # perm[p] == r (one per tree), scattered piece by piece
+        nr = b - a
+        reps = tree.perm.shape[0] // nr
+        order = xp.argsort(tree.perm, kind="stable") if xp is np else xp.argsort(tree.perm)
+        points = xp.empty((tree.perm.shape[0], self.d), rdt)
+        i = a
+        while i < b:  # piece by piece (each piece drawn once)
+            j = min(b, (i // self.piece + 1) * self.piece)
+            blk = self.rows(i, j, xp, rdt)
+            if reps > 1:
+                blk = xp.repeat(blk, reps, axis=0)
+            points[order[reps * (i - a):reps * (j - a)]] = blk
+            del blk
+            i = j
+        del order
+        tree.points = points
+        return Shard(a, b, idx.resident_forest(tree, params, shard, dev, nr))
 
 
 def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, method, bf_qps, tag_budget):
@@ -192,7 +288,7 @@ def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, met
 def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, backtracks,
         leaf_size: int, device: str, block: int, out, clusters: int = 1000, shards: int | None = None,
         sync_after: int | None = None, bf_queries: int | None = None, n_trees: int = 1,
-        workdir: str | None = None, store_dtype: str = "float32") -> BenchReport:
+        workdir: str | None = None, store_dtype: str = "float32", reference: str = "store") -> BenchReport:
     """One table: for each worker count, the forest (with and without the global bound
     synchronisation when ``sync_after`` is given) and the exact brute force over the same
     resident shards; recall against the exact answer of the first ``bf_queries`` queries.
@@ -210,7 +306,13 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     instead of 141 GB of disk and host memory); the brute force and the recall are then over the
     same rounded rows. References over 16M rows are generated in 4M-row pieces (never whole on
     one device) straight into a host array of that dtype.
+
+    ``reference="workers"``: no store; every worker draws its shards' rows itself (the pieces
+    of :class:`GeneratedShards`) and builds their trees where they stay (for a reference whose
+    store does not fit the machine's disk). The shard load row then covers drawing and trees.
     """
+    if reference not in ("store", "workers"):
+        raise InputError(f"reference must be 'store' or 'workers', got {reference!r}")
     from scanforest.tasks import index as idx
 
     from .cli_ann import clustered
@@ -227,7 +329,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                                 "leaf_size": leaf_size, "block": block,
                                 "shards": shards, "sync_after": sync_after, "bf_queries": mb,
                                 "n_trees": n_trees, "clusters": clusters,
-                                **({"store_dtype": store_dtype} if store_dtype != "float32" else {})}, echo=True)
+                                **({"store_dtype": store_dtype} if store_dtype != "float32" else {}),
+                                **({"reference": reference} if reference != "store" else {})}, echo=True)
     t0 = time.perf_counter()
     if dev == "gpu":
         import cupy as cp
@@ -236,7 +339,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         cp.get_default_memory_pool().free_all_blocks()
     else:
         Q = clustered(m, d, clusters=clusters, seed=2)
-    rep.note(f"data: {n:,} x {d} reference ({store_dtype} in the store), {m:,} queries, {clusters} Gaussian "
+    where_ref = "in the store" if reference == "store" else "drawn on the workers, no store"
+    rep.note(f"data: {n:,} x {d} reference ({store_dtype}, {where_ref}), {m:,} queries, {clusters} Gaussian "
              f"clusters; queries generated in {time.perf_counter() - t0:.1f} s")
     devname = describe_device(dev)
     tmp = workdir or tempfile.mkdtemp(prefix="sf-bench-match-")
@@ -268,28 +372,36 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                     "s", devname, higher_is_better=False)
         return built[s_count][0]
 
+    def source_for(w):
+        if reference == "workers":
+            return GeneratedShards(n, d, clusters, store_dtype, tuple(sorted(params.items())), shards or w)
+        return idx.StoredShards(store_for(w), "bench")
+
     try:
         for w in workers:  # every index first: the reference then leaves this process's memory
-            store_for(w)
+            if reference == "store":
+                store_for(w)
         data.clear()
         ref = None
         qps = {}
         for w in workers:
-            store = store_for(w)
+            src = source_for(w)
             with dask_client(None, n_workers=w, device=dev) as client:
                 where = f"{devname} x{w}"
                 # exact brute force over the same resident shards: the baseline and the recall reference
-                bf = DistributedIndex(client, store, "bench", device=dev, method="exact")
+                bf = DistributedIndex(client, source=src, device=dev, method="exact")
                 t_bf, bd, _, _, _ = _timed_query(bf, Q[:mb], k, block)
                 _release(client, bf)
                 if ref is None:
                     ref = bd
                 rep.add(f"exact brute force queries/s, {w} worker{'s' if w > 1 else ''}", mb / t_bf, "queries/s",
                         where, workers=w)
-                di = DistributedIndex(client, store, "bench", device=dev)
+                di = DistributedIndex(client, source=src, device=dev)
                 t0 = time.perf_counter()
                 di.wait()
-                rep.add(f"shard load (store -> {dev}, trees included), {w} workers", time.perf_counter() - t0, "s",
+                what = (f"store -> {dev}, trees included" if reference == "store"
+                        else f"rows drawn on the workers' {dev}s, trees built there")
+                rep.add(f"shard load ({what}), {w} workers", time.perf_counter() - t0, "s",
                         where, higher_is_better=False)
                 # the memory plan beside the measurement: estimated residency vs what the shards hold
                 from scanforest.kernels.sharded import search_working_bytes, shard_resident_bytes
@@ -352,6 +464,9 @@ def register_bench(bench) -> None:
                                     "with the same data and parameters (default: a temporary folder)."),
         store_dtype: str = typer.Option("float32", help="Reference rows in the store: float32, or float16 (half "
                                         "the disk; e.g. 100M x 352 needs 70 GB instead of 141 GB)."),
+        reference: str = typer.Option("store", help="store: the reference in an index store (built once; "
+                                      "--workdir keeps it); workers: drawn and indexed on the workers, no store "
+                                      "(for a reference bigger than the disk)."),
         out: str = typer.Option(None, "--out"),
     ):
         """Distributed matching: queries/s on 1..W workers, efficiency, bytes moved, vs brute force."""
@@ -359,5 +474,5 @@ def register_bench(bench) -> None:
             backtracks=[int(b) or None for b in backtracks.split(",")],
             leaf_size=leaf_size, device=device, block=block, out=out, clusters=clusters, shards=shards or None,
             sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees, workdir=workdir,
-            store_dtype=store_dtype)
+            store_dtype=store_dtype, reference=reference)
 

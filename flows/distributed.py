@@ -38,13 +38,24 @@ class DistributedIndex:
     resident shards, the baseline of ``scanforest bench match``).
     """
 
-    def __init__(self, client, store_path: str, name: str, *, device: str = "auto", method: str | None = None):
+    def __init__(self, client, store_path: str | None = None, name: str | None = None, *, device: str = "auto",
+                 method: str | None = None, source=None):
+        """``source``: where the shards come from instead of ``(store_path, name)``: an object with
+        ``attrs`` (``shards`` row ranges, ``n``, ``d``, ``content_hash``), ``key`` (a name) and
+        ``load(shard, device, method)`` returning a :class:`~scanforest.kernels.sharded.Shard`,
+        run on the shard's worker (a pure function of its arguments: a lost worker's shard is
+        loaded again elsewhere), e.g. the generated reference of ``scanforest bench match``."""
         self.client = client
+        if source is None:
+            if store_path is None or name is None:
+                raise InputError("DistributedIndex needs a store path and an index name (or a source)")
+            source = idx.StoredShards(store_path, name)
+        self.source = source
         self.store_path = store_path
-        self.name = name
+        self.name = name = source.key
         self.device = device
         self._blocks: dict[int, int] = {}
-        self.attrs = idx.index_attrs(store_path, name)
+        self.attrs = dict(source.attrs)
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         if not workers:
             raise InputError("the Dask cluster has no workers")
@@ -56,7 +67,7 @@ class DistributedIndex:
         for i in range(len(self.attrs["shards"])):
             w = workers[i % len(workers)]
             self.placement[i] = w
-            self.shards.append(client.submit(idx.load_shard, store_path, name, i, device, method,
+            self.shards.append(client.submit(source.load, i, device, method,
                                              key=f"sf-shard-{name}-{tag}-{i}", workers=[w],
                                              allow_other_workers=True, pure=False))
 

@@ -39,11 +39,12 @@ _COPY_SHARE = {"cpu": 0.25, "gpu": 0.5}
 # ----------------------------------------------------------------------------------------------
 # validation
 # ----------------------------------------------------------------------------------------------
-def check_points(a, name: str, *, dim: int | None = None, xp=None):
+def check_points(a, name: str, *, dim: int | None = None, xp=None, keep_half: bool = False):
     """Validate a (n, d) point array and return it as C-contiguous float32 on its own device.
 
     Raises :class:`InputError` for non-2-D input, an empty set, a wrong dimension or rows with
-    NaN/inf values (the message names the first bad row).
+    NaN/inf values (the message names the first bad row). ``keep_half=True`` returns a float16
+    array as float16 (the GPU brute force reads half rows as they are).
     """
     if xp is None:
         if is_cupy(a):
@@ -63,12 +64,26 @@ def check_points(a, name: str, *, dim: int | None = None, xp=None):
         raise InputError(f"{name} has {d} dimensions but the index was built on {dim}-D points")
     if a.dtype.kind not in "fiub":
         raise InputError(f"{name} must hold real numbers, got dtype {a.dtype}")
-    a = xp.ascontiguousarray(a, dtype=xp.float32)
-    bad = ~xp.isfinite(a).all(axis=1)
+    half = keep_half and a.dtype == np.float16
+    a = xp.ascontiguousarray(a, dtype=xp.float16 if half else xp.float32)
+    bad = _nonfinite_rows(a, xp)
     if bool(bad.any()):
         rows = to_numpy(xp.nonzero(bad)[0][:5]).tolist()
         raise InputError(f"{name} has {int(bad.sum())} row(s) with NaN or inf values (first: {rows})")
     return a
+
+
+def _nonfinite_rows(a, xp, nbytes: int = 1 << 28):
+    """Boolean mask of the rows of ``a`` with a NaN or inf, computed in blocks of about
+    ``nbytes`` (no temporary the size of ``a``: a 50M x 352 float16 shard is 35 GB);
+    float16 is checked on its exponent bits."""
+    n, d = a.shape
+    step = max(1, nbytes // max(1, d * a.itemsize))
+    if n <= step:
+        if a.dtype == np.float16:
+            return ((a.view(xp.uint16) & 0x7C00) == 0x7C00).any(axis=1)
+        return ~xp.isfinite(a).all(axis=1)
+    return xp.concatenate([_nonfinite_rows(a[i:i + step], xp, nbytes) for i in range(0, n, step)])
 
 
 def check_k(k, n: int, *, max_k: int = MAX_K) -> int:
@@ -276,15 +291,35 @@ extern "C" __global__ void select_topk(const float* __restrict__ D, long long ld
 """
 
 _PAIR_SRC = _CUDA_COMMON + r"""
+// base rows: float, or IEEE half (BASE_HALF) widened exactly in registers: the distance is the
+// canonical one of the widened row, bit for bit
+#ifdef BASE_HALF
+typedef unsigned short BT;
+__device__ __forceinline__ float ldb(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+#else
+typedef float BT;
+__device__ __forceinline__ float ldb(float x) { return x; }
+#endif
 // canonical distance of (query row qi[t], base row bi[t]); bi < 0 gives +inf
-extern "C" __global__ void pair_dist(const float* __restrict__ X, const float* __restrict__ Q,
+extern "C" __global__ void pair_dist(const BT* __restrict__ X, const float* __restrict__ Q,
         const long long* __restrict__ qi, const long long* __restrict__ bi, long long npairs, int d,
         float* __restrict__ out) {
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= npairs) return;
     long long b = bi[t];
     if (b < 0) { out[t] = __int_as_float(0x7f800000); return; }
-    out[t] = canon_dist(Q + qi[t] * (long long)d, X + b * (long long)d, d);
+    const float* q = Q + qi[t] * (long long)d;
+    const BT* x = X + b * (long long)d;
+    float acc = 0.0f;
+    for (int j = 0; j < d; ++j) {
+        float u = __fsub_rn(q[j], ldb(x[j]));
+        acc = __fadd_rn(acc, __fmul_rn(u, u));
+    }
+    out[t] = acc;
 }
 """
 
@@ -297,10 +332,10 @@ def _select_kernel(kmax: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _pair_kernel():
+def _pair_kernel(half: bool = False):
     import cupy as cp
 
-    return cp.RawKernel(_PAIR_SRC, "pair_dist")
+    return cp.RawKernel(_PAIR_SRC, "pair_dist", options=("-DBASE_HALF",) if half else ())
 
 
 def _select_gpu(D, k, *, qn=None, bn=None, col_offset=0, prev=None):
@@ -342,7 +377,7 @@ def pair_dist_gpu(base, queries, qi, bi):
     bi = cp.ascontiguousarray(bi, dtype=cp.int64).ravel()
     out = cp.empty(qi.size, dtype=cp.float32)
     if qi.size:
-        _pair_kernel()(((qi.size + 255) // 256,), (256,),
+        _pair_kernel(base.dtype == cp.float16)(((qi.size + 255) // 256,), (256,),
                        (base, queries, qi, bi, np.int64(qi.size), np.int32(base.shape[1]), out))
     return out
 
@@ -388,7 +423,9 @@ def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None, i
     Parameters
     ----------
     base : (N, d) array_like
-        Indexed points (numpy or CuPy; converted to float32).
+        Indexed points (numpy or CuPy; converted to float32). A float16 CuPy array stays float16
+        on the GPU (half the memory of its float32 widening) and gives that widening's answer,
+        bit for bit: every row is widened exactly where it is read.
     queries : (M, d) array_like
         Query points.
     k : int
@@ -423,7 +460,7 @@ def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None, i
     else:
         xp = np
     conv = to_numpy if dev == "cpu" else xp.asarray
-    base = check_points(conv(base), "base", xp=xp)
+    base = check_points(conv(base), "base", xp=xp, keep_half=dev == "gpu")
     queries = check_points(conv(queries), "queries", dim=base.shape[1], xp=xp)
     k = check_k(k, base.shape[0])
     if ids is not None:
@@ -530,7 +567,8 @@ def _bf_gpu(base, queries, k, block, ids=None):
     free = cp.cuda.Device().mem_info[0]
     budget = int(min(2 << 30, max(64 << 20, free // 4)))
     qb, bb = _blocks(m, n, d, budget, block)
-    tiles = _Tiles(base, mu, copy=base.nbytes <= free * _COPY_SHARE["gpu"])  # else centred tile by tile
+    # the centred copy is float32 whatever the base (half rows are widened exactly by the subtraction)
+    tiles = _Tiles(base, mu, copy=n * d * 4 <= free * _COPY_SHARE["gpu"])  # else centred tile by tile
     bn = cp.empty(n, cp.float32)
     for b0 in range(0, n, bb):
         t = tiles(b0, bb)

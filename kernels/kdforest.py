@@ -136,7 +136,8 @@ class KDForest:
         if dev == "gpu":
             import cupy as cp
 
-            X = check_points(cp.asarray(X), "X", xp=cp)
+            # the exact method keeps float16 rows as they are (the brute force widens them exactly)
+            X = check_points(cp.asarray(X), "X", xp=cp, keep_half=self.method == "exact")
         else:
             from ._backend import to_numpy
 

@@ -124,14 +124,14 @@ MAX_BLOCK = {"gpu": 262_144, "cpu": 65_536}
 
 def shard_resident_bytes(rows: int, d: int, *, n_trees: int = 1, leaf_size: int = 64,
                          method: str = "banns", row_bytes: int = 4) -> int:
-    """Bytes a loaded shard of ``rows`` rows holds on its device: for the exact method the rows
-    (float32); for a forest each tree's leaf-ordered rows (``row_bytes`` per value: 2 for a
-    float16 index on a GPU, which keeps its rows in half precision), permutation and nodes (at
-    most 4 per ``leaf_size`` rows; a node is its child, split, point range and a box of 2 x
-    ``d`` floats)."""
+    """Bytes a loaded shard of ``rows`` rows holds on its device: for the exact method the rows;
+    for a forest each tree's leaf-ordered rows, permutation and nodes (at most 4 per
+    ``leaf_size`` rows; a node is its child, split, point range and a box of 2 x ``d`` floats).
+    ``row_bytes`` per value: 2 for a float16 index on a GPU, which keeps its rows in half
+    precision, else 4."""
     rows, d = int(rows), int(d)
     if method == "exact":
-        return rows * d * 4
+        return rows * d * int(row_bytes)
     nodes = 4 * -(-rows // int(leaf_size))
     return int(n_trees) * (rows * d * int(row_bytes) + rows * 8 + nodes * (28 + 8 * d))
 

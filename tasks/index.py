@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -242,6 +243,26 @@ def _pin_on_dask_cuda() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class StoredShards:
+    """The shards of index ``name`` in the store at ``store_path``, as a :class:`DistributedIndex`
+    loads them (``attrs``: the index's attributes; ``load``: :func:`load_shard`)."""
+
+    store_path: str
+    name: str
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return index_attrs(self.store_path, self.name)
+
+    @property
+    def key(self) -> str:
+        return self.name
+
+    def load(self, shard: int, device: str = "auto", method: str | None = None) -> Shard:
+        return load_shard(self.store_path, self.name, shard, device, method)
+
+
 def load_shard(store_path: str, name: str, shard: int, device: str = "auto", method: str | None = None) -> Shard:
     """Load shard ``shard`` of index ``name`` on this worker (GPU when ``device`` resolves to it).
 
@@ -251,7 +272,6 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     baseline on the same shards and workers).
     """
     from scanforest.kernels._backend import resolve_device
-    from scanforest.kernels.kdforest import KDForest
     from scanforest.kernels.kdtree import KDTree
 
     _pin_on_dask_cuda()
@@ -264,7 +284,11 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     params = dict(attrs["params"])
     if method is not None:
         params["method"] = method
-    if params.get("method", "banns") == "exact" or f"shard_{shard}" not in g:
+    if params.get("method", "banns") == "exact":  # float16 stays float16 on a GPU: half the memory
+        half = resident_row_bytes(str(z.dtype), dev) == 2
+        return Shard(a, b, _fit_forest(_stored_rows(z, a, b, dev, dtype=np.float16 if half else np.float32),
+                                       params, shard, dev))
+    if f"shard_{shard}" not in g:
         return Shard(a, b, _fit_forest(_stored_rows(z, a, b, dev), params, shard, dev))
     tg = g[f"shard_{shard}"]
     if dev == "gpu":
@@ -285,13 +309,21 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     points = _leaf_rows(z, a, b, perm, dev, dtype=np.float16 if half else np.float32)
     tree = KDTree(dev, points=points, depth=int(tg.attrs["depth"]), leaf_size=int(tg.attrs["leaf_size"]),
                   params=dict(tg.attrs.get("params", {})), data=None, **arrays)
+    return Shard(a, b, resident_forest(tree, params, shard, dev, int(b - a)))
+
+
+def resident_forest(tree, params: dict[str, Any], shard: int, dev: str, rows: int):
+    """A fitted KDForest around a built ``tree`` whose ``points`` are the shard's leaf-ordered
+    rows (one copy of the rows on the device; the exact fallbacks search them through ``perm``)."""
+    from scanforest.kernels.kdforest import KDForest
+
     p = dict(params)
     p["seed"] = int(p.get("seed", 0)) + shard
     forest = KDForest(device=dev, **p)
     forest._validate()
-    forest.device_, forest.n_samples_fit_, forest.n_features_in_ = dev, int(b - a), int(points.shape[1])
+    forest.device_, forest.n_samples_fit_, forest.n_features_in_ = dev, int(rows), int(tree.points.shape[1])
     forest._fit_X, forest.tree_, forest.stats_ = None, tree, {}
-    return Shard(a, b, forest)
+    return forest
 
 
 # rows per host block when a shard streams from the store to a GPU (a whole number of chunks):
@@ -313,8 +345,9 @@ def _row_blocks(z, a: int, b: int, nbytes: int = STREAM_BYTES):
         i = j
 
 
-def _stored_rows(z, a: int, b: int, dev: str, nbytes: int = STREAM_BYTES):
-    """Rows ``a:b`` of the stored reference ``z`` (or of a host array) as float32 on ``dev``.
+def _stored_rows(z, a: int, b: int, dev: str, nbytes: int = STREAM_BYTES, dtype=np.float32):
+    """Rows ``a:b`` of the stored reference ``z`` (or of a host array) as float32 on ``dev``
+    (or float16 on a GPU from a float16 store: ``dtype=np.float16``).
 
     To a GPU they stream in blocks of about ``nbytes``: float16 travels as it is and is widened
     there, and neither side ever holds a second whole copy (``cupy.asarray`` of a host array
@@ -325,7 +358,10 @@ def _stored_rows(z, a: int, b: int, dev: str, nbytes: int = STREAM_BYTES):
         return np.ascontiguousarray(z[a:b], dtype=np.float32)
     import cupy as cp
 
-    out = cp.empty((b - a,) + tuple(z.shape[1:]), cp.float32)
+    dtype = np.dtype(dtype)
+    if dtype == np.float16 and z.dtype != np.float16:
+        raise InputError("float16 rows need a float16 store (rounding here would change the answers)")
+    out = cp.empty((b - a,) + tuple(z.shape[1:]), dtype)
     for i, j in _row_blocks(z, a, b, nbytes):
         out[i - a:j - a] = cp.asarray(z[i:j])
     _free_pinned()

@@ -123,6 +123,27 @@ def test_bench_match_curve_on_cpu_one_index_for_every_budget(tmp_path):
                         block=10, out=None)
 
 
+def test_bench_match_reference_drawn_on_the_workers(tmp_path):
+    """``bench match --reference workers``: no store is written; the shards are drawn and
+    indexed on the workers, an unlimited search has recall 1 against the brute force over the
+    same rows, and a bad choice is refused."""
+    from scanforest.flows import bench_match
+
+    rep = bench_match.run(1200, 60, 8, 4, [1, 2], method="banns", backtracks=[None], leaf_size=16, device="cpu",
+                          block=30, clusters=10, shards=2, store_dtype="float16", reference="workers",
+                          out=str(tmp_path / "w.json"), workdir=str(tmp_path / "wd"))
+    rows = {x.figure: x.value for x in rep.rows}
+    assert not any(f.startswith("index build") for f in rows)
+    assert not any(p.name.endswith(".zarr") for p in (tmp_path / "wd").iterdir())
+    assert "shard load (rows drawn on the workers' cpus, trees built there), 2 workers" in rows
+    for w in ("1 workers", "2 workers"):
+        assert rows[f"recall@4, {w}"] == 1.0
+    assert any("drawn on the workers, no store" in x for x in rep.notes)
+    with pytest.raises(InputError, match="'store' or 'workers'"):
+        bench_match.run(100, 10, 8, 4, [1], method="banns", backtracks=[4], leaf_size=16, device="cpu",
+                        block=10, out=None, reference="disk")
+
+
 def test_bench_match_reference_in_pieces():
     """Above ``whole_max`` rows the reference is made piece by piece (own seeds) straight into
     the stored dtype; at most ``whole_max`` it is the one-piece data of earlier runs."""

@@ -184,3 +184,45 @@ def test_gpu_ids_map_and_tile_centring(rng, monkeypatch, share):
     gd, gi = knn_bruteforce(cp.asarray(big), cp.asarray(q), 8)
     np.testing.assert_array_equal(gi.get(), ci)
     np.testing.assert_array_equal(gd.get(), cd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("share", [None, 0.0])
+def test_gpu_half_base_answers_as_its_float32_widening(rng, monkeypatch, share):
+    """A float16 base stays float16 on the GPU (centred copy or tile by tile) and its answer is
+    the float32 widening's, bit for bit, ties and the exact re-check included; its NaN rows
+    are refused like float32 ones."""
+    import cupy as cp
+
+    import scanforest.kernels.bruteforce as bf
+
+    if share is not None:
+        monkeypatch.setitem(bf._COPY_SHARE, "gpu", share)
+    base = rng.standard_normal((6000, 352)).astype(np.float16)
+    base[3000:3100] = base[:100]  # duplicates: ties broken by id
+    q = rng.standard_normal((257, 352)).astype(np.float32)
+    q[:20] = base[:20].astype(np.float32)
+    wide = base.astype(np.float32)
+    cd, ci = knn_bruteforce(wide, q, 16, device="cpu")
+    for block in (None, (64, 1000)):
+        gd, gi = knn_bruteforce(cp.asarray(base), cp.asarray(q), 16, block=block)
+        np.testing.assert_array_equal(gi.get(), ci)
+        np.testing.assert_array_equal(gd.get(), cd)
+    bad = cp.asarray(base)
+    bad[77, 5] = cp.float16(np.nan)
+    with pytest.raises(InputError, match="first: \\[77\\]"):
+        knn_bruteforce(bad, cp.asarray(q), 4)
+
+
+def test_nonfinite_rows_are_found_block_by_block(rng):
+    """The NaN/inf row check runs in blocks (no temporary the size of a large base) and finds
+    the same rows, float32 and float16."""
+    from scanforest.kernels.bruteforce import _nonfinite_rows
+
+    for dtype in (np.float32, np.float16):
+        a = rng.standard_normal((1000, 7)).astype(dtype)
+        a[[3, 400, 999], [0, 6, 2]] = [np.nan, np.inf, -np.inf]
+        want = np.zeros(1000, bool)
+        want[[3, 400, 999]] = True
+        for nbytes in (1 << 28, 7 * a.itemsize * 33):
+            np.testing.assert_array_equal(_nonfinite_rows(a, np, nbytes), want)

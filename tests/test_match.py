@@ -290,6 +290,107 @@ def test_float16_index_is_exact_for_its_rounded_rows(tmp_path, rng, local_client
         idx.build_index(store, "x", X, params=params, dtype="int8")
 
 
+def _generated(n, d, dtype, shards, n_trees=1, piece=700):
+    from scanforest.flows.bench_match import GeneratedShards
+
+    params = {"method": "banns", "leaf_size": 16, "backtracks": None, "n_trees": n_trees}
+    return GeneratedShards(n, d, 20, dtype, tuple(sorted(params.items())), shards, piece=piece)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_generated_shards_are_the_bench_reference(dtype):
+    """The bench's reference drawn shard by shard on the workers has the rows of the one drawn
+    whole in pieces for a store (every shard border, piece border and both dtypes)."""
+    from scanforest.flows.bench_match import _reference
+
+    g = _generated(5000, 16, dtype, 3)
+    X = _reference(5000, 16, 20, "cpu", dtype, piece=700, whole_max=0)
+    assert X.dtype == np.dtype(dtype)
+    for a, b in [(0, 5000), (650, 1450), (699, 701), (4200, 5000)]:
+        np.testing.assert_array_equal(g.rows(a, b, np, np.float32), X[a:b].astype(np.float32))
+    assert g.attrs["shards"] == [[0, 1667], [1667, 3333], [3333, 5000]]
+    assert g.attrs["content_hash"] != _generated(5000, 16, dtype, 2).attrs["content_hash"]
+
+
+@pytest.mark.parametrize("shards,n_trees", [(1, 1), (2, 2), (3, 1)])
+def test_generated_shards_answer_as_the_brute_force(rng, local_client, shards, n_trees):
+    """Shards drawn and indexed on the workers (no store): an unlimited search over 1, 2 and 3
+    of them equals the brute force over the drawn rows, and so does their exact method."""
+    from scanforest.kernels._backend import to_numpy
+    from scanforest.kernels.sharded import gather_rows
+
+    g = _generated(4000, 12, "float16", shards, n_trees=n_trees)
+    X = g.rows(0, 4000, np, np.float32)
+    Q = X[rng.choice(4000, 60, replace=False)] + rng.normal(scale=0.05, size=(60, 12)).astype(np.float32)
+    bd, bi = knn_bruteforce(X, Q, 6, device="cpu")
+    sh = g.load(shards - 1, "cpu")  # the leaf-ordered rows of every tree, drawn again and scattered
+    perm = to_numpy(sh.forest.tree_.perm)
+    assert perm.size == n_trees * (sh.stop - sh.start)
+    np.testing.assert_array_equal(to_numpy(sh.forest.tree_.points), gather_rows(X[sh.start:sh.stop], perm))
+    for method in (None, "exact"):
+        di = DistributedIndex(local_client, source=g, device="cpu", method=method)
+        d, i = di.query(Q, 6, block=25)
+        di.close()
+        np.testing.assert_array_equal(i, bi)
+        np.testing.assert_array_equal(d, bd)
+
+
+def test_distributed_index_needs_a_store_or_a_source(local_client):
+    with pytest.raises(InputError, match="store path and an index name"):
+        DistributedIndex(local_client)
+
+
+@pytest.mark.gpu
+def test_gpu_generated_shards_keep_half_rows(rng):
+    """On a GPU a float16 generated shard holds half rows (forest and exact alike) and answers
+    as the brute force over the drawn rows."""
+    import cupy as cp
+
+    from scanforest.kernels.sharded import gather_rows
+
+    g = _generated(6000, 20, "float16", 2, n_trees=2)
+    X = cp.asnumpy(g.rows(0, 6000, cp, cp.float32))
+    Q = X[rng.choice(6000, 50, replace=False)] + rng.normal(scale=0.05, size=(50, 20)).astype(np.float32)
+    bd, bi = knn_bruteforce(X, Q, 5, device="cpu")
+    for method in (None, "exact"):
+        parts = []
+        for s in range(2):
+            sh = g.load(s, "gpu", method)
+            rows = sh.forest._fit_X if method == "exact" else sh.forest.tree_.points
+            assert rows.dtype == cp.float16
+            if method is None:
+                perm = cp.asnumpy(sh.forest.tree_.perm)
+                np.testing.assert_array_equal(cp.asnumpy(rows).astype(np.float32),
+                                              gather_rows(X[sh.start:sh.stop], perm))
+            d, i = sh.query(Q, 5)
+            parts.append((cp.asnumpy(d), cp.asnumpy(i)))
+        d, i = merge_topk(parts, 5)
+        np.testing.assert_array_equal(i, bi)
+        np.testing.assert_array_equal(d, bd)
+
+
+@pytest.mark.gpu
+def test_gpu_exact_float16_shard_holds_half_rows(tmp_path, rng):
+    """The exact method over a float16 index keeps the rows in half precision on a GPU (half
+    the memory of the brute-force baseline) and answers as the brute force over the stored rows."""
+    import cupy as cp
+
+    X, Q = _data(rng, n=3000, m=50, d=16)
+    store = str(tmp_path / "e.zarr")
+    idx.build_index(store, "e", X, shards=2, params={"method": "exact"}, dtype="float16")
+    X16 = X.astype(np.float16).astype(np.float32)
+    bd, bi = knn_bruteforce(X16, Q, 8, device="cpu")
+    parts = []
+    for s in range(2):
+        sh = idx.load_shard(store, "e", s, "gpu")
+        assert sh.forest._fit_X.dtype == cp.float16
+        d, i = sh.query(Q, 8)
+        parts.append((cp.asnumpy(d), cp.asnumpy(i)))
+    d, i = merge_topk(parts, 8)
+    np.testing.assert_array_equal(i, bi)
+    np.testing.assert_array_equal(d, bd)
+
+
 def test_trees_only_fit_keeps_no_rows(rng):
     """``fit(keep_rows=False)``: the same tree arrays, no copy of the rows, and no queries."""
     from scanforest.kernels.kdforest import KDForest
