@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from .bruteforce import _CUDA_COMMON, decode_keys, knn_bruteforce
+from .bruteforce import _CUDA_COMMON, _half_rows, decode_keys, knn_bruteforce
 
 HCAP = 256   # default heap capacity (kdtree.HEAP_CAP); a search passes kdtree.heap_capacity's
 QB = 64      # queries per block of the "tile" leaf kernel (one per thread)
@@ -49,19 +49,8 @@ _SRC = _CUDA_COMMON + r"""
 #define SP 64
 #define F_INF __int_as_float(0x7f800000)
 
-// leaf-ordered rows: float, or IEEE half (PT_HALF) widened exactly to float in registers, so every
-// distance is the float one of the widened rows, bit for bit (half the bytes a leaf scan reads)
-#ifdef PT_HALF
-typedef unsigned short PT;
-__device__ __forceinline__ float ldp(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-#else
-typedef float PT;
-__device__ __forceinline__ float ldp(float x) { return x; }
-#endif
+// leaf-ordered rows: float, or IEEE half (PT_HALF): see bruteforce._half_rows
+""" + _half_rows("PT_HALF", "PT", "ldp") + r"""
 __device__ __forceinline__ float canon_dist_p(const float* __restrict__ q, const PT* __restrict__ x, int d) {
     float acc = 0.0f;
     for (int j = 0; j < d; ++j) {

@@ -240,6 +240,25 @@ __device__ __forceinline__ float canon_dist(const float* __restrict__ q, const f
 }
 """
 
+
+def _half_rows(macro: str, row_t: str, load: str) -> str:
+    """CUDA source for rows of ``float``, or of IEEE half (when ``macro`` is defined) widened
+    exactly to float in registers: type ``row_t`` and loader ``load``, so a distance over half
+    rows is the float one of the widened rows, bit for bit (half the bytes read)."""
+    return rf"""
+#ifdef {macro}
+typedef unsigned short {row_t};
+__device__ __forceinline__ float {load}(unsigned short h) {{
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}}
+#else
+typedef float {row_t};
+__device__ __forceinline__ float {load}(float x) {{ return x; }}
+#endif
+"""
+
 _SELECT_SRC = _CUDA_COMMON + r"""
 // One warp per row: every lane keeps a sorted list of its KP best keys, then the 32 lists are
 // merged with KP rounds of a warp-wide min.  mode 0: d = D[r, c]; mode 1: d = qn[r] + bn[c] - 2 D[r, c].
@@ -290,20 +309,8 @@ extern "C" __global__ void select_topk(const float* __restrict__ D, long long ld
 }
 """
 
-_PAIR_SRC = _CUDA_COMMON + r"""
-// base rows: float, or IEEE half (BASE_HALF) widened exactly in registers: the distance is the
-// canonical one of the widened row, bit for bit
-#ifdef BASE_HALF
-typedef unsigned short BT;
-__device__ __forceinline__ float ldb(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-#else
-typedef float BT;
-__device__ __forceinline__ float ldb(float x) { return x; }
-#endif
+_PAIR_SRC = _CUDA_COMMON + _half_rows("BASE_HALF", "BT", "ldb") + r"""
+// base rows: float, or IEEE half (BASE_HALF): see _half_rows
 // canonical distance of (query row qi[t], base row bi[t]); bi < 0 gives +inf
 extern "C" __global__ void pair_dist(const BT* __restrict__ X, const float* __restrict__ Q,
         const long long* __restrict__ qi, const long long* __restrict__ bi, long long npairs, int d,
