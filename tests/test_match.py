@@ -7,7 +7,7 @@ import pytest
 from scanforest.flows.distributed import DistributedIndex, match
 from scanforest.kernels.bruteforce import knn_bruteforce
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.sharded import ShardedIndex, shard_ranges
+from scanforest.kernels.sharded import Shard, ShardedIndex, shard_ranges
 from scanforest.kernels.topk import merge_topk
 from scanforest.tasks import index as idx
 
@@ -403,6 +403,52 @@ def test_trees_only_fit_keeps_no_rows(rng):
         np.testing.assert_array_equal(getattr(bare.tree_, name), getattr(full.tree_, name))
     with pytest.raises(InputError, match="keep_rows=False"):
         bare.query(Q, 2)
+
+
+class OutOfMemoryError(Exception):
+    """Named like CuPy's ``cupy.cuda.memory.OutOfMemoryError``, which is no MemoryError."""
+
+
+class _TightShard:
+    """A shard whose device runs out of memory on blocks of more than ``fits`` queries."""
+
+    def __init__(self, shard, fits, error=OutOfMemoryError):
+        self.shard, self.fits, self.error, self.sizes = shard, fits, error, []
+        self.start, self.stop, self.forest = shard.start, shard.stop, shard.forest
+
+    def query(self, Q, k, **search):
+        self.sizes.append(len(Q))
+        if len(Q) > self.fits:
+            raise self.error(f"out of memory allocating a block of {len(Q)} queries")
+        return self.shard.query(Q, k, **search)
+
+
+@pytest.mark.parametrize("error", [OutOfMemoryError, MemoryError])
+def test_out_of_memory_splits_the_block_and_keeps_the_answer(rng, error):
+    """A block that does not fit is searched in halves, recursively, with its per-query bounds
+    split alike: the same ids, distances and leaf count as one search; only memory errors."""
+    from scanforest.kernels.errors import OutOfMemory
+    from scanforest.kernels.kdforest import KDForest
+
+    X, Q = _data(rng, n=2000, m=400, d=8)
+    shard = Shard(1000, 3000, KDForest(leaf_size=16, device="cpu").fit(X))
+    bd, _ = knn_bruteforce(X, Q, 4, device="cpu")
+    bounds = (bd[:, -1] * 1.5).astype(np.float32)
+    bounds[::7] = np.inf
+    ref = idx.search_shard(shard, Q, 4, stats=True, bounds=bounds)
+    tight = _TightShard(shard, fits=100, error=error)
+    got = idx.search_shard(tight, Q, 4, stats=True, bounds=bounds, min_block=64)
+    np.testing.assert_array_equal(got[0], ref[0])
+    np.testing.assert_array_equal(got[1], ref[1])
+    assert got[1].min() >= 1000  # global ids
+    assert got[2]["leaves"] == ref[2]["leaves"] > 0
+    assert tight.sizes == [400, 200, 100, 100, 200, 100, 100]
+    with pytest.raises(OutOfMemory, match=r"shard \[1000, 3000\) cannot search even 100 queries"):
+        idx.search_shard(_TightShard(shard, fits=50, error=error), Q, 4, min_block=100)
+    other = _TightShard(shard, fits=100, error=ValueError)  # not a memory error: no retry
+    with pytest.raises(ValueError):
+        idx.search_shard(other, Q, 4)
+    assert other.sizes == [400]
 
 
 def test_wait_keeps_shards_resident_and_reports_stats(tmp_path, rng, local_client):
