@@ -169,10 +169,10 @@ class numba_threads:
         numba.set_num_threads(self.old)
 
 
-def run_baseline(rep: "BenchReport", cmd: list[str]) -> tuple[dict, int] | None:
+def baseline_lines(rep: "BenchReport", cmd: list[str]) -> list[dict] | None:
     """Run an external baseline program (``deploy/baselines/``) that prints one JSON line per
-    repetition with a ``total_s`` field; returns (the median repetition, repetitions), or None
-    with a note in ``rep`` when it cannot be run or prints no result."""
+    result; returns those lines, or None with a note in ``rep`` when it cannot be run or prints
+    no result."""
     import subprocess
 
     try:
@@ -181,7 +181,17 @@ def run_baseline(rep: "BenchReport", cmd: list[str]) -> tuple[dict, int] | None:
         if not runs:
             raise ValueError("no result line")
     except (OSError, ValueError, subprocess.CalledProcessError) as exc:
-        rep.note(f"baseline {' '.join(map(str, cmd))} failed: {exc}")
+        err = getattr(exc, "stderr", None)
+        rep.note(f"baseline {' '.join(map(str, cmd))} failed: {exc}" + (f" ({err.strip()[-300:]})" if err else ""))
+        return None
+    return runs
+
+
+def run_baseline(rep: "BenchReport", cmd: list[str]) -> tuple[dict, int] | None:
+    """:func:`baseline_lines` of a program that prints one line per repetition with a
+    ``total_s`` field: (the median repetition, repetitions), or None."""
+    runs = baseline_lines(rep, cmd)
+    if runs is None:
         return None
     return sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2], len(runs)
 

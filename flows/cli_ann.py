@@ -251,6 +251,10 @@ def run_bench(sizes, dims, queries, k, backtracks, leaf_size, device, out, cpu_q
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
+    from . import bench_tools
+
+    bench_tools.register_bench(bench)
+
     @bench.command("ann")
     def bench_ann(
         sizes: str = typer.Option("100900", "--sizes", help="comma list of N (k/m suffixes ok; \"\" with --real: real data only)"),

@@ -27,7 +27,7 @@ from numba import njit, prange
 from ._backend import free_memory, is_cupy, resolve_device, to_numpy
 from .errors import InputError
 
-__all__ = ["knn_bruteforce", "recall", "check_points", "MAX_K"]
+__all__ = ["knn_bruteforce", "pair_distances", "recall", "check_points", "MAX_K"]
 
 MAX_K = 256
 _U = 2.0 ** -24
@@ -655,6 +655,55 @@ def _fix_gpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, ids=None):
 # ----------------------------------------------------------------------------------------------
 # recall
 # ----------------------------------------------------------------------------------------------
+@njit(parallel=True, cache=True)
+def _pair_dist_cpu(base, queries, ids, out):
+    for r in prange(ids.shape[0]):
+        for c in range(ids.shape[1]):
+            i = ids[r, c]
+            out[r, c] = _sqdist(queries[r], base[i]) if 0 <= i < base.shape[0] else np.inf
+
+
+def pair_distances(base, queries, ids, *, device: str = "auto"):
+    """Canonical squared distances of each query to the base rows it names.
+
+    For answers found elsewhere (another library's index, a stored match): ``ids[r, c]`` is a
+    row of ``base`` for query ``r``; an id outside ``[0, N)`` (a library's ``-1`` pad) gives
+    ``+inf``. The distances are the ones :func:`knn_bruteforce` gives for the same pairs, bit
+    for bit, so :func:`recall` compares them with the exact answer without rounding noise.
+
+    Parameters
+    ----------
+    base : (N, d) array_like
+    queries : (M, d) array_like
+    ids : (M, k) integer array_like
+    device : {"auto", "cpu", "gpu"}, keyword-only
+
+    Returns
+    -------
+    dist2 : (M, k) float32
+    """
+    dev = resolve_device(device, base, queries)
+    xp = np
+    if dev == "gpu":
+        import cupy as xp
+    conv = to_numpy if dev == "cpu" else xp.asarray
+    base = check_points(conv(base), "base", xp=xp, keep_half=dev == "gpu")
+    queries = check_points(conv(queries), "queries", dim=base.shape[1], xp=xp)
+    ids = conv(ids)
+    if ids.ndim != 2 or ids.shape[0] != queries.shape[0] or ids.dtype.kind not in "iu":
+        raise InputError(f"ids must be an (M, k) integer array with M = {queries.shape[0]}, "
+                         f"got {ids.dtype} {ids.shape}")
+    ids = ids.astype(xp.int64, copy=False)
+    if dev == "gpu":
+        n = base.shape[0]
+        bi = xp.where((ids >= 0) & (ids < n), ids, -1)
+        qi = xp.broadcast_to(xp.arange(ids.shape[0], dtype=xp.int64)[:, None], ids.shape)
+        return pair_dist_gpu(base, queries, qi, bi).reshape(ids.shape)
+    out = np.empty(ids.shape, np.float32)
+    _pair_dist_cpu(base, queries, np.ascontiguousarray(ids), out)
+    return out
+
+
 def recall(dist_found, dist_exact, k: int | None = None) -> float:
     """Recall@k of an approximate search against exact distances.
 

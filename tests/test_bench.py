@@ -156,3 +156,62 @@ def test_bench_match_reference_in_pieces():
     assert parts.dtype == np.float16 and parts.shape == (3000, 8) and np.isfinite(parts).all()
     assert not np.array_equal(parts[:1000], parts[1000:2000])  # each piece its own draw
     np.testing.assert_array_equal(parts[:1000], clustered(1000, 8, clusters=10, seed=1_000_004).astype(np.float16))
+
+
+def _rows(rep):
+    return {r.figure: r for r in rep.rows}
+
+
+def test_bench_tools_measures_every_tool_against_one_exact_answer(tmp_path):
+    """scanforest's forest and FAISS on one data set: an unlimited-enough budget and FAISS's flat
+    index are exact under the common recall rule, the approximate indexes lie in (0, 1], and the
+    matched-recall rows compare scanforest's fastest point at the target with each tool's."""
+    pytest.importorskip("faiss")
+    from scanforest.flows import bench_tools
+
+    out = tmp_path / "tools.json"
+    rep = bench_tools.run(3000, 200, 16, 4, device="cpu", trees=2, leaf_size=16, budgets=[2, 400], nprobes=[1, 8],
+                          ef_search=[8, 64], threads=2, clusters=30, repeat=1, target=0.95, out=out)
+    rows = _rows(rep)
+    assert rows["scanforest KDForest recall@4, 2 trees, 400 leaves"].value == 1.0  # every leaf of both trees
+    assert 0 < rows["scanforest KDForest recall@4, 2 trees, 2 leaves"].value < 1.0
+    assert rows["FAISS IndexFlatL2 (exact) recall@4, exhaustive"].value == 1.0
+    ivf = [r for f, r in rows.items() if f.startswith("FAISS IndexIVFFlat") and "recall" in f]
+    hnsw = [r for f, r in rows.items() if f.startswith("FAISS IndexHNSWFlat") and "recall" in f]
+    assert len(ivf) == 2 and len(hnsw) == 2 and all(0 < r.value <= 1 for r in ivf + hnsw)
+    assert ivf[0].value <= ivf[1].value  # more probes never lose neighbours
+    matched = [r for f, r in rows.items() if " vs FAISS " in f]
+    assert {r.baseline.split(" (")[0] for r in matched} >= {"FAISS IndexFlatL2"}
+    flat = next(r for r in matched if "IndexFlatL2" in r.figure)
+    assert "400 leaves" in flat.figure and flat.baseline_value == rows[
+        "FAISS IndexFlatL2 (exact) queries/s, exhaustive"].value
+    assert json.loads(out.read_text())["bench"] == "tools"
+    with pytest.raises(InputError, match="--budgets"):
+        bench_tools.run(100, 10, 4, 2, device="cpu", budgets=[0], out=out)
+
+
+def test_bench_tools_flann_baseline(tmp_path):
+    """FLANN's KD-forest through deploy/baselines/flann_knn_bench.cpp, built here when
+    libflann-dev is installed: checks covering every point of every tree are exact."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "deploy" / "baselines" / "flann_knn_bench.cpp"
+    if not Path("/usr/include/flann/flann.hpp").exists() or shutil.which("g++") is None:
+        pytest.skip("libflann-dev and g++ are needed to build the FLANN baseline")
+    binary = tmp_path / "flann_knn_bench"
+    subprocess.run(["g++", "-O2", "-fopenmp", str(src), "-o", str(binary), "-llz4"], check=True)
+    from scanforest.flows import bench_tools
+
+    rep = bench_tools.run(2000, 100, 8, 4, device="cpu", trees=2, leaf_size=16, budgets=[300],
+                          flann_baseline=str(binary), flann_checks=[16, 4000], nprobes=[], ef_search=[],
+                          threads=2, clusters=20, repeat=1, out=tmp_path / "t.json")
+    rows = _rows(rep)
+    assert rows["FLANN KDTreeIndex recall@4, 2 trees, checks=4000"].value == 1.0
+    assert 0 < rows["FLANN KDTreeIndex recall@4, 2 trees, checks=16"].value < 1.0
+    assert rows["FLANN KDTreeIndex build, 2 trees"].value > 0
+    bad = bench_tools.run(500, 10, 8, 2, device="cpu", trees=2, leaf_size=16, budgets=[4],
+                          flann_baseline=str(tmp_path / "missing"), nprobes=[], ef_search=[], threads=1,
+                          repeat=1, out=tmp_path / "b.json")
+    assert any("failed" in n for n in bad.notes) and not any(r.figure.startswith("FLANN") for r in bad.rows)

@@ -226,3 +226,50 @@ def test_nonfinite_rows_are_found_block_by_block(rng):
         want[[3, 400, 999]] = True
         for nbytes in (1 << 28, 7 * a.itemsize * 33):
             np.testing.assert_array_equal(_nonfinite_rows(a, np, nbytes), want)
+
+
+def _pair_case(rng, d=352):
+    base = rng.standard_normal((3000, d)).astype(np.float32)
+    base[2000:2050] = base[:50]  # duplicates: equal distances under other ids
+    queries = rng.standard_normal((129, d)).astype(np.float32)
+    bd, bi = knn_bruteforce(base, queries, 8, device="cpu")
+    ids = bi[:, ::-1].copy()  # any order: each slot keeps its own pair's distance
+    ids[::5, 0] = np.where(ids[::5, 0] < 50, ids[::5, 0] + 2000, ids[::5, 0])
+    ids[3, 1], ids[4, 2] = -1, 3000  # a library's pads and out-of-range ids give inf
+    return base, queries, bd[:, ::-1], ids
+
+
+def test_pair_distances_are_the_brute_force_distances(rng):
+    """Distances of answers found elsewhere are the brute force's own, bit for bit (so recall
+    compares them with the exact answer without rounding noise); pads give inf."""
+    from scanforest.kernels.bruteforce import pair_distances
+
+    base, queries, want, ids = _pair_case(rng)
+    got = pair_distances(base, queries, ids, device="cpu")
+    assert got.dtype == np.float32 and got.shape == ids.shape
+    assert np.isinf(got[3, 1]) and np.isinf(got[4, 2])
+    keep = np.ones(ids.shape, bool)
+    keep[3, 1] = keep[4, 2] = False
+    np.testing.assert_array_equal(got[keep], want[keep])
+    f64 = ((queries[:, None, :].astype(np.float64) - base[np.clip(ids, 0, 2999)].astype(np.float64)) ** 2).sum(-1)
+    np.testing.assert_allclose(got[keep], f64[keep], rtol=1e-5)
+    with pytest.raises(InputError, match="ids must be an \\(M, k\\) integer array"):
+        pair_distances(base, queries, ids[:10], device="cpu")
+    with pytest.raises(InputError, match="ids must be"):
+        pair_distances(base, queries, ids.astype(np.float32), device="cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_pair_distances_equal_the_cpu_ones(rng):
+    import cupy as cp
+
+    from scanforest.kernels.bruteforce import pair_distances
+
+    base, queries, _, ids = _pair_case(rng)
+    cpu = pair_distances(base, queries, ids, device="cpu")
+    gpu = pair_distances(cp.asarray(base), cp.asarray(queries), cp.asarray(ids))
+    assert isinstance(gpu, cp.ndarray)
+    np.testing.assert_array_equal(gpu.get(), cpu)
+    half = pair_distances(cp.asarray(base.astype(np.float16)), cp.asarray(queries), cp.asarray(ids))
+    np.testing.assert_array_equal(half.get(), pair_distances(base.astype(np.float16).astype(np.float32), queries,
+                                                             ids, device="cpu"))
