@@ -121,7 +121,7 @@ def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, 
 
 
 def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4, leaf_size: int = 32,
-        budgets=(8, 32, 128), method: str | None = None, flann_baseline: str | None = None,
+        budgets=(8, 32, 128), method: str | None = None, split: str = "variance", flann_baseline: str | None = None,
         flann_checks=None, nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32, ef_construction: int = 80,
         ef_search=(16, 64, 256), threads: int = 0, clusters: int = 1000, real: str | None = None,
         target: float = 0.9, repeat: int = 3, out=None):
@@ -140,7 +140,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     method = method or ("banns" if dev == "gpu" else "anns")
     checks = list(flann_checks or [int(b) * leaf_size for b in budgets])
     rep = BenchReport("tools", {"n": n, "m": m, "d": d, "k": k, "device": dev, "trees": trees,
-                                "leaf_size": leaf_size, "budgets": list(budgets), "method": method,
+                                "leaf_size": leaf_size, "split": split, "budgets": list(budgets), "method": method,
                                 "flann_checks": checks, "nlist": nlist, "nprobes": list(nprobes),
                                 "hnsw_m": hnsw_m, "ef_construction": ef_construction, "ef_search": list(ef_search),
                                 "threads": threads, "clusters": clusters, "real": real, "target": target},
@@ -176,10 +176,10 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         base = (f"scanforest exact brute force queries/s ({dev})", m / t_bf)
         rep.add(base[0], base[1], "queries/s", gdev, seconds=t_bf)
         t0 = time.perf_counter()
-        forest = KDForest(n_trees=trees, leaf_size=leaf_size, method=method, device=dev).fit(X)
+        forest = KDForest(n_trees=trees, leaf_size=leaf_size, method=method, split=split, device=dev).fit(X)
         sync()
         build = time.perf_counter() - t0
-        rep.add(f"scanforest KDForest build, {trees} trees (leaf size {leaf_size})", build, "s", gdev,
+        rep.add(f"scanforest KDForest build, {trees} trees (leaf size {leaf_size}, {split} split)", build, "s", gdev,
                 higher_is_better=False)
         forest.query(Q[:8], k, backtracks=int(budgets[0]))  # JIT / kernel warm-up
         mine = []
@@ -229,6 +229,7 @@ def register_bench(bench) -> None:
         budgets: str = typer.Option("8,32,128", "--budgets", help="scanforest leaves per query (comma list)"),
         method: str = typer.Option(None, "--method", help="scanforest search: banns | anns (default: banns on "
                                    "GPUs, anns on CPUs)"),
+        split: str = typer.Option("variance", "--split", help="scanforest split rule: variance | median | midpoint"),
         flann_baseline: str = typer.Option(None, "--flann-baseline", help="FLANN program (build deploy/baselines/"
                                            "flann_knn_bench.cpp)"),
         flann_checks: str = typer.Option("", "--flann-checks", help="FLANN points per query (comma list; default: "
@@ -249,7 +250,7 @@ def register_bench(bench) -> None:
     ):
         """scanforest's KD-forest against FLANN's KD-forest and FAISS (Flat, IVF-Flat, HNSW), one data set."""
         run(parse_counts(n)[0], m, d, k, device=device, trees=trees, leaf_size=leaf_size,
-            budgets=parse_counts(budgets), method=method, flann_baseline=flann_baseline,
+            budgets=parse_counts(budgets), method=method, split=split, flann_baseline=flann_baseline,
             flann_checks=parse_counts(flann_checks), nlist=nlist, nprobes=parse_counts(nprobe), hnsw_m=hnsw_m,
             ef_construction=ef_construction, ef_search=parse_counts(ef_search), threads=threads, clusters=clusters,
             real=real, target=target, repeat=repeat, out=out)

@@ -122,7 +122,7 @@ class _Summary(list):
 
 def run_bench(sizes, dims, queries, k, backtracks, leaf_size, device, out, cpu_queries, clusters,
               repeat, time_limit, windows=(True, False), variants=VARIANTS, cpu_max_n=2_000_000,
-              window_kernel="rotate", real=None, real_radius=10.0, split="median"):
+              window_kernel="rotate", real=None, real_radius=10.0, split="variance"):
     from scanforest.flows._bench import BenchReport
     from scanforest.kernels._backend import describe_device, resolve_device, to_numpy
     from scanforest.kernels.bruteforce import knn_bruteforce, recall
@@ -278,8 +278,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                  "setting of their SHOT352 descriptors (all points; --queries held out, "
                                  "default 100k)"),
         real_radius: float = typer.Option(10.0, "--real-radius", help="SHOT radius in cloud resolutions"),
-        split: str = typer.Option("median", "--split", help="KD-tree split rule: median (sample median) | midpoint "
-                                  "(the paper's)"),
+        split: str = typer.Option("variance", "--split", help="KD-tree split rule: variance (sample variance, "
+                                  "mean cut) | median (sample extent, median cut) | midpoint (the paper's)"),
     ):
         """KD-tree P-BANNS / P-ANNS vs exact GEMM brute force on synthetic clustered data."""
         run_bench(parse_counts(sizes), parse_counts(dims), queries, k, parse_counts(backtracks), leaf_size, device, out,

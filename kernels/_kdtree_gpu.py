@@ -2,8 +2,9 @@
 
 Construction (one host sync per level, for the number of nodes split):
 
-1. ``split_level_sample`` (default rule: one block per node, sample extents in shared memory,
-   the sample median) or ``split_level`` (midpoint rule: one thread per node, from the node box)
+1. ``split_level_sample`` (the sample rules: one block per node, sample extents and variances
+   in shared memory, the sample mean or median) or ``split_level`` (midpoint rule: one thread
+   per node, from the node box)
    chooses (dim, value), same rule and hash as the numba build;
 2. child ids by an exclusive scan of the split flags (children numbered breadth first);
 3. ``mark_left``: one thread per point position tests ``x[dim] <= value`` of its owner node;
@@ -117,15 +118,22 @@ extern "C" __global__ void split_level(const float* __restrict__ lo, const float
     dims[t] = dim; vals[t] = v;
 }
 
-// the sample-median rule of kdtree._choose_split_sample: one block per node, threads over the
-// dimensions for the sample extents (shared memory), thread 0 picks the dimension and the median
+// the sample rules of kdtree._choose_split_sample (rule 1: median, 2: variance): one block per
+// node, threads over the dimensions for the sample extents (and variances) in shared memory,
+// thread 0 picks the dimension and the cut; every sum in sample order, correctly rounded
 #define SAMPLE 64
+__device__ __forceinline__ float sample_mean(const float* __restrict__ X, int d, const long long* rows, int ns,
+        int j) {
+    float acc = 0.0f;
+    for (int k = 0; k < ns; ++k) acc = __fadd_rn(acc, X[rows[k] * d + j]);
+    return __fdiv_rn(acc, (float)ns);
+}
 extern "C" __global__ void split_level_sample(const float* __restrict__ X, int d,
         const long long* __restrict__ perm, const float* __restrict__ lo, const float* __restrict__ hi,
         const long long* __restrict__ start, const long long* __restrict__ end, int l0,
-        long long leaf_size, int depth, int max_depth, int rand_f, unsigned long long seed,
+        long long leaf_size, int depth, int max_depth, int rand_f, unsigned long long seed, int rule,
         int* __restrict__ dims, float* __restrict__ vals) {
-    extern __shared__ float sh[];          // smin[d], smax[d], buf[SAMPLE]
+    extern __shared__ float sh[];          // smin[d], smax[d], zero[d], buf[SAMPLE]
     __shared__ long long rows[SAMPLE];
     int t = blockIdx.x;
     int i = l0 + t;
@@ -139,7 +147,8 @@ extern "C" __global__ void split_level_sample(const float* __restrict__ X, int d
     __syncthreads();
     float* smin = sh;
     float* smax = sh + d;
-    float* buf = sh + 2 * d;
+    float* zero = sh + 2 * d;
+    float* buf = sh + 3 * d;
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
         float mn = F_INF, mx = -F_INF;
         for (int k = 0; k < ns; ++k) {
@@ -148,14 +157,33 @@ extern "C" __global__ void split_level_sample(const float* __restrict__ X, int d
             if (v > mx) mx = v;
         }
         smin[j] = mn; smax[j] = mx;
+        if (rule == 2) {  // smax[j]: the sample variance (x ns), 0 without extent
+            zero[j] = 0.0f;
+            float var = 0.0f;
+            if (mx > mn) {
+                float mean = sample_mean(X, d, rows, ns, j);
+                for (int k = 0; k < ns; ++k) {
+                    float u = __fsub_rn(X[rows[k] * d + j], mean);
+                    var = __fadd_rn(var, __fmul_rn(u, u));
+                }
+            }
+            smax[j] = var;
+        }
     }
     __syncthreads();
     if (threadIdx.x != 0) return;
     const float* H = hi + (long long)i * d;
     int dim; float v;
-    choose_split(smin, smax, d, i, rand_f, seed, &dim, &v);
+    choose_split(rule == 2 ? zero : smin, smax, d, i, rand_f, seed, &dim, &v);
     if (dim < 0) {
         choose_split(lo + (long long)i * d, H, d, i, rand_f, seed, &dim, &v);
+        dims[t] = dim; vals[t] = v;
+        return;
+    }
+    if (rule == 2) {
+        v = sample_mean(X, d, rows, ns, dim);
+        if (!(v >= smin[dim])) v = smin[dim];
+        if (!(v < H[dim])) v = smin[dim];  // < the sample maximum <= hi: both children non-empty
         dims[t] = dim; vals[t] = v;
         return;
     }
@@ -819,7 +847,8 @@ def _grid(n: int, threads: int = 256):
 # ----------------------------------------------------------------------------------------------
 # construction
 # ----------------------------------------------------------------------------------------------
-def build(X, leaf_size, max_depth, rand_f, seed, params, median=True, leaf_rows=True):
+def build(X, leaf_size, max_depth, rand_f, seed, params, rule=2, leaf_rows=True):
+    """Level-by-level build (module docstring); ``rule``: ``kdtree.RULE_IDS`` of the split rule."""
     import cupy as cp
 
     from .kdtree import KDTree
@@ -833,11 +862,11 @@ def build(X, leaf_size, max_depth, rand_f, seed, params, median=True, leaf_rows=
     k_box = mod.get_function("box_level")
     k_dec = mod.get_function("decode_box")
     n, d = X.shape
-    shm = 4 * (2 * d + 64)
-    if median and shm + 8 * 64 > 48 * 1024:
+    shm = 4 * (3 * d + 64)
+    if rule > 0 and shm + 8 * 64 > 48 * 1024:
         from .errors import InputError
 
-        raise InputError(f"split='median' on the GPU supports up to 6,000 dimensions (got d={d}); "
+        raise InputError(f"the sample split rules on the GPU support up to 4,032 dimensions (got d={d}); "
                          "use split='midpoint'")
     cap = max(3, 4 * (n // max(leaf_size, 1)) + 3)
     child = cp.full(cap, -1, cp.int32)
@@ -862,10 +891,11 @@ def build(X, leaf_size, max_depth, rand_f, seed, params, median=True, leaf_rows=
         nl = l1 - l0
         dims = cp.empty(nl, cp.int32)
         vals = cp.empty(nl, cp.float32)
-        if median:
+        if rule > 0:
             k_split_s((nl,), (64,), (X, np.int32(d), perm, lo, hi, start, end, np.int32(l0),
                                      np.int64(leaf_size), np.int32(depth), np.int32(max_depth),
-                                     np.int32(rand_f), np.uint64(seed), dims, vals), shared_mem=shm)
+                                     np.int32(rand_f), np.uint64(seed), np.int32(rule), dims, vals),
+                      shared_mem=shm)
         else:
             k_split(_grid(nl), (256,), (lo, hi, np.int32(d), start, end, np.int32(l0), np.int32(nl),
                                         np.int64(leaf_size), np.int32(depth), np.int32(max_depth),

@@ -36,9 +36,10 @@ class KDForest:
         P-BANNS (buffered, GPU; the CPU runs the same traversal per query), P-ANNS (one query
         per thread), or the exact GEMM brute force.
     random_dims : int or None, default None
-        ``None``: split on the widest dimension when ``n_trees == 1``, and
-        ``min(5, d)`` (the paper's F = 5) when ``n_trees > 1``. ``F`` in ``1..d``: split on a
-        dimension drawn among the F widest, seeded (``n_trees > 1`` needs ``F >= 2``).
+        ``None``: split on the best dimension of the rule (see ``split``) when ``n_trees == 1``,
+        and on one of the ``min(5, d)`` best (the paper's and FLANN's F = 5) when ``n_trees > 1``.
+        ``F`` in ``1..d``: split on a dimension drawn among the F best, seeded (``n_trees > 1``
+        needs ``F >= 2``).
     seed : int, default 0
         Seed of the randomized split choice.
     device : {"auto", "cpu", "gpu"}, default "auto"
@@ -48,10 +49,11 @@ class KDForest:
     sliding_window : bool, default True
         P-BANNS leaf kernel: queries staged in shared memory per leaf block (the default
         streaming kernel, or the paper's rotating windows) or the plain per-thread scan.
-    split : {"median", "midpoint"}, default "median"
-        Split value rule: the median of a 64-point sample of the node, on the dimension of largest
-        sample extent (robust on skewed data such as SHOT descriptors), or the box midpoint of the
-        widest dimension (the paper's rule). See :mod:`scanforest.kernels.kdtree`.
+    split : {"variance", "median", "midpoint"}, default "variance"
+        Split rule: the mean of a 64-point sample of the node on the dimension of largest sample
+        variance (FLANN's rule, on a sample), the sample median on the dimension of largest
+        sample extent, or the box midpoint of the widest dimension (the paper's rule). See
+        :mod:`scanforest.kernels.kdtree`.
     heap_cap : int or None, default None
         Pending boxes each query's queue keeps (a full queue drops its farthest box). ``None``
         grows it with the budget (:func:`scanforest.kernels.kdtree.heap_capacity`).
@@ -82,7 +84,7 @@ class KDForest:
     def __init__(self, *, n_trees: int = 1, leaf_size: int = 64, backtracks: int | None = None,
                  method: str = "banns", random_dims: int | None = None, seed: int = 0,
                  device: str = "auto", max_depth: int | None = None, sliding_window: bool = True,
-                 split: str = "median", heap_cap: int | None = None):
+                 split: str = "variance", heap_cap: int | None = None):
         self.n_trees = n_trees
         self.leaf_size = leaf_size
         self.backtracks = backtracks

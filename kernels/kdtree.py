@@ -20,13 +20,25 @@ builds give the same tree.
 The midpoint rule degenerates on skewed data such as real SHOT352 descriptors (most bins zero, a
 few large values): the widest dimension is the one with a lone outlier, each cut peels off a
 few points, and ``max_depth`` is reached with leaves of 10^5 points (measured: P-BANNS 15x slower
-than the brute force on the SHOT descriptors of the PCL clouds). The default rule, ``split=
-"median"``, looks at a fixed sample of the node (``S = min(count, 64)`` points at positions
-``start + k * count // S`` of the node's range): the dimension of largest sample extent (F widest
-for the randomized variant), cut at the sample median (the ``S // 2``-th smallest value; when
-that is the node's maximum, the largest smaller sample value). Every step is a comparison of
-floats, so the CPU and GPU builds stay bit-identical. When the sample has zero extent in every
-dimension the node falls back to the midpoint rule. ``split="midpoint"`` keeps the paper's rule.
+than the brute force on the SHOT descriptors of the PCL clouds). The sample rules look at a
+fixed sample of the node (``S = min(count, 64)`` points at positions ``start + k * count // S``
+of the node's range):
+
+* ``split="variance"`` (default; FLANN's rule on a sample): the dimension of largest sample
+  variance (the F largest for the randomized variant; dimensions whose sample has zero extent
+  never count), cut at the sample mean. Mean and variance are float32 sums in sample order
+  (``sum(x) / S``, then ``sum((x - mean)**2)``); a mean outside ``[sample min, node max)`` (by
+  rounding) moves to the sample minimum, so both children are non-empty. On the SHOT
+  descriptors of the PCL clouds (200k indexed, 4 trees, 32-point leaves) recall@4 at 128 leaves
+  per query rose from 0.840 (median) to 0.963 at the same speed; on the synthetic clustered
+  data from 0.814 to 0.883 at 32 leaves.
+* ``split="median"``: the dimension of largest sample extent (F widest for the randomized
+  variant), cut at the sample median (the ``S // 2``-th smallest value; when that is the node's
+  maximum, the largest smaller sample value).
+
+Every step is a correctly rounded float operation in a fixed order, so the CPU and GPU builds
+stay bit-identical. When the sample has zero extent in every dimension the node falls back to
+the midpoint rule. ``split="midpoint"`` keeps the paper's rule.
 
 Search: P-ANNS (per query: descend to the nearest leaf pushing far siblings with their box
 distance on a bounded min-heap, scan leaves, pop the closest box, stop when the heap is empty,
@@ -173,13 +185,15 @@ def _choose_split(lo, hi, node, rand_f, seed, topd, tope):
     return dim, v
 
 
-SPLIT_RULES = ("median", "midpoint")
-SAMPLE = 64  # points per node looked at by the sample-median rule (mirrored in CUDA)
+SPLIT_RULES = ("variance", "median", "midpoint")
+RULE_IDS = {"midpoint": 0, "median": 1, "variance": 2}  # the kernels' rule numbers (mirrored in CUDA)
+SAMPLE = 64  # points per node looked at by the sample rules (mirrored in CUDA)
 
 
 @njit(cache=True)
-def _choose_split_sample(X, perm, s, e, lo, hi, node, rand_f, seed, topd, tope, smin, smax, buf):
-    """The sample-median rule (see the module docstring); falls back to :func:`_choose_split`."""
+def _choose_split_sample(X, perm, s, e, lo, hi, node, rand_f, seed, topd, tope, smin, smax, buf, zero, rule):
+    """The sample rules (``rule`` 1: median, 2: variance; see the module docstring); fall back
+    to :func:`_choose_split` when the sample has zero extent in every dimension."""
     d = X.shape[1]
     cnt = e - s
     ns = min(cnt, SAMPLE)
@@ -194,6 +208,27 @@ def _choose_split_sample(X, perm, s, e, lo, hi, node, rand_f, seed, topd, tope, 
                 smin[j] = v
             if v > smax[j]:
                 smax[j] = v
+    if rule == 2:
+        for j in range(d):  # smax[j] becomes the sample variance (x n), 0 without extent
+            zero[j] = np.float32(0.0)
+            if not (smax[j] > smin[j]):
+                smax[j] = np.float32(0.0)
+                continue
+            mean = _sample_mean(X, perm, s, cnt, ns, j)
+            acc = np.float32(0.0)
+            for k in range(ns):
+                t = X[perm[s + (k * cnt) // ns], j] - mean
+                acc = acc + t * t
+            smax[j] = acc
+        dim, _ = _choose_split(zero, smax, node, rand_f, seed, topd, tope)
+        if dim < 0:
+            return _choose_split(lo, hi, node, rand_f, seed, topd, tope)
+        v = _sample_mean(X, perm, s, cnt, ns, dim)
+        if not (v >= smin[dim]):
+            v = smin[dim]
+        if not (v < hi[dim]):
+            v = smin[dim]  # < the sample maximum <= hi: both children non-empty
+        return dim, v
     dim, _ = _choose_split(smin, smax, node, rand_f, seed, topd, tope)
     if dim < 0:
         return _choose_split(lo, hi, node, rand_f, seed, topd, tope)
@@ -213,6 +248,14 @@ def _choose_split_sample(X, perm, s, e, lo, hi, node, rand_f, seed, topd, tope, 
             h -= 1
         v = buf[h]  # buf[0] < v here: the sample extent in dim is > 0
     return dim, v
+
+
+@njit(cache=True, inline="always")
+def _sample_mean(X, perm, s, cnt, ns, j):
+    acc = np.float32(0.0)
+    for k in range(ns):
+        acc = acc + X[perm[s + (k * cnt) // ns], j]
+    return acc / np.float32(ns)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +279,7 @@ def _box(X, perm, s, e, lo, hi):
 
 @njit(cache=True, parallel=True)
 def _level_split(X, perm, tmp, child, sdim, sval, start, end, lo, hi, l0, l1, next_id,
-                 leaf_size, depth, max_depth, rand_f, seed, median):
+                 leaf_size, depth, max_depth, rand_f, seed, rule):
     """Split the nodes l0..l1-1 of one level; children get ids from next_id upward."""
     nl = l1 - l0
     d = X.shape[1]
@@ -247,12 +290,13 @@ def _level_split(X, perm, tmp, child, sdim, sval, start, end, lo, hi, l0, l1, ne
         if end[i] - start[i] > leaf_size and depth < max_depth:
             topd = np.empty(max(rand_f, 1), np.int64)
             tope = np.empty(max(rand_f, 1), np.float32)
-            if median:
+            if rule > 0:
                 smin = np.empty(d, np.float32)
                 smax = np.empty(d, np.float32)
+                zero = np.empty(d, np.float32)
                 buf = np.empty(SAMPLE, np.float32)
                 dm, v = _choose_split_sample(X, perm, start[i], end[i], lo[i], hi[i], i, rand_f, seed,
-                                             topd, tope, smin, smax, buf)
+                                             topd, tope, smin, smax, buf, zero, rule)
             else:
                 dm, v = _choose_split(lo[i], hi[i], i, rand_f, seed, topd, tope)
             dims[t] = dm
@@ -312,7 +356,7 @@ def _grow(arrs, need):
     return out
 
 
-def _build_cpu(X, leaf_size, max_depth, rand_f, seed, median=True):
+def _build_cpu(X, leaf_size, max_depth, rand_f, seed, rule=RULE_IDS["variance"]):
     n, d = X.shape
     cap = max(3, 4 * (n // max(leaf_size, 1)) + 3)
     child = np.full(cap, -1, np.int32)
@@ -336,7 +380,7 @@ def _build_cpu(X, leaf_size, max_depth, rand_f, seed, median=True):
             sdim[l1:] = -1
             sval[l1:] = 0  # leaves keep split_val 0 (grown arrays are uninitialised)
         nid = _level_split(X, perm, tmp, child, sdim, sval, start, end, lo, hi, l0, l1, l1,
-                           leaf_size, depth, max_depth, rand_f, seed, median)
+                           leaf_size, depth, max_depth, rand_f, seed, rule)
         l0, l1 = l1, nid
         depth += 1
     nn = l1
@@ -370,7 +414,7 @@ def _check_build_params(leaf_size, max_depth, random_dims, seed):
 
 
 def build_kdtree(X, *, leaf_size: int = 64, max_depth: int | None = None, random_dims: int | None = None,
-                 seed: int = 0, split: str = "median", device: str = "auto", leaf_rows: bool = True) -> KDTree:
+                 seed: int = 0, split: str = "variance", device: str = "auto", leaf_rows: bool = True) -> KDTree:
     """Build the array KD-tree of ``X``.
 
     Parameters
@@ -382,13 +426,15 @@ def build_kdtree(X, *, leaf_size: int = 64, max_depth: int | None = None, random
     max_depth : int, optional
         Nodes at this depth stay leaves (default 64).
     random_dims : int, optional
-        ``None``: split on the widest dimension (the paper's rule). ``F``: split on a dimension
-        drawn among the F widest, seeded by ``seed`` and the node id.
+        ``None``: split on the best dimension of the rule (largest sample variance, sample
+        extent or box extent). ``F``: split on a dimension drawn among the F best, seeded by
+        ``seed`` and the node id.
     seed : int
         Seed of the randomized variant.
-    split : {"median", "midpoint"}
-        ``"median"`` (default): widest dimension and median of a 64-point sample of the node,
-        robust on skewed data such as SHOT descriptors. ``"midpoint"``: widest box dimension cut
+    split : {"variance", "median", "midpoint"}
+        ``"variance"`` (default): dimension of largest variance of a 64-point sample of the
+        node, cut at the sample mean (FLANN's rule, on a sample). ``"median"``: dimension of
+        largest sample extent, cut at the sample median. ``"midpoint"``: widest box dimension cut
         at the box midpoint (the paper's rule). See the module docstring.
     device : {"auto", "cpu", "gpu"}
     leaf_rows : bool
@@ -401,7 +447,7 @@ def build_kdtree(X, *, leaf_size: int = 64, max_depth: int | None = None, random
     """
     dev = resolve_device(device, X)
     leaf_size, max_depth, rand_f, seed = _check_build_params(leaf_size, max_depth, random_dims, seed)
-    median = check_split(split) == "median"
+    rule = RULE_IDS[check_split(split)]
     params = dict(leaf_size=leaf_size, max_depth=max_depth, random_dims=rand_f or None, seed=seed, split=split)
     if dev == "gpu":
         import cupy as cp
@@ -409,10 +455,10 @@ def build_kdtree(X, *, leaf_size: int = 64, max_depth: int | None = None, random
         from . import _kdtree_gpu
 
         X = check_points(cp.asarray(X), "X", xp=cp)
-        return _kdtree_gpu.build(X, leaf_size, max_depth, rand_f, seed, params, median=median,
+        return _kdtree_gpu.build(X, leaf_size, max_depth, rand_f, seed, params, rule=rule,
                                  leaf_rows=leaf_rows)
     X = check_points(to_numpy(X), "X", xp=np)
-    perm, child, sdim, sval, start, end, lo, hi, depth = _build_cpu(X, leaf_size, max_depth, rand_f, seed, median)
+    perm, child, sdim, sval, start, end, lo, hi, depth = _build_cpu(X, leaf_size, max_depth, rand_f, seed, rule)
     return KDTree("cpu", np.ascontiguousarray(X[perm]) if leaf_rows else None, perm, child, sdim, sval, start,
                   end, lo, hi, depth, leaf_size, params, data=X if leaf_rows else None)
 
@@ -461,7 +507,7 @@ def pack_forest(trees) -> KDTree:
 
 
 def build_kdforest(X, *, n_trees: int = 1, leaf_size: int = 64, max_depth: int | None = None,
-                   random_dims: int | None = None, seed: int = 0, split: str = "median",
+                   random_dims: int | None = None, seed: int = 0, split: str = "variance",
                    device: str = "auto", leaf_rows: bool = True) -> KDTree:
     """Build ``n_trees`` randomized KD-trees over the same points, packed for a shared-queue search.
 
