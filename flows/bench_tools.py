@@ -7,7 +7,8 @@ brute force), and on it every tool's recall@P / queries-per-second curve:
   ``--budgets`` leaves per query), on the CPU or the GPU;
 * FLANN's randomized KD-forest (``KDTreeIndex``, the forest PCL's recognition matches SHOT
   with), an external program (``deploy/baselines/flann_knn_bench.cpp``) given by
-  ``--flann-baseline``, with the same trees and ``--flann-checks`` points per query;
+  ``--flann-baseline``, with ``--flann-trees`` trees (default: the same) and ``--flann-checks``
+  points per query;
 * FAISS (``faiss-cpu`` when installed): ``IndexFlatL2`` (exact), ``IndexIVFFlat`` over
   ``--nprobe`` lists and ``IndexHNSWFlat`` over ``--ef-search``.
 
@@ -122,7 +123,8 @@ def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, 
 
 def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4, leaf_size: int = 32,
         budgets=(8, 32, 128), method: str | None = None, split: str = "variance", flann_baseline: str | None = None,
-        flann_checks=None, nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32, ef_construction: int = 80,
+        flann_checks=None, flann_trees: int | None = None, nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32,
+        ef_construction: int = 80,
         ef_search=(16, 64, 256), threads: int = 0, clusters: int = 1000, real: str | None = None,
         target: float = 0.9, repeat: int = 3, out=None):
     """Measure every tool on one data set and print the table (see the module docstring)."""
@@ -139,9 +141,11 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     threads = int(threads or os.cpu_count() or 1)
     method = method or ("banns" if dev == "gpu" else "anns")
     checks = list(flann_checks or [int(b) * leaf_size for b in budgets])
+    flann_trees = int(flann_trees or trees)
     rep = BenchReport("tools", {"n": n, "m": m, "d": d, "k": k, "device": dev, "trees": trees,
                                 "leaf_size": leaf_size, "split": split, "budgets": list(budgets), "method": method,
-                                "flann_checks": checks, "nlist": nlist, "nprobes": list(nprobes),
+                                "flann_checks": checks, "flann_trees": flann_trees, "nlist": nlist,
+                                "nprobes": list(nprobes),
                                 "hnsw_m": hnsw_m, "ef_construction": ef_construction, "ef_search": list(ef_search),
                                 "threads": threads, "clusters": clusters, "real": real, "target": target},
                       echo=True)
@@ -192,7 +196,8 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
             mine.append((m / t, r, f"{b} leaves"))
         del forest
     if flann_baseline:
-        curves.update(_flann_rows(rep, flann_baseline, Xh, Qh, k, ed, trees, threads, checks, repeat, cdev, base))
+        curves.update(_flann_rows(rep, flann_baseline, Xh, Qh, k, ed, flann_trees, threads, checks, repeat, cdev,
+                                  base))
     curves.update(_faiss_rows(rep, Xh, Qh, k, ed, threads, cdev, nlist=nlist, nprobes=list(nprobes), hnsw_m=hnsw_m,
                               ef_construction=ef_construction, ef_search=list(ef_search), repeat=repeat, base=base))
     ours = _best_at(mine, target)
@@ -232,6 +237,7 @@ def register_bench(bench) -> None:
         split: str = typer.Option("variance", "--split", help="scanforest split rule: variance | median | midpoint"),
         flann_baseline: str = typer.Option(None, "--flann-baseline", help="FLANN program (build deploy/baselines/"
                                            "flann_knn_bench.cpp)"),
+        flann_trees: int = typer.Option(0, "--flann-trees", help="FLANN's randomized trees (0: --trees)"),
         flann_checks: str = typer.Option("", "--flann-checks", help="FLANN points per query (comma list; default: "
                                          "budgets x leaf size)"),
         nlist: int = typer.Option(0, "--nlist", help="FAISS IVF lists (0: 4 sqrt(N))"),
@@ -251,6 +257,7 @@ def register_bench(bench) -> None:
         """scanforest's KD-forest against FLANN's KD-forest and FAISS (Flat, IVF-Flat, HNSW), one data set."""
         run(parse_counts(n)[0], m, d, k, device=device, trees=trees, leaf_size=leaf_size,
             budgets=parse_counts(budgets), method=method, split=split, flann_baseline=flann_baseline,
-            flann_checks=parse_counts(flann_checks), nlist=nlist, nprobes=parse_counts(nprobe), hnsw_m=hnsw_m,
+            flann_checks=parse_counts(flann_checks), flann_trees=flann_trees, nlist=nlist,
+            nprobes=parse_counts(nprobe), hnsw_m=hnsw_m,
             ef_construction=ef_construction, ef_search=parse_counts(ef_search), threads=threads, clusters=clusters,
             real=real, target=target, repeat=repeat, out=out)
