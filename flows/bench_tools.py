@@ -123,11 +123,11 @@ def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, 
 
 
 def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4, leaf_size: int = 32,
-        budgets=(8, 32, 128), method: str | None = None, split: str = "variance", flann_baseline: str | None = None,
-        flann_checks=None, flann_trees: int | None = None, nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32,
-        ef_construction: int = 80,
-        ef_search=(16, 64, 256), threads: int = 0, clusters: int = 1000, real: str | None = None,
-        targets=(0.9, 0.95, 0.98), repeat: int = 3, out=None):
+        budgets=(8, 32, 128), method: str | None = None, split: str = "variance",
+        flann_baseline: str | None = None, flann_checks=None, flann_trees: int | None = None,
+        nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32, ef_construction: int = 80, ef_search=(16, 64, 256),
+        threads: int = 0, clusters: int = 1000, real: str | None = None, targets=(0.9, 0.95, 0.98),
+        repeat: int = 3, out=None):
     """Measure every tool on one data set and print the table (see the module docstring)."""
     from scanforest.flows._bench import BenchReport, numba_threads
     from scanforest.kernels._backend import describe_device, resolve_device, to_numpy
@@ -146,9 +146,9 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     flann_trees = int(flann_trees or trees)
     rep = BenchReport("tools", {"n": n, "m": m, "d": d, "k": k, "device": dev, "trees": trees,
                                 "leaf_size": leaf_size, "split": split, "budgets": list(budgets), "method": method,
-                                "flann_checks": checks, "flann_trees": flann_trees, "nlist": nlist,
-                                "nprobes": list(nprobes),
-                                "hnsw_m": hnsw_m, "ef_construction": ef_construction, "ef_search": list(ef_search),
+                                "flann_baseline": flann_baseline, "flann_checks": checks,
+                                "flann_trees": flann_trees, "nlist": nlist, "nprobes": list(nprobes), "hnsw_m": hnsw_m,
+                                "ef_construction": ef_construction, "ef_search": list(ef_search),
                                 "threads": threads, "clusters": clusters, "real": real, "targets": targets},
                       echo=True)
     if dev == "gpu":
@@ -200,6 +200,8 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     if flann_baseline:
         curves.update(_flann_rows(rep, flann_baseline, Xh, Qh, k, ed, flann_trees, threads, checks, repeat, cdev,
                                   base))
+    else:
+        rep.note("FLANN rows skipped: no --flann-baseline program (build deploy/baselines/flann_knn_bench.cpp)")
     curves.update(_faiss_rows(rep, Xh, Qh, k, ed, threads, cdev, nlist=nlist, nprobes=list(nprobes), hnsw_m=hnsw_m,
                               ef_construction=ef_construction, ef_search=list(ef_search), repeat=repeat, base=base))
     for target in targets:
