@@ -78,12 +78,19 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
                 build_trees: bool = True, device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
     """Write ``reference`` as a sharded index ``name`` (no-op if the content hash matches).
 
+    The hash covers the rows and the forest parameters, the split rule of the trees included
+    when ``params`` leave it to the default, so a changed default rebuilds the index once.
+
     ``dtype="float16"`` stores the rows in half precision (half the disk and host memory;
     e.g. 100M SHOT352 rows are 70 GB instead of 141 GB). The trees are built on, and searches
     load, the stored (rounded) rows as float32, so every answer is exact for them.
     """
+    from scanforest.kernels.kdforest import KDForest
+
     store = ScanStore(store_path)
     params = {k: v for k, v in (params or {}).items() if k in FOREST_KEYS}
+    if params.get("method", "banns") != "exact":  # the trees' split rule is part of the index, default or not
+        params.setdefault("split", KDForest().split)
     if dtype not in REFERENCE_DTYPES:
         raise InputError(f"dtype must be one of {REFERENCE_DTYPES}, got {dtype!r}")
     if reference.ndim != 2 or reference.shape[0] == 0:

@@ -87,6 +87,28 @@ def test_index_rebuilds_when_reference_changes(tmp_path, rng):
         idx.build_index(store, "u", X)
 
 
+def test_index_records_its_split_rule_and_rebuilds_when_it_changes(tmp_path, rng):
+    """The trees' split rule is part of the index even when left to the default: an index built
+    with another rule is rebuilt by a call that takes the default, and the stored trees are the
+    default rule's."""
+    from scanforest.kernels.kdforest import KDForest
+
+    X, _ = _data(rng, n=600)
+    store = str(tmp_path / "s.zarr")
+    old = idx.build_index(store, "t", X, params={"method": "anns", "leaf_size": 16, "split": "median"})
+    new = idx.build_index(store, "t", X, params={"method": "anns", "leaf_size": 16})
+    assert new["status"] == "built" and new["content_hash"] != old["content_hash"]
+    assert idx.index_attrs(store, "t")["params"]["split"] == KDForest().split == "variance"
+    again = idx.build_index(store, "t", X, params={"method": "anns", "leaf_size": 16, "split": "variance"})
+    assert again["status"] == "unchanged"
+    tree = idx.load_shard(store, "t", 0, "cpu").forest.tree_
+    fit = KDForest(method="anns", leaf_size=16, device="cpu").fit(X).tree_
+    np.testing.assert_array_equal(tree.split_dim, fit.split_dim)
+    np.testing.assert_array_equal(tree.split_val, fit.split_val)
+    exact = idx.build_index(store, "e", X, params={"method": "exact"})  # no trees: no split rule
+    assert exact["status"] == "built" and "split" not in idx.index_attrs(store, "e")["params"]
+
+
 def test_persisted_forest_shard_answers_like_the_fitted_one(tmp_path, rng):
     """A randomized forest (several trees) round-trips through the store: same roots, same answer."""
     X, Q = _data(rng, n=1200, m=150)
