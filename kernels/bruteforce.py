@@ -113,6 +113,27 @@ def _sqdist(q, x):
 
 
 @njit(cache=True, inline="always")
+def _sqdist4(q, x0, x1, x2, x3):
+    """:func:`_sqdist` of four rows at once: four independent sums, each in dimension order (the
+    same bits as four calls), so the additions overlap instead of waiting on one another."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    for j in range(q.shape[0]):
+        qj = q[j]
+        t0 = qj - x0[j]
+        t1 = qj - x1[j]
+        t2 = qj - x2[j]
+        t3 = qj - x3[j]
+        a0 += t0 * t0
+        a1 += t1 * t1
+        a2 += t2 * t2
+        a3 += t3 * t3
+    return a0, a1, a2, a3
+
+
+@njit(cache=True, inline="always")
 def _insert(dist, ids, cnt, k, dv, iv):
     """Insert (dv, iv) into the ascending (dist, id) list of length cnt <= k; returns new cnt."""
     if cnt == k:

@@ -66,7 +66,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._backend import resolve_device, to_numpy
-from .bruteforce import _insert, _sqdist, check_k, check_points
+from .bruteforce import _insert, _sqdist, _sqdist4, check_k, check_points
 from .errors import InputError
 
 __all__ = ["KDTree", "build_kdtree", "build_kdforest", "pack_forest", "query_kdtree", "check_bounds",
@@ -797,8 +797,18 @@ def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, roots, querie
                 node = near
             if pruned:
                 continue
-            for p in range(start[node], end[node]):
+            p = start[node]
+            e = end[node]
+            while p + 4 <= e:  # four rows at a time, inserted in row order as one by one
+                d0, d1, d2, d3 = _sqdist4(q, points[p], points[p + 1], points[p + 2], points[p + 3])
+                cnt = _insert_unique(dist, ids, cnt, k, d0, perm[p])
+                cnt = _insert_unique(dist, ids, cnt, k, d1, perm[p + 1])
+                cnt = _insert_unique(dist, ids, cnt, k, d2, perm[p + 2])
+                cnt = _insert_unique(dist, ids, cnt, k, d3, perm[p + 3])
+                p += 4
+            while p < e:
                 cnt = _insert_unique(dist, ids, cnt, k, _sqdist(q, points[p]), perm[p])
+                p += 1
             visits += 1
             if budget > 0 and visits >= budget:
                 break
