@@ -39,11 +39,16 @@ def _best_at(points, target):
     return max(ok, key=lambda p: p[0]) if ok else None
 
 
+def _recall_of(X, Q, ids, ed, k):
+    """Recall@k of another tool's ids, by the brute force's own distances of those pairs."""
+    from scanforest.kernels.bruteforce import pair_distances, recall
+
+    return recall(pair_distances(X, Q, ids, device="cpu"), ed, k)
+
+
 def _faiss_rows(rep, X, Q, k, ed, threads, cdev, *, nlist, nprobes, hnsw_m, ef_construction, ef_search, repeat,
                 base):
     """FAISS Flat, IVF-Flat and HNSW on the host: rows, and ``{tool: [(q/s, recall, setting)]}``."""
-    from scanforest.kernels.bruteforce import pair_distances, recall
-
     try:
         import faiss
     except ImportError:
@@ -56,7 +61,7 @@ def _faiss_rows(rep, X, Q, k, ed, threads, cdev, *, nlist, nprobes, hnsw_m, ef_c
 
     def search(index, label, setting, build_s):
         t, (_, ids) = _timeit(lambda: index.search(Q, k), lambda: None, repeat)
-        r = recall(pair_distances(X, Q, ids, device="cpu"), ed, k)
+        r = _recall_of(X, Q, ids, ed, k)
         rep.add(f"FAISS {label} queries/s, {setting}", m / t, "queries/s", cdev, baseline=base[0],
                 baseline_value=base[1], recall=r, build_s=build_s, faiss=faiss.__version__)
         rep.add(f"FAISS {label} recall@{k}, {setting}", r, "", cdev)
@@ -99,7 +104,6 @@ def _faiss_rows(rep, X, Q, k, ed, threads, cdev, *, nlist, nprobes, hnsw_m, ef_c
 def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, base):
     """FLANN's KDTreeIndex through ``deploy/baselines/flann_knn_bench``: rows and its curve."""
     from scanforest.flows._bench import baseline_lines
-    from scanforest.kernels.bruteforce import pair_distances, recall
 
     m, d = Q.shape
     with tempfile.TemporaryDirectory(prefix="sf-flann-") as tmp:
@@ -113,7 +117,7 @@ def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, 
         curve = []
         for ln in lines:
             ids = np.fromfile(ln["ids"], np.int64).reshape(m, k)
-            r = recall(pair_distances(X, Q, ids, device="cpu"), ed, k)
+            r = _recall_of(X, Q, ids, ed, k)
             rep.add(f"FLANN KDTreeIndex queries/s, {trees} trees, checks={ln['checks']}", ln["queries_per_s"],
                     "queries/s", cdev, baseline=base[0], baseline_value=base[1], recall=r, build_s=ln["build_s"])
             rep.add(f"FLANN KDTreeIndex recall@{k}, {trees} trees, checks={ln['checks']}", r, "", cdev)

@@ -445,6 +445,19 @@ def _blocks(n_rows: int, n_base: int, d: int, budget_bytes: int, block):
     return qb, bb
 
 
+def _placed(base, queries, device):
+    """``(device, array module, converter, base, queries)``: both validated on the device the
+    inputs or ``device`` choose (a float16 base stays float16 on a GPU)."""
+    dev = resolve_device(device, base, queries)
+    xp = np
+    if dev == "gpu":
+        import cupy as xp
+    conv = to_numpy if dev == "cpu" else xp.asarray
+    base = check_points(conv(base), "base", xp=xp, keep_half=dev == "gpu")
+    queries = check_points(conv(queries), "queries", dim=base.shape[1], xp=xp)
+    return dev, xp, conv, base, queries
+
+
 def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None, ids=None):
     """Exact k nearest neighbours of every query in ``base`` (squared L2).
 
@@ -482,14 +495,7 @@ def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None, i
     ids : (M, k) int64
         Row indices into ``base`` (or ``ids`` of them); ties broken by the smaller id.
     """
-    dev = resolve_device(device, base, queries)
-    if dev == "gpu":
-        import cupy as xp
-    else:
-        xp = np
-    conv = to_numpy if dev == "cpu" else xp.asarray
-    base = check_points(conv(base), "base", xp=xp, keep_half=dev == "gpu")
-    queries = check_points(conv(queries), "queries", dim=base.shape[1], xp=xp)
+    dev, xp, conv, base, queries = _placed(base, queries, device)
     k = check_k(k, base.shape[0])
     if ids is not None:
         ids = conv(ids)
@@ -703,13 +709,7 @@ def pair_distances(base, queries, ids, *, device: str = "auto"):
     -------
     dist2 : (M, k) float32
     """
-    dev = resolve_device(device, base, queries)
-    xp = np
-    if dev == "gpu":
-        import cupy as xp
-    conv = to_numpy if dev == "cpu" else xp.asarray
-    base = check_points(conv(base), "base", xp=xp, keep_half=dev == "gpu")
-    queries = check_points(conv(queries), "queries", dim=base.shape[1], xp=xp)
+    dev, xp, conv, base, queries = _placed(base, queries, device)
     ids = conv(ids)
     if ids.ndim != 2 or ids.shape[0] != queries.shape[0] or ids.dtype.kind not in "iu":
         raise InputError(f"ids must be an (M, k) integer array with M = {queries.shape[0]}, "
