@@ -39,6 +39,7 @@ def ensure_prefect_api() -> str:
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     url = os.environ.get("PREFECT_API_URL")
     if url:
+        _check_api(url)
         return url
     with _server_lock:
         if _server is None:
@@ -52,6 +53,89 @@ def ensure_prefect_api() -> str:
             atexit.register(_stop_server)
         os.environ["PREFECT_API_URL"] = _server.api_url
         return _server.api_url
+
+
+def _check_api(url: str, timeout: float = 5.0) -> None:
+    """A set ``PREFECT_API_URL`` that does not answer is a user error, said in one line (not the
+    connection traceback the first flow call would print after its retries)."""
+    import httpx
+
+    from scanforest.kernels.errors import InputError
+
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=timeout).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise InputError(f"cannot reach the Prefect API at PREFECT_API_URL={url} ({type(exc).__name__}); "
+                         "start it (`prefect server start`) or unset PREFECT_API_URL to use a temporary "
+                         "local one") from None
+
+
+def check_scheduler(address: str | None, timeout: float = 5.0) -> None:
+    """An unreachable ``--scheduler`` is a user error, said in one line before anything starts
+    (a refused connection would otherwise be retried for the whole connect timeout)."""
+    if not address:
+        return
+    import socket
+    from urllib.parse import urlsplit
+
+    from scanforest.kernels.errors import InputError
+
+    url = urlsplit(address if "://" in address else f"tcp://{address}")
+    if url.scheme not in ("tcp", "tls") or not url.hostname:
+        return  # other protocols (ucx, inproc): left to Dask
+    try:
+        socket.create_connection((url.hostname, url.port or 8786), timeout=timeout).close()
+    except OSError as exc:
+        raise InputError(f"cannot reach the Dask scheduler at {address} ({exc.strerror or exc})") from None
+
+
+def absolute_path(path: str) -> str:
+    """A store (or source) path as every process must see it: absolute in the flow process, before
+    any work is submitted (a worker of an existing cluster has another working folder, and a
+    relative path there names another store). URLs (``s3://...``) are kept."""
+    path = str(path)
+    if "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def open_store(store: str, mode: str = "a"):
+    """An existing scan store, or a user error in one line: only ingest creates stores."""
+    from scanforest.kernels.errors import InputError
+    from scanforest.tasks.store import ScanStore
+
+    path = absolute_path(store)
+    if "://" not in path and not os.path.isfile(os.path.join(path, "zarr.json")):
+        raise InputError(f"no scan store at {store} (create one with: scanforest ingest SOURCE {store})")
+    return ScanStore(path, mode=mode)
+
+
+def count_redone(records: list[dict], st, stage: str, since: str, status: str) -> None:
+    """A unit that a lost worker had finished before Dask ran it again reports ``skipped``; a
+    scan whose ``stage`` this run wrote (at or after ``since``, the run's start in the store's
+    ISO format) counts as ``status``, so a run on a fresh store never says "skipped"."""
+    for r in records:
+        if r.get("status") == "skipped":
+            written = st.attrs(r["scan_id"]).get("stages", {}).get(stage, {}).get("written", "")
+            if written >= since:
+                r["status"] = status
+
+
+def failures(records: list[dict]) -> list[dict]:
+    """The failed items of a stage: id and reason, for the summary and the report."""
+    return [{"scan_id": r.get("scan_id"), "reason": r.get("reason", "")}
+            for r in records if r.get("status") == "failed"]
+
+
+def require_scans(st, ids, kind: str = "scan") -> None:
+    """Every id names a scan of the store ``st`` (a user error in one line otherwise)."""
+    from scanforest.kernels.errors import InputError
+
+    have = set(st.scans())
+    missing = [s for s in ids or () if s not in have]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise InputError(f"{st.path}: no {kind} {missing[0]!r}{more}")
 
 
 def _stop_server() -> None:
@@ -68,20 +152,25 @@ def _stop_server() -> None:
         os.environ.pop("PREFECT_API_URL", None)
 
 
-def _prefect_env_plugin(env: dict[str, str]):
-    """Worker plugin: give every worker (present and future) the flow's Prefect API URL."""
+def _worker_plugin(env: dict[str, str]):
+    """Worker plugin, run in every worker (present and future) before its first task: give it the
+    flow's Prefect API URL, and settle numba's thread count while no numba thread runs
+    (:func:`scanforest.kernels._backend.settle_numba_threads`)."""
     from distributed.diagnostics.plugin import WorkerPlugin
 
-    class PrefectEnv(WorkerPlugin):
-        name = "scanforest-prefect-env"
+    class WorkerSetup(WorkerPlugin):
+        name = "scanforest-worker-setup"
 
         def __init__(self, env):
             self.env = env
 
         def setup(self, worker):
             os.environ.update(self.env)
+            from scanforest.kernels._backend import settle_numba_threads
 
-    return PrefectEnv(env)
+            settle_numba_threads()
+
+    return WorkerSetup(env)
 
 
 def _want_gpu_cluster(device: str) -> bool:
@@ -116,7 +205,13 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
 
     env = {k: os.environ[k] for k in ("PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED") if k in os.environ}
     if scheduler:
-        client = Client(scheduler, timeout="30s")
+        try:
+            client = Client(scheduler, timeout="10s")
+        except (OSError, ValueError, TypeError) as exc:  # timeouts are OSErrors; a bad address a ValueError
+            from scanforest.kernels.errors import InputError
+
+            raise InputError(f"cannot reach the Dask scheduler at {scheduler} "
+                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         cluster = None
     elif _want_gpu_cluster(device):
         cluster = _gpu_cluster(n_workers, threads_per_worker)
@@ -131,9 +226,7 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
         client = Client(cluster)
     quiet_prefect_logs()
     try:
-        if env:
-            with contextlib.suppress(Exception):
-                client.register_plugin(_prefect_env_plugin(env), name="scanforest-prefect-env")
+        client.register_plugin(_worker_plugin(env), name="scanforest-worker-setup")
         yield client
     finally:
         client.close()
@@ -184,13 +277,44 @@ def n_workers(client) -> int:
     return len(client.scheduler_info(n_workers=-1)["workers"])
 
 
+_USER_ERRORS = ("ScanforestError", "InputError", "ScanReadError", "DeviceError", "OutOfMemory")
+
+
+class _UserErrorFilter(logging.Filter):
+    """Drop Prefect's log lines about a run that failed with a user error (an ``InputError`` and
+    the like): the command prints that error in one line and exits 2; a traceback and the
+    run's final-state line would bury it. Unexpected errors keep their tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from scanforest.kernels.errors import ScanforestError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, ScanforestError):
+            return False
+        try:
+            msg = record.getMessage()
+        except Exception:
+            return True
+        return not (("Finished in state" in msg or "Retries are exhausted" in msg or "encountered an exception" in msg)
+                    and any(name + ":" in msg or name + "(" in msg for name in _USER_ERRORS))
+
+
+_FILTER = _UserErrorFilter()
+
+
 def quiet_prefect_logs() -> None:
-    """Keep the terminal for our progress bar: Prefect's per-task INFO lines go to the API only."""
+    """Keep the terminal for our progress bar: Prefect's per-task INFO lines go to the API only,
+    and runs that end in a user error say so once, through the command."""
     import warnings
+
+    for name in ("prefect.flow_runs", "prefect.task_runs", "prefect.engine"):
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
 
     # query blocks are embedded in their tasks on purpose: a lost worker's block is recomputable
     warnings.filterwarnings("ignore", message=".*Sending large graph.*")
-    for name in ("prefect.task_runs", "prefect.flow_runs", "httpx"):
+    for name in ("prefect.task_runs", "prefect.flow_runs", "prefect.engine", "httpx"):
         logging.getLogger(name).setLevel(logging.WARNING)
     for name in ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
                  "distributed.worker", "distributed.batched", "distributed.http.proxy"):
@@ -238,6 +362,12 @@ def map_units(task, kwargs_list: list[dict], *, label: str, progress: bool = Tru
     return results
 
 
+def _started_at(summary: dict) -> float:
+    import time
+
+    return time.time() - float(summary.get("seconds") or 0.0)
+
+
 def versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -254,16 +384,92 @@ def versions() -> dict[str, str]:
 _RECORD_KEYS = ("scan_id", "status", "seconds", "finished_at", "points", "keypoints", "reason", "detections")
 
 
-def record_run(store, flow: str, parameters: dict, summary: dict, records: list[dict]) -> str:
-    """Write the run manifest into the store and a Prefect table artifact for the run."""
+def _iso(t: float | None = None) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _run_id(flow: str, flow_run=None) -> str:
+    """The store's key of a run: its flow, start time and (inside a Prefect flow run) the run's id,
+    so the record written when it starts, when it ends and when it fails is one record."""
     import time
     import uuid
 
-    run_id = f"{flow}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    if flow_run is None:
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        flow_run = ctx.flow_run if ctx is not None else None
+    if flow_run is None:
+        return f"{flow}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    started = flow_run.expected_start_time or flow_run.created
+    return f"{flow}-{started.strftime('%Y%m%dT%H%M%S')}-{flow_run.id.hex[:6]}"
+
+
+def _existing_store(path) -> "object | None":
+    """The store at ``path`` when one exists (run records never create a store)."""
+    if not path or not os.path.isfile(os.path.join(absolute_path(path), "zarr.json")):
+        return None
+    from scanforest.tasks.store import ScanStore
+
+    try:
+        return ScanStore(absolute_path(path), mode="a")
+    except Exception:
+        return None
+
+
+def _flow_key(flow) -> str:
+    return flow.name.removeprefix("scanforest-")
+
+
+def _on_running(flow, flow_run, state) -> None:
+    """Flow hook: a run that started is in the store as ``running`` at once; one whose process is
+    killed stays so, and the report shows it as running or interrupted."""
+    st = _existing_store(flow_run.parameters.get("store"))
+    if st is not None:
+        st.write_run(_run_id(_flow_key(flow), flow_run),
+                     {"flow": _flow_key(flow), "status": "running", "started": _iso(),
+                      "parameters": _public_params(flow_run.parameters), "versions": versions()})
+
+
+def _on_failure(flow, flow_run, state) -> None:
+    """Flow hook (failed or crashed): the run is in the store as ``failed`` with its error in one line."""
+    st = _existing_store(flow_run.parameters.get("store"))
+    if st is None:
+        return
+    run_id = _run_id(_flow_key(flow), flow_run)
+    old = _run_attrs(st, run_id)
+    msg = (state.message or state.name or "failed").strip().splitlines()
+    st.write_run(run_id, {"flow": _flow_key(flow), "status": "failed", "started": old.get("started", _iso()),
+                          "finished": _iso(), "error": msg[0] if msg else "failed",
+                          "parameters": _public_params(flow_run.parameters), "versions": versions()})
+
+
+def _run_attrs(store, run_id: str) -> dict:
+    try:
+        return dict(store.root["runs"][run_id].attrs)
+    except KeyError:
+        return {}
+
+
+def _public_params(params: dict) -> dict:
+    return {k: v for k, v in (params or {}).items() if k not in ("progress",)}
+
+
+#: hooks every scanforest flow carries: ``@flow(..., **RUN_HOOKS)``
+RUN_HOOKS = {"on_running": [_on_running], "on_failure": [_on_failure], "on_crashed": [_on_failure]}
+
+
+def record_run(store, flow: str, parameters: dict, summary: dict, records: list[dict]) -> str:
+    """Write the run manifest into the store (the record the run's start hook opened, now
+    ``completed``) and a Prefect table artifact for the run."""
+    run_id = _run_id(flow)
+    old = _run_attrs(store, run_id)
     slim = [{k: r[k] for k in _RECORD_KEYS if k in r} for r in records]
-    store.write_run(run_id, {"flow": flow, "parameters": parameters, "summary": summary,
+    store.write_run(run_id, {"flow": flow, "status": "completed", "parameters": parameters, "summary": summary,
                              "versions": versions(), "records": slim,
-                             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                             "started": old.get("started") or _iso(_started_at(summary)), "finished": _iso()})
     try:
         from prefect.artifacts import create_table_artifact
 

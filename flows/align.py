@@ -11,33 +11,45 @@ from scanforest.kernels.errors import InputError
 from scanforest.tasks.prefect_tasks import align_pair_task
 from scanforest.tasks.store import ScanStore
 
-from ._runner import dask_client, ensure_prefect_api, map_units, n_workers, record_run
+from ._runner import (RUN_HOOKS, absolute_path, check_scheduler, dask_client, ensure_prefect_api, failures, map_units,
+                      n_workers, open_store, record_run)
 
 
-@flow(name="scanforest-align", task_runner=ThreadPoolTaskRunner(max_workers=32))
+@flow(name="scanforest-align", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)
 def align_flow(store: str, pairs: list[list[str]], model: str = "rigid", chain: bool = False, loss: str = "l2",
                outside: str = "clamp", max_iter: int = 100, device: str = "auto", scheduler: str | None = None,
                workers: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Align every ``[observed, reference]`` scan pair; results go into the observed scans."""
     t0 = time.perf_counter()
-    st = ScanStore(store)
-    have = set(st.scans())
-    bad = [p for p in pairs if len(p) != 2 or p[0] not in have or p[1] not in have]
-    if bad:
-        raise InputError(f"align pairs must name two scans of the store; not found: {bad[:5]}")
+    store = absolute_path(store)
+    st = check_align(store, pairs)
     opts = {"model": model, "chain": chain, "loss": loss, "outside": outside, "max_iter": max_iter, "device": device}
     with dask_client(scheduler, n_workers=workers, device=device) as client:
         recs = map_units(align_pair_task, [dict(store=store, observed=o, reference=r, options=opts) for o, r in pairs],
                          label="align", progress=progress)
         nw = n_workers(client)
-    summary = {"pairs": len(pairs), "aligned": sum(r["status"] != "skipped" for r in recs),
-               "converged": sum(r["status"] == "converged" for r in recs), "workers": nw,
+    summary = {"pairs": len(pairs), "aligned": sum(r["status"] not in ("skipped", "failed") for r in recs),
+               "converged": sum(r["status"] == "converged" for r in recs),
+               "failed": sum(r["status"] == "failed" for r in recs), "failures": failures(recs), "workers": nw,
                "seconds": time.perf_counter() - t0}
     record_run(st, "align", opts, summary, recs)
     summary["results"] = recs
     return summary
 
 
+def check_align(store: str, pairs: list[list[str]]) -> ScanStore:
+    """User errors of an align run (the store, the pairs), found before any cluster starts."""
+    st = open_store(store)
+    have = set(st.scans())
+    bad = [p for p in pairs if len(p) != 2 or p[0] not in have or p[1] not in have]
+    if bad:
+        raise InputError(f"align pairs must name two scans of the store; not found: {bad[:5]}")
+    return st
+
+
 def run_align(store, pairs, **kw):
+    store = absolute_path(store)
+    check_align(store, [list(p) for p in pairs])
+    check_scheduler(kw.get("scheduler"))
     ensure_prefect_api()
-    return align_flow(store=str(store), pairs=[list(p) for p in pairs], **kw)
+    return align_flow(store=store, pairs=[list(p) for p in pairs], **kw)

@@ -94,13 +94,15 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
         rep.note(f"{name}: measured by an earlier invocation ({r['when']}) on this workdir")
         _stage_rows(rep, name, r, devname, recorded=True)
 
-    def stage(name, wall, task_s, nw, n, util, skipped=0, **more):  # rows printed as each stage ends
+    def stage(name, wall, task_s, nw, n, util, skipped=0, failures=(), **more):  # rows printed as each stage ends
+        for f in failures:  # a failed scan is not work done: say which and why, and count them
+            rep.note(f"{name}: failed: {f['scan_id']}: {f['reason']}")
         if skipped:  # work done before this invocation (one that was cut off) is not measured here
             raise InputError(f"{workdir}: the {name} stage found {skipped} of {n} scans already done by an "
                              "earlier invocation, so its figures would not measure the work; run the "
                              "stages again from ingest (or use a fresh --workdir)")
         r = {"wall": wall, "task_seconds": task_s, "workers": nw, "scans": n, "util": util.extra(),
-             "when": time.strftime("%Y-%m-%dT%H:%M:%S"), **more}
+             "failed": len(failures), "when": time.strftime("%Y-%m-%dT%H:%M:%S"), **more}
         done[name] = r
         _stage_rows(rep, name, r, devname)
         record_path.write_text(json.dumps({"config": config, "stages": done}, indent=1))
@@ -114,7 +116,8 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
         params = DescribeParams(normal_k=10, keypoint_radius=0.02, shot_radius=0.04)
         with Utilization() as u:
             s = run_describe(str(store), params=params, device=dev, workers=workers, progress=False)
-        stage("describe", s["seconds"], s["task_seconds"], s["workers"], s["scans"], u, s["skipped"])
+        stage("describe", s["seconds"], s["task_seconds"], s["workers"], s["scans"], u, s["skipped"],
+              s.get("failures", ()))
     if "match" in todo or "recognize" in todo:
         model_ids = [x for x in ScanStore(str(store), mode="r").scans() if x.startswith("models__")]
     if "match" in todo:
@@ -133,7 +136,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
                               progress=False, library_params=lib_params, params=rec_params)
         per = {k: v / max(1, s["recognized"]) for k, v in s.get("phase_seconds", {}).items()}
         stage("recognize", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
-              phase_seconds_per_scene=per, precision=s.get("precision"), recall=s.get("recall"))
+              s.get("failures", ()), phase_seconds_per_scene=per, precision=s.get("precision"), recall=s.get("recall"))
     total = time.perf_counter() - t_all
     if all(x in done for x in STAGES):
         _archive_rows(rep, done, scans, devname, total if todo == list(STAGES) else None)
@@ -148,6 +151,8 @@ def _stage_rows(rep: BenchReport, name: str, r: dict, devname: str, recorded: bo
     what = f"{devname}, {nw} {'shard workers' if name == 'match' else 'workers'}"
     extra = {**r["util"], **({"recorded": True} if recorded else {})}
     rep.add(f"{name}: scans/s", r["scans"] / wall, "scans/s", what, **extra)
+    if "failed" in r:
+        rep.add(f"{name}: failed scans", r["failed"], "scans", what, higher_is_better=False)
     if r["util"] and not recorded:  # which resource bounds the stage
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in r["util"].items()), flush=True)
     if r["task_seconds"] is not None:

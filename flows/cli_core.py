@@ -21,27 +21,58 @@ def choose_device(device: str) -> str:
 
     dev = resolve_device(device)
     typer.echo(f"device: {describe_device(dev)}" + (" [auto]" if device == "auto" else ""), err=True)
+    from scanforest.kernels._backend import numba_cache_cold
+
+    cold = numba_cache_cold()
+    if cold:
+        typer.echo(f"note: first run here: compiling the CPU kernels (about a minute on 2 cores; cached in "
+                   f"{cold} for later runs)", err=True)
     return dev
 
 
-def print_summary(title: str, summary: dict) -> None:
+JsonOpt = typer.Option(False, "--json", help="Print the result as JSON (for machines) instead of a table.")
+
+
+def _cell(key: str, value) -> str:
+    """A figure as a person reads it: thousands separated, 3-4 significant digits, units."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if key == "bytes" and isinstance(value, (int, float)):
+        return f"{value / 1e6:,.1f} MB"
+    if key.endswith("seconds") and isinstance(value, (int, float)):
+        return f"{value:,.2f} s"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def print_summary(title: str, summary: dict, *, as_json: bool = False, keys: tuple[str, ...] | None = None) -> None:
+    """A command's result: a two-column table of its scalar figures (``keys`` first, in that
+    order), then one line per quarantined file and per failed item; ``as_json`` prints the
+    whole summary as JSON on stdout instead."""
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2, default=str))
+        return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title, show_header=False)
-    for key in ("files", "ingested", "skipped", "quarantined", "points", "bytes", "seconds", "workers"):
-        if key in summary:
-            value = summary[key]
-            if key == "bytes":
-                value = f"{value / 1e6:,.1f} MB"
-            elif key == "seconds":
-                value = f"{value:.2f} s"
-            elif isinstance(value, int):
-                value = f"{value:,}"
-            table.add_row(key, str(value))
-    Console().print(table)
+    table = Table(title=title, show_header=False, title_justify="left")
+    order = list(keys or ()) + [k for k in summary if k not in (keys or ())]
+    for key in order:
+        value = summary.get(key)
+        if key not in summary or isinstance(value, (list, dict)) or key.startswith("_"):
+            continue
+        table.add_row(key.replace("_", " "), _cell(key, value))
+    Console(soft_wrap=True).print(table)
     for q in summary.get("quarantine_reasons", []):
         typer.secho(f"quarantined: {q['source']}: {q['reason']}", fg=typer.colors.YELLOW)
+    for f in summary.get("failures", []):
+        typer.secho(f"failed: {f['scan_id']}: {f['reason']}", fg=typer.colors.YELLOW)
+
+
+INGEST_KEYS = ("files", "ingested", "skipped", "quarantined", "ignored", "points", "bytes", "seconds", "workers")
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -52,7 +83,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         units: str = typer.Option("m", help="Length unit recorded for the scans."),
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,
-        json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the summary as JSON."),
+        as_json: bool = JsonOpt,
     ):
         """Ingest scans (PCD, PLY, LAS/LAZ, XYZ/CSV, NPY) into a Zarr v3 store; resumable.
 
@@ -61,23 +92,32 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """
         from .ingest import run_ingest
 
-        summary = run_ingest(source, store, scheduler=scheduler, workers=workers, units=units)
-        print_summary(f"ingest {source} -> {store}", summary)
-        if json_out:
-            json_out.write_text(json.dumps(summary, indent=2))
+        summary = run_ingest(source, store, scheduler=scheduler, workers=workers, units=units, progress=not as_json)
+        print_summary(f"ingest {source} -> {store}", summary, as_json=as_json, keys=INGEST_KEYS)
 
     @app.command()
     def info(store: str = typer.Argument(..., help="The Zarr scan store."),
-             scans: bool = typer.Option(False, "--scans", help="List every scan.")):
+             scans: bool = typer.Option(False, "--scans", help="List every scan."),
+             as_json: bool = JsonOpt):
         """Summarise a store: scans, points, formats, stages done, quarantine, runs."""
-        from scanforest.tasks.store import ScanStore
+        from ._runner import open_store
 
-        st = ScanStore(store, mode="r")
-        typer.echo(json.dumps(st.info(), indent=2))
+        st = open_store(store, mode="r")
+        summary = st.info()
         if scans:
-            for sid in st.scans():
-                a = st.attrs(sid)
-                typer.echo(f"{sid}\t{a.get('n_points', 0):>10,}\t{a.get('format')}\t{','.join(a.get('stages', {}))}")
+            summary["scan_list"] = [{"scan_id": sid, "points": st.attrs(sid).get("n_points", 0),
+                                     "format": st.attrs(sid).get("format"),
+                                     "stages": sorted(st.attrs(sid).get("stages", {}))} for sid in st.scans()]
+        if as_json:
+            summary["quarantine"] = st.quarantined()
+            typer.echo(json.dumps(summary, indent=2, default=str))
+            return
+        flat = {k: (", ".join(f"{n} {c}" for n, c in v.items()) if isinstance(v, dict) and
+                    all(isinstance(c, (int, float)) for c in v.values()) else len(v) if k == "incomplete" else v)
+                for k, v in summary.items() if k != "scan_list"}
+        print_summary(f"store {store}", flat)
+        for row in summary.get("scan_list", []):
+            typer.echo(f"{row['scan_id']}\t{row['points']:>10,}\t{row['format']}\t{','.join(row['stages'])}")
         for q in st.quarantined():
             typer.secho(f"quarantined: {q['source']}: {q['reason']}", fg=typer.colors.YELLOW)
 
@@ -151,6 +191,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         shutil.rmtree(base_store, ignore_errors=True)
         t0 = time.perf_counter()
         npts = 0
+        from scanforest.tasks.store import ScanStore
+
+        ScanStore(base_store, create=True)
         for f in files:
             npts += ingest_file(str(base_store), Source(str(f), f.name))["points"]
         t_base = time.perf_counter() - t0
@@ -213,4 +256,9 @@ def _demo_stages(store: Path, device: str) -> None:
           if "precision" in r else "no ground truth")
     typer.echo(f"recognize: {r['scenes']} scenes, {r.get('detections', 0)} detections of {len(models)} models "
                f"in {r['scenes_seconds']:.1f} s on {r['workers']} workers; {pr}")
+    failed = d.get("failures", []) + r.get("failures", [])
+    for f in failed:
+        typer.secho(f"failed: {f['scan_id']}: {f['reason']}", fg=typer.colors.RED, err=True)
+    if failed:
+        raise typer.Exit(1)
     typer.echo(f"detections: scanforest report {store}  (HTML report with plots)")

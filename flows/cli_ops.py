@@ -1,4 +1,4 @@
-"""Operation commands: serve deployments, trigger one."""
+"""Operation commands: serve deployments, trigger one, list them (or print their prefect.yaml)."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,12 @@ import typer
 
 
 def _parse_params(items: list[str] | None) -> dict:
+    from scanforest.kernels.errors import InputError
+
     out = {}
     for item in items or []:
         if "=" not in item:
-            raise typer.BadParameter(f"--param takes KEY=VALUE, got {item!r}")
+            raise InputError(f"--param takes KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         try:
             out[k] = json.loads(v)
@@ -24,8 +26,11 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command()
     def serve(
         only: Optional[list[str]] = typer.Option(None, "--only", help="Serve only these deployments (repeatable)."),
-        param: Optional[list[str]] = typer.Option(None, "--param", help="Default parameter KEY=VALUE (JSON values)."),
+        param: Optional[list[str]] = typer.Option(None, "--param", help="Parameter KEY=VALUE (JSON values) for "
+                                                  "every served deployment whose flow takes KEY."),
         no_schedules: bool = typer.Option(False, help="Serve for on-demand runs only (no cron schedules)."),
+        cron: Optional[str] = typer.Option(None, help="Cron schedule (UTC) for every served deployment instead "
+                                           "of its own, e.g. '*/5 * * * *'."),
         limit: Optional[int] = typer.Option(None, help="Maximum concurrent flow runs."),
     ):
         """Serve the deployments from this process (Prefect's serve): schedules fire with no other
@@ -34,14 +39,31 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         from prefect import serve as prefect_serve
 
-        from .deployments import runner_deployments
+        from .deployments import api_url, runner_deployments
 
-        if not os.environ.get("PREFECT_API_URL"):
+        # parameters are checked before anything is registered: a wrong one fails here, not every run
+        deps = runner_deployments(only, parameters=_parse_params(param), schedules=not no_schedules, cron=cron)
+        if os.environ.get("PREFECT_API_URL"):
+            api_url()
+        else:
             typer.secho("note: PREFECT_API_URL is not set; serving against a temporary local API that "
                         "stops with this process (start one with `prefect server start`).", err=True,
                         fg=typer.colors.YELLOW)
-        deps = runner_deployments(only, parameters=_parse_params(param), schedules=not no_schedules)
         prefect_serve(*deps, limit=limit)
+
+    @app.command()
+    def deployments(
+        yaml: bool = typer.Option(False, "--yaml", help="Print deploy/prefect.yaml as generated from the table."),
+    ):
+        """List the deployments (name, schedule, required parameters), or print their prefect.yaml."""
+        from .deployments import DEPLOYMENTS, prefect_yaml
+
+        if yaml:
+            typer.echo(prefect_yaml(), nl=False)
+            return
+        for spec in DEPLOYMENTS.values():
+            typer.echo(f"{spec.name:<12} {spec.cron or 'on demand':<14} needs: {', '.join(spec.required())}"
+                       f"\t{spec.description}")
 
     @app.command()
     def report(
@@ -61,15 +83,21 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         wait: bool = typer.Option(True, help="Wait for the run to finish and print its final state."),
         timeout: float = typer.Option(3600, help="Seconds to wait."),
     ):
-        """Trigger one run of a served deployment through the Prefect API."""
+        """Trigger one run of a served deployment through the Prefect API.
+
+        Says so in one line, before waiting, when no Prefect API answers, the deployment is not
+        registered or no process serves it, or the run would lack a required parameter."""
         from prefect.deployments import run_deployment
 
-        from .deployments import get
+        from .deployments import check_run, get
 
         spec = get(deployment)
-        run = run_deployment(spec.full_name, parameters=_parse_params(param), timeout=timeout if wait else 0)
+        parameters = _parse_params(param)
+        check_run(spec, parameters)
+        run = run_deployment(spec.full_name, parameters=parameters, timeout=timeout if wait else 0)
         state = run.state
         typer.echo(json.dumps({"flow_run_id": str(run.id), "name": run.name,
                                "state": state.type.value if state else None}))
         if wait and state is not None and not state.is_completed():
+            typer.secho(f"{state.type.value}: {state.message}", err=True, fg=typer.colors.RED)
             raise typer.Exit(1)

@@ -1,12 +1,26 @@
 """Pipeline commands over a store: describe (and, as they land, index, match, recognize)."""
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import typer
 
-from .cli_core import DeviceOpt, SchedulerOpt, WorkersOpt, choose_device
+from .cli_core import DeviceOpt, JsonOpt, SchedulerOpt, WorkersOpt, choose_device, print_summary
+
+
+def _pick(store: str, patterns: list[str], what: str) -> list[str]:
+    """Scan ids of the store matching any of the glob ``patterns``; none is a user error."""
+    import fnmatch
+
+    from ._runner import open_store
+
+    ids = open_store(store, mode="r").scans()
+    chosen = sorted({s for pat in patterns for s in ids if fnmatch.fnmatchcase(s, pat)})
+    if not chosen:
+        from scanforest.kernels.errors import InputError
+
+        raise InputError(f"{store}: no scan id matches {what} {' '.join(patterns)}")
+    return chosen
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -22,18 +36,22 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         device: str = DeviceOpt,
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,
+        as_json: bool = JsonOpt,
     ):
         """Normals, keypoints, local reference frames and SHOT352 for every scan; resumable."""
         from scanforest.tasks.describe import DescribeParams
 
-        from .describe import run_describe
+        from .describe import check_describe, run_describe
 
-        dev = choose_device(device)
         params = DescribeParams(normal_k=None if normal_radius else normal_k, normal_radius=normal_radius,
                                 keypoint_radius=keypoint_radius or None, shot_radius=shot_radius,
                                 approximate=approximate)
-        summary = run_describe(store, scans=scan, params=params, device=dev, scheduler=scheduler, workers=workers)
-        typer.echo(json.dumps(summary, indent=2))
+        check_describe(store, scan)
+        dev = choose_device(device)
+        summary = run_describe(store, scans=scan, params=params, device=dev, scheduler=scheduler, workers=workers,
+                               progress=not as_json)
+        print_summary(f"describe {store}", summary, as_json=as_json,
+                      keys=("scans", "described", "skipped", "failed", "keypoints", "seconds", "workers"))
 
     from . import bench_archive, bench_match
 
@@ -59,25 +77,18 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         dtype: str = typer.Option("float32", help="Stored rows: float32, or float16 (half the disk and host "
                                   "memory; searches are exact for the rounded rows)."),
         device: str = DeviceOpt,
+        as_json: bool = JsonOpt,
     ):
         """Build a sharded KD-forest index over the SHOT descriptors of the reference scans (kept when unchanged)."""
-        import fnmatch
+        from .match import check_index_build, run_index_build
 
-        from scanforest.tasks.store import ScanStore
-
-        from .match import run_index_build
-
-        ids = ScanStore(store, mode="r").scans()
-        chosen = sorted({s for pat in reference for s in ids if fnmatch.fnmatchcase(s, pat)})
-        if not chosen:
-            raise typer.BadParameter(f"no scan id matches {reference}")
+        chosen = _pick(store, reference, "--reference")
         params = {"method": method, "leaf_size": leaf_size, "backtracks": backtracks,
                   "random_dims": random_dims, "seed": seed}
-        if shards != "auto" and not shards.isdigit():
-            raise typer.BadParameter(f"--shards takes a number or 'auto', got {shards!r}")
-        typer.echo(json.dumps(run_index_build(store, chosen, name=name, params=params, device=choose_device(device),
-                                              shards=shards if shards == "auto" else int(shards), dtype=dtype),
-                                   indent=2))
+        check_index_build(store, chosen, shards, params, dtype)
+        res = run_index_build(store, chosen, name=name, params=params, device=choose_device(device),
+                              shards=shards if shards == "auto" else int(shards), dtype=dtype)
+        print_summary(f"index {name!r} in {store}", res, as_json=as_json)
 
     @app.command("match")
     def match_cmd(
@@ -89,21 +100,18 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         device: str = DeviceOpt,
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,
+        as_json: bool = JsonOpt,
     ):
         """Match query scans' descriptors against an index on the Dask cluster; writes match_ids/match_dist."""
-        import fnmatch
+        from .match import check_match, run_match
 
-        from scanforest.tasks.store import ScanStore
-
-        from .match import run_match
-
+        chosen = _pick(store, queries, "--queries") if queries else None
+        check_match(store, chosen, k, name)
         dev = choose_device(device)
-        chosen = None
-        if queries:
-            ids = ScanStore(store, mode="r").scans()
-            chosen = sorted({s for pat in queries for s in ids if fnmatch.fnmatchcase(s, pat)})
-        typer.echo(json.dumps(run_match(store, queries=chosen, k=k, name=name, device=dev,
-                                        scheduler=scheduler, workers=workers), indent=2))
+        res = run_match(store, queries=chosen, k=k, name=name, device=dev, scheduler=scheduler, workers=workers,
+                        progress=not as_json)
+        print_summary(f"match {store} against index {name!r}", res, as_json=as_json,
+                      keys=("scans", "matched", "queries", "k", "shards", "seconds", "workers"))
 
     @app.command("align-store")
     def align_store(
@@ -115,19 +123,26 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         device: str = DeviceOpt,
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,
+        as_json: bool = JsonOpt,
     ):
         """Parametric chamfer alignment for a batch of scan pairs in the store (results stored per scan)."""
-        from .align import run_align
+        from .align import check_align, run_align
 
         pairs = []
         for p in pair:
             if ":" not in p:
                 raise typer.BadParameter(f"--pair takes OBSERVED:REFERENCE, got {p!r}")
             pairs.append(p.split(":", 1))
+        check_align(store, pairs)
         dev = choose_device(device)
         res = run_align(store, pairs, model=model, chain=chain, loss=loss, device=dev, scheduler=scheduler,
-                        workers=workers)
-        typer.echo(json.dumps(res, indent=2, default=str))
+                        workers=workers, progress=not as_json)
+        print_summary(f"align-store {store}", res, as_json=as_json)
+        if not as_json:
+            for r in res.get("results", []):
+                if r.get("status") != "failed":
+                    typer.echo(f"{r.get('observed', '?')} -> {r.get('reference', '?')}: {r.get('status')}"
+                               + (f", {r['iterations']} iterations" if "iterations" in r else ""))
 
     @app.command("recognize")
     def recognize_cmd(
@@ -147,23 +162,22 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         device: str = DeviceOpt,
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,
+        as_json: bool = JsonOpt,
     ):
         """Recognise library models in scenes: correspondences, grouping, GPU verification, ICP."""
-        import fnmatch
+        from .recognize import check_recognize, run_recognize
 
-        from scanforest.tasks.store import ScanStore
-
-        from .recognize import run_recognize
-
-        ids = ScanStore(store, mode="r").scans()
-        pick = lambda pats: sorted({s for p in pats for s in ids if fnmatch.fnmatchcase(s, p)})  # noqa: E731
-        model_ids = pick(models)
-        if not model_ids:
-            raise typer.BadParameter(f"no scan id matches {models}")
+        model_ids = _pick(store, models, "--models")
+        scene_ids = _pick(store, scenes, "--scenes") if scenes else None
+        library_params = {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad}
+        params = {"scene_ss": scene_ss, "method": method, "cg_size": cg_size, "cg_thresh": cg_thresh}
+        check_recognize(store, model_ids, scene_ids, library_params, params)
         dev = choose_device(device)
-        res = run_recognize(store, model_ids, scenes=pick(scenes) if scenes else None, library=library,
-                            library_params={"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad},
-                            params={"scene_ss": scene_ss, "method": method, "cg_size": cg_size,
-                                    "cg_thresh": cg_thresh},
-                            device=dev, scheduler=scheduler, workers=workers, export=export)
-        typer.echo(json.dumps(res, indent=2, default=str))
+        res = run_recognize(store, model_ids, scenes=scene_ids, library=library, library_params=library_params,
+                            params=params, device=dev, scheduler=scheduler, workers=workers, export=export,
+                            progress=not as_json)
+        print_summary(f"recognize in {store}", res, as_json=as_json,
+                      keys=("scenes", "recognized", "skipped", "failed", "detections", "precision", "recall",
+                            "seconds", "workers"))
+        if not as_json and res.get("exports"):
+            typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))

@@ -1,8 +1,17 @@
-"""Prefect deployments of the scanforest flows: one table used by ``scanforest serve``,
-``scanforest run`` and ``deploy/prefect.yaml`` (whose entries mirror it)."""
+"""Prefect deployments of the scanforest flows: one table, the single source of
+``scanforest serve``, ``scanforest run`` and ``deploy/prefect.yaml`` (written by
+:func:`prefect_yaml`: ``scanforest deployments --yaml > deploy/prefect.yaml``; a test holds the
+committed file to it).
+
+Parameters are checked against each flow's signature here, before Prefect sees them: a
+deployment given a parameter its flow does not take fails every run (``SignatureMismatchError``),
+and one registered without a required parameter gets runs the API refuses (409). Both are a
+one-line :class:`InputError` at ``serve`` or ``run`` time instead."""
 from __future__ import annotations
 
 import importlib
+import inspect
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +25,7 @@ class DeploymentSpec:
     description: str
     cron: str | None = None        # schedule (UTC); None = run on demand only
     parameters: dict[str, Any] = field(default_factory=dict)
+    per_run: tuple[str, ...] = ()  # required parameters each on-demand run may give instead of `serve`
 
     def load_flow(self):
         module, attr = self.entrypoint.split(":")
@@ -29,6 +39,15 @@ class DeploymentSpec:
     def full_name(self) -> str:
         return f"{self.flow_name}/{self.name}"
 
+    def accepts(self) -> list[str]:
+        """The flow's parameters, in signature order."""
+        return list(inspect.signature(self.load_flow().fn).parameters)
+
+    def required(self) -> list[str]:
+        """Parameters without a default in the flow or in this table: every run needs them."""
+        sig = inspect.signature(self.load_flow().fn).parameters
+        return [k for k, p in sig.items() if p.default is inspect.Parameter.empty and k not in self.parameters]
+
 
 DEPLOYMENTS: dict[str, DeploymentSpec] = {
     d.name: d
@@ -37,17 +56,27 @@ DEPLOYMENTS: dict[str, DeploymentSpec] = {
                        "Ingest new scans from a drop folder or archive into the store (resumable).",
                        cron="*/30 * * * *"),
         DeploymentSpec("describe", "scanforest.flows.describe:describe_flow",
-                       "Normals, keypoints, frames and SHOT352 for scans not yet described.",
+                       "Normals, keypoints, frames and SHOT352 for scans not yet described (GPU when present).",
                        cron="15 * * * *"),
         DeploymentSpec("index-build", "scanforest.flows.match:index_build_flow",
-                       "Build (or keep, when unchanged) the sharded KD-forest index over the model library."),
+                       "Build (or keep, when unchanged) the sharded KD-forest index over the model library.",
+                       per_run=("reference",)),
         DeploymentSpec("match", "scanforest.flows.match:match_flow",
                        "Match described scans against the index; writes top-k ids and distances.",
                        cron="30 * * * *"),
+        DeploymentSpec("recognize", "scanforest.flows.recognize:recognize_flow",
+                       "Recognise the model scans in every other scan; detections into the store.",
+                       per_run=("models",)),
         DeploymentSpec("align", "scanforest.flows.align:align_flow",
-                       "Parametric chamfer alignment of scan pairs (PChA, GPU when present)."),
+                       "Parametric chamfer alignment of scan pairs (PChA, GPU when present).",
+                       per_run=("pairs",)),
+        DeploymentSpec("archive", "scanforest.flows.archive:archive_flow",
+                       "The whole chain over a store: ingest, describe, index, match, recognize (resumable)."),
     )
 }
+
+#: example values of the site's parameters in ``deploy/prefect.yaml`` (operators edit their copy)
+SITE_PARAMETERS: dict[str, Any] = {"source": "/data/incoming", "store": "/data/scanforest.zarr"}
 
 
 def get(name: str) -> DeploymentSpec:
@@ -57,16 +86,137 @@ def get(name: str) -> DeploymentSpec:
     return spec
 
 
+def _missing(spec: DeploymentSpec, given, *, per_run: bool = False) -> str | None:
+    """``"NAME needs A, B"`` for the required parameters not in ``given`` (without the table's
+    per-run ones when ``per_run``: a run started by hand brings those), else None."""
+    need = [k for k in spec.required() if k not in given and not (per_run and k in spec.per_run)]
+    return f"deployment {spec.name} needs parameter {', '.join(need)}" if need else None
+
+
 def runner_deployments(names: list[str] | None = None, *, parameters: dict[str, Any] | None = None,
-                       schedules: bool = True):
-    """``RunnerDeployment`` objects for ``prefect.serve`` (module entrypoints, so any cwd works)."""
+                       schedules: bool = True, cron: str | None = None):
+    """``RunnerDeployment`` objects for ``prefect.serve`` (module entrypoints, so any cwd works).
+
+    Each deployment gets the ``parameters`` its flow takes; one that no served flow takes, or a
+    served deployment left without a required parameter, is an :class:`InputError` (its runs
+    would all fail). Only a deployment served without a schedule may leave its per-run
+    parameters (a model list, scan pairs) to each ``scanforest run``. ``cron`` replaces the
+    table's schedule of every served deployment."""
     from prefect.deployments.runner import EntrypointType
 
-    out = []
-    for name in names or list(DEPLOYMENTS):
-        spec = get(name)
-        out.append(spec.load_flow().to_deployment(
-            name=spec.name, description=spec.description, cron=spec.cron if schedules else None,
-            parameters={**spec.parameters, **(parameters or {})},
-            entrypoint_type=EntrypointType.MODULE_PATH, tags=["scanforest"]))
-    return out
+    specs = [get(n) for n in dict.fromkeys(names or DEPLOYMENTS)]
+    parameters = parameters or {}
+    taken = {k for spec in specs for k in spec.accepts()}
+    unused = [k for k in parameters if k not in taken]
+    if unused:
+        raise InputError(f"no served deployment ({', '.join(s.name for s in specs)}) takes --param "
+                         f"{', '.join(unused)}")
+    crons = {s.name: (cron or s.cron) if schedules else None for s in specs}
+    missing = [m for m in (_missing(s, parameters, per_run=crons[s.name] is None) for s in specs) if m]
+    if missing:
+        raise InputError(f"{'; '.join(missing)} (give them with --param KEY=VALUE, "
+                         "or choose deployments with --only)")
+    return [spec.load_flow().to_deployment(
+        name=spec.name, description=spec.description,
+        cron=crons[spec.name],
+        parameters={**spec.parameters, **{k: v for k, v in parameters.items() if k in spec.accepts()}},
+        entrypoint_type=EntrypointType.MODULE_PATH, tags=["scanforest", spec.name]) for spec in specs]
+
+
+def api_url() -> str:
+    """The Prefect API that ``serve`` and ``run`` talk to, checked to answer: an unset or dead
+    URL is one line, not a connection traceback after the client's retries."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise InputError("no Prefect API: set PREFECT_API_URL to the server the deployments are served "
+                         "against (e.g. http://127.0.0.1:4200/api)")
+    with get_client(sync_client=True) as client:
+        exc = client.api_healthcheck()
+    if exc is not None:
+        raise InputError(f"no Prefect API answers at {url}: {str(exc).splitlines()[0] or type(exc).__name__}")
+    return url
+
+
+def check_run(spec: DeploymentSpec, parameters: dict[str, Any]) -> None:
+    """Before ``scanforest run`` waits on a run: the deployment is registered, a process serves it
+    (Prefect marks a deployment READY while its ``serve`` process or a worker polls for it), and
+    the run gets every parameter its flow needs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import DeploymentStatus
+    from prefect.exceptions import ObjectNotFound
+
+    unknown = [k for k in parameters if k not in spec.accepts()]
+    if unknown:
+        raise InputError(f"deployment {spec.name} takes no parameter {', '.join(unknown)} "
+                         f"(its parameters: {', '.join(spec.accepts())})")
+    url = api_url()
+    with get_client(sync_client=True) as client:
+        try:
+            dep = client.read_deployment_by_name(spec.full_name)
+        except ObjectNotFound:
+            raise InputError(f"deployment {spec.full_name} is not registered at {url}: "
+                             f"start `scanforest serve --only {spec.name}`") from None
+    if dep.status != DeploymentStatus.READY:
+        polled = dep.last_polled.isoformat(timespec="seconds") if dep.last_polled else "never"
+        raise InputError(f"no process serves deployment {spec.full_name} (last polled {polled}): "
+                         f"start `scanforest serve --only {spec.name}` or a worker of its work pool")
+    missing = _missing(spec, {**dep.parameters, **parameters})
+    if missing:
+        raise InputError(f"{missing} (give --param KEY=VALUE)")
+
+
+#: the head of ``deploy/prefect.yaml``: how to deploy it, the work pool and the Dask scheduler
+_YAML_HEAD = """\
+# Prefect deployments of scanforest (Prefect 3), generated from the table in flows/deployments.py:
+#   scanforest deployments --yaml > deploy/prefect.yaml      (edit the table there, not this file)
+# Deploy with:
+#   prefect work-pool create scanforest --type process     # once
+#   prefect --no-prompt deploy --all                       # from this folder
+#   prefect worker start --pool scanforest                 # on a machine with scanforest installed
+# Flows are loaded by module path, so the worker needs only `pip install scanforest[...]`
+# (no code pull). `scanforest serve` serves the same deployments without a work pool.
+# The parameter values are examples: set your store and drop folder in your copy.
+name: scanforest
+prefect-version: 3.8.0
+
+pull: []
+
+definitions:
+  work_pool: &pool
+    name: scanforest
+    work_queue_name: default
+    job_variables:
+      env:
+        PREFECT_SERVER_ANALYTICS_ENABLED: "false"
+  cluster: &cluster
+    # null = a local cluster on the worker's machine; set to your scheduler, e.g. tcp://dask-scheduler:8786
+    scheduler: null
+
+deployments:
+"""
+
+
+def prefect_yaml() -> str:
+    """``deploy/prefect.yaml`` for the table: every deployment, its schedule, the example site
+    parameters its flow takes, and the shared Dask scheduler for flows that take one. Values
+    are written as JSON, which YAML reads as it is."""
+    blocks = []
+    for spec in DEPLOYMENTS.values():
+        takes = spec.accepts()
+        params = {**{k: v for k, v in SITE_PARAMETERS.items() if k in takes}, **spec.parameters}
+        lines = [f"  - name: {spec.name}",
+                 f"    entrypoint: {spec.entrypoint}",
+                 f"    description: {json.dumps(spec.description)}",
+                 f"    tags: [scanforest, {spec.name}]"]
+        lines += (["    schedules:", f"      - cron: {json.dumps(spec.cron)}", "        timezone: UTC"]
+                  if spec.cron else ["    schedules: []"])
+        lines.append("    parameters:")
+        lines += [f"      {k}: {json.dumps(v)}" for k, v in params.items()]
+        if "scheduler" in takes:
+            lines.append("      <<: *cluster")
+        lines.append("    work_pool: *pool")
+        blocks.append("\n".join(lines) + "\n")
+    return _YAML_HEAD + "\n".join(blocks)

@@ -1,52 +1,85 @@
 """The ingest flow: a folder, glob or archive of scans -> the Zarr scan store."""
 from __future__ import annotations
 
-import shutil
+import os
+import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from scanforest.tasks.ingest import discover
+from scanforest.kernels.errors import InputError
+from scanforest.tasks.ingest import Staging, check_source, discover
 from scanforest.tasks.prefect_tasks import ingest_scan
 from scanforest.tasks.store import ScanStore, scan_id_for
 
-from ._runner import (auto_batch, dask_client, ensure_prefect_api, map_batches, n_workers, quiet_prefect_logs,
-                      record_run)
+from ._runner import (RUN_HOOKS, absolute_path, auto_batch, check_scheduler, dask_client, ensure_prefect_api,
+                      map_batches, n_workers, quiet_prefect_logs, record_run)
 
 
-@flow(name="scanforest-ingest", task_runner=ThreadPoolTaskRunner(max_workers=32))
+@flow(name="scanforest-ingest", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)
 def ingest_flow(source: str, store: str, units: str = "m", scheduler: str | None = None,
                 workers: int | None = None, progress: bool = True, batch: int | None = None) -> dict[str, Any]:
     """Ingest every scan under ``source`` (folder, glob or archive) into ``store``.
 
     Runs its tasks on the Dask cluster at ``scheduler`` or on a local cluster of ``workers``
-    processes. Returns the summary: ingested / skipped / quarantined, points, bytes, seconds.
+    processes. Returns the summary: ingested / skipped / quarantined / ignored, points, bytes, seconds.
     """
+    # workers run in another working folder: a relative store would be written there
+    source, store = absolute_path(source), absolute_path(store)
+    existing = _is_store(store)
+    check_source(source, allow_empty=existing)
     with dask_client(scheduler, n_workers=workers, device="cpu") as client:
-        summary = _ingest(source, store, units, progress, batch, n_workers(client))
+        summary = _ingest(source, store, units, progress, batch, n_workers(client), existing)
         summary["workers"] = n_workers(client)
     return summary
 
 
-def _ingest(source: str, store: str, units: str, progress: bool, batch: int | None, nw: int) -> dict[str, Any]:
+def _is_store(store: str) -> bool:
+    """An ingest into an existing store may find nothing new (a drop folder between deliveries);
+    one that would create the store must find scans, or it leaves nothing behind."""
+    return os.path.isfile(os.path.join(store, "zarr.json"))
+
+
+def _ingest(source: str, store: str, units: str, progress: bool, batch: int | None, nw: int,
+            existing: bool = False) -> dict[str, Any]:
+    """Discover, create the store (only now: a source without scans leaves nothing behind), ingest."""
     t0 = time.perf_counter()
-    st = ScanStore(store)
-    staging = Path(str(store).rstrip("/") + ".staging")
-    sources, problems = discover(source, staging)
-    for prob in problems:
-        st.quarantine(prob["source"], prob["reason"], key=scan_id_for(prob["source"].replace("::", "/").lstrip("/")))
-    records = map_batches(ingest_scan, sources, item_param="sources", common=dict(store=store, units=units),
-                          label="ingest", batch=batch or auto_batch(len(sources), nw), progress=progress)
-    summary = summarize(records, time.perf_counter() - t0)
-    summary["quarantined"] += len(problems)
-    summary["quarantine_reasons"] += [{"source": p["source"], "reason": p["reason"]} for p in problems]
-    if staging.exists() and summary["quarantined"] == len(problems):
-        shutil.rmtree(staging, ignore_errors=True)
+    ignored: list[dict[str, str]] = []
+    with Staging(store.rstrip("/") + ".staging") as staging:
+        try:
+            sources, problems = discover(source, staging.path, ignored=ignored)
+            if not sources and not problems and not existing:
+                raise InputError(f"ingest source {source} holds no scan files ({len(ignored)} other files ignored)")
+            st = ScanStore(store, create=True)
+        except InputError:
+            staging.remove()
+            raise
+        for prob in problems:
+            st.quarantine(prob["source"], prob["reason"],
+                          key=scan_id_for(prob["source"].replace("::", "/").lstrip("/")))
+        records = map_batches(ingest_scan, sources, item_param="sources", common=dict(store=store, units=units),
+                              label="ingest", batch=batch or auto_batch(len(sources), nw), progress=progress)
+        summary = summarize(records, time.perf_counter() - t0)
+        summary["quarantined"] += len(problems)
+        summary["quarantine_reasons"] += [{"source": p["source"], "reason": p["reason"]} for p in problems]
+        summary["ignored"] = len(ignored)
+        if ignored:
+            summary["ignored_note"] = ignored_note(ignored)
+        # extracted files are kept for the retry of quarantined ones, unless another ingest still reads them
+        if summary["quarantined"] == len(problems) or not staging.holds_files():
+            staging.remove()
     record_run(st, "ingest", {"source": str(source), "units": units}, summary, records)
     return summary
+
+
+def ignored_note(ignored: list[dict[str, str]], show: int = 3) -> str:
+    """One line about the files that were passed over, e.g. 'ignored 4 files that are not scans: ...'."""
+    names = ", ".join(os.path.basename(i["source"]) for i in ignored[:show])
+    more = f" and {len(ignored) - show} more" if len(ignored) > show else ""
+    reasons = sorted({i["reason"].split(" (")[0] for i in ignored})
+    return f"ignored {len(ignored)} file(s) ({'; '.join(reasons)}): {names}{more}"
 
 
 def summarize(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
@@ -69,7 +102,13 @@ def summarize(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
 def run_ingest(source: str, store: str, *, scheduler: str | None = None, workers: int | None = None,
                units: str = "m", progress: bool = True, batch: int | None = None) -> dict[str, Any]:
     """Ingest with the embedded defaults: a local Dask cluster (or ``scheduler``) and Prefect's API."""
+    # a bad source is one line, before Prefect or Dask start
+    check_source(absolute_path(str(source)), allow_empty=_is_store(absolute_path(str(store))))
+    check_scheduler(scheduler)
     ensure_prefect_api()
     quiet_prefect_logs()
-    return ingest_flow(source=str(source), store=str(store), units=units, scheduler=scheduler,
-                       workers=workers, progress=progress, batch=batch)
+    summary = ingest_flow(source=str(source), store=str(store), units=units, scheduler=scheduler,
+                          workers=workers, progress=progress, batch=batch)
+    if progress and summary.get("ignored_note"):
+        print(summary["ignored_note"], file=sys.stderr)
+    return summary

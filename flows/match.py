@@ -10,18 +10,20 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
+from scanforest.kernels.kdforest import METHODS as KDFOREST_METHODS
 from scanforest.tasks import index as idx
 from scanforest.tasks.prefect_tasks import _run_label
 from scanforest.tasks.store import ScanStore
 
-from ._runner import auto_batch, dask_client, ensure_prefect_api, map_batches, n_workers, record_run
+from ._runner import (RUN_HOOKS, absolute_path, auto_batch, check_scheduler, dask_client, ensure_prefect_api,
+                      map_batches, n_workers, open_store, record_run, require_scans)
 from .distributed import DistributedIndex
 
 
 # ---------------------------------------------------------------------------------- flows
 
 
-@flow(name="scanforest-index-build")
+@flow(name="scanforest-index-build", **RUN_HOOKS)
 def index_build_flow(store: str, reference: list[str], name: str = "default", shards: int | str = 1,
                      params: dict | None = None, device: str = "cpu", k: int = 4,
                      dtype: str = "float32") -> dict[str, Any]:
@@ -30,7 +32,8 @@ def index_build_flow(store: str, reference: list[str], name: str = "default", sh
     ``shards="auto"``: one per local GPU (one on the CPU), checked against the devices' memory
     with :func:`scanforest.kernels.sharded.plan_shards` (an index that cannot fit is refused
     before anything is written)."""
-    st = ScanStore(store)
+    store = absolute_path(store)
+    st = check_index_build(store, reference, shards, params, dtype)
     missing = [s for s in reference if not st.has_stage(s, "describe")]
     if missing:
         raise InputError(f"reference scans without descriptors (run `scanforest describe`): {missing[:5]}")
@@ -93,7 +96,7 @@ def _match_batch(di: DistributedIndex, store: str, scan_ids: list[str], k: int) 
 MATCH_LANES = 8
 
 
-@flow(name="scanforest-match", task_runner=ThreadPoolTaskRunner(max_workers=MATCH_LANES))
+@flow(name="scanforest-match", task_runner=ThreadPoolTaskRunner(max_workers=MATCH_LANES), **RUN_HOOKS)
 def match_flow(store: str, queries: list[str] | None = None, k: int = 4, name: str = "default",
                device: str = "auto", scheduler: str | None = None, workers: int | None = None,
                batch: int | None = None, progress: bool = True) -> dict[str, Any]:
@@ -105,9 +108,10 @@ def match_flow(store: str, queries: list[str] | None = None, k: int = 4, name: s
     from prefect import task
 
     t0 = time.perf_counter()
-    st = ScanStore(store)
-    attrs = idx.index_attrs(store, name)
-    ids = queries or [s for s in st.scans() if s not in set(attrs.get("scans", [])) and st.has_stage(s, "describe")]
+    store = absolute_path(store)
+    st, attrs = check_match(store, queries, k, name)
+    ids = (list(queries) if queries is not None else
+           [s for s in st.scans() if s not in set(attrs.get("scans", [])) and st.has_stage(s, "describe")])
     with dask_client(scheduler, n_workers=workers, device=device) as client:
         di = DistributedIndex(client, store, name, device=device)
 
@@ -133,11 +137,51 @@ def match_flow(store: str, queries: list[str] | None = None, k: int = 4, name: s
     return summary
 
 
+def check_index_build(store: str, reference: list[str], shards, params: dict | None, dtype: str) -> ScanStore:
+    """User errors of an index build, found before any cluster starts."""
+    st = open_store(store)
+    if not reference:
+        raise InputError("no reference scans given for the index")
+    require_scans(st, reference)
+    if shards != "auto" and (not str(shards).isdigit() or int(shards) < 1):
+        raise InputError(f"--shards takes a positive number or 'auto', got {shards!r}")
+    p = params or {}
+    if p.get("method", "banns") not in KDFOREST_METHODS:
+        raise InputError(f"--method must be one of {', '.join(KDFOREST_METHODS)}, got {p.get('method')!r}")
+    for key in ("leaf_size", "backtracks"):
+        if p.get(key) is not None and int(p[key]) < 1:
+            raise InputError(f"--{key.replace('_', '-')} must be at least 1, got {p[key]}")
+    if dtype not in ("float32", "float16"):
+        raise InputError(f"--dtype must be float32 or float16, got {dtype!r}")
+    return st
+
+
+def check_match(store: str, queries: list[str] | None, k: int, name: str) -> tuple[ScanStore, dict]:
+    """User errors of a match run, found before any cluster starts: the store, the index, ``k``
+    and the query scans (each must exist and be described)."""
+    st = open_store(store)
+    if int(k) < 1:
+        raise InputError(f"-k must be at least 1, got {k}")
+    attrs = idx.index_attrs(store, name)
+    if queries is not None:
+        have = set(st.scans())
+        bad = [q for q in queries if q not in have or not st.has_stage(q, "describe")]
+        if bad:
+            raise InputError(f"{store}: query scan {bad[0]!r} is not in the store or not described"
+                             + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+    return st, attrs
+
+
 def run_index_build(store, reference, **kw):
+    store = absolute_path(store)
+    check_index_build(store, list(reference), kw.get("shards", 1), kw.get("params"), kw.get("dtype", "float32"))
     ensure_prefect_api()
-    return index_build_flow(store=str(store), reference=list(reference), **kw)
+    return index_build_flow(store=store, reference=list(reference), **kw)
 
 
 def run_match(store, **kw):
+    store = absolute_path(store)
+    check_match(store, kw.get("queries"), kw.get("k", 4), kw.get("name", "default"))
+    check_scheduler(kw.get("scheduler"))
     ensure_prefect_api()
-    return match_flow(store=str(store), **kw)
+    return match_flow(store=store, **kw)

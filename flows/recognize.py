@@ -13,33 +13,36 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from scanforest.kernels.errors import InputError
 from scanforest.tasks.prefect_tasks import recognize_batch_task
 from scanforest.tasks.recognize import build_library, detections_table, load_library
-from scanforest.tasks.store import ScanStore
+from scanforest.tasks.store import ScanStore, _now
 
-from ._runner import auto_batch, dask_client, ensure_prefect_api, map_batches, n_workers, record_run
+from ._runner import (RUN_HOOKS, absolute_path, auto_batch, check_scheduler, count_redone, dask_client,
+                      ensure_prefect_api, failures, map_batches, n_workers, open_store, record_run, require_scans)
 
 
-@flow(name="scanforest-recognize", task_runner=ThreadPoolTaskRunner(max_workers=32))
+@flow(name="scanforest-recognize", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)
 def recognize_flow(store: str, models: list[str], scenes: list[str] | None = None, library: str = "default",
                    library_params: dict | None = None, params: dict | None = None, device: str = "auto",
                    scheduler: str | None = None, workers: int | None = None, batch: int | None = None,
                    export: str | None = None, render: bool = True, progress: bool = True) -> dict[str, Any]:
-    """Recognise the ``models`` (scan ids) in the ``scenes`` (default: every other scan)."""
+    """Recognise the ``models`` (scan ids) in the ``scenes`` (default: every other scan).
+
+    A scene that cannot be recognised is recorded as failed (its id and the reason) and the rest
+    go on."""
     t0 = time.perf_counter()
-    st = ScanStore(store)
-    have = set(st.scans())
-    missing = [m for m in models if m not in have]
-    if missing or not models:
-        raise InputError(f"model scans not in the store: {missing[:5] or '(none given)'}")
+    store = absolute_path(store)
+    st = check_recognize(store, models, scenes, library_params, params)
     lib_res = build_library(store, models, name=library, params=library_params or {}, device=device)
-    ids = scenes or [s for s in st.scans() if s not in set(models)]
+    ids = list(scenes) if scenes is not None else [s for s in st.scans() if s not in set(models)]
     params = dict(params or {})
     with dask_client(scheduler, n_workers=workers, device=device) as client:
         nw = n_workers(client)
         t1 = time.perf_counter()
+        since = _now()
         recs = map_batches(recognize_batch_task, ids, item_param="scan_ids",
                            common=dict(store=store, library=library, params=params, device=device),
                            label="recognize", batch=batch or auto_batch(len(ids), nw), progress=progress)
         t_scenes = time.perf_counter() - t1
+    count_redone(recs, st, "recognize", since, "recognized")
     summary = summarize(recs)
     summary.update(scenes=len(ids), workers=nw, library=lib_res["status"], seconds=time.perf_counter() - t0,
                    scenes_seconds=t_scenes, task_seconds=float(sum(r["seconds"] for r in recs)))
@@ -51,9 +54,31 @@ def recognize_flow(store: str, models: list[str], scenes: list[str] | None = Non
     return summary
 
 
+#: recognition parameters that are lengths or thresholds: positive when given
+_POSITIVE = ("model_ss", "scene_ss", "rf_rad", "descr_rad", "cg_size", "cg_thresh")
+
+
+def check_recognize(store: str, models: list[str], scenes: list[str] | None, library_params: dict | None,
+                    params: dict | None) -> ScanStore:
+    """User errors of a recognize run, found before any cluster starts."""
+    st = open_store(store)
+    if not models:
+        raise InputError("no model scans given (--models)")
+    require_scans(st, models, "model scan")
+    require_scans(st, scenes, "scene scan")
+    for key, v in {**(library_params or {}), **(params or {})}.items():
+        if key in _POSITIVE and v is not None and not float(v) > 0:
+            raise InputError(f"--{key.replace('_', '-')} must be positive, got {v}")
+    method = (params or {}).get("method")
+    if method is not None and method not in ("hough", "gc"):
+        raise InputError(f"--method must be hough or gc, got {method!r}")
+    return st
+
+
 def summarize(recs: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {"recognized": sum(r["status"] == "recognized" for r in recs),
                            "skipped": sum(r["status"] == "skipped" for r in recs),
+                           "failed": sum(r["status"] == "failed" for r in recs), "failures": failures(recs),
                            "detections": int(sum(r.get("detections", 0) for r in recs))}
     phases: dict[str, float] = {}  # seconds per recognition phase, summed over the recognised scenes
     for r in recs:
@@ -133,5 +158,8 @@ def _detections_artifact(store: str, scenes: list[str]) -> None:
 
 
 def run_recognize(store, models, **kw):
+    store = absolute_path(store)
+    check_recognize(store, list(models), kw.get("scenes"), kw.get("library_params"), kw.get("params"))
+    check_scheduler(kw.get("scheduler"))
     ensure_prefect_api()
-    return recognize_flow(store=str(store), models=list(models), **kw)
+    return recognize_flow(store=store, models=list(models), **kw)

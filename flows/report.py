@@ -2,62 +2,147 @@
 
 One self-contained HTML file (plots embedded as PNG data URIs), so it can be mailed, archived or
 opened from a Prefect artifact link without a server.
+
+Run records (``STORE/runs/<id>``) come in two generations, and the report reads both: the first
+had no ``status`` and was written only when a flow completed (``finished`` ISO time); the current
+one is written when a flow starts (``status = "running"``, ``started``) and rewritten when it ends
+(``"completed"``, or ``"failed"`` with a one-line ``error``). A record still ``"running"`` may be
+a live flow or one whose process died, and nothing in the store tells the two apart, so the report
+says "running or interrupted".
 """
 from __future__ import annotations
 
 import base64
+import datetime as _dt
 import html
 import io
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from scanforest.tasks.store import ScanStore
+
+#: detection rows written into the page at most (the full table: ``scanforest recognize --export``)
+MAX_DETECTION_ROWS = 1000
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    _pyplot().close(fig)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _throughput_plot(runs: list[dict]) -> str | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series = []
-    for run in runs:
-        recs = [r for r in run.get("records", []) if "finished_at" in r]
-        if len(recs) < 2:
-            continue
-        t = sorted(r["finished_at"] for r in recs)
-        t0 = t[0] - min(r.get("seconds", 0.0) for r in recs)
-        series.append((run["id"], [x - t0 for x in t]))
-    if not series:
+def _epoch(iso: str | None) -> float | None:
+    """Epoch seconds of an ISO time; times without a zone are UTC (run records write UTC)."""
+    if not iso:
         return None
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    for name, ts in series[-8:]:
-        ax.plot(ts, range(1, len(ts) + 1), label=name, drawstyle="steps-post")
+    try:
+        t = _dt.datetime.fromisoformat(str(iso).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (t if t.tzinfo else t.replace(tzinfo=_dt.timezone.utc)).timestamp()
+
+
+def _run_start(run: dict) -> float | None:
+    """When the run started (epoch seconds): its ``started`` time; records from before runs had
+    one give their end less the flow's own ``summary.seconds``, or just the end. That end is the
+    ``finished`` time, cut to whole seconds, or the last item's ``finished_at`` where later (the
+    item finished before the record was written): on short runs the second cut off matters."""
+    started = _epoch(run.get("started"))
+    if started is not None:
+        return started
+    finished = _epoch(run.get("finished"))
+    if finished is None:
+        return None
+    ends = [r["finished_at"] for r in run.get("records") or [] if isinstance(r.get("finished_at"), (int, float))]
+    end = max([finished, *ends])
+    seconds = (run.get("summary") or {}).get("seconds")
+    return end - seconds if isinstance(seconds, (int, float)) else end
+
+
+def _start_key(run: dict) -> float:
+    """Sort key: the run's start, runs without any time last when sorted newest first."""
+    start = _run_start(run)
+    return float("-inf") if start is None else start
+
+
+def _status(run: dict) -> str:
+    """The run's state as the report shows it (records without ``status`` are completed runs)."""
+    status = run.get("status", "completed")
+    return "running or interrupted" if status == "running" else status
+
+
+def _started(run: dict) -> str:
+    """The run's ``started`` time, or for older records the start estimated by :func:`_run_start`."""
+    if run.get("started"):
+        return run["started"]
+    start = _run_start(run)
+    return "" if start is None else "≈ " + _dt.datetime.fromtimestamp(start, _dt.timezone.utc).strftime(
+        "%Y-%m-%dT%H:%M:%SZ")
+
+
+def _finish_times(run: dict) -> list[float] | None:
+    """Seconds from the run's start at which each of its items finished, sorted; None when no
+    record carries ``finished_at``.
+
+    Items of a batched task all carry the batch's finish time, so the first finish can lie long
+    after the run began: the origin is the run's start, not the earliest record. Every item began
+    no later than its ``finished_at`` less its ``seconds``, which bounds the origin from above
+    where the start is unknown or only estimated (older records).
+    """
+    recs = [r for r in run.get("records") or [] if isinstance(r.get("finished_at"), (int, float))]
+    if not recs:
+        return None
+    first_begin = min(r["finished_at"] - float(r.get("seconds") or 0.0) for r in recs)
+    start = _run_start(run)
+    t0 = first_begin if start is None else min(start, first_begin)
+    return sorted(r["finished_at"] - t0 for r in recs)
+
+
+def _throughput_figure(runs: list[dict], *, max_runs: int = 8):
+    """Items finished against seconds since each run's start, for the newest ``max_runs`` runs
+    with timed items (``runs`` newest first). Returns the figure (None without any) and the ids
+    of runs whose records carry no finish times."""
+    series, untimed = [], []
+    for run in runs:
+        if not run.get("records"):
+            continue
+        ts = _finish_times(run)
+        if ts is None:
+            untimed.append(run["id"])
+        elif len(series) < max_runs:
+            series.append((run["id"], ts))
+    if not series:
+        return None, untimed
+    fig, ax = _pyplot().subplots(figsize=(7, 3.2))
+    for name, ts in series:
+        ax.plot([0.0, *ts], range(len(ts) + 1), label=name, drawstyle="steps-post")
+    ax.ticklabel_format(axis="x", style="plain", useOffset=False)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("seconds since run start")
-    ax.set_ylabel("scans finished")
+    ax.set_ylabel("items finished")
     ax.set_title("Throughput over time")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    return _png(fig)
+    return fig, untimed
 
 
 def _bench_plot(bench_dir: Path) -> tuple[str | None, list[dict]]:
     """Recall/throughput points from every bench JSON row that carries a recall figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     files = sorted(bench_dir.glob("*.json")) if bench_dir.is_dir() else []
     records, points = [], {}
     for f in files:
@@ -76,7 +161,7 @@ def _bench_plot(bench_dir: Path) -> tuple[str | None, list[dict]]:
             points.setdefault(key, []).append((float(recall), float(row["value"])))
     if not points:
         return None, records
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = _pyplot().subplots(figsize=(7, 3.6))
     for key, pts in sorted(points.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
@@ -89,35 +174,118 @@ def _bench_plot(bench_dir: Path) -> tuple[str | None, list[dict]]:
     return _png(fig), records
 
 
-def _detections_plot(store: ScanStore) -> tuple[str | None, list[list[Any]]]:
-    import matplotlib
+def _short(name: str) -> str:
+    """A library model's name as ground truth spells it (``models__model_002.pcd`` -> ``model_002``)."""
+    return name.split("__")[-1].rsplit(".", 1)[0]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    rows = []
+def _correct(dets: list[dict], truth: list[dict], name_to_id: dict[str, int], max_translation: float,
+             max_rotation_deg: float = 15.0) -> list[bool]:
+    """Which detections are correct, by the rule of ``kernels.recognition.evaluate`` (same model,
+    rotation and translation within tolerance, each ground-truth instance taken once by the
+    nearest such detection): the stored evaluation has the counts only, the table needs the
+    verdict per detection. Ground-truth model ids are mapped through the library's names the
+    way ``tasks.recognize.recognize_scan`` maps them."""
+    from scanforest.kernels.recognition import pose_errors
+
+    used: set[int] = set()
+    for g in truth:
+        model_id = name_to_id.get(g.get("model"), g["model_id"])
+        best = None
+        for i, d in enumerate(dets):
+            if i in used or int(d["model_id"]) != int(model_id):
+                continue
+            rot, tra = pose_errors(d["pose"], g["pose"])
+            if rot <= max_rotation_deg and tra <= max_translation and (best is None or tra < best[0]):
+                best = (tra, i)
+        if best is not None:
+            used.add(best[1])
+    return [i in used for i in range(len(dets))]
+
+
+def _library_names(store: ScanStore, name: str | None) -> dict[str, int]:
+    libs = store.root["libraries"] if "libraries" in store.root else None
+    if libs is None or name not in libs:
+        return {}
+    return {_short(n): i for i, n in enumerate(libs[name].attrs.get("names", []))}
+
+
+def _detections(store: ScanStore) -> dict[str, Any]:
+    """Every stored detection as a table row, and per scene the detections counted as correct,
+    false or unchecked (no ground truth), plus the ground-truth instances missed.
+
+    ``stages.recognize.detections`` is a list of dicts (``Detection.as_dict`` plus
+    ``model_name``); the verdict needs the scan's ``ground_truth`` attrs and the evaluation's
+    ``resolution`` (the tolerance is 10 resolutions, as the recognize task evaluates)."""
+    rows, scenes = [], []
+    names: dict[str | None, dict[str, int]] = {}
     for sid in store.scans():
-        rec = store.attrs(sid).get("stages", {}).get("recognize")
-        if rec is not None:
-            rows.append([sid, rec.get("detections", 0), rec.get("seconds", 0.0)])
-    if not rows:
-        return None, rows
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.bar(range(len(rows)), [r[1] for r in rows])
+        attrs = store.attrs(sid)
+        rec = attrs.get("stages", {}).get("recognize")
+        if rec is None:
+            continue
+        dets = rec.get("detections") or []
+        truth = attrs.get("ground_truth")
+        resolution = (rec.get("evaluation") or {}).get("resolution")
+        verdicts: list[bool | None] = [None] * len(dets)
+        if truth is not None and resolution:
+            lib = rec.get("library")
+            if lib not in names:
+                names[lib] = _library_names(store, lib)
+            name_to_id = {**{_short(d.get("model_name", d["model"])): d["model_id"] for d in dets}, **names[lib]}
+            verdicts = _correct(dets, truth, name_to_id, 10 * resolution)
+        for d, ok in zip(dets, verdicts):
+            pose = np.asarray(d["pose"], np.float64)
+            angle = np.degrees(np.arccos(np.clip((np.trace(pose[:3, :3]) - 1.0) / 2.0, -1.0, 1.0)))
+            rows.append([sid, d.get("model_name", d["model"]), f"{d['score']:.3f}",
+                         f"{d['inliers']}" + (f" / {d['visible']}" if d.get("visible") else ""),
+                         "(" + ", ".join(f"{x:.3f}" for x in pose[:3, 3]) + ")", f"{angle:.1f}",
+                         "" if ok is None else ("yes" if ok else "no")])
+        checked = truth is not None and bool(resolution)
+        tp = sum(v is True for v in verdicts)
+        scenes.append({"scan_id": sid, "correct": tp, "false": sum(v is False for v in verdicts),
+                       "unchecked": sum(v is None for v in verdicts),
+                       "missed": len(truth) - tp if checked else 0, "checked": checked})
+    return {"rows": rows, "scenes": scenes}
+
+
+def _detections_plot(scenes: list[dict], *, max_labels: int = 24) -> str:
+    """Stacked bars per scene: correct, false and unchecked detections, and hatched above them
+    the ground-truth instances missed (bars of height 0 are left out: their edges would show)."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = _pyplot().subplots(figsize=(7, 3))
+    x = np.arange(len(scenes))
+    bottom = np.zeros(len(scenes))
+    for key, style in (("correct", {"color": "tab:green"}), ("false", {"color": "tab:red"}),
+                       ("unchecked", {"color": "tab:blue"}),
+                       ("missed", {"color": "none", "edgecolor": "tab:red", "hatch": "//"})):
+        h = np.array([s[key] for s in scenes], float)
+        if h.any():
+            ax.bar(x[h > 0], h[h > 0], bottom=bottom[h > 0], label=key, **style)
+            bottom += h
+    if len(scenes) <= max_labels:
+        ax.set_xticks(x, [s["scan_id"] for s in scenes], rotation=30, ha="right", fontsize=7)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("scene")
     ax.set_ylabel("detections")
     ax.set_title("Detections per scene")
-    return _png(fig), rows
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    return _png(fig)
 
 
 def write_report(store_path: str, out: str | Path, *, bench_dir: str | Path = "bench-results") -> Path:
     """Write the HTML report of ``store_path`` to ``out``; returns the path."""
     store = ScanStore(store_path, mode="r")
     info = store.info()
-    runs = store.runs()
-    tp = _throughput_plot(runs)
+    runs = sorted(store.runs(), key=_start_key, reverse=True)  # newest first
+    tfig, untimed = _throughput_figure(runs)
+    tp = _png(tfig) if tfig is not None else None
     bp, bench_records = _bench_plot(Path(bench_dir))
-    dp, det_rows = _detections_plot(store)
+    det = _detections(store)
     quarantine = store.quarantined()
     esc = html.escape
 
@@ -126,28 +294,66 @@ def write_report(store_path: str, out: str | Path, *, bench_dir: str | Path = "b
         body = "".join("<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in r) + "</tr>" for r in rows)
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
+    def summary(r):
+        shown = {k: v for k, v in (r.get("summary") or {}).items() if v is not None and not isinstance(v, (list, dict))}
+        return ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+
+    def items(r):
+        return ", ".join(f"{n} {s}" for s, n in Counter(x.get("status", "?") for x in r.get("records") or []).items())
+
     parts = [f"<h1>scanforest report</h1><p class=sub>{esc(store.path)}</p>",
              "<h2>Store</h2>",
              table(["scans", "points", "formats", "stages", "quarantined", "incomplete", "runs"],
                    [[info["scans"], f"{info['points']:,}", json.dumps(info["formats"]), json.dumps(info["stages"]),
                      info["quarantined"], len(info["incomplete"]), info["runs"]]]),
-             "<h2>Runs</h2>",
-             table(["run", "flow", "finished", "summary"],
-                   [[r["id"], r.get("flow"), r.get("finished", ""),
-                     ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in r.get("summary", {}).items() if not isinstance(v, (list, dict)))]
-                    for r in runs]) if runs else "<p>No runs recorded.</p>"]
-    parts.append("<h2>Throughput over time</h2>" + (f'<img alt="throughput" src="{tp}">' if tp else "<p>No timed runs.</p>"))
+             "<h2>Runs</h2>"]
+    if runs:
+        parts.append("<p class=sub>Newest first.</p>" + table(
+            ["run", "flow", "status", "started", "finished", "items", "summary"],
+            [[r["id"], r.get("flow", ""), _status(r), _started(r), r.get("finished", ""), items(r), summary(r)]
+             for r in runs]))
+    else:
+        parts.append("<p>No runs recorded.</p>")
+    parts.append("<h2>Throughput over time</h2>"
+                 + (f'<img alt="throughput" src="{tp}">' if tp else "<p>No timed runs.</p>"))
+    if untimed:
+        parts.append(f"<p class=sub>Not plotted (records without finish times): {esc(', '.join(untimed))}.</p>")
     parts.append("<h2>Benchmarks</h2>" + (f'<img alt="recall vs throughput" src="{bp}">' if bp else
                                           "<p>No recall/throughput benchmark results found.</p>"))
     if bench_records:
         parts.append(table(["file", "bench", "gpu", "rows"], [[b["file"], b["bench"], b["gpu"], b["rows"]]
                                                               for b in bench_records]))
-    parts.append("<h2>Detections</h2>" + (f'<img alt="detections" src="{dp}">' + table(["scene", "detections", "seconds"], det_rows)
-                                          if dp else "<p>No recognition results yet.</p>"))
-    parts.append("<h2>Failures</h2>" + (table(["file", "reason", "time"], [[q["source"], q["reason"], q.get("time", "")]
-                                                                         for q in quarantine])
-                                        if quarantine else "<p>No quarantined files.</p>"))
+    parts.append("<h2>Detections</h2>")
+    if det["scenes"]:
+        rows, scenes = det["rows"], det["scenes"]
+        checked = [s for s in scenes if s["checked"]]
+        line = f"{len(rows)} detections in {len(scenes)} recognised scenes."
+        if checked:
+            tp_, fp_, fn_ = (sum(s[k] for s in checked) for k in ("correct", "false", "missed"))
+            line += (f" Against ground truth ({len(checked)} scenes): {tp_} correct, {fp_} false, {fn_} missed;"
+                     f" precision {tp_ / max(1, tp_ + fp_):.3f}, recall {tp_ / max(1, tp_ + fn_):.3f}.")
+        if len(rows) > MAX_DETECTION_ROWS:
+            line += f" Table: the first {MAX_DETECTION_ROWS} (all of them: scanforest recognize --export)."
+        parts.append(f'<img alt="detections" src="{_detections_plot(scenes)}"><p>{esc(line)}</p>' + table(
+            ["scene", "model", "score", "inliers / visible", "translation", "rotation (deg)", "correct"],
+            rows[:MAX_DETECTION_ROWS]))
+    else:
+        parts.append("<p>No recognition results yet.</p>")
+    failed_runs = [r for r in runs if r.get("status") in ("failed", "running")]
+    failed_items = [[r["id"], x.get("scan_id", ""), x.get("reason", "")]
+                    for r in runs for x in r.get("records") or [] if x.get("status") == "failed"]
+    parts.append("<h2>Failures</h2>")
+    if quarantine:
+        parts.append("<h3>Quarantined files</h3>" + table(
+            ["file", "reason", "time"], [[q["source"], q["reason"], q.get("time", "")] for q in quarantine]))
+    if failed_runs:
+        parts.append("<h3>Failed or interrupted runs</h3>" + table(
+            ["run", "flow", "status", "started", "error"],
+            [[r["id"], r.get("flow", ""), _status(r), r.get("started", ""), r.get("error", "")] for r in failed_runs]))
+    if failed_items:
+        parts.append("<h3>Failed items</h3>" + table(["run", "scan", "reason"], failed_items))
+    if not (quarantine or failed_runs or failed_items):
+        parts.append("<p>No quarantined files, failed runs or failed items.</p>")
     css = ("body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1000px;color:#222}"
            "table{border-collapse:collapse;margin:.5em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;"
            "text-align:left}th{background:#f3f3f3}img{max-width:100%}.sub{color:#666}h2{margin-top:1.6em}")

@@ -60,6 +60,54 @@ def _apply_cuda_schedule(n_devices: int) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
+def settle_numba_threads() -> int | None:
+    """Make numba's thread count the one ``NUMBA_NUM_THREADS`` asks for now, before its threads start.
+
+    numba reads ``NUMBA_NUM_THREADS`` when it is imported and again before every compilation, and
+    raises once its threads are running and the two differ. A Dask worker process is spawned,
+    imports the program's ``__main__`` (numba may come with it), and only then receives the
+    environment its cluster gave it: a worker of a 2-core machine imported numba with 2 threads,
+    ran a cached parallel kernel (threads started with 2), and its first compilation read 1 and
+    failed. Called once in every worker before any task (a worker plugin, see
+    ``flows._runner``), this re-reads the environment while no thread has started. Returns the
+    count in force, or None when numba was not imported (it then reads the environment itself).
+    """
+    import sys
+
+    if "numba" not in sys.modules:
+        return None
+    import numba
+    from numba.np.ufunc import parallel
+
+    if not parallel._is_initialized:
+        numba.config.reload_config()
+        return numba.config.NUMBA_NUM_THREADS
+    wanted = os.environ.get("NUMBA_NUM_THREADS")
+    if wanted and wanted.isdigit() and int(wanted) != numba.config.NUMBA_NUM_THREADS:
+        # threads already run with another count: keep the environment equal to it, so no later
+        # compilation fails, and use at most the wanted count in this thread
+        os.environ["NUMBA_NUM_THREADS"] = str(numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(max(1, min(int(wanted), numba.config.NUMBA_NUM_THREADS)))
+    return numba.config.NUMBA_NUM_THREADS
+
+
+def numba_cache_cold() -> str | None:
+    """Where numba caches scanforest's compiled CPU kernels, when that folder holds none of them
+    yet: the first run on a machine (or with a new ``NUMBA_CACHE_DIR``) then compiles them, about a
+    minute on 2 cores, and says so instead of looking stuck. None when the cache is warm."""
+    from ._geom_cpu import eig3
+
+    cache = getattr(eig3, "_cache", None)
+    path = getattr(cache, "_cache_path", None)
+    if not path:
+        return None
+    try:
+        warm = any(name.endswith(".nbi") for name in os.listdir(path))
+    except OSError:
+        warm = False
+    return None if warm else str(path)
+
+
 @functools.lru_cache(maxsize=1)
 def gpu_available() -> bool:
     """True when CuPy imports and at least one CUDA device answers. The first call also applies

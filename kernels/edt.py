@@ -66,6 +66,10 @@ class DistanceGrid:
         The frame: stored coordinates are ``(x - center) / scale``.
     n_reference : int
         Reference points rasterised.
+    extra : dict
+        ``occupied_cells`` and ``centroid`` (mean of the reference points, input frame, which
+        the ``"centroids"`` initialisation of :func:`scanforest.kernels.pcha.align` needs even
+        when the grid is not normalised).
     """
 
     origin: np.ndarray
@@ -323,7 +327,7 @@ def distance_transform(reference, *, resolution: int | None = None, padding: flo
     centroids = cent.astype(xp.float32)
     n_occ = int(len(uniq))
     return DistanceGrid(origin, cell, tuple(shape), index, centroids, center, scale, len(ref), dev,
-                        {"occupied_cells": n_occ})
+                        {"occupied_cells": n_occ, "centroid": ref.mean(0)})
 
 
 def _ravel(idx, shape, xp):

@@ -45,6 +45,19 @@ residual includes the distance outside the grid and the objective stays well def
 ``"drop"`` skips them as the paper does (they add nothing to f, g, H) and the result reports how
 many were dropped (``n_dropped``). With ``"drop"``, f can fall just because points leave the grid.
 
+Initialisation (``init=``): LM on a chamfer objective only finds the minimum of the basin it
+starts in, and the grid covers the reference plus a margin of a quarter of its extent. Two scans
+of one object in unrelated frames (a scan rotated about the sensor origin, a copy moved by a
+tenth of its size) start with most observed points outside that margin at the identity: there
+the objective only pulls points towards the border (``outside="clamp"``) or ignores them
+(``"drop"``, and then ``"no_inliers"``). ``init="centroids"`` starts from the translation that
+puts the observed centroid on the reference centroid, which removes the translation of a rigid
+copy exactly and leaves only the rotation about the centroid to LM (PCL's milk carton and Kinect
+scenes turned by 30 degrees come back to within 0.01 degree, in metres and in millimetres alike;
+the carton up to 60 degrees; at 90 degrees LM can stop in another minimum). It is not
+the default of the kernel: when only part of the reference is observed (a scene crop against a
+model), the centroids differ and the caller's pose (``init=`` matrix, the identity) is better.
+
 Everything runs in the grid's normalised frame (reference centroid, RMS radius); the result is
 converted back to the input frame.
 """
@@ -70,6 +83,7 @@ LOSSES = ("l2", "huber")
 LAMBDA_RANGE = (1e-6, 1e8)
 OUTSIDE = ("clamp", "drop")
 LOOKUPS = ("corners", "cell")
+INITS = ("identity", "centroids")
 
 
 @dataclass
@@ -127,7 +141,7 @@ class AlignResult:
             "n_points": self.n_points, "n_inliers": self.n_inliers, "n_dropped": self.n_dropped,
             "objective": self.objective, "rmse": self.rmse, "history": self.history.tolist(),
             "device": self.device, "huber_delta": self.huber_delta, "seconds": self.seconds,
-            "stages": [s if isinstance(s, dict) else s for s in self.stages],
+            "stages": list(self.stages),
         }
 
 
@@ -443,10 +457,17 @@ def _check_cloud(a, name):
     return a
 
 
-def _init_matrix(init, m, n):
+def _init_matrix(init, m, observed, grid):
     d = m.dim
-    if init is None:
+    if init is None or (isinstance(init, str) and init == "identity"):
         return np.eye(d + 1)
+    if isinstance(init, str):
+        if init != "centroids":
+            raise InputError(f"init must be one of {INITS}, a ({d + 1}, {d + 1}) matrix or "
+                             f"{m.n_params} parameters of model {m.name!r}, got {init!r}")
+        M = np.eye(d + 1)
+        M[:d, d] = grid.extra.get("centroid", grid.center) - to_numpy(observed.mean(0))
+        return M
     a = np.asarray(init, np.float64)
     if not np.all(np.isfinite(a)):
         raise InputError("init contains NaN or inf")
@@ -492,8 +513,11 @@ def align(observed, reference, model: str = "rigid", *, init=None, grid: Distanc
     model : str
         2-D: ``euclidean`` (alias ``rigid``), ``similarity``, ``affine``, ``projective``;
         3-D: ``rigid`` (alias ``euclidean``), ``similarity``, ``affine``.
-    init : array, optional
-        Initial transform, a ``(d+1, d+1)`` matrix or a parameter vector; identity by default.
+    init : array or str, optional
+        Initial transform, a ``(d+1, d+1)`` matrix or a parameter vector; ``"identity"`` (the
+        default, for poses that are already close, e.g. refinement of a recognition hypothesis)
+        or ``"centroids"`` (the translation moving the observed centroid onto the reference
+        centroid: two scans of one object in unrelated frames, see the module docstring).
     grid : DistanceGrid, optional
         Precomputed distance-transform table of the reference (the paper precomputes it; reuse
         it across alignments). Built with :func:`scanforest.kernels.edt.distance_transform`
@@ -537,7 +561,8 @@ def align_batch(observed, reference, model: str = "rigid", *, init=None,
     """Many alignments against ONE reference, advanced in lockstep: every LM iteration is one
     launch for all still-active alignments (``blockIdx.y`` = alignment on the GPU), so small
     point sets still fill the GPU. ``observed`` is a list of ``(N_b, d)`` arrays or a
-    ``(B, N, d)`` array; ``init`` a list of B initial transforms (or None). Other parameters as
+    ``(B, N, d)`` array; ``init`` a list of B initial transforms (or None, or one of
+    ``"identity"``, ``"centroids"`` for all). Other parameters as
     :func:`align`."""
     t0 = time.perf_counter()
     if observed is None:
@@ -573,13 +598,13 @@ def align_batch(observed, reference, model: str = "rigid", *, init=None,
     if grid.device != dev:
         grid = grid.to(dev)
     B = len(obs)
-    if init is None:
-        inits = [None] * B
+    if init is None or isinstance(init, str):
+        inits = [init] * B
     else:
         inits = list(init)
         if len(inits) != B:
             raise InputError(f"init has {len(inits)} entries for {B} observed clouds")
-    M0 = np.stack([_init_matrix(i, m, d) for i in inits])
+    M0 = np.stack([_init_matrix(i, m, o, grid) for i, o in zip(inits, obs)])
     c, s = grid.center, grid.scale
     Mn = np.stack([T.conjugate(M, c, s) for M in M0])
     if dev == "gpu":

@@ -2,7 +2,12 @@
 
 The result is written into the observed scan as the stage ``align:<reference>`` with arrays
 ``align_<ref>_transform`` ((d+1, d+1) float64) and ``align_<ref>_history`` (objective per
-LM iteration), and attrs model, status, iterations, rmse, inliers.
+LM iteration), and attrs model, init, status, iterations, rmse, inliers.
+
+LM starts from the translation between the two scans' centroids (``init="centroids"``, as
+``scanforest align`` does), because scans of one object taken in different frames usually start
+outside each other's distance-transform grid (:mod:`scanforest.kernels.pcha`); pass
+``init="identity"`` or a matrix when the observed scan covers only part of the reference.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from .store import ScanStore, scan_id_for
 
 
 def align_pair(store_path: str, observed: str, reference: str, *, model: str = "rigid", chain: bool = False,
-               loss: str = "l2", outside: str = "clamp", max_iter: int = 100, init=None,
+               loss: str = "l2", outside: str = "clamp", max_iter: int = 100, init="centroids",
                device: str = "auto", force: bool = False) -> dict[str, Any]:
     from scanforest.kernels._backend import resolve_device
     from scanforest.kernels.pcha import align
@@ -23,7 +28,8 @@ def align_pair(store_path: str, observed: str, reference: str, *, model: str = "
     t0 = time.perf_counter()
     st = ScanStore(store_path)
     stage = f"align:{reference}"
-    params = {"model": model, "chain": chain, "loss": loss, "outside": outside, "max_iter": max_iter}
+    params = {"model": model, "chain": chain, "loss": loss, "outside": outside, "max_iter": max_iter,
+              "init": init if isinstance(init, str) else np.asarray(init, np.float64).tolist()}
     if not force and st.has_stage(observed, stage, **params):
         return {"scan_id": observed, "reference": reference, "status": "skipped", "seconds": time.perf_counter() - t0}
     obs = st.read(observed, "points").astype(np.float32)

@@ -33,6 +33,17 @@ class DescribeParams:
     shot_radius: float = 0.02
     approximate: bool = False            # G-SHOT approximate mode (capped neighbour lists)
 
+    def __post_init__(self):
+        """Refuse impossible values here, in the command's process, before a cluster starts."""
+        from scanforest.kernels.errors import InputError
+
+        if self.normal_radius is None and (self.normal_k is None or int(self.normal_k) < 3):
+            raise InputError(f"--normal-k must be at least 3 (a plane needs 3 neighbours), got {self.normal_k}")
+        for name in ("normal_radius", "keypoint_radius", "shot_radius"):
+            v = getattr(self, name)
+            if v is not None and not (float(v) > 0 and np.isfinite(v)):
+                raise InputError(f"--{name.replace('_', '-')} must be a positive length, got {v}")
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -120,7 +120,7 @@ def write_sequence(store: str | ScanStore, seq_id: str, frames, *, tracks=None,
 
     Replaces an existing sequence of that id; ``complete`` is set after every array.
     """
-    st = store if isinstance(store, ScanStore) else ScanStore(store)
+    st = store if isinstance(store, ScanStore) else ScanStore(store, create=True)
     fr = np.asarray(frames)
     if fr.ndim == 3:
         fr = fr[..., None]
@@ -178,7 +178,7 @@ def ingest_sequence(store: str, source: str, seq_id: str | None = None, *,
         h.update(f.name.encode())
         h.update(f.read_bytes())
     sha = h.hexdigest()
-    st = ScanStore(store)
+    st = ScanStore(store, create=True)  # frames are ingested: this creates the store
     if not force and sid in sequences(st) and st.root[GROUP][sid].attrs.get("sha256") == sha:
         return {"seq_id": sid, "status": "skipped", "frames": len(files),
                 "seconds": time.perf_counter() - t0}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -84,10 +85,14 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
     ``dtype="float16"`` stores the rows in half precision (half the disk and host memory;
     e.g. 100M SHOT352 rows are 70 GB instead of 141 GB). The trees are built on, and searches
     load, the stored (rounded) rows as float32, so every answer is exact for them.
+
+    A path with no store gets one holding only the index (an index of generated or external
+    rows, as ``bench match`` builds); the ``index build`` command refuses a missing store before
+    it gets here.
     """
     from scanforest.kernels.kdforest import KDForest
 
-    store = ScanStore(store_path)
+    store = ScanStore(store_path, create=not os.path.exists(os.path.join(str(store_path), "zarr.json")))
     params = {k: v for k, v in (params or {}).items() if k in FOREST_KEYS}
     if params.get("method", "banns") != "exact":  # the trees' split rule is part of the index, default or not
         params.setdefault("split", KDForest().split)

@@ -7,8 +7,14 @@ the reason and the batch goes on. :data:`ingest_scan` is the Prefect task around
 """
 from __future__ import annotations
 
+import errno
+import fcntl
+import glob as _glob
 import json
 import os
+import re
+import shutil
+import stat
 import tarfile
 import time
 import zipfile
@@ -16,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scanforest.kernels.errors import ScanReadError
+from scanforest.kernels.errors import InputError, ScanReadError
 
 from .readers import FORMATS, read_cloud
-from .store import ScanStore, scan_id_for, sha256_bytes
+from .store import MAX_ID_BYTES, ScanStore, file_lock, scan_id_for, sha256_bytes, sha256_file
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".zip")
 SIDECAR_SUFFIX = ".gt.json"
@@ -44,116 +50,223 @@ def sidecar_for(path: str | os.PathLike) -> Path:
     return p.with_name(p.name[: -len(p.suffix)] + SIDECAR_SUFFIX if p.suffix else p.name + SIDECAR_SUFFIX)
 
 
-def _skip_name(name: str) -> bool:
-    base = os.path.basename(name)
-    return base.startswith(".") or base.endswith(SIDECAR_SUFFIX) or base.endswith(".json")
-
-
 def ingest_file(store_path: str, source: Source, *, units: str = "m") -> dict[str, Any]:
     """Ingest one file into the store; never raises for a bad file (it is quarantined).
 
+    The scan's claim is held from the "is it current?" check to the complete flag, so two
+    ingests of the same file at once write it once: the second waits, then finds it current.
     Returns a record: ``status`` (``ingested`` | ``skipped`` | ``quarantined``), ``scan_id``,
     ``source``, ``points``, ``bytes``, ``seconds`` and ``reason`` for quarantined files.
     """
     t0 = time.perf_counter()
     store = ScanStore(store_path)
     rec: dict[str, Any] = {"source": source.path, "scan_id": source.scan_id, "points": 0, "bytes": 0}
+
+    def done(status: str, **fields) -> dict[str, Any]:
+        return {**rec, "status": status, **fields, "seconds": time.perf_counter() - t0}
+
     try:
         data = Path(source.path).read_bytes()
     except OSError as exc:
         store.quarantine(source.path, f"cannot read file: {exc.strerror or exc}", key=source.scan_id)
-        return {**rec, "status": "quarantined", "reason": f"cannot read file: {exc}",
-                "seconds": time.perf_counter() - t0}
+        return done("quarantined", reason=f"cannot read file: {exc}")
     digest = sha256_bytes(data)
     rec["bytes"] = len(data)
-    if store.is_current(source.scan_id, digest):
-        return {**rec, "status": "skipped", "points": int(store.attrs(source.scan_id).get("n_points", 0)),
-                "seconds": time.perf_counter() - t0}
-    try:
-        cloud = read_cloud(source.path, data)
-    except ScanReadError as exc:
-        store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
-        return {**rec, "status": "quarantined", "reason": exc.reason, "seconds": time.perf_counter() - t0}
-    attrs: dict[str, Any] = {
-        "source": source.path,
-        "sha256": digest,
-        "format": cloud.meta.get("format"),
-        "encoding": cloud.meta.get("encoding"),
-        "n_points": len(cloud),
-        "n_source_points": cloud.meta.get("n_source_points", len(cloud)),
-        "units": units,
-        "bbox": {"min": cloud.bbox[0], "max": cloud.bbox[1]},
-        "ingested_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "dtype": str(cloud.points.dtype),
-    }
-    for key in ("width", "height", "viewpoint", "organized"):
-        if key in cloud.meta:
-            attrs[key] = cloud.meta[key]
-    side = sidecar_for(source.path)
-    if side.is_file():
+    if store.is_current(source.scan_id, digest):  # the common re-ingest case, without waiting for a claim
+        return done("skipped", points=int(store.attrs(source.scan_id).get("n_points", 0)))
+    with store.claim(source.scan_id):
+        if store.is_current(source.scan_id, digest):  # another ingest wrote it while we waited
+            return done("skipped", points=int(store.attrs(source.scan_id).get("n_points", 0)))
         try:
-            attrs.update(json.loads(side.read_text()))
-        except (OSError, ValueError) as exc:
-            store.quarantine(source.path, f"ground-truth sidecar {side.name} is unreadable: {exc}", digest,
-                             key=source.scan_id)
-            return {**rec, "status": "quarantined", "reason": f"bad sidecar {side.name}",
-                    "seconds": time.perf_counter() - t0}
-    store.write_scan(source.scan_id, cloud.arrays(), attrs)
-    store.release(source.scan_id)
-    return {**rec, "status": "ingested", "points": len(cloud), "seconds": time.perf_counter() - t0}
+            cloud = read_cloud(source.path, data)
+        except ScanReadError as exc:
+            store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
+            return done("quarantined", reason=exc.reason)
+        attrs: dict[str, Any] = {
+            "source": source.path,
+            "sha256": digest,
+            "format": cloud.meta.get("format"),
+            "encoding": cloud.meta.get("encoding"),
+            "n_points": len(cloud),
+            "n_source_points": cloud.meta.get("n_source_points", len(cloud)),
+            "units": units,
+            "bbox": {"min": cloud.bbox[0], "max": cloud.bbox[1]},
+            "ingested_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "dtype": str(cloud.points.dtype),
+        }
+        for key in ("width", "height", "viewpoint", "organized"):
+            if key in cloud.meta:
+                attrs[key] = cloud.meta[key]
+        side = sidecar_for(source.path)
+        if side.is_file():
+            try:
+                attrs.update(json.loads(side.read_text()))
+            except (OSError, ValueError) as exc:
+                store.quarantine(source.path, f"ground-truth sidecar {side.name} is unreadable: {exc}", digest,
+                                 key=source.scan_id)
+                return done("quarantined", reason=f"bad sidecar {side.name}")
+        store.write_scan(source.scan_id, cloud.arrays(), attrs)
+        store.release(source.scan_id)
+    return done("ingested", points=len(cloud))
 
 
 # ---------------------------------------------------------------------------------- discovery
 
 
-def discover(source: str | os.PathLike, staging: str | os.PathLike) -> tuple[list[Source], list[dict[str, str]]]:
+def is_glob(source: str) -> bool:
+    return any(ch in source for ch in "*?[") and not os.path.lexists(source)
+
+
+def check_source(source: str | os.PathLike, *, allow_empty: bool = False) -> None:
+    """Fail before anything is created when ``source`` cannot give a scan: it does not exist, a
+    glob matches no file, a folder holds no scan or archive, or a single file has an unknown format.
+    ``allow_empty``: an existing folder (or a glob) with nothing to ingest is fine, as a scheduled
+    ingest of a drop folder into an existing store finds it between deliveries.
+
+    Raises :class:`InputError` with one line naming the source.
+    """
+    src = str(source)
+    if is_glob(src):
+        if not allow_empty and not any(os.path.isfile(p) for p in _glob.iglob(src, recursive=True)):
+            raise InputError(f"ingest source {src} matches no file")
+        return
+    if not os.path.lexists(src):
+        raise InputError(f"ingest source {src} does not exist")
+    if os.path.isdir(src):
+        if allow_empty:
+            return
+        for dirpath, dirnames, filenames in os.walk(src):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            if any(_kind(os.path.join(dirpath, f)) for f in filenames if not _hidden_or_sidecar(f)):
+                return
+        raise InputError(f"ingest source {src} holds no scan files (formats: {', '.join(sorted(FORMATS))}, "
+                         f"archives: {', '.join(ARCHIVE_SUFFIXES)})")
+    reason = _unreadable(src)
+    if reason:
+        raise InputError(f"ingest source {src}: {reason}")
+    if not _kind(src):
+        raise InputError(f"ingest source {src}: unknown format {Path(src).suffix or '(no extension)'!r}; "
+                         f"supported: {', '.join(sorted(FORMATS))} and archives ({', '.join(ARCHIVE_SUFFIXES)})")
+
+
+def discover(source: str | os.PathLike, staging: str | os.PathLike, *,
+             ignored: list[dict[str, str]] | None = None) -> tuple[list[Source], list[dict[str, str]]]:
     """Expand a folder, a glob, a single file or an archive into the files to ingest.
 
     Archives (.tar, .tar.gz, .tgz, .zip, ...) are extracted once, streaming, into ``staging``;
     scan ids are the member paths prefixed by the archive's name. Returns the sources and a
-    list of problems found while expanding (``{"source", "reason"}``: unsafe or corrupt archives).
+    list of problems found while expanding (``{"source", "reason"}``: dangling links, link
+    loops, unsafe members, corrupt archives), one per bad item, so the rest still ingests.
+
+    Paths are resolved, so a file reached twice (a glob through a folder link loop, two links to
+    one file) is ingested once, under its shortest path. In a folder, glob or archive, files that
+    are not scans (README.md, notes, .json, a .txt that is not point rows) are passed over and,
+    when ``ignored`` is given, appended to it with the reason; hidden files and ``*.gt.json``
+    sidecars (read with their scan) are passed over silently.
     """
     src = str(source)
-    problems: list[dict[str, str]] = []
-    if any(ch in src for ch in "*?[") and not Path(src).exists():
-        import glob as _glob
-
-        paths = sorted(p for p in _glob.glob(src, recursive=True) if os.path.isfile(p))
+    ignored = [] if ignored is None else ignored
+    if is_glob(src):
         root = _glob_root(src)
-        items: list[Source] = []
-        for p in paths:
-            if _skip_name(p):
-                continue
-            if is_archive(p):
-                sub, probs = _expand_archive(Path(p), Path(staging))
-                items += sub
-                problems += probs
-            else:
-                items.append(Source(os.path.abspath(p), scan_id_for(os.path.relpath(p, root))))
-        return items, problems
+        paths = sorted(_glob.glob(src, recursive=True), key=lambda p: (p.count(os.sep), p))
+        return _collect(((p, os.path.relpath(p, root)) for p in paths), Path(staging), ignored)
+    check_source(src, allow_empty=True)  # the caller decides whether finding nothing is an error
     path = Path(src)
-    if not path.exists():
-        from scanforest.kernels.errors import InputError
+    if path.is_dir():
+        return _collect(_walk(path), Path(staging), ignored)
+    if is_archive(path):
+        return _expand_archive(path, Path(staging), ignored)
+    return [Source(os.path.realpath(path), scan_id_for(path.name))], []
 
-        raise InputError(f"ingest source {src!r} does not exist")
-    if path.is_file():
-        if is_archive(path):
-            return _expand_archive(path, Path(staging))
-        return [Source(str(path.resolve()), scan_id_for(path.name))], []
-    items = []
-    for dirpath, dirnames, filenames in os.walk(path):
+
+def _walk(root: Path):
+    """(path, path relative to root) of every file under root, sorted; folder links are not followed."""
+    for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for fname in sorted(filenames):
-            full = Path(dirpath) / fname
-            if _skip_name(fname):
-                continue
-            if is_archive(full):
-                sub, probs = _expand_archive(full, Path(staging))
-                items += sub
-                problems += probs
-                continue
-            items.append(Source(str(full.resolve()), scan_id_for(os.path.relpath(full, path))))
+            full = os.path.join(dirpath, fname)
+            yield full, os.path.relpath(full, root)
+
+
+def _collect(pairs, staging: Path, ignored: list[dict[str, str]], *, archives: bool = True):
+    """Sources from (path, relative path) pairs, each bad item a problem of its own."""
+    items: list[Source] = []
+    problems: list[dict[str, str]] = []
+    seen: dict[str, str] = {}
+    for path, rel in pairs:
+        name = os.path.basename(path)
+        if _hidden_or_sidecar(name) or os.path.isdir(path):
+            continue
+        kind = _kind(path)
+        if kind is None or (kind == "archive" and not archives):
+            ignored.append({"source": path, "reason": "an archive inside an archive" if kind else "not a scan format"})
+            continue
+        # the same folder entry reached again (a glob through a folder link loop), or the same file
+        # through another link: listed once, under its shortest path (pairs come shortest first)
+        entry = os.path.join(os.path.realpath(os.path.dirname(path)), name)
+        real = os.path.realpath(path)
+        first = seen.get(entry) or seen.get(real)
+        if first:
+            ignored.append({"source": path, "reason": f"the same file as {first} (reached through a symbolic link)"})
+            continue
+        seen[entry] = seen[real] = path
+        reason = _unreadable(path)
+        if reason:
+            problems.append({"source": path, "reason": reason})
+            continue
+        if kind == "archive":
+            sub, probs = _expand_archive(Path(real), staging, ignored)
+            items += sub
+            problems += probs
+        elif Path(path).suffix.lower() == ".txt" and not _looks_like_points(real):
+            ignored.append({"source": path, "reason": "a .txt file that is not rows of point coordinates"})
+        else:
+            items.append(Source(real, scan_id_for(rel)))
     return items, problems
+
+
+def _hidden_or_sidecar(name: str) -> bool:
+    return name.startswith(".") or name.endswith(SIDECAR_SUFFIX)
+
+
+def _kind(path: str) -> str | None:
+    """"archive", "scan" (a reader's suffix) or None (not a scan) from the file name."""
+    if is_archive(path):
+        return "archive"
+    return "scan" if supported(path) else None
+
+
+def _unreadable(path: str) -> str | None:
+    """Why ``path`` cannot be opened as a file (a link loop, a dangling link, ...), else None."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "symbolic link loop"
+        if os.path.islink(path):
+            return f"dangling symbolic link (its target {os.readlink(path)} does not exist)"
+        return f"cannot read file: {exc.strerror or exc}"
+    return None if stat.S_ISREG(st.st_mode) else "not a regular file"
+
+
+def _looks_like_points(path: str, head: int = 4096) -> bool:
+    """A .txt is both an XYZ scan format and the usual notes file: it counts as a scan when one
+    of its first two data lines is at least three numbers (a header line may come first)."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(head).decode("utf-8", "replace")
+    except OSError:
+        return True  # let the ingest itself report the read error
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith(("#", "//"))][:2]
+    for line in lines:
+        fields = [t for t in re.split(r"[,;\s]+", line.strip()) if t]
+        try:
+            numbers = [float(t) for t in fields]
+        except ValueError:
+            continue
+        if len(numbers) >= 3:
+            return True
+    return False
 
 
 def _glob_root(pattern: str) -> str:
@@ -174,39 +287,39 @@ def _archive_stem(path: Path) -> str:
     return path.stem
 
 
-def _expand_archive(path: Path, staging: Path) -> tuple[list[Source], list[dict[str, str]]]:
-    from .store import sha256_file
-
+def _expand_archive(path: Path, staging: Path,
+                    ignored: list[dict[str, str]]) -> tuple[list[Source], list[dict[str, str]]]:
+    """Extract an archive into ``staging`` once (under a lock: two ingests of one archive at once
+    extract it once, and neither reads a member the other is still writing) and list its scans."""
     problems: list[dict[str, str]] = []
     digest = sha256_file(path)[:12]
     stem = _archive_stem(path)
-    dest = staging / f"{stem}-{digest}"
+    dest = staging / f"{stem[:MAX_ID_BYTES]}-{digest}"
     done_marker = dest / ".extracted"
-    if not done_marker.exists():
-        dest.mkdir(parents=True, exist_ok=True)
-        try:
-            for member, fin in _members(path):
-                if not _safe_member(member):
-                    problems.append({"source": f"{path}::{member}", "reason": "unsafe archive member path"})
-                    continue
-                target = dest / member
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with fin, open(target, "wb") as fout:
-                    while chunk := fin.read(1 << 22):
-                        fout.write(chunk)
-            done_marker.write_text(str(path))
-        except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
-            problems.append({"source": str(path), "reason": f"corrupt or truncated archive: {type(exc).__name__}: {exc}"})
-    items = []
-    for dirpath, dirnames, filenames in os.walk(dest):
-        dirnames.sort()
-        for fname in sorted(filenames):
-            if _skip_name(fname):
-                continue
-            full = Path(dirpath) / fname
-            rel = os.path.relpath(full, dest)
-            items.append(Source(str(full), scan_id_for(f"{stem}/{rel}")))
-    return items, problems
+    with file_lock(staging / f".{dest.name}.lock"):
+        if not done_marker.exists():
+            dest.mkdir(parents=True, exist_ok=True)
+            try:
+                for member, fin in _members(path):
+                    if not _safe_member(member):
+                        problems.append({"source": f"{path}::{member}", "reason": "unsafe archive member path"})
+                        continue
+                    try:
+                        target = dest / member
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        with fin, open(target, "wb") as fout:
+                            while chunk := fin.read(1 << 22):
+                                fout.write(chunk)
+                    except OSError as exc:  # this member only (a name too long for the file system, ...)
+                        problems.append({"source": f"{path}::{member}",
+                                         "reason": f"cannot extract: {exc.strerror or exc}"})
+                done_marker.write_text(str(path))
+            except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
+                problems.append({"source": str(path),
+                                 "reason": f"corrupt or truncated archive: {type(exc).__name__}: {exc}"})
+    pairs = ((full, f"{stem}/{rel}") for full, rel in _walk(dest))
+    items, probs = _collect(pairs, staging, ignored, archives=False)
+    return items, problems + probs
 
 
 def _members(path: Path):
@@ -230,3 +343,53 @@ def _safe_member(name: str) -> bool:
 
 def supported(path: str) -> bool:
     return Path(path).suffix.lower() in FORMATS
+
+
+class Staging:
+    """The folder next to the store that archives are extracted into, shared by its ingests.
+
+    Each ingest holds a shared ``flock`` on ``STAGING/.in-use`` while it runs, and removes the
+    folder only when it can turn that into an exclusive lock, i.e. when no other ingest is still
+    reading extracted files. A lock obtained on a file that a remover unlinked meanwhile is
+    taken again on the new one (the inode check), so no ingest runs unprotected.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def __enter__(self) -> "Staging":
+        lock = self.path / ".in-use"
+        while self._fd is None:
+            self.path.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # removed between mkdir and open
+                continue
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._fd = fd
+            else:
+                os.close(fd)
+        return self
+
+    def holds_files(self) -> bool:
+        """Whether anything was extracted here (lock files and markers are hidden)."""
+        return any(not name.startswith(".") for name in os.listdir(self.path))
+
+    def remove(self) -> bool:
+        """Remove the folder unless another ingest is using it; returns whether it was removed."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        shutil.rmtree(self.path, ignore_errors=True)
+        return True
+
+    def __exit__(self, *exc) -> None:
+        os.close(self._fd)
+        self._fd = None

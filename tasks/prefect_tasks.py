@@ -6,14 +6,50 @@ The unit-of-work functions themselves import neither Prefect nor the flows, so D
 """
 from __future__ import annotations
 
+import logging
+import time
+import traceback
 from typing import Any, Callable
 
 from prefect import task
+
+from scanforest.kernels.errors import ScanforestError
 
 from .ingest import Source, ingest_file
 
 #: transient failures worth a retry (network filesystems, a worker lost mid-task, ...)
 RETRY_DELAYS = [2, 10, 30]
+
+log = logging.getLogger("scanforest")
+
+
+def not_a_user_error(task, task_run, state) -> bool:
+    """Prefect retry condition: retry what may pass next time, never a user error (a bad
+    parameter fails the same way three times, 12-18 s later)."""
+    exc = state.data if isinstance(state.data, BaseException) else None
+    if exc is None:
+        try:
+            exc = state.result(raise_on_failure=False)
+        except Exception:
+            return True
+    return not isinstance(exc, ScanforestError)
+
+
+def isolated(fn: Callable, item: str, *args, **kwargs) -> dict[str, Any]:
+    """Run one item's unit of work; an error becomes that item's ``failed`` record (its id and
+    the reason in one line), so one bad scan does not fail the batch or the flow. The item's
+    stage is not recorded, so the next run tries it again. Unexpected errors (not a
+    :class:`ScanforestError`) keep their traceback in the log and in the record."""
+    t0 = time.perf_counter()
+    try:
+        return fn(*args, **kwargs)
+    except ScanforestError as exc:
+        return {"scan_id": item, "status": "failed", "reason": str(exc), "seconds": time.perf_counter() - t0}
+    except Exception as exc:  # noqa: BLE001 - recorded with its traceback, the batch goes on
+        tb = traceback.format_exc()
+        log.error("%s failed:\n%s", item, tb)
+        return {"scan_id": item, "status": "failed", "reason": f"{type(exc).__name__}: {exc}".splitlines()[0],
+                "traceback": tb, "seconds": time.perf_counter() - t0}
 
 
 def on_cluster(fn: Callable, *args, key: str | None = None, resources: dict | None = None, **kwargs) -> Any:
@@ -57,21 +93,21 @@ def batch_name(items: list, attr: str | None = None) -> str:
     return first if len(items) == 1 else f"{first} (+{len(items) - 1})"
 
 
-@task(name="ingest", retries=2, retry_delay_seconds=RETRY_DELAYS,
+@task(name="ingest", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
       task_run_name=lambda: "ingest " + _run_label("sources", "scan_id"))
 def ingest_scan(store: str, sources: list[Source], units: str = "m") -> list[dict[str, Any]]:
     """Ingest scan files, one Dask task per file (skip when unchanged, quarantine when unreadable)."""
     return on_cluster_many(ingest_file, [((store, s), {"units": units}) for s in sources])
 
 
-@task(name="describe", retries=2, retry_delay_seconds=RETRY_DELAYS,
+@task(name="describe", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
       task_run_name=lambda: "describe " + _run_label("scan_ids"))
 def describe_scan_task(store: str, scan_ids: list[str], params, device: str = "auto") -> list[dict[str, Any]]:
     """Normals, keypoints, frames and SHOT352 of stored scans, one Dask task per scan (each skipped
     when already done)."""
     from .describe import describe_scan
 
-    return on_cluster_many(describe_scan, [((store, s, params), {"device": device}) for s in scan_ids])
+    return on_cluster_many(isolated, [((describe_scan, s, store, s, params), {"device": device}) for s in scan_ids])
 
 
 def _run_label(param: str, attr: str | None = None) -> str:
@@ -82,20 +118,22 @@ def _run_label(param: str, attr: str | None = None) -> str:
     return batch_name(list(items), attr)
 
 
-@task(name="align-pair", retries=2, retry_delay_seconds=RETRY_DELAYS, task_run_name="align {observed} -> {reference}")
+@task(name="align-pair", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
+      task_run_name="align {observed} -> {reference}")
 def align_pair_task(store: str, observed: str, reference: str, options: dict | None = None) -> dict[str, Any]:
     """Parametric chamfer alignment of one stored scan onto another (skipped when already done)."""
     from .align import align_pair
 
-    return on_cluster(align_pair, store, observed, reference, **(options or {}),
-                      key=f"align-{observed}-{reference}-{id(options):x}")
+    return on_cluster(isolated, align_pair, f"{observed}:{reference}", store, observed, reference,
+                      **(options or {}), key=f"align-{observed}-{reference}-{id(options):x}")
 
 
-@task(name="recognize", retries=2, retry_delay_seconds=RETRY_DELAYS,
+@task(name="recognize", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
       task_run_name=lambda: "recognize " + _run_label("scan_ids"))
 def recognize_batch_task(store: str, scan_ids: list[str], library: str, params: dict,
                          device: str = "auto") -> list[dict[str, Any]]:
     """Recognise the library's models in stored scenes, one Dask task per scene (each skipped when done)."""
     from .recognize import recognize_scan
 
-    return on_cluster_many(recognize_scan, [((store, s, library, params), {"device": device}) for s in scan_ids])
+    return on_cluster_many(isolated, [((recognize_scan, s, store, s, library, params), {"device": device})
+                                      for s in scan_ids])

@@ -1,6 +1,6 @@
 """The scan store: a Zarr v3 hierarchy that every stage reads from and writes to.
 
-Layout (``STORE`` is a directory, or any zarr store URL)::
+Layout (``STORE`` is a directory on a POSIX file system)::
 
     STORE/
       zarr.json                      root group; attrs: scanforest_store (layout version), created
@@ -13,23 +13,39 @@ Layout (``STORE`` is a directory, or any zarr store URL)::
           extra_<name>  other per-point fields
           <stage arrays>  written later by describe/match/recognize (keypoints, descriptors, ...)
         attrs: source, sha256, format, encoding, n_points, units, bbox, ingested_at,
-               ground_truth (synthetic scenes), complete (bool), and per-stage records
+               ground_truth (synthetic scenes), arrays {name: {shape, dtype}}, complete (bool),
+               and per-stage records (each with the arrays it wrote)
       quarantine/<id>/               one group per rejected file; attrs: source, reason, sha256, time
       runs/<run_id>/                 run manifests (what ran, versions, parameters, timings)
+      .locks/scans/<scan_id>.lock    claim files (empty; not Zarr nodes)
 
 Visibility rule: a scan group is written with ``complete = False`` and flipped to ``True`` only
-after every array is written; :meth:`ScanStore.scans` lists complete scans only, and a later
-ingest replaces an incomplete group. Every write is to its own group, so Dask workers can write
-different scans in parallel without locks.
+after every array is written and read back with the shape its ``arrays`` record promises;
+:meth:`ScanStore.scans` lists complete scans only, and a later ingest replaces an incomplete group.
+
+Writers of one scan exclude each other with a claim: an exclusive ``flock`` on
+``.locks/scans/<scan_id>.lock``, held while the group is (re)created, written and flipped
+complete, and while a stage is added. Two ingests of the same archive at once therefore never
+replace a group the other is writing; the second one waits, finds the scan current and skips it.
+The OS drops the lock when its process dies, so a killed writer never blocks the next one, and
+writers of different scans never wait for each other. The lock files live outside ``scans/``
+so they are never listed as scans; they stay (one empty file per scan id) because removing a
+lock file that another process may be about to lock would let two writers hold "the" claim.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import errno
+import fcntl
 import hashlib
+import json
 import os
 import re
+import shutil
+import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -37,6 +53,8 @@ from scanforest.kernels.errors import InputError
 
 LAYOUT_VERSION = 1
 CHUNK_ROWS = 1 << 18  # 262,144 rows per chunk: ~3 MB of float32 xyz, good for parallel writes
+MAX_ID_BYTES = 200  # scan ids are one file name: leave room under NAME_MAX (255) for ".lock" etc.
+LOCKS = ".locks"
 
 
 def _now() -> str:
@@ -62,11 +80,75 @@ def scan_id_for(relpath: str) -> str:
     """A stable, filesystem-safe scan id from a path relative to the ingest root.
 
     ``a/b/scene 1.pcd`` -> ``a__b__scene_1.pcd``: the extension stays so ``x.pcd`` and ``x.ply``
-    are different scans.
+    are different scans. An id is a single file name, so one longer than :data:`MAX_ID_BYTES`
+    (deep or long paths) becomes its head, a hash of the whole path and the extension
+    (``a__b__very_long_na-3f2a9c1b0d4e.pcd``): still stable and distinct, and writable on every
+    file system; the full path stays in the scan's ``source`` attribute.
     """
-    parts = [p for p in Path(relpath).as_posix().split("/") if p not in ("", ".")]
-    sid = "__".join(_SAFE.sub("_", p) for p in parts)
-    return sid.lstrip(".") or "scan"
+    posix = Path(relpath).as_posix()
+    parts = [p for p in posix.split("/") if p not in ("", ".")]
+    sid = "__".join(_SAFE.sub("_", p) for p in parts).lstrip(".") or "scan"
+    if len(sid) <= MAX_ID_BYTES:
+        return sid
+    ext = _SAFE.sub("_", Path(parts[-1]).suffix)[:16]
+    tag = hashlib.sha1(posix.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    return f"{sid[: MAX_ID_BYTES - len(tag) - len(ext) - 1]}-{tag}{ext}"
+
+
+_HELD = threading.local()
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike, *, shared: bool = False, wait: bool = True,
+              create: bool = True) -> Iterator[bool]:
+    """Hold an ``flock`` on ``path`` for the ``with`` block; yields whether it was obtained.
+
+    Re-entrant within a thread (a writer that holds a scan's claim can call methods that claim it
+    again). ``wait=False`` yields ``False`` at once when another holder has it. ``create=False``
+    (read-only callers) yields ``True`` without locking when the file does not exist: nobody
+    holds a claim whose file was never created.
+    """
+    key = os.path.abspath(path)
+    held = _HELD.__dict__.setdefault("paths", set())
+    if key in held:
+        yield True
+        return
+    if create:
+        Path(key).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(key, os.O_RDWR | os.O_CREAT, 0o644)
+    else:
+        try:
+            fd = os.open(key, os.O_RDONLY)
+        except FileNotFoundError:
+            yield True
+            return
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        held.add(key)
+        try:
+            yield True
+        finally:
+            held.discard(key)
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _read_root_meta(path: Path) -> dict | None:
+    """The root ``zarr.json`` of ``path`` as a dict, or None when there is none."""
+    try:
+        return json.loads((path / "zarr.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path} is not a scanforest scan store (unreadable zarr.json: {exc})") from exc
+
+
+def _is_store_meta(meta: dict | None) -> bool:
+    return bool(meta) and meta.get("node_type") == "group" and "scanforest_store" in meta.get("attributes", {})
 
 
 class ScanStore:
@@ -75,31 +157,76 @@ class ScanStore:
     Parameters
     ----------
     path : str or path-like
-        Directory of the store (created on first write with ``mode="a"``).
+        Directory of the store.
     mode : {"a", "r"}
-        ``"r"`` refuses writes and requires an existing store.
+        ``"r"`` refuses writes.
+    create : bool
+        Create the store when ``path`` does not exist (or is an empty folder). Only ingest does
+        this: every other stage needs scans, so a mistyped path is an error, not a new empty store.
+
+    Raises
+    ------
+    InputError
+        No store at ``path`` (and ``create`` is false), or ``path`` holds something else.
     """
 
-    def __init__(self, path: str | os.PathLike, mode: str = "a"):
+    def __init__(self, path: str | os.PathLike, mode: str = "a", *, create: bool = False):
         import zarr
 
+        if mode not in ("a", "r"):
+            raise InputError(f"store mode must be 'a' or 'r', got {mode!r}")
+        if create and mode == "r":
+            raise InputError("a store cannot be created read-only")
         self.path = str(path)
         self.mode = mode
-        if mode == "r" and not Path(self.path).exists():
-            raise InputError(f"store {self.path!r} does not exist")
-        try:
-            self.root = zarr.open_group(self.path, mode="r" if mode == "r" else "a", zarr_format=3)
-        except Exception as exc:
-            raise InputError(f"{self.path}: not a scanforest (Zarr v3) store: {exc}") from exc
-        if mode != "r" and "scanforest_store" not in self.root.attrs:
-            self.root.attrs.update({"scanforest_store": LAYOUT_VERSION, "created": _now()})
-        if mode != "r":
+        root = Path(self.path)
+        if create:
+            self._create(root)
+        elif not root.exists():
+            raise InputError(f"no scan store at {self.path} (create one with: scanforest ingest SOURCE {self.path})")
+        elif not root.is_dir() or not _is_store_meta(_read_root_meta(root)):
+            raise InputError(f"{self.path} is not a scanforest scan store (no zarr.json with scanforest_store)")
+        self.root = zarr.open_group(self.path, mode="r" if mode == "r" else "r+", zarr_format=3)
+
+    def _create(self, root: Path) -> None:
+        """Make the root group and its three subgroups, once, even when several ingests start together."""
+        import zarr
+
+        if root.exists():
+            if not root.is_dir():
+                raise InputError(f"{self.path} exists and is not a folder, so it cannot be a scan store")
+            if not _is_store_meta(_read_root_meta(root)) and set(os.listdir(root)) - {LOCKS}:
+                raise InputError(f"{self.path} exists and is not a scanforest scan store; "
+                                 "give a new or empty folder for the store")
+        root.mkdir(parents=True, exist_ok=True)
+        with file_lock(root / LOCKS / "store.lock"):
+            meta = _read_root_meta(root)
+            if meta is None:
+                zarr.create_group(self.path, zarr_format=3,
+                                  attributes={"scanforest_store": LAYOUT_VERSION, "created": _now()})
+            elif not _is_store_meta(meta):
+                raise InputError(f"{self.path} holds a Zarr hierarchy that is not a scanforest scan store")
+            grp = zarr.open_group(self.path, mode="r+", zarr_format=3)
             for name in ("scans", "quarantine", "runs"):
-                if name not in self.root:
-                    self.root.require_group(name)
+                grp.require_group(name)
 
     def __repr__(self) -> str:
         return f"ScanStore({self.path!r}, scans={len(self.scans())})"
+
+    def _writable(self) -> None:
+        if self.mode == "r":
+            raise InputError(f"{self.path}: store opened read-only")
+
+    def _lock_path(self, kind: str, name: str) -> Path:
+        return Path(self.path) / LOCKS / kind / f"{name}.lock"
+
+    def claim(self, scan_id: str, *, wait: bool = True):
+        """The scan's write claim, as a context manager yielding whether it was obtained.
+
+        Hold it around any read-check-write of one scan (ingest holds it from "is it current?" to
+        the complete flag). ``wait=False`` yields ``False`` at once while another process holds it.
+        """
+        return file_lock(self._lock_path("scans", scan_id), wait=wait, create=self.mode != "r")
 
     # ------------------------------------------------------------------ listing
     def _group(self, kind: str):
@@ -132,36 +259,43 @@ class ScanStore:
         return grp
 
     def is_current(self, scan_id: str, sha256: str) -> bool:
-        """True when the scan exists, is complete and came from bytes with this sha256."""
-        g = self._group("scans")
-        if g is None or scan_id not in g:
+        """True when the scan is complete, intact (every promised array present with its shape and
+        chunks) and came from bytes with this sha256: a damaged scan is re-ingested."""
+        try:
+            grp = self.root["scans"][scan_id]
+            a = grp.attrs
+            return bool(a.get("complete", False)) and a.get("sha256") == sha256 and not _scan_problems(grp)
+        except (KeyError, OSError):  # no such scan, or a writer is replacing it right now
             return False
-        a = g[scan_id].attrs
-        return bool(a.get("complete", False)) and a.get("sha256") == sha256
 
     # ------------------------------------------------------------------ scans
     def write_scan(self, scan_id: str, arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> None:
-        """Write one scan atomically with respect to readers (complete flag set last).
+        """Write one scan under its claim; readers see it only once it is whole.
 
-        An existing group of that id (incomplete, or from older bytes) is replaced.
+        An existing group of that id (incomplete, damaged, or from older bytes) is replaced. The
+        attrs record every array's shape and dtype (``arrays``), and ``complete`` is set only
+        after the written group has been read back against that record.
         """
-        if self.mode == "r":
-            raise InputError(f"{self.path}: store opened read-only")
+        self._writable()
         if "points" not in arrays:
             raise InputError("write_scan needs a 'points' array")
-        scans = self.root.require_group("scans")
-        if scan_id in scans:
-            del scans[scan_id]
-        grp = scans.create_group(scan_id)
-        grp.attrs.update({**_jsonable(attrs), "complete": False})
-        for name, arr in arrays.items():
-            self._write_array(grp, name, np.asarray(arr))
-        grp.attrs["complete"] = True
+        arrays = {name: np.asarray(arr) for name, arr in arrays.items()}
+        promised = {name: _spec(arr) for name, arr in arrays.items()}
+        with self.claim(scan_id):
+            scans = self.root.require_group("scans")
+            grp = scans.create_group(scan_id, overwrite=True,
+                                     attributes={**_jsonable(attrs), "arrays": promised, "complete": False})
+            for name, arr in arrays.items():
+                self._write_array(grp, name, arr)
+            _check_written(scans[scan_id], promised, scan_id)
+            grp.attrs["complete"] = True
 
     @staticmethod
     def _write_array(grp, name: str, arr: np.ndarray, chunk_rows: int = CHUNK_ROWS):
         chunks = (min(chunk_rows, max(1, arr.shape[0])),) + tuple(arr.shape[1:]) if arr.ndim else ()
-        z = grp.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=chunks, overwrite=True)
+        # every chunk is stored, even one equal to the fill value, so a missing chunk file is damage
+        z = grp.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=chunks, overwrite=True,
+                             config={"write_empty_chunks": True})
         if arr.size:
             z[...] = arr
         return z
@@ -192,17 +326,24 @@ class ScanStore:
                     attrs: dict[str, Any] | None = None) -> None:
         """Write a later stage's arrays (e.g. ``describe``: keypoints, frames, descriptors) into a scan.
 
-        The stage's record ``stages.<stage>`` is set last, so a half-written stage is never seen
-        as done: :meth:`has_stage` is the idempotency check for tasks.
+        Runs under the scan's claim, on attrs read after the claim was taken, so two stages
+        written at once both keep their records. The record ``stages.<stage>`` (with the arrays'
+        shapes) is set last, after the arrays read back whole, so a half-written stage is never
+        seen as done: :meth:`has_stage` is the idempotency check for tasks.
         """
-        grp = self._scan(scan_id)
-        stages = dict(grp.attrs.get("stages", {}))
-        stages.pop(stage, None)
-        grp.attrs["stages"] = stages
-        for name, arr in arrays.items():
-            self._write_array(grp, name, np.asarray(arr))
-        stages[stage] = {**_jsonable(attrs or {}), "written": _now()}
-        grp.attrs["stages"] = stages
+        self._writable()
+        arrays = {name: np.asarray(arr) for name, arr in arrays.items()}
+        promised = {name: _spec(arr) for name, arr in arrays.items()}
+        with self.claim(scan_id):
+            grp = self._scan(scan_id)
+            stages = dict(grp.attrs.get("stages", {}))
+            if stages.pop(stage, None) is not None:
+                grp.attrs["stages"] = stages
+            for name, arr in arrays.items():
+                self._write_array(grp, name, arr)
+            _check_written(self._scan(scan_id), promised, f"{scan_id} stage {stage}")
+            stages[stage] = {**_jsonable(attrs or {}), "arrays": promised, "written": _now()}
+            grp.attrs["stages"] = stages
 
     def has_stage(self, scan_id: str, stage: str, **params) -> bool:
         """True when ``stage`` was completely written for this scan (with these params, if given)."""
@@ -218,14 +359,13 @@ class ScanStore:
     def quarantine(self, source: str, reason: str, sha256: str | None = None, *, key: str | None = None) -> str:
         """Record a rejected file under ``key`` (default: an id made from the source's name).
 
-        One group per file, so parallel writers never collide; re-quarantining replaces the record.
+        One group per file, written under that record's own claim; re-quarantining replaces it.
         """
+        self._writable()
         qid = key or scan_id_for(Path(source).name)
-        q = self.root.require_group("quarantine")
-        if qid in q:
-            del q[qid]
-        grp = q.create_group(qid)
-        grp.attrs.update({"source": source, "reason": reason, "sha256": sha256, "time": _now()})
+        with file_lock(self._lock_path("quarantine", qid)):
+            self.root.require_group("quarantine").create_group(
+                qid, overwrite=True, attributes={"source": source, "reason": reason, "sha256": sha256, "time": _now()})
         return qid
 
     def quarantined(self) -> list[dict[str, Any]]:
@@ -238,7 +378,9 @@ class ScanStore:
         """Drop a quarantine record (done automatically when the file later ingests cleanly)."""
         g = self._group("quarantine")
         if g is not None and source_id in g:
-            del g[source_id]
+            with file_lock(self._lock_path("quarantine", source_id)):
+                if source_id in g:
+                    del g[source_id]
 
     # ------------------------------------------------------------------ runs
     def write_run(self, run_id: str, record: dict[str, Any]) -> None:
@@ -251,6 +393,79 @@ class ScanStore:
         if g is None:
             return []
         return sorted((dict(child.attrs, id=name) for name, child in g.groups()), key=lambda d: d["id"])
+
+    # ------------------------------------------------------------------ integrity
+    def verify(self) -> list[dict[str, str]]:
+        """Scans that are not what their attrs say, one record each: ``scan_id``, ``problem``
+        and ``detail``. Problems:
+
+        ``leftover``    a folder under ``scans/`` without Zarr metadata (an interrupted delete)
+        ``incomplete``  a group never flipped complete (a killed writer)
+        ``damaged``     complete, but a promised array is missing, has another shape or dtype, or
+                        lacks chunk files (``points`` must exist and match ``n_points``)
+        ``stage``       a stage is recorded whose arrays are missing or cut short
+
+        A scan whose claim another process holds is being written and is not judged.
+        """
+        scans_dir = Path(self.path) / "scans"
+        if not scans_dir.is_dir():
+            return []
+        out = []
+        for entry in sorted(os.scandir(scans_dir), key=lambda e: e.name):
+            if not entry.is_dir() or entry.name.startswith("."):
+                continue
+            with file_lock(self._lock_path("scans", entry.name), wait=False, create=False) as free:
+                if free:
+                    out += self._problems_of(entry.name)
+        return out
+
+    def _problems_of(self, scan_id: str) -> list[dict[str, str]]:
+        def rec(problem: str, detail: str) -> dict[str, str]:
+            return {"scan_id": scan_id, "problem": problem, "detail": detail}
+
+        if not (Path(self.path) / "scans" / scan_id / "zarr.json").exists():
+            return [rec("leftover", "folder without Zarr metadata (an interrupted write or delete)")]
+        grp = self.root["scans"][scan_id]
+        if not grp.attrs.get("complete", False):
+            return [rec("incomplete", "never marked complete (an interrupted write)")]
+        damage = _scan_problems(grp)
+        if damage:
+            return [rec("damaged", "; ".join(damage))]
+        return [rec("stage", f"stage {stage!r}: " + "; ".join(found))
+                for stage, found in _stage_problems(grp).items()]
+
+    def repair(self) -> list[dict[str, str]]:
+        """Fix what :meth:`verify` finds so that the next run rewrites it; returns what was done.
+
+        A leftover, incomplete or damaged scan is removed (the next ingest writes it again from
+        its source); a damaged stage loses its record and its arrays (the next run of that stage
+        redoes it). Each fix happens under the scan's claim after checking again, so a scan
+        that a writer is busy with is left alone.
+        """
+        self._writable()
+        done = []
+        for sid in sorted({found["scan_id"] for found in self.verify()}):
+            with self.claim(sid, wait=False) as free:
+                probs = self._problems_of(sid) if free else []
+                if probs and probs[0]["problem"] == "stage":
+                    self._drop_damaged_stages(sid)
+                    done += [{**p, "action": "stage record and arrays dropped (run the stage again)"} for p in probs]
+                elif probs:
+                    shutil.rmtree(Path(self.path) / "scans" / sid)
+                    done.append({**probs[0], "action": "scan removed (ingest again to restore it)"})
+        return done
+
+    def _drop_damaged_stages(self, scan_id: str) -> None:
+        grp = self.root["scans"][scan_id]
+        stages = dict(grp.attrs.get("stages", {}))
+        base = set(grp.attrs.get("arrays", {})) | {"points"}
+        keys = set(grp.array_keys())
+        for stage in _stage_problems(grp):
+            rec = stages.pop(stage)
+            for name in set(rec.get("arrays", {})) - base:
+                if name in keys:
+                    del grp[name]
+        grp.attrs["stages"] = stages
 
     # ------------------------------------------------------------------ summary
     def info(self) -> dict[str, Any]:
@@ -266,9 +481,63 @@ class ScanStore:
             formats[a.get("format", "?")] = formats.get(a.get("format", "?"), 0) + 1
             for st in a.get("stages", {}):
                 stages[st] = stages.get(st, 0) + 1
+        damaged = sorted({p["scan_id"] for p in self.verify() if p["problem"] in ("damaged", "stage")})
         return {"path": self.path, "scans": len(scans), "points": n_points, "formats": formats,
-                "stages": stages, "incomplete": incomplete, "quarantined": len(self.quarantined()),
+                "stages": stages, "incomplete": incomplete, "damaged": damaged,
+                "quarantined": len(self.quarantined()),
                 "runs": len(self.runs())}
+
+
+def _spec(arr: np.ndarray) -> dict[str, Any]:
+    return {"shape": list(arr.shape), "dtype": str(arr.dtype)}
+
+
+def _array_problems(grp, promised: dict[str, Any]) -> list[str]:
+    """How the group's arrays differ from ``promised`` (``{name: {shape, dtype}}``)."""
+    keys = set(grp.array_keys())
+    out = []
+    for name, spec in promised.items():
+        if name not in keys:
+            out.append(f"array {name!r} is missing")
+            continue
+        z = grp[name]
+        if list(z.shape) != list(spec["shape"]) or str(z.dtype) != spec["dtype"]:
+            out.append(f"array {name!r} is {list(z.shape)} {z.dtype}, attrs promise {spec['shape']} {spec['dtype']}")
+        elif z.nchunks_initialized < z.nchunks:
+            out.append(f"array {name!r} lacks {z.nchunks - z.nchunks_initialized} of {z.nchunks} chunks")
+    return out
+
+
+def _scan_problems(grp) -> list[str]:
+    """A complete scan's damage. Scans written before the ``arrays`` record existed are checked
+    for their ``points`` against ``n_points`` only."""
+    a = grp.attrs
+    promised = a.get("arrays")
+    if promised is not None:
+        return _array_problems(grp, promised)
+    if "points" not in set(grp.array_keys()):
+        return ["array 'points' is missing"]
+    rows = grp["points"].shape[0]
+    if "n_points" in a and rows != a["n_points"]:
+        return [f"array 'points' has {rows} rows, attrs say n_points = {a['n_points']}"]
+    return []
+
+
+def _stage_problems(grp) -> dict[str, list[str]]:
+    out = {}
+    for stage, rec in grp.attrs.get("stages", {}).items():
+        found = _array_problems(grp, rec["arrays"]) if isinstance(rec, dict) and "arrays" in rec else []
+        if found:
+            out[stage] = found
+    return out
+
+
+def _check_written(grp, promised: dict[str, Any], what: str) -> None:
+    """Raise when freshly written arrays do not read back as promised (the task then fails and is
+    retried) instead of marking a damaged write as done."""
+    found = _array_problems(grp, promised)
+    if found:
+        raise OSError(errno.EIO, f"{what}: written arrays did not read back: {'; '.join(found)}")
 
 
 def _jsonable(obj: Any) -> Any:

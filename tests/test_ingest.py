@@ -40,12 +40,13 @@ def test_folder_with_one_corrupt_file(tmp_path, archive):
     (src / "notes.doc").write_text("not a scan")
     store = tmp_path / "s.zarr"
     summary = run_ingest(str(src), str(store), workers=2, progress=False)
-    assert summary["ingested"] == 3 and summary["quarantined"] == 2 and summary["skipped"] == 0
+    assert summary["ingested"] == 3 and summary["quarantined"] == 1 and summary["skipped"] == 0
+    assert summary["ignored"] == 1 and "notes.doc" in summary["ignored_note"]  # not a scan format: no failure
     st = ScanStore(store, mode="r")
     assert st.scans() == ["scene_0000.pcd", "scene_0001.pcd", "scene_0002.pcd"]
     reasons = {q["id"]: q["reason"] for q in st.quarantined()}
     assert reasons["broken.pcd"].startswith("truncated binary")  # lzf falls back to binary for noise
-    assert "unknown format '.doc'" in reasons["notes.doc"]
+    assert set(reasons) == {"broken.pcd"}
     # the good scans are exact and carry their ground truth and attributes
     for p in made["scenes"]:
         np.testing.assert_array_equal(st.read(p.name), read_cloud(p).points)
@@ -102,7 +103,7 @@ def test_glob_source(tmp_path, archive):
 
 def test_incomplete_scan_is_invisible_and_replaced(tmp_path, rng):
     p = write_cloud(tmp_path / "a.npy", rng.normal(size=(100, 3)).astype(np.float32))
-    store = ScanStore(tmp_path / "s.zarr")
+    store = ScanStore(tmp_path / "s.zarr", create=True)
     # simulate a writer killed after creating the group and some arrays, before the complete flag
     grp = store.root["scans"].create_group("a.npy")
     grp.attrs.update({"complete": False, "sha256": "x"})
@@ -160,13 +161,13 @@ def test_cli_info_and_bad_store(tmp_path):
 
     from scanforest.flows.cli import app
 
-    store = ScanStore(tmp_path / "s.zarr")
+    store = ScanStore(tmp_path / "s.zarr", create=True)
     store.write_scan("x", {"points": np.zeros((5, 3), np.float32)}, {"n_points": 5, "format": "npy"})
-    res = CliRunner().invoke(app, ["info", str(tmp_path / "s.zarr")])
+    res = CliRunner().invoke(app, ["info", str(tmp_path / "s.zarr"), "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout[: res.stdout.rindex("}") + 1])["scans"] == 1
     res = subprocess.run([sys.executable, "-m", "scanforest.flows.cli", "info", str(tmp_path / "nope.zarr")],
                          capture_output=True, text=True)
-    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "no scan store at" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_archive_written_by_several_processes_is_the_same(tmp_path, archive):

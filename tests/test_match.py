@@ -509,7 +509,7 @@ def test_match_flow_batches_give_the_per_scan_answer(tmp_path, rng):
     from scanforest.tasks.store import ScanStore
 
     store = str(tmp_path / "s.zarr")
-    st = ScanStore(store)
+    st = ScanStore(store, create=True)
     X = rng.normal(size=(2000, 352)).astype(np.float32)
     scans = {}
     for j, n in enumerate([0, 37, 120, 5, 64]):  # an empty scan and one with a NaN row
@@ -555,6 +555,54 @@ def test_local_workers_share_the_cores_for_numba(monkeypatch):
     assert _thread_env(4 * cores, 1) == {"NUMBA_NUM_THREADS": "1"}
     monkeypatch.setenv("NUMBA_NUM_THREADS", "3")
     assert _thread_env(2, 1) == {"NUMBA_NUM_THREADS": "3"}  # the user's choice wins
+
+
+_THREADS_MAIN = """
+import os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import numba  # the program's __main__ imports numba, as the scanforest CLI does
+import numpy as np
+
+
+def cached_then_compile():
+    import numba
+    import pkernel
+    pkernel.psum(np.ones(1000))       # loaded from the cache: starts numba's threads
+    f = numba.njit(lambda x: x + 1)     # a fresh compilation reads NUMBA_NUM_THREADS again
+    return int(f(1)), numba.config.NUMBA_NUM_THREADS, os.environ.get("NUMBA_NUM_THREADS")
+
+
+if __name__ == "__main__":
+    import pkernel
+    pkernel.psum(np.ones(1000))  # warm the cache
+    from scanforest.flows._runner import dask_client
+    with dask_client(n_workers=2, device="cpu") as client:
+        print(client.gather([client.submit(cached_then_compile, pure=False) for _ in range(4)]))
+"""
+
+
+def test_workers_compile_after_cached_parallel_kernels(tmp_path):
+    """The demo's crash on a fresh machine: a spawned worker imports numba with the host's thread
+    count (its ``__main__`` imports numba), receives ``NUMBA_NUM_THREADS`` = its share afterwards,
+    starts threads in a cached parallel kernel, and its next compilation failed ("Cannot set
+    NUMBA_NUM_THREADS to a different value once the threads have been launched")."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "pkernel.py").write_text(
+        "from numba import njit, prange\n\n\n@njit(parallel=True, cache=True)\ndef psum(x):\n"
+        "    s = 0.0\n    for i in prange(x.shape[0]):\n        s += x[i]\n    return s\n")
+    (tmp_path / "main.py").write_text(_THREADS_MAIN)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
+    env.pop("NUMBA_NUM_THREADS", None)
+    proc = subprocess.run([sys.executable, str(tmp_path / "main.py")], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = eval(proc.stdout.strip().splitlines()[-1])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, cores // 2)
+    assert got == [(2, share, str(share))] * 4  # every worker compiled, with its share of the cores
 
 
 def test_local_cpu_workers_get_their_share(local_client):
@@ -604,7 +652,7 @@ def test_index_build_auto_shards_and_refusal(tmp_path, rng):
     with pytest.raises(InputError, match=r"needs at least \d+ such devices"):
         idx.plan_for(100_000_000, 352, {"method": "banns"}, "cpu", memory=[64 * 2 ** 30])
     store = str(tmp_path / "s.zarr")
-    st = ScanStore(store)
+    st = ScanStore(store, create=True)
     st.write_scan("ref", {"points": np.zeros((1, 3), np.float32)}, {"sha256": "ref"})
     st.write_stage("ref", "describe", {"kp_shot": rng.normal(size=(500, 352)).astype(np.float32)}, {})
     res = run_index_build(store, ["ref"], name="a", shards="auto", params={"method": "anns"}, device="cpu")

@@ -1,7 +1,10 @@
-"""A real Prefect server (SQLite, loopback): serve a deployment, trigger it through the API,
-see the run complete with its results in the store."""
+"""A real Prefect server (SQLite, loopback), driven as an operator drives it: `scanforest serve`
+registers a deployment with a cron schedule of every minute, the server's scheduler fires it and
+the run completes with its results in the store; `scanforest run` triggers one by hand, and says
+in one line when the deployment is not registered or nothing serves it."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +19,8 @@ import pytest
 
 from scanforest.tasks.readers import write_cloud
 from scanforest.tasks.store import ScanStore
+
+CLI = [sys.executable, "-m", "scanforest.flows.cli"]
 
 
 def _free_port() -> int:
@@ -36,12 +41,27 @@ def _wait(pred, timeout, what, procs=()):
     pytest.fail(f"timed out waiting for {what}")
 
 
-def _healthy(url):
+def _api(url, body=None):
+    """GET (or POST ``body``) one API endpoint; None when the server does not answer or says no."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())
     except OSError:
-        return False
+        return None
+
+
+def _stop(proc):
+    """SIGTERM the process group (the serve process, its flow runs and their Dask workers), then
+    SIGKILL whatever is left of it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
 
 
 @pytest.fixture
@@ -57,45 +77,70 @@ def prefect_server(tmp_path):
                              "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        _wait(lambda: _healthy(api), 120, "prefect server", [proc])
+        _wait(lambda: _api(api + "/health") is not None, 120, "prefect server", [proc])
         yield api, env
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
+        _stop(proc)
 
 
-def test_served_deployment_runs_through_the_api(tmp_path, prefect_server):
+def _one_line_error(res, *words):
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and res.stderr.startswith("error: "), res.stderr
+    for w in words:
+        assert w in res.stderr
+
+
+def test_cron_schedule_fires_on_a_real_server(tmp_path, prefect_server):
     api, env = prefect_server
-    src = tmp_path / "drop"
-    src.mkdir()
+    drop, batch = tmp_path / "drop", tmp_path / "batch"
     rng = np.random.default_rng(0)
-    for i in range(3):
-        write_cloud(src / f"s{i}.npy", rng.normal(size=(1000, 3)).astype(np.float32))
+    for folder, names in ((drop, ("a0", "a1", "a2")), (batch, ("b0",))):
+        folder.mkdir()
+        for n in names:
+            write_cloud(folder / f"{n}.npy", rng.normal(size=(1000, 3)).astype(np.float32))
     store = tmp_path / "s.zarr"
-    cli = [sys.executable, "-m", "scanforest.flows.cli"]
-    serve_log = open(tmp_path / "serve.log", "w")
-    serve = subprocess.Popen(cli + ["serve", "--only", "ingest", "--no-schedules"], env=env,
-                             stdout=serve_log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        def registered():
-            try:
-                with urllib.request.urlopen(urllib.request.Request(
-                        api + "/deployments/name/scanforest-ingest/ingest"), timeout=2) as r:
-                    return r.status == 200
-            except OSError:
-                return False
 
-        _wait(registered, 120, "deployment registration", [serve])
-        res = subprocess.run(cli + ["run", "ingest", "--param", f"source={src}", "--param", f"store={store}",
-                                    "--param", "workers=1", "--timeout", "240"],
-                             env=env, capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stdout + res.stderr + (tmp_path / "serve.log").read_text()[-3000:]
-        out = json.loads(res.stdout.strip().splitlines()[-1])
-        assert out["state"] == "COMPLETED"
-        # the run is recorded by the server, and its results are in the store
-        with urllib.request.urlopen(api + f"/flow_runs/{out['flow_run_id']}", timeout=5) as r:
-            assert json.loads(r.read())["state_type"] == "COMPLETED"
-        assert ScanStore(store, mode="r").scans() == ["s0.npy", "s1.npy", "s2.npy"]
+    def cli(*args):
+        return subprocess.run(CLI + list(args), env=env, capture_output=True, text=True, timeout=300)
+
+    _one_line_error(cli("run", "ingest"), "not registered", "scanforest serve --only ingest")
+    # registered but served by no process (as after `prefect deploy` with no worker running)
+    subprocess.run([sys.executable, "-c", "from scanforest.flows.deployments import runner_deployments; "
+                    f"runner_deployments(['describe'], parameters={{'store': {str(store)!r}}}, "
+                    "schedules=False)[0].apply()"], env=env, check=True, timeout=120)
+    _one_line_error(cli("run", "describe"), "no process serves", "scanforest-describe/describe")
+
+    serve_log = open(tmp_path / "serve.log", "w")
+    serve = subprocess.Popen(CLI + ["serve", "--only", "ingest", "--cron", "* * * * *", "--param", f"source={drop}",
+                                    "--param", f"store={store}", "--param", "workers=1"],
+                             env=env, stdout=serve_log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log_tail():
+        return (tmp_path / "serve.log").read_text()[-3000:]
+
+    try:
+        dep_url = api + "/deployments/name/scanforest-ingest/ingest"
+        _wait(lambda: (_api(dep_url) or {}).get("status") == "READY", 120, "serve polling", [serve])
+        dep = _api(dep_url)
+        assert [s["schedule"]["cron"] for s in dep["schedules"]] == ["* * * * *"]
+        # a run by hand while the schedule is pending: --param replaces the served source
+        res = cli("run", "ingest", "--param", f"source={batch}", "--timeout", "240")
+        assert res.returncode == 0, res.stdout + res.stderr + log_tail()
+        manual = json.loads(res.stdout.strip().splitlines()[-1])
+        assert manual["state"] == "COMPLETED"
+
+        def scheduled_run():
+            runs = _api(api + "/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}}) or []
+            auto = [r for r in runs if r["auto_scheduled"] and r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")]
+            if auto and auto[0]["state_type"] != "COMPLETED":
+                pytest.fail(f"scheduled run ended {auto[0]['state_type']} ({auto[0]['state']['message']}): "
+                            f"{log_tail()}")
+            return bool(auto)
+
+        # the next minute boundary, the runner's poll (10 s) and the run itself
+        _wait(scheduled_run, 150, "a scheduled run to complete", [serve])
     finally:
-        os.killpg(serve.pid, signal.SIGTERM)
-        serve.wait(30)
+        _stop(serve)
+    # the hand-triggered run is not the scheduled one, and both did their work in the store
+    assert _api(api + f"/flow_runs/{manual['flow_run_id']}")["auto_scheduled"] is False
+    assert ScanStore(store, mode="r").scans() == ["a0.npy", "a1.npy", "a2.npy", "b0.npy"]

@@ -92,7 +92,7 @@ def test_pcd_round_trip_through_store_is_exact(tmp_path, rng, encoding):
         np.testing.assert_array_equal(cloud.points, pts)
         np.testing.assert_array_equal(cloud.normals, nrm)
     np.testing.assert_array_equal(cloud.colors, col)
-    store = ScanStore(tmp_path / "s.zarr")
+    store = ScanStore(tmp_path / "s.zarr", create=True)
     store.write_scan("c", cloud.arrays(), {"n_points": len(cloud)})
     back = store.read_cloud("c")  # file -> store -> array is bit-exact
     np.testing.assert_array_equal(back.points, cloud.points)
@@ -110,7 +110,7 @@ def test_ply_round_trip_is_exact(tmp_path, rng, ascii_):
     np.testing.assert_array_equal(cloud.points, pts)
     np.testing.assert_array_equal(cloud.normals, nrm)
     np.testing.assert_array_equal(cloud.colors, col)
-    store = ScanStore(tmp_path / "s.zarr")
+    store = ScanStore(tmp_path / "s.zarr", create=True)
     store.write_scan("c", cloud.arrays(), {})
     np.testing.assert_array_equal(store.read("c", "points"), pts)
 
@@ -121,7 +121,7 @@ def test_npy_round_trip_is_exact(tmp_path, rng, dtype):
     np.save(tmp_path / "c.npy", pts)
     cloud = read_cloud(tmp_path / "c.npy")
     assert cloud.points.dtype == dtype
-    store = ScanStore(tmp_path / "s.zarr")
+    store = ScanStore(tmp_path / "s.zarr", create=True)
     store.write_scan("c", cloud.arrays(), {})
     back = store.read("c", "points")
     assert back.dtype == dtype

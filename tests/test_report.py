@@ -1,15 +1,26 @@
-"""The HTML report renders in headless Chromium (screenshot taken, page not blank)."""
+"""The HTML report: its contents on a store with every kind of record (old and new run records,
+failed and interrupted runs, failed items, detections checked against ground truth), the
+throughput plot's time axis, and rendering in headless Chromium (screenshot taken, page not
+blank, every plot decoded)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import time
 
 import numpy as np
 import pytest
 
-from scanforest.flows.report import write_report
+from scanforest.flows.report import _throughput_figure, write_report
 from scanforest.tasks.store import ScanStore
+
+T0 = 1_790_000_000  # a whole second, so the ISO times below are exact
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 def _chromium():
@@ -20,14 +31,71 @@ def _chromium():
     pytest.skip("headless Chromium is not installed (apt-get install chromium)")
 
 
+def _pose(angle_deg: float, t) -> np.ndarray:
+    a = np.radians(angle_deg)
+    pose = np.eye(4)
+    pose[:2, :2] = [[np.cos(a), -np.sin(a)], [np.sin(a), np.cos(a)]]
+    pose[:3, 3] = t
+    return pose
+
+
+def _batched(n_batches: int, per_batch: int, span: float, start: float) -> list[dict]:
+    """Records of a batched task (5 s per item): every item of a batch carries the batch's finish time."""
+    return [{"scan_id": f"s{b}-{i}", "status": "described", "seconds": 5.0,
+             "finished_at": start + span * (b + 1) / n_batches} for b in range(n_batches) for i in range(per_batch)]
+
+
+def _recognized_scene(st: ScanStore) -> None:
+    """A scene with ground truth and recognize-stage results written as ``tasks.recognize`` writes
+    them. The ground truth's model ids follow the synthetic order (model_b = 0), the library's
+    another (model_b = 1): only the names match them. Detections: model_b at its true pose
+    (correct), model_a rotated 40 degrees off (false), model_b again at the same pose (false: each
+    instance is found once); model_a's instance is missed."""
+    truth = [{"model_id": 0, "model": "model_b", "pose": _pose(30, [0.1, 0.2, 0.9]).tolist()},
+             {"model_id": 1, "model": "model_a", "pose": _pose(-20, [-0.3, 0.0, 1.0]).tolist()}]
+    st.write_scan("scenes__scene_0000.pcd", {"points": np.zeros((10, 3), np.float32)},
+                  {"n_points": 10, "format": "pcd", "ground_truth": truth})
+    names = ["models__model_a.pcd", "models__model_b.pcd"]
+    st.root.require_group("libraries").require_group("default").attrs.update({"names": names, "complete": True})
+    dets = [(1, 0.91, 900, _pose(30.5, [0.101, 0.2, 0.9])), (0, 0.75, 500, _pose(20, [-0.3, 0.0, 1.0])),
+            (1, 0.60, 400, _pose(30, [0.1, 0.2, 0.901]))]
+    det_dicts = [{"model_id": m, "model": names[m], "score": s, "inliers": n, "visible": 1000, "pose": p.tolist(),
+                  "correspondences": 20, "hypothesis_score": s, "icp_rmse": 0.001, "model_name": names[m]}
+                 for m, s, n, p in dets]
+    arrays = {"det_model": np.array([d[0] for d in dets], np.int32),
+              "det_pose": np.array([d[3] for d in dets], np.float64),
+              "det_score": np.array([d[1] for d in dets], np.float32),
+              "det_inliers": np.array([d[2] for d in dets], np.int32)}
+    st.write_stage("scenes__scene_0000.pcd", "recognize", arrays,
+                   {"library": "default", "content_hash": "x", "params": {}, "detections": det_dicts,
+                    "timings": {"io": 0.01}, "device": "cpu", "seconds": 0.5,
+                    "evaluation": {"tp": 1, "fp": 2, "fn": 1, "rotation_errors": [0.5], "translation_errors": [0.001],
+                                   "resolution": 0.005}})
+
+
 def _store(tmp_path):
-    st = ScanStore(tmp_path / "s.zarr")
+    """Runs whose ids sort alphabetically the other way from their times: ingest (the old record
+    format: no status, no started), describe (completed, 100 s of batched items), recognize
+    (failed, with failed items), align (still marked running: interrupted)."""
+    st = ScanStore(tmp_path / "s.zarr", create=True)
     for i in range(3):
         st.write_scan(f"s{i}", {"points": np.random.default_rng(i).normal(size=(50, 3)).astype(np.float32)},
                       {"n_points": 50, "format": "npy"})
+    _recognized_scene(st)
     st.quarantine("/data/bad.pcd", "truncated binary PCD: 10 data bytes, header needs 600", key="bad.pcd")
-    recs = [{"scan_id": f"s{i}", "status": "ingested", "seconds": 0.5, "finished_at": 1000.0 + i} for i in range(3)]
-    st.write_run("ingest-1", {"flow": "ingest", "summary": {"ingested": 3, "seconds": 2.0}, "records": recs})
+    recs = [{"scan_id": f"s{i}", "status": "ingested", "seconds": 0.5, "finished_at": T0 + 1.0 + i} for i in range(3)]
+    st.write_run("ingest-1", {"flow": "ingest", "summary": {"ingested": 3, "seconds": 4.0}, "records": recs,
+                              "finished": _iso(T0 + 4)})
+    st.write_run("describe-1", {"flow": "describe", "status": "completed", "started": _iso(T0 + 100),
+                                "finished": _iso(T0 + 200), "summary": {"described": 20},
+                                "records": _batched(4, 5, 100.0, T0 + 100)})
+    failed_items = [{"scan_id": "s1", "status": "failed", "reason": "ValueError: no keypoints", "seconds": 1.0,
+                     "finished_at": T0 + 305.0},
+                    {"scan_id": "s2", "status": "recognized", "seconds": 2.0, "finished_at": T0 + 306.0}]
+    st.write_run("recognize-1", {"flow": "recognize", "status": "failed", "started": _iso(T0 + 300),
+                                 "finished": _iso(T0 + 310), "error": "RuntimeError: worker lost three times",
+                                 "parameters": {}, "summary": {}, "records": failed_items})
+    st.write_run("align-1", {"flow": "align", "status": "running", "started": _iso(T0 + 400), "parameters": {}})
     bench = tmp_path / "bench"
     bench.mkdir()
     rows = [{"figure": "P-ANNS queries/s", "value": v, "unit": "queries/s", "extra": {"recall": r, "method": "anns"}}
@@ -36,30 +104,98 @@ def _store(tmp_path):
     return st, bench
 
 
+def _section(text: str, title: str) -> str:
+    return text.split(f"<h2>{title}</h2>", 1)[1].split("<h2>", 1)[0]
+
+
 def test_report_contents(tmp_path):
     st, bench = _store(tmp_path)
-    out = write_report(st.path, tmp_path / "r.html", bench_dir=bench)
-    text = out.read_text()
-    for section in ("Throughput over time", "Recall vs throughput", "Failures", "bad.pcd", "ingest-1"):
-        assert section in text or section.lower() in text.lower()
-    assert text.count("data:image/png;base64,") == 2  # throughput + benchmark curves
+    text = write_report(st.path, tmp_path / "r.html", bench_dir=bench).read_text()
+    assert text.count("data:image/png;base64,") == 3  # throughput, benchmark curves, detections
+    runs = _section(text, "Runs")
+    order = [runs.index(f"<td>{r}</td>") for r in ("align-1", "recognize-1", "describe-1", "ingest-1")]
+    assert order == sorted(order)  # newest first, not alphabetical
+    assert "running or interrupted" in runs and _iso(T0 + 400) in runs
+    det = _section(text, "Detections")
+    verdicts = re.findall(r"<td>(yes|no)</td></tr>", det)
+    assert verdicts == ["yes", "no", "no"]
+    assert "1 correct, 2 false, 1 missed" in det
+    assert "(0.101, 0.200, 0.900)" in det and "<td>30.5</td>" in det  # translation, rotation angle
+    fail = _section(text, "Failures")
+    for needle in ("bad.pcd", "truncated binary PCD", "recognize-1", "RuntimeError: worker lost three times",
+                   "align-1", "ValueError: no keypoints"):
+        assert needle in fail
+    assert "<td>s1</td>" in fail and "<td>s2</td>" not in fail  # failed items only
+
+
+def test_throughput_axis_is_run_time(tmp_path):
+    """A run of 100 s whose items come in 4 batches (5 items each, 5 s per item, every batch
+    stamped with its finish) is plotted from 0 to 100 s, in the new record format and the old."""
+    recs = _batched(4, 5, 100.0, T0)
+    new = {"id": "new", "started": _iso(T0), "finished": _iso(T0 + 100), "records": recs}
+    old = {"id": "old", "finished": _iso(T0 + 100), "summary": {"seconds": 100.0}, "records": recs}
+    untimed = {"id": "untimed", "records": [{"scan_id": "a", "status": "ingested", "seconds": 1.0}]}
+    fig, skipped = _throughput_figure([new, old, untimed])
+    try:
+        ax = fig.axes[0]
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        assert set(lines) == {"new", "old"} and skipped == ["untimed"]
+        for ln in lines.values():
+            x, y = np.asarray(ln.get_xdata()), np.asarray(ln.get_ydata())
+            assert x[0] == 0 and x[-1] == pytest.approx(100.0) and y[-1] == 20
+            assert sorted(set(x[1:])) == pytest.approx([25.0, 50.0, 75.0, 100.0])
+        assert ax.get_xlim()[1] >= 100.0
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def _render(chromium, html_path, tmp_path) -> tuple[np.ndarray, str]:
+    """Screenshot of the page and its DOM after load, with the natural width of every image
+    (a copy of the page with a load handler that writes them into the body: 0 = not decoded)."""
+    probe = html_path.with_name("probe.html")
+    probe.write_text(html_path.read_text().replace(
+        "</body>", "<script>addEventListener('load',()=>{document.body.dataset.imgs="
+                   "[...document.images].map(i=>i.naturalWidth).join(',')})</script></body>"))
+    shot = tmp_path / "shot.png"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,1600"]
+    res = subprocess.run([chromium, *flags, f"--screenshot={shot}", html_path.as_uri()], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    dom = subprocess.run([chromium, *flags, "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    from PIL import Image
+
+    return np.asarray(Image.open(shot).convert("L"), dtype=np.float32), dom.stdout
 
 
 def test_report_renders_in_headless_chromium(tmp_path):
     chromium = _chromium()
     st, bench = _store(tmp_path)
     out = write_report(st.path, tmp_path / "r.html", bench_dir=bench)
-    shot = tmp_path / "shot.png"
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,1600"]
-    res = subprocess.run([chromium, *flags, f"--screenshot={shot}", out.as_uri()], capture_output=True,
-                         text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
-    from PIL import Image
-
-    img = np.asarray(Image.open(shot).convert("L"), dtype=np.float32)
+    img, dom = _render(chromium, out, tmp_path)
     assert img.shape == (1600, 1200)
     assert img.std() > 5  # text, tables and plots were drawn: not a blank page
-    dom = subprocess.run([chromium, *flags, "--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=120)
-    assert "scanforest report" in dom.stdout and dom.stdout.count("<img") == 2
+    assert "scanforest report" in dom and "running or interrupted" in dom
+    widths = re.search(r'data-imgs="([^"]*)"', dom).group(1).split(",")
+    assert len(widths) == 3 and all(int(w) > 100 for w in widths)
+
+
+@pytest.mark.parametrize("quarantine", [False, True], ids=["empty", "quarantine-only"])
+def test_report_of_store_without_runs(tmp_path, quarantine):
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    if quarantine:
+        st.quarantine("/data/bad.ply", "zero points", key="bad.ply")
+    out = write_report(st.path, tmp_path / "r.html", bench_dir=tmp_path / "none")
+    text = out.read_text()
+    for line in ("No runs recorded", "No timed runs", "No recognition results yet"):
+        assert line in text
+    assert ("bad.ply" in text) == quarantine
+    assert ("No quarantined files, failed runs or failed items" in text) != quarantine
+    if shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome"):
+        img, dom = _render(_chromium(), out, tmp_path)
+        assert "scanforest report" in dom and img.std() > 1

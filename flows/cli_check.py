@@ -1,0 +1,57 @@
+"""``scanforest check``: find (and with ``--repair`` fix) scans that are not what their attrs say."""
+from __future__ import annotations
+
+import json
+
+import typer
+
+
+def print_problems(title: str, problems: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("scan", "problem", "detail", "action"):
+        table.add_column(col)
+    for p in problems:
+        table.add_row(p["scan_id"], p["problem"], p["detail"], p.get("action", "-"))
+    Console().print(table)
+
+
+def register(app: typer.Typer, bench: typer.Typer) -> None:
+    @app.command()
+    def check(
+        store: str = typer.Argument(..., help="The Zarr scan store."),
+        repair: bool = typer.Option(False, "--repair", help="Remove damaged scans and stages so the next "
+                                    "ingest or stage rewrites them."),
+        json_out: bool = typer.Option(False, "--json", help="Print the problems (and repairs) as JSON."),
+    ):
+        """Check every scan against its attrs: leftover or incomplete groups, missing or short arrays,
+        stages recorded without their arrays. Exit 0 when clean, 1 when problems remain."""
+        from scanforest.tasks.store import ScanStore
+
+        st = ScanStore(store, mode="a" if repair else "r")
+        found = st.verify()
+        fixed = st.repair() if repair and found else []
+        remaining = st.verify() if repair else found
+        if fixed:
+            st.write_run(_run_id(), {"flow": "repair", "records": fixed})
+        if json_out:
+            typer.echo(json.dumps({"store": store, "problems": found, "repaired": fixed,
+                                   "remaining": remaining}, indent=2))
+        elif not found:
+            typer.echo(f"{store}: {len(st.scans())} scans, no problems")
+        else:
+            print_problems(f"check {store}", fixed or found)
+            if remaining:
+                typer.secho(f"{len(remaining)} problem(s) remain" + ("" if repair else "; fix with --repair"),
+                            fg=typer.colors.YELLOW)
+        raise typer.Exit(1 if remaining else 0)
+
+
+def _run_id() -> str:
+    """A run id in the style of the flows' run manifests (``repair-<time>-<random>``)."""
+    import time
+    import uuid
+
+    return f"repair-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"

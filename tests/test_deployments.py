@@ -1,0 +1,113 @@
+"""The deployment table as operators meet it: `scanforest serve` and `scanforest run` refuse
+wrong or missing parameters and a dead API in one line (exit 2, no traceback) before anything is
+registered, `deploy/prefect.yaml` is the table's output, and the archive chain runs every stage."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scanforest.flows.deployments import DEPLOYMENTS, prefect_yaml, runner_deployments
+from scanforest.kernels.errors import InputError
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "scanforest.flows.cli"]
+
+
+def _cli(*args, api=None):
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    if api:
+        env["PREFECT_API_URL"] = api
+    return subprocess.run(CLI + list(args), env=env, capture_output=True, text=True, timeout=120)
+
+
+def _one_line_error(res, *words):
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["serve", "--param", "store=/s.zarr", "--param", "colour=red"], ["takes --param colour"]),
+    (["serve", "--only", "describe", "--param", "store=/s.zarr", "--param", "source=/in"], ["(describe)", "source"]),
+    (["serve", "--only", "ingest", "--param", "store=/s.zarr"], ["deployment ingest", "source"]),
+    (["serve", "--only", "ingest", "--only", "describe"], ["deployment ingest needs parameter source, store",
+                                                           "deployment describe needs parameter store"]),
+    (["serve", "--only", "recognize", "--cron", "0 * * * *", "--param", "store=/s.zarr"],
+     ["deployment recognize", "models"]),
+    (["run", "ingest", "--param", "colour=red"], ["ingest takes no parameter colour"]),
+    (["run", "ingest", "--param", "colour"], ["--param takes KEY=VALUE"]),
+    (["run", "ingest"], ["no Prefect API", "PREFECT_API_URL"]),
+])
+def test_operator_mistakes_are_one_line(args, words):
+    _one_line_error(_cli(*args), *words)
+
+
+def test_run_without_a_reachable_api_is_one_line():
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _one_line_error(_cli("run", "ingest", api=f"http://127.0.0.1:{port}/api"), "no Prefect API answers at")
+
+
+def test_params_go_only_to_the_flows_that_take_them():
+    deps = {d.name: d for d in runner_deployments(
+        parameters={"store": "/s.zarr", "source": "/in", "workers": 2}, schedules=True)}
+    assert set(deps) == set(DEPLOYMENTS)
+    assert deps["ingest"].parameters == {"store": "/s.zarr", "source": "/in", "workers": 2}
+    assert deps["describe"].parameters == {"store": "/s.zarr", "workers": 2}
+    assert deps["index-build"].parameters == {"store": "/s.zarr"}  # takes no workers
+    assert deps["archive"].parameters == {"store": "/s.zarr", "source": "/in", "workers": 2}
+    # schedules from the table; on-demand deployments leave their per-run parameters to each run
+    assert [s.schedule.cron for s in deps["ingest"].schedules] == ["*/30 * * * *"]
+    assert deps["recognize"].schedules == [] and "models" not in deps["recognize"].parameters
+    with pytest.raises(InputError, match="deployment archive needs parameter store"):
+        runner_deployments(["archive"], schedules=False)
+
+
+def test_committed_prefect_yaml_is_generated_from_the_table():
+    committed = (REPO / "deploy" / "prefect.yaml").read_text()
+    assert committed == prefect_yaml(), "regenerate: scanforest deployments --yaml > deploy/prefect.yaml"
+    doc = yaml.safe_load(committed)
+    by_name = {d["name"]: d for d in doc["deployments"]}
+    assert list(by_name) == list(DEPLOYMENTS)
+    for name, spec in DEPLOYMENTS.items():
+        d = by_name[name]
+        assert d["entrypoint"] == spec.entrypoint
+        assert [s["cron"] for s in d["schedules"]] == ([spec.cron] if spec.cron else [])
+        assert set(d["parameters"]) <= set(spec.accepts())  # a key the flow lacks fails every run
+        assert d["work_pool"]["name"] == "scanforest"
+
+
+def test_archive_flow_runs_every_stage_and_resumes(tmp_path):
+    from scanforest.flows._runner import ensure_prefect_api
+    from scanforest.flows.archive import archive_flow
+    from scanforest.kernels.synthetic import recognition_presets
+    from scanforest.tasks.store import ScanStore
+    from scanforest.tasks.synth import write_archive
+
+    write_archive(tmp_path / "arch", n_models=2, n_scenes=2, points_per_scene=12_000, points_per_model=3_000)
+    store = str(tmp_path / "s.zarr")
+    lib_params, rec_params = recognition_presets("cpu", 12_000)
+    kw = dict(store=store, describe={"normal_k": 10, "keypoint_radius": 0.02, "shot_radius": 0.04},
+              index_params={"method": "exact"}, library_params=lib_params, recognize=rec_params,
+              device="cpu", workers=1, progress=False)
+    ensure_prefect_api()
+    first = archive_flow(source=str(tmp_path / "arch"), **kw)
+    assert first["ingest"]["ingested"] == 4 and first["describe"]["described"] == 4
+    assert first["match"]["matched"] == 2 and first["recognize"]["recognized"] == 2
+    st = ScanStore(store, mode="r")
+    for sid in ("scenes__scene_0000.pcd", "scenes__scene_0001.pcd"):
+        assert st.has_stage(sid, "match") and st.has_stage(sid, "recognize")
+    again = archive_flow(**kw)  # nothing new: every stage finds its work done
+    assert "ingest" not in again and again["describe"]["described"] == 0
+    assert again["match"]["matched"] == 0 and again["recognize"]["skipped"] == 2
+    with pytest.raises(InputError, match="matches the models pattern"):
+        archive_flow(**{**kw, "models": "nothing__*"})

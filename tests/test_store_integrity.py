@@ -1,0 +1,223 @@
+"""Store integrity: concurrent ingests, check/repair, store creation only by ingest, per-item
+isolation in discovery (long paths, link loops, files that are not scans)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+
+from scanforest.kernels.errors import InputError
+from scanforest.tasks.ingest import discover
+from scanforest.tasks.readers import read_cloud, write_cloud
+from scanforest.tasks.store import ScanStore
+
+
+def _cli(*args, cwd=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("PREFECT_API_URL", None)
+    return subprocess.Popen([sys.executable, "-m", "scanforest.flows.cli", *map(str, args)], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run(*args, cwd=None):
+    proc = _cli(*args, cwd=cwd)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def _scans(folder, n, rng):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        write_cloud(folder / f"s{i:03d}.pcd", rng.normal(size=(int(rng.integers(2_000, 5_000)), 3)).astype(np.float32),
+                    encoding="binary")
+    return sorted(folder.glob("*.pcd"))
+
+
+def test_two_concurrent_ingests_leave_every_scan_whole(tmp_path, rng):
+    files = _scans(tmp_path / "src" / "scans", 40, rng)
+    arc = tmp_path / "batch.tar"
+    with tarfile.open(arc, "w") as tf:
+        for p in files:
+            tf.add(p, f"scans/{p.name}")
+    store = tmp_path / "s.zarr"
+    procs = [_cli("ingest", arc, store, "--workers", "2") for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    st = ScanStore(store, mode="r")
+    assert st.scans() == [f"batch__scans__{p.name}" for p in files]
+    for p in files:
+        np.testing.assert_array_equal(st.read(f"batch__scans__{p.name}"), read_cloud(p).points)
+    assert st.verify() == [] and st.quarantined() == []
+    assert not (tmp_path / "s.zarr.staging").exists()
+    assert len(st.runs()) == 2
+
+
+def _ingested(tmp_path, rng, n=3):
+    files = _scans(tmp_path / "src", n, rng)
+    code, out, err = _run("ingest", tmp_path / "src", tmp_path / "s.zarr", "--workers", "1")
+    assert code == 0, err
+    return files, tmp_path / "s.zarr"
+
+
+def test_check_finds_repairs_and_reingest_restores(tmp_path, rng):
+    files, store = _ingested(tmp_path, rng)
+    assert _run("check", store)[0] == 0
+    import shutil
+
+    shutil.rmtree(store / "scans" / "s001.pcd" / "points")  # damage a complete scan by hand
+    code, out, err = _run("check", store, "--json")
+    rep = json.loads(out)
+    assert code == 1 and [(p["scan_id"], p["problem"]) for p in rep["problems"]] == [("s001.pcd", "damaged")]
+    assert "points" in rep["problems"][0]["detail"]
+    assert "s001.pcd" in ScanStore(store, mode="r").info()["damaged"]
+    code, out, err = _run("check", store)
+    assert code == 1 and "s001.pcd" in out and "damaged" in out
+    code, out, err = _run("check", store, "--repair")
+    assert code == 0, out + err
+    assert _run("check", store)[0] == 0
+    assert ScanStore(store, mode="r").scans() == ["s000.pcd", "s002.pcd"]
+    code, out, err = _run("ingest", tmp_path / "src", store, "--workers", "1")
+    assert code == 0, err
+    st = ScanStore(store, mode="r")
+    for p in files:
+        np.testing.assert_array_equal(st.read(p.name), read_cloud(p).points)
+
+
+def test_reingest_rewrites_damaged_scan_with_same_bytes(tmp_path, rng):
+    from scanforest.tasks.ingest import Source, ingest_file
+
+    files, store = _ingested(tmp_path, rng, n=2)
+    chunk = store / "scans" / "s000.pcd" / "points" / "c" / "0" / "0"
+    chunk.unlink()  # a lost chunk reads back as zeros: the scan must not count as current
+    rec = ingest_file(str(store), Source(str(files[0]), "s000.pcd"))
+    assert rec["status"] == "ingested"
+    np.testing.assert_array_equal(ScanStore(store, mode="r").read("s000.pcd"), read_cloud(files[0]).points)
+
+
+def test_stage_with_missing_arrays_is_found_and_dropped(tmp_path, rng):
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    st.write_scan("a", {"points": rng.normal(size=(20, 3)).astype(np.float32)}, {"n_points": 20})
+    st.write_stage("a", "describe", {"kp_index": np.arange(5), "kp_shot": np.ones((5, 352), np.float32)}, {"k": 1})
+    st.write_stage("a", "match", {"match_ids": np.zeros((5, 4), np.int64)}, {"k": 4})
+    assert st.has_stage("a", "describe") and st.verify() == []
+    import shutil
+
+    shutil.rmtree(tmp_path / "s.zarr" / "scans" / "a" / "kp_shot")
+    assert [(p["scan_id"], p["problem"]) for p in st.verify()] == [("a", "stage")]
+    st.repair()
+    assert st.verify() == [] and not st.has_stage("a", "describe") and st.has_stage("a", "match")
+    assert "kp_index" not in st.arrays("a") and "points" in st.arrays("a")
+
+
+def test_incomplete_and_leftover_groups_are_found(tmp_path, rng):
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    st.write_scan("ok", {"points": np.ones((4, 3), np.float32)}, {"n_points": 4})
+    st.root["scans"].create_group("half", attributes={"complete": False})
+    (tmp_path / "s.zarr" / "scans" / "junk").mkdir()
+    assert {(p["scan_id"], p["problem"]) for p in st.verify()} == {("half", "incomplete"), ("junk", "leftover")}
+    import fcntl
+
+    with st.claim("half"):  # create the claim file
+        pass
+    fd = os.open(tmp_path / "s.zarr" / ".locks" / "scans" / "half.lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another writer busy with the scan: not judged, not repaired
+    try:
+        assert [p["scan_id"] for p in st.verify()] == ["junk"]
+        assert [p["scan_id"] for p in st.repair()] == ["junk"]
+    finally:
+        os.close(fd)
+    assert [p["scan_id"] for p in st.repair()] == ["half"]
+    assert st.verify() == [] and st.scans() == ["ok"]
+
+
+def test_only_ingest_creates_a_store(tmp_path):
+    with pytest.raises(InputError, match=r"^no scan store at .*nope\.zarr \(create one with: scanforest ingest"):
+        ScanStore(tmp_path / "nope.zarr")
+    assert not (tmp_path / "nope.zarr").exists()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "data.csv").write_text("1,2,3\n")
+    for kw in ({}, {"create": True}, {"mode": "r"}):
+        with pytest.raises(InputError, match="not a scanforest scan store"):
+            ScanStore(tmp_path / "other", **kw)
+    assert sorted(os.listdir(tmp_path / "other")) == ["data.csv"]
+    code, out, err = _run("info", tmp_path / "nope.zarr")
+    assert code == 2 and err.startswith("error: no scan store at") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "nope.zarr").exists()
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "only_notes", "glob_nothing"])
+def test_ingest_of_nothing_fails_in_one_line_and_leaves_nothing(tmp_path, case):
+    src = {"missing": tmp_path / "nowhere", "empty": tmp_path / "empty", "only_notes": tmp_path / "notes",
+           "glob_nothing": tmp_path / "g" / "*.pcd"}[case]
+    if case in ("empty", "only_notes", "glob_nothing"):
+        src.parent.mkdir(exist_ok=True) if case == "glob_nothing" else src.mkdir()
+    if case == "only_notes":
+        (src / "README.md").write_text("# scans go here\n")
+    code, out, err = _run("ingest", src, "store.zarr", "--workers", "1", cwd=tmp_path)
+    assert code == 2 and err.startswith("error: ") and str(src) in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "store.zarr").exists() and not (tmp_path / "store.zarr.staging").exists()
+
+
+def test_relative_store_is_written_where_the_user_is(tmp_path, rng):
+    _scans(tmp_path / "src", 2, rng)
+    code, out, err = _run("ingest", "src", "rel.zarr", "--workers", "1", cwd=tmp_path)
+    assert code == 0, err
+    st = ScanStore(tmp_path / "rel.zarr", mode="r")
+    assert st.scans() == ["s000.pcd", "s001.pcd"]
+    assert st.attrs("s000.pcd")["source"] == str(tmp_path / "src" / "s000.pcd")
+
+
+def test_discovery_isolates_bad_items(tmp_path, rng):
+    src = tmp_path / "src"
+    good = _scans(src, 2, rng)
+    deep = src / ("d" * 120) / ("e" * 120) / ("f" * 100 + ".pcd")  # relative path ~350 characters
+    deep.parent.mkdir(parents=True)
+    write_cloud(deep, rng.normal(size=(100, 3)).astype(np.float32))
+    os.symlink("loop_b.pcd", src / "loop_a.pcd")
+    os.symlink("loop_a.pcd", src / "loop_b.pcd")
+    os.symlink("gone.pcd", src / "dangling.pcd")
+    (src / "README.md").write_text("scans of the lab\n")
+    (src / "notes.txt").write_text("scanned on monday\nsecond pass by bob\n")
+    (src / "meta.json").write_text("{}")
+    (src / "pts.txt").write_text("x y z\n1 2 3\n4 5 6\n")
+    ignored = []
+    items, problems = discover(src, tmp_path / "staging", ignored=ignored)
+    ids = sorted(s.scan_id for s in items)
+    assert len(ids) == 4 and "s000.pcd" in ids and "pts.txt" in ids
+    long_id = [i for i in ids if i.startswith("ddd")][0]
+    assert len(long_id.encode()) <= 200 and long_id.endswith(".pcd")
+    assert {(os.path.basename(p["source"]), p["reason"].split(" (")[0]) for p in problems} == {
+        ("loop_a.pcd", "symbolic link loop"), ("loop_b.pcd", "symbolic link loop"),
+        ("dangling.pcd", "dangling symbolic link")}
+    assert sorted(os.path.basename(i["source"]) for i in ignored) == ["README.md", "meta.json", "notes.txt"]
+    # the whole batch through the CLI: every good scan in, the bad links quarantined, notes ignored
+    code, out, err = _run("ingest", src, tmp_path / "s.zarr", "--workers", "1")
+    assert code == 0, err
+    st = ScanStore(tmp_path / "s.zarr", mode="r")
+    assert sorted(st.scans()) == ids
+    assert st.attrs(long_id)["source"] == str(deep)
+    np.testing.assert_array_equal(st.read(long_id), read_cloud(deep).points)
+    assert sorted(q["source"].rsplit("/", 1)[-1] for q in st.quarantined()) == ["dangling.pcd", "loop_a.pcd", "loop_b.pcd"]
+    assert "ignored 3 file(s)" in err
+
+
+def test_glob_through_folder_link_loop_ingests_each_file_once(tmp_path, rng):
+    src = tmp_path / "src"
+    files = _scans(src, 2, rng)
+    os.symlink(".", src / "again")  # a folder link loop
+    ignored = []
+    items, problems = discover(str(src / "**" / "*.pcd"), tmp_path / "staging", ignored=ignored)
+    assert [s.scan_id for s in items] == [p.name for p in files] and problems == []
+    assert ignored and all("reached through a symbolic link" in i["reason"] for i in ignored)
+
+
+def test_direct_file_with_unknown_extension_is_one_line_error(tmp_path):
+    (tmp_path / "scan.doc").write_text("not a scan")
+    code, out, err = _run("ingest", tmp_path / "scan.doc", tmp_path / "s.zarr", "--workers", "1")
+    assert code == 2 and err.startswith("error: ") and "unknown format '.doc'" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "s.zarr").exists()
