@@ -25,7 +25,95 @@ from typing import Iterator
 log = logging.getLogger("scanforest")
 
 _server_lock = threading.Lock()
-_server = None
+_server: "_LocalAPI | None" = None
+
+
+class _LocalAPI:
+    """Prefect's API for this process when none is set: a uvicorn child serving
+    ``prefect.server.api.server:create_app``, which is what Prefect's own temporary server runs.
+
+    Started here rather than through ``prefect.server.api.server.SubprocessASGIServer`` because
+    importing that module loads the whole server stack (FastAPI, SQLAlchemy: 2.6 s of a 12 s
+    command on 2 cores) in the command's process, which only needs the client; and because
+    :func:`start_prefect_api` can then start it early, so it boots while the command imports
+    its flow and checks its input. Its output goes to ``PREFECT_HOME/scanforest-server.log``: when
+    the command ends the server is terminated, possibly mid-rollback, and it used to print a
+    SQLAlchemy traceback after the command's result.
+    """
+
+    def __init__(self):
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        home = os.path.expanduser(os.environ.get("PREFECT_HOME", "~/.prefect"))
+        os.makedirs(home, exist_ok=True)
+        self.log = os.path.join(home, "scanforest-server.log")
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+               "PREFECT__SERVER_FINAL": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        env.pop("PREFECT_API_URL", None)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
+                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
+                env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout: float = 90.0) -> str:
+        """Block until the API answers its health check (the first start migrates its database)."""
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"Prefect's local API did not start within {timeout:.0f} s; its log: {self.log} "
+                           "(or set PREFECT_API_URL to a running `prefect server start`)")
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_prefect_api() -> None:
+    """Start the local Prefect API in the background when none is set (no-op otherwise), so it
+    boots while the command does other work; :func:`ensure_prefect_api` waits for it.
+
+    Its URL is exported at once (``PREFECT_API_URL``), and Prefect's settings are refreshed if
+    Prefect is already imported, so nothing starts a second temporary server."""
+    global _server
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    with _server_lock:
+        if _server is None:
+            _server = _LocalAPI()
+            import atexit
+
+            atexit.register(_stop_server)
+        os.environ["PREFECT_API_URL"] = _server.url
+        import sys
+
+        if "prefect.context" in sys.modules:
+            sys.modules["prefect.context"].refresh_global_settings_context()
 
 
 def ensure_prefect_api() -> str:
@@ -33,26 +121,15 @@ def ensure_prefect_api() -> str:
 
     The URL is exported in ``os.environ`` so worker processes started afterwards inherit it.
     """
-    global _server
     quiet_prefect_logs()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
-    url = os.environ.get("PREFECT_API_URL")
-    if url:
-        _check_api(url)
-        return url
-    with _server_lock:
-        if _server is None:
-            from prefect.server.api.server import SubprocessASGIServer
-
-            srv = SubprocessASGIServer()
-            srv.start()
-            _server = srv
-            import atexit
-
-            atexit.register(_stop_server)
-        os.environ["PREFECT_API_URL"] = _server.api_url
-        return _server.api_url
+    start_prefect_api()
+    url = os.environ["PREFECT_API_URL"]
+    if _server is not None and url == _server.url:
+        return _server.wait_ready()
+    _check_api(url)  # the user's own server
+    return url
 
 
 def _check_api(url: str, timeout: float = 5.0) -> None:
@@ -141,15 +218,13 @@ def require_scans(st, ids, kind: str = "scan") -> None:
 def _stop_server() -> None:
     global _server
     if _server is not None:
-        import time
-
-        time.sleep(1.0)  # let the server's event recorder flush before it is terminated
         logging.disable(logging.INFO)  # at interpreter exit the log streams may already be closed
         with contextlib.suppress(Exception):
             _server.stop()
         logging.disable(logging.NOTSET)
+        if os.environ.get("PREFECT_API_URL") == _server.url:
+            os.environ.pop("PREFECT_API_URL", None)
         _server = None
-        os.environ.pop("PREFECT_API_URL", None)
 
 
 def _worker_plugin(env: dict[str, str]):
@@ -424,12 +499,15 @@ def _flow_key(flow) -> str:
 
 
 def _on_running(flow, flow_run, state) -> None:
-    """Flow hook: a run that started is in the store as ``running`` at once; one whose process is
-    killed stays so, and the report shows it as running or interrupted."""
+    """Flow hook: a run that started is in the store as ``running`` at once, with its host and
+    process id; one whose process is killed stays so, and the report shows it as interrupted."""
     st = _existing_store(flow_run.parameters.get("store"))
     if st is not None:
+        import socket
+
         st.write_run(_run_id(_flow_key(flow), flow_run),
                      {"flow": _flow_key(flow), "status": "running", "started": _iso(),
+                      "host": socket.gethostname(), "pid": os.getpid(),
                       "parameters": _public_params(flow_run.parameters), "versions": versions()})
 
 

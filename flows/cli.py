@@ -36,10 +36,20 @@ def _register_all() -> None:
 _register_all()
 
 
+#: commands that run Prefect flows: their local Prefect API starts with the command, and boots
+#: while the command imports its flow and checks its input (a user error still ends at once)
+FLOW_COMMANDS = {"ingest", "describe", "index", "match", "recognize", "align-store", "demo"}
+
+
 def main() -> None:
     """Console entry point: user errors print one clear line and exit 2, not a traceback."""
     from scanforest.kernels.errors import ScanforestError
 
+    args = sys.argv[1:]
+    if args and args[0] in FLOW_COMMANDS and not {"--help", "-h"} & set(args):
+        from ._runner import start_prefect_api
+
+        start_prefect_api()
     try:
         app()
     except ScanforestError as exc:

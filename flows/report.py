@@ -80,9 +80,25 @@ def _start_key(run: dict) -> float:
 
 
 def _status(run: dict) -> str:
-    """The run's state as the report shows it (records without ``status`` are completed runs)."""
+    """The run's state as the report shows it (records without ``status`` are completed runs). A
+    ``running`` record names the host and process that wrote it: on that host, a process that is
+    gone means the run was interrupted (killed); elsewhere the report cannot tell."""
     status = run.get("status", "completed")
-    return "running or interrupted" if status == "running" else status
+    if status != "running":
+        return status
+    import os
+    import socket
+
+    pid = run.get("pid")
+    if pid and run.get("host") == socket.gethostname():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return "interrupted"
+        except OSError:  # alive, owned by another user
+            pass
+        return "running"
+    return "running or interrupted"
 
 
 def _started(run: dict) -> str:
@@ -339,7 +355,8 @@ def write_report(store_path: str, out: str | Path, *, bench_dir: str | Path = "b
             rows[:MAX_DETECTION_ROWS]))
     else:
         parts.append("<p>No recognition results yet.</p>")
-    failed_runs = [r for r in runs if r.get("status") in ("failed", "running")]
+    failed_runs = [r for r in runs if r.get("status") == "failed" or _status(r) in ("interrupted",
+                                                                                  "running or interrupted")]
     failed_items = [[r["id"], x.get("scan_id", ""), x.get("reason", "")]
                     for r in runs for x in r.get("records") or [] if x.get("status") == "failed"]
     parts.append("<h2>Failures</h2>")

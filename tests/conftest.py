@@ -11,6 +11,16 @@ REPO = Path(__file__).resolve().parents[1]
 PCL_DIR = Path(os.environ.get("SCANFOREST_PCL_DATA", REPO.parent / "shared" / "data" / "pcl"))
 
 
+def pytest_configure(config):
+    """Each test process (``-n 2`` runs two) gets its own Prefect home: the temporary Prefect APIs
+    that flows start keep their SQLite database there, and two servers writing one file at once
+    can fail with "database is locked"."""
+    import tempfile
+
+    if "PREFECT_API_URL" not in os.environ:
+        os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="scanforest-test-prefect-")
+
+
 def _gpu() -> bool:
     from scanforest.kernels._backend import gpu_available
 

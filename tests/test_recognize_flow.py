@@ -79,7 +79,12 @@ def test_flow_process_killed_midway_then_rerun(tmp_path):
     for s, pose in before.items():
         np.testing.assert_array_equal(st.read(s, "det_pose"), pose)
     runs = [r for r in st.runs() if r.get("flow") == "recognize"]
-    assert runs and runs[-1]["summary"]["skipped"] == len(done_before)
+    done = [r for r in runs if r.get("status") == "completed"]
+    assert len(done) == 1 and done[0]["summary"]["skipped"] == len(done_before)
+    from scanforest.flows.report import _status
+
+    killed = [r for r in runs if r.get("status") == "running"]  # the killed run's record, left as it started
+    assert len(killed) == 1 and killed[0]["pid"] == proc.pid and _status(killed[0]) == "interrupted"
 
 
 def test_summary_sums_the_phase_timings_of_recognised_scenes():

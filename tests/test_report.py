@@ -199,3 +199,22 @@ def test_report_of_store_without_runs(tmp_path, quarantine):
     if shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome"):
         img, dom = _render(_chromium(), out, tmp_path)
         assert "scanforest report" in dom and img.std() > 1
+
+
+def test_a_killed_run_on_this_host_is_interrupted(tmp_path):
+    """A ``running`` record names its host and process: when that process is gone on this host
+    the run was killed, and the report says so; a live process is still running."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from scanforest.flows.report import _status
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    assert _status({"status": "running", "host": host, "pid": dead.pid}) == "interrupted"
+    assert _status({"status": "running", "host": host, "pid": os.getpid()}) == "running"
+    assert _status({"status": "running", "host": "elsewhere", "pid": 1}) == "running or interrupted"
+    assert _status({"status": "failed"}) == "failed" and _status({}) == "completed"
