@@ -498,16 +498,55 @@ def _flow_key(flow) -> str:
     return flow.name.removeprefix("scanforest-")
 
 
+def process_gone(run: dict) -> bool | None:
+    """Whether the process that wrote a ``running`` run record has ended: True or False on the
+    host that ran it, None elsewhere (another host's processes cannot be seen from here)."""
+    import socket
+
+    pid = run.get("pid")
+    if not pid or run.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, owned by another user
+        return False
+    return False
+
+
+def _mark_interrupted(st) -> None:
+    """Runs of this store that a killed process left ``running`` (on this host) become
+    ``interrupted`` in the store and ``Crashed`` in Prefect (when that API holds them), so an
+    operator sees them as failures, not as runs still going."""
+    for run in st.runs():
+        if run.get("status") != "running" or not process_gone(run):
+            continue
+        msg = f"interrupted: its process ({run['host']}, pid {run['pid']}) ended without finishing (killed)"
+        st.write_run(run["id"], {"status": "interrupted", "error": msg, "noticed": _iso()})
+        if run.get("flow_run_id"):
+            with contextlib.suppress(Exception):  # another API, or the run is gone: the store says it
+                from prefect.client.orchestration import get_client
+                from prefect.states import Crashed
+
+                with get_client(sync_client=True) as client:
+                    fr = client.read_flow_run(run["flow_run_id"])
+                    if fr.state is not None and fr.state.is_running():
+                        client.set_flow_run_state(fr.id, Crashed(message=msg), force=True)
+
+
 def _on_running(flow, flow_run, state) -> None:
-    """Flow hook: a run that started is in the store as ``running`` at once, with its host and
-    process id; one whose process is killed stays so, and the report shows it as interrupted."""
+    """Flow hook: a run that started is in the store as ``running`` at once, with its host,
+    process id and Prefect flow run id; runs that earlier killed processes left ``running`` are
+    marked interrupted (:func:`_mark_interrupted`)."""
     st = _existing_store(flow_run.parameters.get("store"))
     if st is not None:
         import socket
 
+        _mark_interrupted(st)
         st.write_run(_run_id(_flow_key(flow), flow_run),
                      {"flow": _flow_key(flow), "status": "running", "started": _iso(),
-                      "host": socket.gethostname(), "pid": os.getpid(),
+                      "host": socket.gethostname(), "pid": os.getpid(), "flow_run_id": str(flow_run.id),
                       "parameters": _public_params(flow_run.parameters), "versions": versions()})
 
 

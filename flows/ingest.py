@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import uuid
 from typing import Any
 
 from prefect import flow
@@ -59,7 +60,9 @@ def _ingest(source: str, store: str, units: str, progress: bool, batch: int | No
         for prob in problems:
             st.quarantine(prob["source"], prob["reason"],
                           key=scan_id_for(prob["source"].replace("::", "/").lstrip("/")))
-        records = map_batches(ingest_scan, sources, item_param="sources", common=dict(store=store, units=units),
+        run = uuid.uuid4().hex  # marks the scans this run writes (see ingest_file)
+        records = map_batches(ingest_scan, sources, item_param="sources",
+                              common=dict(store=store, units=units, run=run),
                               label="ingest", batch=batch or auto_batch(len(sources), nw), progress=progress)
         summary = summarize(records, time.perf_counter() - t0)
         summary["quarantined"] += len(problems)

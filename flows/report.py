@@ -83,22 +83,13 @@ def _status(run: dict) -> str:
     """The run's state as the report shows it (records without ``status`` are completed runs). A
     ``running`` record names the host and process that wrote it: on that host, a process that is
     gone means the run was interrupted (killed); elsewhere the report cannot tell."""
+    from ._runner import process_gone
+
     status = run.get("status", "completed")
     if status != "running":
         return status
-    import os
-    import socket
-
-    pid = run.get("pid")
-    if pid and run.get("host") == socket.gethostname():
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return "interrupted"
-        except OSError:  # alive, owned by another user
-            pass
-        return "running"
-    return "running or interrupted"
+    gone = process_gone(run)
+    return "running or interrupted" if gone is None else "interrupted" if gone else "running"
 
 
 def _started(run: dict) -> str:

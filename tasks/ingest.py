@@ -50,8 +50,12 @@ def sidecar_for(path: str | os.PathLike) -> Path:
     return p.with_name(p.name[: -len(p.suffix)] + SIDECAR_SUFFIX if p.suffix else p.name + SIDECAR_SUFFIX)
 
 
-def ingest_file(store_path: str, source: Source, *, units: str = "m") -> dict[str, Any]:
+def ingest_file(store_path: str, source: Source, *, units: str = "m", run: str | None = None) -> dict[str, Any]:
     """Ingest one file into the store; never raises for a bad file (it is quarantined).
+
+    ``run``: the ingest run's token, kept in the scan's attributes. When Dask runs this unit again
+    after its worker was lost, the scan that the lost worker had finished is reported as
+    ``ingested`` by this run, not ``skipped`` (a skip is work done by an earlier or another run).
 
     The scan's claim is held from the "is it current?" check to the complete flag, so two
     ingests of the same file at once write it once: the second waits, then finds it current.
@@ -72,11 +76,15 @@ def ingest_file(store_path: str, source: Source, *, units: str = "m") -> dict[st
         return done("quarantined", reason=f"cannot read file: {exc}")
     digest = sha256_bytes(data)
     rec["bytes"] = len(data)
+    def current() -> dict[str, Any]:
+        a = store.attrs(source.scan_id)
+        return done("ingested" if run and a.get("ingest_run") == run else "skipped", points=int(a.get("n_points", 0)))
+
     if store.is_current(source.scan_id, digest):  # the common re-ingest case, without waiting for a claim
-        return done("skipped", points=int(store.attrs(source.scan_id).get("n_points", 0)))
+        return current()
     with store.claim(source.scan_id):
         if store.is_current(source.scan_id, digest):  # another ingest wrote it while we waited
-            return done("skipped", points=int(store.attrs(source.scan_id).get("n_points", 0)))
+            return current()
         try:
             cloud = read_cloud(source.path, data)
         except ScanReadError as exc:
@@ -93,6 +101,7 @@ def ingest_file(store_path: str, source: Source, *, units: str = "m") -> dict[st
             "bbox": {"min": cloud.bbox[0], "max": cloud.bbox[1]},
             "ingested_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "dtype": str(cloud.points.dtype),
+            "ingest_run": run,
         }
         for key in ("width", "height", "viewpoint", "organized"):
             if key in cloud.meta:

@@ -95,9 +95,9 @@ def batch_name(items: list, attr: str | None = None) -> str:
 
 @task(name="ingest", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
       task_run_name=lambda: "ingest " + _run_label("sources", "scan_id"))
-def ingest_scan(store: str, sources: list[Source], units: str = "m") -> list[dict[str, Any]]:
+def ingest_scan(store: str, sources: list[Source], units: str = "m", run: str | None = None) -> list[dict[str, Any]]:
     """Ingest scan files, one Dask task per file (skip when unchanged, quarantine when unreadable)."""
-    return on_cluster_many(ingest_file, [((store, s), {"units": units}) for s in sources])
+    return on_cluster_many(ingest_file, [((store, s), {"units": units, "run": run}) for s in sources])
 
 
 @task(name="describe", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,

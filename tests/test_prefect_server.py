@@ -144,3 +144,36 @@ def test_cron_schedule_fires_on_a_real_server(tmp_path, prefect_server):
     # the hand-triggered run is not the scheduled one, and both did their work in the store
     assert _api(api + f"/flow_runs/{manual['flow_run_id']}")["auto_scheduled"] is False
     assert ScanStore(store, mode="r").scans() == ["a0.npy", "a1.npy", "a2.npy", "b0.npy"]
+
+
+def test_a_killed_run_is_marked_interrupted_and_crashed(tmp_path):
+    """A run whose process was killed stays "running" in the store and in Prefect; the next flow
+    on that store marks it interrupted in the store and Crashed in Prefect (same API)."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from scanforest.flows._runner import RUN_HOOKS, _mark_interrupted, ensure_prefect_api
+
+    ensure_prefect_api()
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    @flow(name="scanforest-probe", **RUN_HOOKS)
+    def probe(store: str) -> str:
+        from prefect.runtime import flow_run
+
+        return flow_run.id
+
+    run_id = probe(str(tmp_path / "s.zarr"))  # a real flow run, then pretend its process was killed
+    with get_client(sync_client=True) as client:
+        from prefect.states import Running
+
+        client.set_flow_run_state(run_id, Running(), force=True)
+    rec = next(r for r in st.runs() if r.get("flow_run_id") == run_id)
+    st.write_run(rec["id"], {"status": "running", "pid": dead.pid, "finished": None})
+    _mark_interrupted(st)
+    rec = next(r for r in st.runs() if r["id"] == rec["id"])
+    assert rec["status"] == "interrupted" and f"pid {dead.pid}" in rec["error"]
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(run_id).state.is_crashed()

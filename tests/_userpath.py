@@ -1,0 +1,46 @@
+"""What the user-path tests share: the installed command run as a user runs it, in a fresh
+environment (an empty numba cache, no Prefect API, no thread settings), and the checks that its
+output is a result or exactly one error line."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCANFOREST = str(Path(sys.executable).with_name("scanforest"))
+
+
+def fresh_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of a fresh machine: an empty numba cache, no Prefect API set, no thread
+    settings of ours, nothing but what a user's shell has."""
+    cache = tmp_path_factory.mktemp("numba-cache-cold")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PREFECT_API_URL", "NUMBA_NUM_THREADS", "SCANFOREST_"))}
+    env.update(NUMBA_CACHE_DIR=str(cache), PREFECT_HOME=str(tmp_path_factory.mktemp("prefect-home")),
+               PYTHONUNBUFFERED="1", COLUMNS="120")
+    return env
+
+
+def sf(*args: str, env: dict, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``scanforest ARGS`` as a user types it, from the environment's own installation."""
+    return subprocess.run([SCANFOREST, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    """The command succeeded with no traceback anywhere in its output; its stdout."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
+    return proc.stdout
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit 2, no traceback, and exactly one ``error:`` line, naming each of ``needles``."""
+    lines = [ln for ln in proc.stderr.splitlines()
+             if ln.strip() and not ln.startswith(("device:", "note:"))]
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
