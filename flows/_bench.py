@@ -39,7 +39,7 @@ class BenchRow:
 
 
 def environment() -> dict[str, Any]:
-    from scanforest.kernels._backend import gpu_available, gpu_name
+    from scanforest.kernels.backend import gpu_available, gpu_name
 
     env = {
         "python": sys.version.split()[0],

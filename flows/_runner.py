@@ -227,31 +227,44 @@ def _stop_server() -> None:
         _server = None
 
 
-def _worker_plugin(env: dict[str, str]):
+class _LocalShutdownNoise(logging.Filter):
+    """In a worker of a cluster the command started itself, a heartbeat that fails because the
+    scheduler is gone happens only while the command shuts its cluster down; its ERROR and
+    traceback were printed after the command's result on a busy machine."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "during heartbeat" not in record.getMessage()
+
+
+def _worker_plugin(env: dict[str, str], local: bool = False):
     """Worker plugin, run in every worker (present and future) before its first task: give it the
     flow's Prefect API URL, and settle numba's thread count while no numba thread runs
-    (:func:`scanforest.kernels._backend.settle_numba_threads`)."""
+    (:func:`scanforest.kernels.backend.settle_numba_threads`). ``local``: the command started this
+    cluster, and its shutdown is not an error (:class:`_LocalShutdownNoise`)."""
     from distributed.diagnostics.plugin import WorkerPlugin
 
     class WorkerSetup(WorkerPlugin):
         name = "scanforest-worker-setup"
 
-        def __init__(self, env):
+        def __init__(self, env, local):
             self.env = env
+            self.local = local
 
         def setup(self, worker):
             os.environ.update(self.env)
-            from scanforest.kernels._backend import settle_numba_threads
+            if self.local:
+                logging.getLogger("distributed.worker").addFilter(_LocalShutdownNoise())
+            from scanforest.kernels.backend import settle_numba_threads
 
             settle_numba_threads()
 
-    return WorkerSetup(env)
+    return WorkerSetup(env, local)
 
 
 def _want_gpu_cluster(device: str) -> bool:
     if device == "cpu":
         return False
-    from scanforest.kernels._backend import gpu_available
+    from scanforest.kernels.backend import gpu_available
 
     if not gpu_available():
         return False
@@ -301,7 +314,7 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
         client = Client(cluster)
     quiet_prefect_logs()
     try:
-        client.register_plugin(_worker_plugin(env), name="scanforest-worker-setup")
+        client.register_plugin(_worker_plugin(env, local=cluster is not None), name="scanforest-worker-setup")
         yield client
     finally:
         client.close()
@@ -324,7 +337,7 @@ def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
     round-robin: worker ``i`` is a plain Dask worker process whose ``CUDA_VISIBLE_DEVICES`` starts
     with GPU ``i mod G``. That suits stages whose work per GPU is partly host-bound (recognition's
     grouping, Zarr I/O), and it runs the multi-worker paths on a one-GPU machine."""
-    from scanforest.kernels._backend import gpu_count
+    from scanforest.kernels.backend import gpu_count
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devs = [d for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(gpu_count())]

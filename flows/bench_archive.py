@@ -53,9 +53,9 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     each stage is always a complete run over the whole archive, and its figures are recorded in
     ``workdir/bench-stages.json``, so a long archive can be measured stage by stage (for example
     within a per-command time limit) and the whole-archive figures combine the recorded stages."""
-    from scanforest.kernels._backend import describe_device, gpu_count, resolve_device
+    from scanforest.kernels.backend import describe_device, gpu_count, resolve_device
     from scanforest.kernels.errors import InputError
-    from scanforest.kernels.synthetic import recognition_presets
+    from scanforest.kernels.synthetic.scenes import recognition_presets
     from scanforest.tasks.describe import DescribeParams
     from scanforest.tasks.store import ScanStore
     from scanforest.tasks.synth import write_archive

@@ -3,7 +3,7 @@
 Prefect-free and OpenCV-free (tracks are the synthetic generator's exact tracks; KLT is timed
 separately when OpenCV is importable), so it runs on a bare GPU machine.
 
-Scene: the two-layer synthetic sequence (:func:`scanforest.kernels.synthetic_flow.sequence`,
+Scene: the two-layer synthetic sequence (:func:`scanforest.kernels.synthetic.sequences.sequence`,
 ``layers``: background (-1.2, 0.3) px/frame, foreground disc (2.1, 0.8) px/frame, so the DFS
 has 4 x 2 = 8 labels, the paper's count), ``--features`` exact tracks per pair (default 156: the
 feature count of the paper's timed 320x240 runs, Fig. 4 and 5). Per size and method:
@@ -82,7 +82,7 @@ def split_ms(fn, repeat: int, warmup: int = 2) -> tuple[float, float]:
 
 
 def _scene(h, w, n_frames, features, flows=None, seed=3):
-    from scanforest.kernels.synthetic_flow import sequence, tracks_from_flow
+    from scanforest.kernels.synthetic.sequences import sequence, tracks_from_flow
 
     bg, fg = flows or _SWEEP[8]
     seq = sequence("layers", height=h, width=w, n_frames=n_frames, background=bg, foreground=fg,
@@ -93,10 +93,10 @@ def _scene(h, w, n_frames, features, flows=None, seed=3):
 
 def accuracy_rows(device: str, features: int = 156, size=(240, 320), cpu_check: bool = True):
     """EPE / AE / coverage per synthetic sequence and method (exact tracks); CPU vs GPU agreement."""
-    from scanforest.kernels._backend import to_numpy
-    from scanforest.kernels.flow import dense_flow
-    from scanforest.kernels.flow_metrics import flow_errors
-    from scanforest.kernels.synthetic_flow import KINDS, sequence, tracks_from_flow
+    from scanforest.kernels.backend import to_numpy
+    from scanforest.kernels.motion.metrics import flow_errors
+    from scanforest.kernels.motion.optical_flow import dense_flow
+    from scanforest.kernels.synthetic.sequences import KINDS, sequence, tracks_from_flow
 
     rows = []
     h, w = size
@@ -141,8 +141,8 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
               out=None, cpu: bool = True, cpu_repeat: int = 3, label_sweep=(8, 25, 64, 128, 256),
               accuracy: bool = True, merry_go_round: bool = True, time_limit: float = 1e9):
     """Run the benchmark; ``sizes`` is a list of (width, height). Returns the JSON path."""
-    from scanforest.kernels._backend import describe_device, resolve_device, to_numpy
-    from scanforest.kernels.flow import dense_flow
+    from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
+    from scanforest.kernels.motion.optical_flow import dense_flow
 
     from ._bench import BenchReport
 
@@ -161,7 +161,7 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
     cpu_name = describe_device("cpu")
     gpu_name = describe_device("gpu") if dev == "gpu" else None
     t_start = time.time()
-    from scanforest.kernels.flow import klt_tracks
+    from scanforest.kernels.motion.optical_flow import klt_tracks
 
     have_cv2 = importlib.util.find_spec("cv2") is not None
     for w, h in sizes:
@@ -187,7 +187,7 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
                 continue
             import cupy as cp
 
-            from scanforest.kernels import _flow_gpu as g
+            from scanforest.kernels.motion import _optical_flow_gpu as g
 
             base = dict(baseline="CPU numba" if t_cpu else None, baseline_value=t_cpu,
                         higher_is_better=False)
@@ -259,7 +259,7 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
 
 def _kernel_ms(g, ds, tracks, method, r, repeat):
     """CUDA-event time of the flow kernel alone for a sequence already on the device."""
-    from scanforest.kernels import flow as F
+    from scanforest.kernels.motion import optical_flow as F
 
     tl = [np.asarray(t, np.float32) for t in tracks]
     nb = len(tl)
@@ -284,7 +284,7 @@ def _kernel_ms(g, ds, tracks, method, r, repeat):
 def _merry_go_round(rep, gpu_name, cpu_name, cpu, repeat):
     """The paper's second configuration: 422 features; hypotheses with 25 labels (size unknown
     in the paper; measured at 320x240)."""
-    from scanforest.kernels.flow import dense_flow
+    from scanforest.kernels.motion.optical_flow import dense_flow
 
     seq, tracks = _scene(240, 320, 2, 422, flows=_SWEEP[25], seed=11)
     f0, f1 = seq.frames[0], seq.frames[1]

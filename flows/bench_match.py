@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scanforest.kernels._backend import describe_device, resolve_device
-from scanforest.kernels.bruteforce import recall
+from scanforest.kernels.backend import describe_device, resolve_device
 from scanforest.kernels.errors import InputError
+from scanforest.kernels.knn.bruteforce import recall
 
 from ._bench import BenchReport, read_record
 from ._runner import dask_client
@@ -149,7 +149,7 @@ def _reference(n: int, d: int, clusters: int, dev: str, dtype: str, piece: int =
     """The synthetic reference (seed 1): whole up to ``whole_max`` (16M) rows (the figures of
     earlier runs), else in ``piece``-row parts of their own seeds, written into a host array of
     ``dtype`` (a 100M x 352 reference never exists in float32 anywhere)."""
-    from .cli_ann import clustered
+    from ._bench_data import clustered
 
     xp = np
     if dev == "gpu":
@@ -170,7 +170,7 @@ def _reference(n: int, d: int, clusters: int, dev: str, dtype: str, piece: int =
 
 def _piece(i: int, n: int, d: int, clusters: int, xp, piece: int = PIECE):
     """Piece ``i`` (rows ``i * piece`` to ``(i + 1) * piece``) of a reference drawn in pieces, float32."""
-    from .cli_ann import clustered
+    from ._bench_data import clustered
 
     a = i * piece
     return clustered(min(piece, n - a), d, clusters=clusters, seed=1_000_003 * (i + 1) + 1, xp=xp)
@@ -203,7 +203,7 @@ class GeneratedShards:
 
     @property
     def attrs(self) -> dict:
-        from scanforest.kernels.sharded import shard_ranges
+        from scanforest.kernels.knn.sharded import shard_ranges
 
         src = json.dumps({"n": self.n, "d": self.d, "clusters": self.clusters, "dtype": self.dtype,
                           "params": dict(self.params), "shards": self.shards, "piece": self.piece}, sort_keys=True)
@@ -223,7 +223,7 @@ class GeneratedShards:
         return out
 
     def load(self, shard: int, device: str = "auto", method: str | None = None):
-        from scanforest.kernels.sharded import Shard
+        from scanforest.kernels.knn.sharded import Shard
         from scanforest.tasks import index as idx
 
         idx._pin_on_dask_cuda()
@@ -315,7 +315,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         raise InputError(f"reference must be 'store' or 'workers', got {reference!r}")
     from scanforest.tasks import index as idx
 
-    from .cli_ann import clustered
+    from ._bench_data import clustered
     from .distributed import DistributedIndex
 
     dev = resolve_device(device)
@@ -404,7 +404,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                 rep.add(f"shard load ({what}), {w} workers", time.perf_counter() - t0, "s",
                         where, higher_is_better=False)
                 # the memory plan beside the measurement: estimated residency vs what the shards hold
-                from scanforest.kernels.sharded import search_working_bytes, shard_resident_bytes
+                from scanforest.kernels.knn.sharded import search_working_bytes, shard_resident_bytes
 
                 held = client.run(_resident_bytes, workers=sorted(set(di.placement.values())))
                 rows = -(-n // w)

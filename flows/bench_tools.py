@@ -13,7 +13,7 @@ brute force), and on it every tool's recall@P / queries-per-second curve:
   ``--nprobe`` lists and ``IndexHNSWFlat`` over ``--ef-search``.
 
 CPU tools run on ``--threads`` threads (numba, OpenMP). Recall counts a returned neighbour when
-its canonical distance (:func:`scanforest.kernels.bruteforce.pair_distances`, the brute force's
+its canonical distance (:func:`scanforest.kernels.knn.bruteforce.pair_distances`, the brute force's
 own arithmetic) is at most the exact P-th distance, for every tool alike. The last rows compare
 scanforest with each tool at matched recall: for every ``--target``, the fastest measured point
 of each at recall >= the target (scanforest's exact brute force included, at recall 1), with no
@@ -30,7 +30,7 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError
 
-from .cli_ann import _timeit, clustered
+from ._bench_data import _timeit, clustered
 
 
 def _best_at(points, target):
@@ -41,7 +41,7 @@ def _best_at(points, target):
 
 def _recall_of(X, Q, ids, ed, k):
     """Recall@k of another tool's ids, by the brute force's own distances of those pairs."""
-    from scanforest.kernels.bruteforce import pair_distances, recall
+    from scanforest.kernels.knn.bruteforce import pair_distances, recall
 
     return recall(pair_distances(X, Q, ids, device="cpu"), ed, k)
 
@@ -134,9 +134,9 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         repeat: int = 3, out=None):
     """Measure every tool on one data set and print the table (see the module docstring)."""
     from scanforest.flows._bench import BenchReport, numba_threads
-    from scanforest.kernels._backend import describe_device, resolve_device, to_numpy
-    from scanforest.kernels.bruteforce import knn_bruteforce, recall
-    from scanforest.kernels.kdforest import KDForest
+    from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
+    from scanforest.kernels.knn.bruteforce import knn_bruteforce, recall
+    from scanforest.kernels.knn.kdforest import KDForest
 
     targets = [float(t) for t in (targets if isinstance(targets, (list, tuple)) else [targets])]
     if not targets or not all(0 < t <= 1 for t in targets):
@@ -162,7 +162,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     else:
         xp, sync = np, (lambda: None)
     if real:
-        from .cli_ann import pcl_shot_dataset
+        from ._bench_data import pcl_shot_dataset
 
         X, Q, clouds = pcl_shot_dataset(real, device=dev, max_queries=m)
         if n and len(X) > n:  # a random subset of the reference, the same for every tool

@@ -7,7 +7,7 @@ parameters, objective history, stages) instead, ``-o OUT.json`` writes it beside
 
 ``scanforest bench align`` runs the paper's settings on synthetic data with a known transform
 (reference and observed points are independent samples of one shape, see
-:func:`scanforest.kernels.pcha.synthetic_problem`): 1M observed points, 2-D and 3-D, every model;
+:func:`scanforest.kernels.align.pcha.synthetic_problem`): 1M observed points, 2-D and 3-D, every model;
 time per LM iteration (one evaluation of f, g, H at the candidate plus the host step) and total
 (upload of points and of the distance-transform table included, the DT itself excluded as in
 the paper; a second row with the table already resident), fused vs two-kernel, batched vs one
@@ -85,7 +85,7 @@ def _rotation(A: np.ndarray):
 
 def format_summary(res, observed: str, reference: str, seconds: float) -> str:
     """A few lines for a person: model, outcome, residual, the pose, time and device."""
-    from scanforest.kernels._backend import describe_device
+    from scanforest.kernels.backend import describe_device
 
     d = res.transform.shape[0] - 1
     state = "converged" if res.converged else f"NOT converged ({res.status})"
@@ -142,9 +142,9 @@ def convergence_table(models=None, levels=(0.25, 0.5, 1.0, 1.5), trials: int = 1
     estimated and the true transform over the observed points is below ``success`` (relative to
     the shape size, about 1). Returns a list of dict rows.
     """
-    from scanforest.kernels import transforms as T
-    from scanforest.kernels.edt import distance_transform
-    from scanforest.kernels.pcha import align_batch, point_error, synthetic_problem
+    from scanforest.kernels.align import transforms as T
+    from scanforest.kernels.align.edt import distance_transform
+    from scanforest.kernels.align.pcha import align_batch, point_error, synthetic_problem
 
     rows = []
     for dim, names in T.MODEL_NAMES.items():
@@ -186,11 +186,11 @@ def format_convergence(rows) -> str:
 def run_bench(points, dims, models, batch, batch_points, sweep, device, out, cpu, convergence,
               trials, repeat, level, time_limit):
     from scanforest.flows._bench import BenchReport
-    from scanforest.kernels import transforms as T
-    from scanforest.kernels._backend import describe_device, resolve_device
-    from scanforest.kernels.edt import distance_transform
-    from scanforest.kernels.pcha import (CpuEvaluator, align, align_batch, point_error,
-                                         synthetic_problem)
+    from scanforest.kernels.align import transforms as T
+    from scanforest.kernels.align.edt import distance_transform
+    from scanforest.kernels.align.pcha import (CpuEvaluator, align, align_batch, point_error,
+                                               synthetic_problem)
+    from scanforest.kernels.backend import describe_device, resolve_device
 
     dev = resolve_device(device)
     params = dict(points=points, dims=dims, models=models, batch=batch, batch_points=batch_points,
@@ -208,7 +208,7 @@ def run_bench(points, dims, models, batch, batch_points, sweep, device, out, cpu
     gpu_name = describe_device("gpu") if dev == "gpu" else None
     t_start = time.time()
     if dev == "gpu":
-        from scanforest.kernels._pcha_gpu import GpuEvaluator
+        from scanforest.kernels.align._pcha_gpu import GpuEvaluator
 
     for dim in dims:
         _, ref, _ = synthetic_problem("rigid", dim, 100, n_reference=max(4000, points // 4), seed=0)
@@ -394,10 +394,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """
         # --max-iter is 300, not the kernel's 100: flat scans (a wall, a turtle shell) slide
         # slowly along their surface; PCL's cturtle.pcd turned by 30 degrees needs 140-210.
-        from scanforest.kernels import transforms as T
-        from scanforest.kernels._backend import resolve_device
+        from scanforest.kernels.align import transforms as T
+        from scanforest.kernels.align.pcha import INITS, align
+        from scanforest.kernels.backend import resolve_device
         from scanforest.kernels.errors import InputError
-        from scanforest.kernels.pcha import INITS, align
 
         t0 = time.perf_counter()
         names = {n for names in T.MODEL_NAMES.values() for n in names}

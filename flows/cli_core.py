@@ -17,11 +17,11 @@ DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | gpu: auto uses t
 
 def choose_device(device: str) -> str:
     """Resolve --device and say what was chosen (stderr), e.g. 'device: gpu (NVIDIA H100 80GB HBM3)'."""
-    from scanforest.kernels._backend import describe_device, resolve_device
+    from scanforest.kernels.backend import describe_device, resolve_device
 
     dev = resolve_device(device)
     typer.echo(f"device: {describe_device(dev)}" + (" [auto]" if device == "auto" else ""), err=True)
-    from scanforest.kernels._backend import numba_cache_cold
+    from scanforest.kernels.backend import numba_cache_cold
 
     cold = numba_cache_cold()
     if cold:
@@ -165,7 +165,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """
         import shutil
 
-        from scanforest.kernels import synthetic
+        from scanforest.kernels.synthetic import scenes as synthetic
         from scanforest.tasks.ingest import Source, ingest_file
         from scanforest.tasks.readers import write_cloud
 
@@ -244,8 +244,8 @@ def _demo_stages(store: Path, device: str) -> None:
     m = run_match(str(store), k=4, name="models", device=device, progress=True)
     typer.echo(f"match: {m['queries']:,} scene descriptors x top-{m['k']} over {m['shards']} shards "
                f"on {m['workers']} workers in {m['seconds']:.1f} s")
-    from scanforest.kernels._backend import resolve_device
-    from scanforest.kernels.synthetic import recognition_presets
+    from scanforest.kernels.backend import resolve_device
+    from scanforest.kernels.synthetic.scenes import recognition_presets
 
     from .recognize import run_recognize
 

@@ -87,7 +87,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     ):
         """Flow of every consecutive frame pair of the store's sequences (idempotent)."""
         from scanforest.kernels.errors import InputError
-        from scanforest.kernels.flow import METHODS
+        from scanforest.kernels.motion.optical_flow import METHODS
 
         from .flow import run_flow
 
@@ -127,9 +127,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """Flow of one frame pair; writes FLOW.npy and FLOW.valid.npy (and --png)."""
         import numpy as np
 
-        from scanforest.kernels._backend import resolve_device, to_numpy
-        from scanforest.kernels.flow import dense_flow
-        from scanforest.kernels.flow_metrics import flow_to_rgb, png_bytes
+        from scanforest.kernels.backend import resolve_device, to_numpy
+        from scanforest.kernels.motion.metrics import flow_to_rgb, png_bytes
+        from scanforest.kernels.motion.optical_flow import dense_flow
         from scanforest.tasks.flow import read_frame
 
         a, b = read_frame(frame0), read_frame(frame1)

@@ -9,7 +9,7 @@
   and the detections' poses against the true pose (``milk.pcd`` was cut out of the scene: the
   identity).
 * **Synthetic** (``--synthetic``): a library of synthetic models described through rendered
-  views, scenes from :func:`scanforest.kernels.synthetic.make_scene` (3 instances, 3 clutter
+  views, scenes from :func:`scanforest.kernels.synthetic.scenes.make_scene` (3 instances, 3 clutter
   objects, occlusion) per noise level; precision, recall, rotation error (degrees) and
   translation error (mesh resolutions) per noise level.
 * **Archive** (``--archive N``): N synthetic scenes of ``--archive-points`` points (noise 0.2
@@ -34,8 +34,8 @@ TUTORIAL = dict(scene_ss=0.03, method="hough", cg_size=0.01, cg_thresh=5, max_di
 TUTORIAL_LIB = dict(model_ss=0.01, descr_rad=0.02, rf_rad=0.015, normal_k=10)
 
 # synthetic setup: model sizes 0.15-0.35 m, resolution ~3 mm
-from scanforest.kernels.synthetic import SYNTHETIC_LIBRARY as SYN_LIB  # noqa: E402
-from scanforest.kernels.synthetic import SYNTHETIC_RECOGNIZE as SYN_REC  # noqa: E402
+from scanforest.kernels.synthetic.scenes import SYNTHETIC_LIBRARY as SYN_LIB  # noqa: E402
+from scanforest.kernels.synthetic.scenes import SYNTHETIC_RECOGNIZE as SYN_REC  # noqa: E402
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -100,7 +100,7 @@ def _pcl_tutorial(rep, binary, pdir, threads, repeats):
 
 
 def _run_real(lib, scene, dev, repeats, warmup, method):
-    from scanforest.kernels.recognition import recognize
+    from scanforest.kernels.recognition.pipeline import recognize
 
     kw = dict(TUTORIAL, method=method)
     for _ in range(warmup):
@@ -141,8 +141,8 @@ def bench_recognize(
 ) -> None:
     """Seconds per scene (phase breakdown, CPU vs GPU) and synthetic detection accuracy."""
     from scanforest.flows._bench import BenchReport, numba_threads
-    from scanforest.kernels._backend import describe_device, gpu_available
-    from scanforest.kernels.recognition import ModelLibrary, pose_errors
+    from scanforest.kernels.backend import describe_device, gpu_available
+    from scanforest.kernels.recognition.pipeline import ModelLibrary, pose_errors
 
     rep = BenchReport("recognize", {"real": real, "synthetic": synthetic, "repeats": repeats,
                                     "method": method, "tutorial": TUTORIAL,
@@ -228,9 +228,9 @@ def bench_recognize(
 
 
 def _synthetic(rep, noises, n_scenes, n_points, method, device, refine="icp"):
-    from scanforest.kernels import synthetic as S
-    from scanforest.kernels._backend import describe_device, resolve_device
-    from scanforest.kernels.recognition import ModelLibrary, evaluate, recognize
+    from scanforest.kernels.backend import describe_device, resolve_device
+    from scanforest.kernels.recognition.pipeline import ModelLibrary, evaluate, recognize
+    from scanforest.kernels.synthetic import scenes as S
 
     dev = resolve_device(device)
     models = S.model_library(5, 12_000, seed=1)
@@ -293,7 +293,7 @@ _ONE_THREAD = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "
 
 def _archive_scene(args):
     """One archive scene (run in a generator process)."""
-    from scanforest.kernels import synthetic as S
+    from scanforest.kernels.synthetic import scenes as S
 
     models, n_points, noise, seed = args
     return S.make_scene(models, n_instances=3, n_points=n_points, noise=noise, clutter=3, seed=seed)
@@ -306,9 +306,9 @@ def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers
     from collections import deque
     from concurrent.futures import ProcessPoolExecutor
 
-    from scanforest.kernels import synthetic as S
-    from scanforest.kernels._backend import describe_device, resolve_device
-    from scanforest.kernels.recognition import ModelLibrary, evaluate, recognize
+    from scanforest.kernels.backend import describe_device, resolve_device
+    from scanforest.kernels.recognition.pipeline import ModelLibrary, evaluate, recognize
+    from scanforest.kernels.synthetic import scenes as S
 
     dev = resolve_device(device)
     models = S.model_library(5, 12_000, seed=1)

@@ -38,10 +38,10 @@ def shot_command(
     device: str = typer.Option("auto", help="auto | cpu | gpu"),
 ) -> None:
     """Compute SHOT352 descriptors and local reference frames for one scan."""
-    from scanforest.kernels._backend import resolve_device, to_device, to_numpy
-    from scanforest.kernels.keypoints import keypoints
-    from scanforest.kernels.normals import normals
-    from scanforest.kernels.shot import shot
+    from scanforest.kernels.backend import resolve_device, to_device, to_numpy
+    from scanforest.kernels.descriptors.keypoints import keypoints
+    from scanforest.kernels.descriptors.normals import normals
+    from scanforest.kernels.descriptors.shot import shot
     from scanforest.tasks.readers import read_cloud
 
     cloud = read_cloud(file)
@@ -147,8 +147,8 @@ def gpu_pipeline(pts_host, radius, normal_k, *, keypoints="all", approximate=Fal
     """End-to-end GPU SHOT on host points; returns (desc, frames, phases dict seconds)."""
     import cupy as cp
 
-    from scanforest.kernels import _neighbors_gpu as ng
-    from scanforest.kernels import _shot_gpu as sg
+    from scanforest.kernels.descriptors import _shot_gpu as sg
+    from scanforest.kernels.neighbors import _search_gpu as ng
 
     ph = _Phases()
     ph.mark("start")
@@ -176,7 +176,7 @@ def gpu_pipeline(pts_host, radius, normal_k, *, keypoints="all", approximate=Fal
     counts = ng.count(g, kp, radius)
     cap = None
     if approximate:
-        from scanforest.kernels.shot import median_count
+        from scanforest.kernels.descriptors.shot import median_count
 
         cap = median_count(counts)
     ph.mark("neighbour count")
@@ -214,8 +214,8 @@ def gpu_pipeline(pts_host, radius, normal_k, *, keypoints="all", approximate=Fal
 
 
 def cpu_pipeline(pts, radius, normal_k, kp_idx):
-    from scanforest.kernels.normals import normals
-    from scanforest.kernels.shot import shot
+    from scanforest.kernels.descriptors.normals import normals
+    from scanforest.kernels.descriptors.shot import shot
 
     t0 = time.perf_counter()
     n, _ = normals(pts, k=normal_k, device="cpu")
@@ -241,7 +241,7 @@ def bench_shot(
 ) -> None:
     """SHOT352 keypoints/s end to end, GPU and CPU in the same run, with a phase breakdown."""
     from scanforest.flows._bench import BenchReport
-    from scanforest.kernels._backend import describe_device, gpu_available
+    from scanforest.kernels.backend import describe_device, gpu_available
     from scanforest.tasks.readers import read_cloud
 
     if scene is None:
@@ -278,7 +278,7 @@ def bench_shot(
         return
     import cupy as cp
 
-    from scanforest.kernels import _shot_gpu as sg
+    from scanforest.kernels.descriptors import _shot_gpu as sg
 
     gdev = describe_device("gpu")
 
@@ -368,7 +368,7 @@ def _agreement(rep, pts, radius, normal_k, best, cpu_out, gdev):
     """GPU vs CPU descriptors on the CPU's keypoint subset (same pipeline: k-NN normals)."""
     import cupy as cp
 
-    from scanforest.kernels import _neighbors_gpu as ng
+    from scanforest.kernels.neighbors import _search_gpu as ng
 
     sub, dcpu, fcpu = next(iter(cpu_out.values()))
     dg, fg, _, _, _ = gpu_pipeline(pts, radius, normal_k, lpk=best)
@@ -391,7 +391,7 @@ def _agreement(rep, pts, radius, normal_k, best, cpu_out, gdev):
 # ---------------------------------------------------------------------------------------------
 def mesh_resolution(pts) -> float:
     """Mean distance of each point to its nearest other point."""
-    from scanforest.kernels.neighbors import knn
+    from scanforest.kernels.neighbors.search import knn
 
     _, d2 = knn(pts, k=2, device="cpu")
     return float(np.sqrt(d2[:, 1].astype(np.float64)).mean())
@@ -432,10 +432,10 @@ def bench_shot_recall(
 ) -> None:
     """Descriptiveness of exact vs approximate SHOT: recall vs 1-precision under noise."""
     from scanforest.flows._bench import BenchReport
-    from scanforest.kernels._backend import describe_device, resolve_device, to_device, to_numpy
-    from scanforest.kernels.keypoints import keypoints
-    from scanforest.kernels.normals import normals
-    from scanforest.kernels.shot import shot
+    from scanforest.kernels.backend import describe_device, resolve_device, to_device, to_numpy
+    from scanforest.kernels.descriptors.keypoints import keypoints
+    from scanforest.kernels.descriptors.normals import normals
+    from scanforest.kernels.descriptors.shot import shot
     from scanforest.tasks.readers import read_cloud
 
     if model is None:

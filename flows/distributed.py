@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.kdforest import METHODS as KDFOREST_METHODS
+from scanforest.kernels.knn.kdforest import METHODS as KDFOREST_METHODS
 from scanforest.tasks import index as idx
 
 from ._runner import dask_client
@@ -26,7 +26,7 @@ def _identity(x):
 
 
 def _worker_free_memory(device: str):
-    from scanforest.kernels._backend import free_memory
+    from scanforest.kernels.backend import free_memory
 
     return free_memory(device)
 
@@ -42,7 +42,7 @@ class DistributedIndex:
                  method: str | None = None, source=None):
         """``source``: where the shards come from instead of ``(store_path, name)``: an object with
         ``attrs`` (``shards`` row ranges, ``n``, ``d``, ``content_hash``), ``key`` (a name) and
-        ``load(shard, device, method)`` returning a :class:`~scanforest.kernels.sharded.Shard`,
+        ``load(shard, device, method)`` returning a :class:`~scanforest.kernels.knn.sharded.Shard`,
         run on the shard's worker (a pure function of its arguments: a lost worker's shard is
         loaded again elsewhere), e.g. the generated reference of ``scanforest bench match``."""
         self.client = client
@@ -88,10 +88,10 @@ class DistributedIndex:
     def plan_block(self, k: int, block: int | None = None, *, headroom: float = 0.85, min_block: int = 256) -> int:
         """The largest query block (``block``, default ``MAX_BLOCK`` of the shards' device:
         262,144 on GPUs, 65,536 on CPUs, halved down to ``min_block``) whose working set
-        (:func:`scanforest.kernels.sharded.search_working_bytes`) fits the free memory each
+        (:func:`scanforest.kernels.knn.sharded.search_working_bytes`) fits the free memory each
         worker has beside its resident shards; workers that share a GPU (or the host) share its
         free memory. Waits for the shards; planned once per ``k``."""
-        from scanforest.kernels.sharded import MAX_BLOCK, fit_block
+        from scanforest.kernels.knn.sharded import MAX_BLOCK, fit_block
 
         if k in self._blocks:
             return self._blocks[k]
@@ -207,8 +207,8 @@ class DistributedIndex:
 def match(queries, index, k: int, client=None, **kwargs):
     """Top-``k`` matches of ``queries`` in ``index``.
 
-    ``index`` is a fitted :class:`~scanforest.kernels.kdforest.KDForest` or
-    :class:`~scanforest.kernels.sharded.ShardedIndex` (searched in this process), or a
+    ``index`` is a fitted :class:`~scanforest.kernels.knn.kdforest.KDForest` or
+    :class:`~scanforest.kernels.knn.sharded.ShardedIndex` (searched in this process), or a
     ``(store_path, index_name)`` pair of a persisted index, searched on ``client``'s cluster
     with shards resident on its workers (a local cluster is started when ``client`` is None).
     Returns ``(dist2 (M, k) float32, ids (M, k) int64)``.

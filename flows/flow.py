@@ -15,7 +15,7 @@ from prefect import flow, task
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.flow import METHODS
+from scanforest.kernels.motion.optical_flow import METHODS
 from scanforest.tasks import flow as T
 from scanforest.tasks.prefect_tasks import RETRY_DELAYS, on_cluster
 from scanforest.tasks.store import ScanStore

@@ -10,7 +10,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.kdforest import METHODS as KDFOREST_METHODS
+from scanforest.kernels.knn.kdforest import METHODS as KDFOREST_METHODS
 from scanforest.tasks import index as idx
 from scanforest.tasks.prefect_tasks import _run_label
 from scanforest.tasks.store import ScanStore
@@ -30,7 +30,7 @@ def index_build_flow(store: str, reference: list[str], name: str = "default", sh
     """Build (or keep, when unchanged) the sharded index ``name`` over the SHOT descriptors of the
     ``reference`` scans, stored as ``dtype`` (float32, or float16 for half the disk).
     ``shards="auto"``: one per local GPU (one on the CPU), checked against the devices' memory
-    with :func:`scanforest.kernels.sharded.plan_shards` (an index that cannot fit is refused
+    with :func:`scanforest.kernels.knn.sharded.plan_shards` (an index that cannot fit is refused
     before anything is written)."""
     store = absolute_path(store)
     st = check_index_build(store, reference, shards, params, dtype)

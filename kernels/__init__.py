@@ -2,8 +2,25 @@
 
 Each algorithm has a CPU backend (numpy/numba) and a GPU backend (CuPy kernels) with the same
 signature and semantics; the backend follows the input array type or an explicit ``device=``.
+
+One subpackage per family, each with its public modules and their ``_<module>_cpu`` /
+``_<module>_gpu`` backends beside them (``_<module>_common``: what a module and its backend
+share); each family's ``__init__`` re-exports its public names:
+
+* :mod:`.neighbors` - radius search and k-NN of 3-D points on a uniform grid;
+* :mod:`.descriptors` - normals, keypoints, SHOT352;
+* :mod:`.knn` - exact brute force, KD-trees and forests, sharded indexes;
+* :mod:`.recognition` - model library, correspondence grouping, verification, ICP;
+* :mod:`.align` - parametric chamfer alignment, exact distance transform, transformation models;
+* :mod:`.motion` - dense optical flow and its metrics;
+* :mod:`.synthetic` - synthetic scenes and image sequences with ground truth.
+
+Shared by every family, at this level: :mod:`.backend` (device choice, array conversion, numba
+and CUDA settings), :mod:`.errors`, :mod:`.hypotheses` (the masked-argmax selection rule of
+recognition and motion) and ``_geom_cpu`` (numba geometry helpers: the 3x3 eigen-solver of
+normals and SHOT frames).
 """
-from ._backend import gpu_available, resolve_device, to_numpy
+from .backend import gpu_available, resolve_device, to_numpy
 from .errors import DeviceError, InputError, OutOfMemory, ScanforestError, ScanReadError
 
 __all__ = [

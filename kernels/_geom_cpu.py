@@ -1,7 +1,7 @@
 """numba building blocks shared by normals and SHOT on the CPU.
 
 ``eig3`` is a cyclic Jacobi eigen-solver for a symmetric 3x3 matrix in float64. The CUDA
-source in ``_shot_gpu.py`` carries the same algorithm, operation for operation (compiled
+source in ``descriptors/_shot_gpu.py`` carries the same algorithm, operation for operation (compiled
 without fused multiply-add), so that both backends produce the same frames bit for bit on
 the same inputs.
 """

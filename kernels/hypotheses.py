@@ -8,9 +8,9 @@ at the price of a data-dependent loop; the argmax is single-path.
 
 What is shared is exactly this selection rule, :func:`masked_argmax`:
 
-* ``recognition.verify`` scores pose hypotheses by their inlier fraction and tests them against
+* ``recognition.pipeline.verify`` scores pose hypotheses by their inlier fraction and tests them against
   the acceptance thresholds; each greedy round takes the masked argmax over hypotheses.
-* ``flow.hypothesis_flow`` (CPU backend) scores every flow label of a pixel by likelihood
+* ``motion.optical_flow.hypothesis_flow`` (CPU backend) scores every flow label of a pixel by likelihood
   voting and tests it by change detection; the masked argmax over labels gives the pixel's flow.
 
 The scoring itself is *not* shared: recognition counts inliers of transformed model points in a
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._backend import is_cupy
+from .backend import is_cupy
 
 __all__ = ["masked_argmax"]
 

@@ -6,7 +6,7 @@ LM iteration), and attrs model, init, status, iterations, rmse, inliers.
 
 LM starts from the translation between the two scans' centroids (``init="centroids"``, as
 ``scanforest align`` does), because scans of one object taken in different frames usually start
-outside each other's distance-transform grid (:mod:`scanforest.kernels.pcha`); pass
+outside each other's distance-transform grid (:mod:`scanforest.kernels.align.pcha`); pass
 ``init="identity"`` or a matrix when the observed scan covers only part of the reference.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from .store import ScanStore, scan_id_for
 def align_pair(store_path: str, observed: str, reference: str, *, model: str = "rigid", chain: bool = False,
                loss: str = "l2", outside: str = "clamp", max_iter: int = 100, init="centroids",
                device: str = "auto", force: bool = False) -> dict[str, Any]:
-    from scanforest.kernels._backend import resolve_device
-    from scanforest.kernels.pcha import align
+    from scanforest.kernels.align.pcha import align
+    from scanforest.kernels.backend import resolve_device
 
     t0 = time.perf_counter()
     st = ScanStore(store_path)

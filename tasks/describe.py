@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from scanforest.kernels._backend import resolve_device, to_numpy
+from scanforest.kernels.backend import resolve_device, to_numpy
 
 from .store import ScanStore
 
@@ -50,9 +50,9 @@ class DescribeParams:
 
 def describe_cloud(points, params: DescribeParams, *, device: str = "auto") -> dict[str, Any]:
     """Normals, keypoints, frames and SHOT for one cloud; returns numpy arrays and phase timings."""
-    from scanforest.kernels.keypoints import keypoints
-    from scanforest.kernels.normals import normals
-    from scanforest.kernels.shot import shot
+    from scanforest.kernels.descriptors.keypoints import keypoints
+    from scanforest.kernels.descriptors.normals import normals
+    from scanforest.kernels.descriptors.shot import shot
 
     dev = resolve_device(device) if device == "auto" else resolve_device(device, points)
     timings = {}

@@ -244,12 +244,12 @@ def flow_pairs(store: str, seq_id: str, pairs: list[int], *, method: str = "hypo
 
     All pending pairs of the call run in one batched kernel launch. Tracks: the sequence's
     stored tracks for a pair when present, else KLT (OpenCV). ``params``: keyword arguments of
-    :func:`scanforest.kernels.flow.dense_flow` (sigma_c, sigma_x, sigma_f, tau, max_labels).
+    :func:`scanforest.kernels.motion.optical_flow.dense_flow` (sigma_c, sigma_x, sigma_f, tau, max_labels).
     One record per pair: status ``"written"`` or ``"skipped"``.
     """
-    from scanforest.kernels._backend import resolve_device, to_numpy
-    from scanforest.kernels.flow import METHODS, dense_flow, klt_tracks
-    from scanforest.kernels.flow_metrics import flow_to_rgb, png_bytes
+    from scanforest.kernels.backend import resolve_device, to_numpy
+    from scanforest.kernels.motion.metrics import flow_to_rgb, png_bytes
+    from scanforest.kernels.motion.optical_flow import METHODS, dense_flow, klt_tracks
 
     if method not in METHODS:
         raise InputError(f"method must be one of {METHODS}, got {method!r}")

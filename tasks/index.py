@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from scanforest.kernels.errors import InputError, OutOfMemory
-from scanforest.kernels.sharded import Shard, gather_rows, shard_ranges
-from scanforest.kernels.topk import merge_topk
+from scanforest.kernels.knn.sharded import Shard, gather_rows, shard_ranges
+from scanforest.kernels.knn.topk import merge_topk
 
 from .store import ScanStore, _jsonable
 
@@ -90,7 +90,7 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
     rows, as ``bench match`` builds); the ``index build`` command refuses a missing store before
     it gets here.
     """
-    from scanforest.kernels.kdforest import KDForest
+    from scanforest.kernels.knn.kdforest import KDForest
 
     store = ScanStore(store_path, create=not os.path.exists(os.path.join(str(store_path), "zarr.json")))
     params = {k: v for k, v in (params or {}).items() if k in FOREST_KEYS}
@@ -127,7 +127,7 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
         store._write_array(g, "ref_row", np.asarray(ref_row, np.int64))
     build_s = []
     if build_trees and params.get("method", "banns") != "exact":
-        from scanforest.kernels._backend import resolve_device
+        from scanforest.kernels.backend import resolve_device
 
         dev = resolve_device(device)
         for i, (a, b) in enumerate(ranges):
@@ -161,8 +161,8 @@ def plan_for(n: int, d: int, params: dict[str, Any], device: str, *, k: int = 4,
     """The shard plan of an ``n`` x ``d`` reference stored as ``dtype`` on this machine's devices
     (one shard per GPU, or one on the CPU); raises :class:`InputError` when the index cannot fit
     them."""
-    from scanforest.kernels._backend import device_memory, resolve_device
-    from scanforest.kernels.sharded import plan_shards
+    from scanforest.kernels.backend import device_memory, resolve_device
+    from scanforest.kernels.knn.sharded import plan_shards
 
     dev = resolve_device(device)
     mem = memory if memory is not None else device_memory(dev)
@@ -200,7 +200,7 @@ def _all_finite(a: np.ndarray, step: int = 1 << 18) -> bool:
 
 
 def _fit_forest(X, params: dict[str, Any], shard: int, device: str, keep_rows: bool = True):
-    from scanforest.kernels.kdforest import KDForest
+    from scanforest.kernels.knn.kdforest import KDForest
 
     p = dict(params)
     p["seed"] = int(p.get("seed", 0)) + shard
@@ -208,7 +208,7 @@ def _fit_forest(X, params: dict[str, Any], shard: int, device: str, keep_rows: b
 
 
 def _write_tree(store: ScanStore, grp, tree) -> None:
-    from scanforest.kernels._backend import to_numpy
+    from scanforest.kernels.backend import to_numpy
 
     for name in TREE_ARRAYS:
         store._write_array(grp, name, to_numpy(getattr(tree, name)))
@@ -283,8 +283,8 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     ``method="exact"`` loads the rows only and searches them by brute force (the exact
     baseline on the same shards and workers).
     """
-    from scanforest.kernels._backend import resolve_device
-    from scanforest.kernels.kdtree import KDTree
+    from scanforest.kernels.backend import resolve_device
+    from scanforest.kernels.knn.kdtree import KDTree
 
     _pin_on_dask_cuda()
     attrs = index_attrs(store_path, name)
@@ -327,7 +327,7 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
 def resident_forest(tree, params: dict[str, Any], shard: int, dev: str, rows: int):
     """A fitted KDForest around a built ``tree`` whose ``points`` are the shard's leaf-ordered
     rows (one copy of the rows on the device; the exact fallbacks search them through ``perm``)."""
-    from scanforest.kernels.kdforest import KDForest
+    from scanforest.kernels.knn.kdforest import KDForest
 
     p = dict(params)
     p["seed"] = int(p.get("seed", 0)) + shard
@@ -404,7 +404,7 @@ def _leaf_rows(z, a: int, b: int, perm: np.ndarray, dev: str, *, where: str = "a
         return np.ascontiguousarray(gather_rows(np.ascontiguousarray(z[a:b]), perm), dtype=np.float32)
     import cupy as cp
 
-    from scanforest.kernels._backend import free_memory
+    from scanforest.kernels.backend import free_memory
 
     dtype = np.dtype(dtype)
     if dtype == np.float16 and z.dtype != np.float16:
@@ -444,7 +444,7 @@ def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool =
     ``stats`` is ``{"leaves": leaves this shard scanned for the block (0 for brute force),
     "seconds": time spent in the search}``.
     """
-    from scanforest.kernels._backend import to_numpy
+    from scanforest.kernels.backend import to_numpy
 
     t0 = time.perf_counter()
     try:
@@ -515,7 +515,7 @@ def kth_bound(part) -> np.ndarray:
 def merge_phases(first, second, k: int):
     """Union of the two phases of a synchronised search, duplicates removed (a point found in
     both phases counts once); leaf counts summed."""
-    from scanforest.kernels.kdforest import merge_topk_unique
+    from scanforest.kernels.knn.kdforest import merge_topk_unique
 
     t0 = time.perf_counter()
     d, i = merge_topk_unique([(first[0], first[1]), (second[0], second[1])], k)

@@ -1,6 +1,6 @@
 """Write synthetic archives (models + scenes with ground-truth sidecars) to disk.
 
-The arrays come from :mod:`scanforest.kernels.synthetic`; this module only does the I/O.
+The arrays come from :mod:`scanforest.kernels.synthetic.scenes`; this module only does the I/O.
 Layout of an archive folder::
 
     ROOT/models/model_000.pcd ...          library models (points + normals), binary_compressed PCD
@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 
-from scanforest.kernels import synthetic
+from scanforest.kernels.synthetic import scenes as synthetic
 
 from .readers import write_cloud
 

@@ -22,7 +22,7 @@ def pytest_configure(config):
 
 
 def _gpu() -> bool:
-    from scanforest.kernels._backend import gpu_available
+    from scanforest.kernels.backend import gpu_available
 
     return gpu_available()
 

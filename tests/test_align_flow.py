@@ -10,8 +10,8 @@ import sys
 import numpy as np
 
 from scanforest.flows.align import run_align
-from scanforest.kernels import synthetic
-from scanforest.kernels.pcha import synthetic_problem
+from scanforest.kernels.align.pcha import synthetic_problem
+from scanforest.kernels.synthetic import scenes as synthetic
 from scanforest.tasks.readers import read_cloud, write_cloud
 from scanforest.tasks.store import ScanStore
 

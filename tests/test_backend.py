@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from scanforest.kernels._backend import CUDA_SCHEDULES, cuda_schedule_flag, resolve_device
+from scanforest.kernels.backend import CUDA_SCHEDULES, cuda_schedule_flag, resolve_device
 from scanforest.kernels.errors import InputError
 
 
@@ -34,7 +34,7 @@ def test_cuda_schedule_reaches_the_primary_context(schedule):
     carries it (cuCtxGetFlags)."""
     code = (
         "import ctypes, cupy as cp\n"
-        "from scanforest.kernels._backend import gpu_available\n"
+        "from scanforest.kernels.backend import gpu_available\n"
         "assert gpu_available()\n"
         "cp.arange(10).sum().item()\n"
         "f = ctypes.c_uint()\n"

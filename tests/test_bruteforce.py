@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scanforest.kernels.bruteforce import exact_scan_cpu, knn_bruteforce, recall
 from scanforest.kernels.errors import InputError
+from scanforest.kernels.knn.bruteforce import exact_scan_cpu, knn_bruteforce, recall
 
 
 def oracle(base, queries, k):
@@ -146,7 +146,7 @@ def test_ids_map_permuted_rows_to_the_input_order_answer(rng, monkeypatch, share
     """``ids=perm`` on ``base[perm]`` (a KD-tree's leaf-ordered rows) gives exactly the answer on
     ``base`` itself, ties included; the same whether the base is centred in one copy or tile by
     tile (``share=0``: no copy, as for a shard that fills the memory)."""
-    import scanforest.kernels.bruteforce as bf
+    import scanforest.kernels.knn.bruteforce as bf
 
     if share is not None:
         monkeypatch.setitem(bf._COPY_SHARE, "cpu", share)
@@ -167,7 +167,7 @@ def test_ids_map_permuted_rows_to_the_input_order_answer(rng, monkeypatch, share
 def test_gpu_ids_map_and_tile_centring(rng, monkeypatch, share):
     import cupy as cp
 
-    import scanforest.kernels.bruteforce as bf
+    import scanforest.kernels.knn.bruteforce as bf
 
     if share is not None:
         monkeypatch.setitem(bf._COPY_SHARE, "gpu", share)
@@ -194,7 +194,7 @@ def test_gpu_half_base_answers_as_its_float32_widening(rng, monkeypatch, share):
     are refused like float32 ones."""
     import cupy as cp
 
-    import scanforest.kernels.bruteforce as bf
+    import scanforest.kernels.knn.bruteforce as bf
 
     if share is not None:
         monkeypatch.setitem(bf._COPY_SHARE, "gpu", share)
@@ -217,7 +217,7 @@ def test_gpu_half_base_answers_as_its_float32_widening(rng, monkeypatch, share):
 def test_nonfinite_rows_are_found_block_by_block(rng):
     """The NaN/inf row check runs in blocks (no temporary the size of a large base) and finds
     the same rows, float32 and float16."""
-    from scanforest.kernels.bruteforce import _nonfinite_rows
+    from scanforest.kernels.knn.bruteforce import _nonfinite_rows
 
     for dtype in (np.float32, np.float16):
         a = rng.standard_normal((1000, 7)).astype(dtype)
@@ -242,7 +242,7 @@ def _pair_case(rng, d=352):
 def test_pair_distances_are_the_brute_force_distances(rng):
     """Distances of answers found elsewhere are the brute force's own, bit for bit (so recall
     compares them with the exact answer without rounding noise); pads give inf."""
-    from scanforest.kernels.bruteforce import pair_distances
+    from scanforest.kernels.knn.bruteforce import pair_distances
 
     base, queries, want, ids = _pair_case(rng)
     got = pair_distances(base, queries, ids, device="cpu")
@@ -263,7 +263,7 @@ def test_pair_distances_are_the_brute_force_distances(rng):
 def test_gpu_pair_distances_equal_the_cpu_ones(rng):
     import cupy as cp
 
-    from scanforest.kernels.bruteforce import pair_distances
+    from scanforest.kernels.knn.bruteforce import pair_distances
 
     base, queries, _, ids = _pair_case(rng)
     cpu = pair_distances(base, queries, ids, device="cpu")

@@ -14,7 +14,7 @@ import pytest
 
 from scanforest.flows.describe import run_describe
 from scanforest.flows.ingest import run_ingest
-from scanforest.kernels import synthetic
+from scanforest.kernels.synthetic import scenes as synthetic
 from scanforest.tasks.describe import DescribeParams, describe_cloud
 from scanforest.tasks.readers import write_cloud
 from scanforest.tasks.store import ScanStore
@@ -102,7 +102,7 @@ def test_match_on_external_cluster_survives_worker_kill(tmp_path, cluster):
     from distributed import Client
 
     from scanforest.flows.distributed import DistributedIndex
-    from scanforest.kernels.bruteforce import knn_bruteforce
+    from scanforest.kernels.knn.bruteforce import knn_bruteforce
     from scanforest.tasks import index as idx
 
     addr, procs = cluster
@@ -140,7 +140,7 @@ def test_recognize_flow_on_external_cluster_survives_worker_kill(tmp_path, clust
     import threading
 
     from scanforest.flows.recognize import run_recognize
-    from scanforest.kernels.recognition import recognize
+    from scanforest.kernels.recognition.pipeline import recognize
     from scanforest.tasks.recognize import load_library
     from scanforest.tasks.synth import write_archive
 

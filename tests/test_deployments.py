@@ -89,7 +89,7 @@ def test_committed_prefect_yaml_is_generated_from_the_table():
 def test_archive_flow_runs_every_stage_and_resumes(tmp_path):
     from scanforest.flows._runner import ensure_prefect_api
     from scanforest.flows.archive import archive_flow
-    from scanforest.kernels.synthetic import recognition_presets
+    from scanforest.kernels.synthetic.scenes import recognition_presets
     from scanforest.tasks.store import ScanStore
     from scanforest.tasks.synth import write_archive
 

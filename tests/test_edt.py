@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scanforest.kernels.edt import distance_transform, estimate_bytes, exact_edt
+from scanforest.kernels.align.edt import distance_transform, estimate_bytes, exact_edt
 from scanforest.kernels.errors import InputError, OutOfMemory
 
 

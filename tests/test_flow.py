@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.flow import (MissingDependency, dense_flow, flow_labels, hypothesis_flow,
-                                     interpolate_flow)
-from scanforest.kernels.flow_metrics import (angular_error, endpoint_error, flow_errors,
-                                             flow_to_rgb, png_bytes)
 from scanforest.kernels.hypotheses import masked_argmax
-from scanforest.kernels.synthetic_flow import sequence, tracks_from_flow
+from scanforest.kernels.motion.metrics import (angular_error, endpoint_error, flow_errors,
+                                               flow_to_rgb, png_bytes)
+from scanforest.kernels.motion.optical_flow import (MissingDependency, dense_flow, flow_labels, hypothesis_flow,
+                                                    interpolate_flow)
+from scanforest.kernels.synthetic.sequences import sequence, tracks_from_flow
 
 H, W = 96, 128          # accuracy tests: small enough for a 2-core CI machine
 
@@ -345,7 +345,7 @@ def test_colour_wheel_image_and_png(tmp_path):
 # ---------------------------------------------------------------------------------------------
 def test_klt_tracks_and_flow_without_given_tracks(sequences_small):
     pytest.importorskip("cv2")
-    from scanforest.kernels.flow import klt_tracks
+    from scanforest.kernels.motion.optical_flow import klt_tracks
 
     seq = sequences_small["translation"]
     tr = klt_tracks(seq.frames[0], seq.frames[1], max_features=150)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scanforest.kernels.bruteforce import knn_bruteforce, recall
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.kdforest import KDForest, merge_topk_unique
-from scanforest.kernels.kdtree import build_kdforest, build_kdtree, query_kdtree
+from scanforest.kernels.knn.bruteforce import knn_bruteforce, recall
+from scanforest.kernels.knn.kdforest import KDForest, merge_topk_unique
+from scanforest.kernels.knn.kdtree import build_kdforest, build_kdtree, query_kdtree
 
 
 def _data(rng, kind, n, m, d):
@@ -200,7 +200,7 @@ def test_merge_topk_unique():
 def test_gpu_forest_unlimited_budget_is_exact(rng, monkeypatch, kind, n_trees, k, d, leaf):
     import cupy as cp
 
-    from scanforest.kernels import _kdtree_gpu
+    from scanforest.kernels.knn import _kdtree_gpu
 
     X, Q = _data(rng, kind, 6000, 700, d)
     bd, bi = knn_bruteforce(X, Q, k, device="cpu")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from scanforest.flows.ingest import run_ingest
-from scanforest.kernels import synthetic
+from scanforest.kernels.synthetic import scenes as synthetic
 from scanforest.tasks.ingest import Source, discover, ingest_file
 from scanforest.tasks.readers import read_cloud, write_cloud
 from scanforest.tasks.store import ScanStore

@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scanforest.kernels.bruteforce import exact_scan_cpu, knn_bruteforce, recall
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.kdforest import KDForest
-from scanforest.kernels.kdtree import build_kdtree, query_kdtree
+from scanforest.kernels.knn.bruteforce import exact_scan_cpu, knn_bruteforce, recall
+from scanforest.kernels.knn.kdforest import KDForest
+from scanforest.kernels.knn.kdtree import build_kdtree, query_kdtree
 
 LEAF = 8
 
@@ -141,8 +141,8 @@ def test_variance_rule_finds_more_neighbours_per_leaf(rng):
     with the variance rule finds more of the exact neighbours than the median rule for the same
     leaf budget."""
     from scanforest.flows.cli_ann import clustered
-    from scanforest.kernels.bruteforce import recall
-    from scanforest.kernels.kdforest import KDForest
+    from scanforest.kernels.knn.bruteforce import recall
+    from scanforest.kernels.knn.kdforest import KDForest
 
     X = clustered(20_000, 64, clusters=100, seed=1)
     Q = clustered(500, 64, clusters=100, seed=2)
@@ -261,7 +261,7 @@ def test_queue_grows_with_the_budget(rng):
     """A full queue drops its farthest box for good: with the fixed 256 boxes a larger budget
     stopped paying (queries ran out of boxes before their budget); the default capacity grows
     with the budget, and the search then uses the budget and finds more of the true neighbours."""
-    from scanforest.kernels.kdtree import HEAP_CAP, MAX_HEAP_CAP, heap_capacity
+    from scanforest.kernels.knn.kdtree import HEAP_CAP, MAX_HEAP_CAP, heap_capacity
 
     assert heap_capacity(1) == heap_capacity(256) == HEAP_CAP and heap_capacity(300) == 512
     assert heap_capacity(2048) == heap_capacity(10 ** 6) == MAX_HEAP_CAP and heap_capacity(0) == 1024
@@ -399,7 +399,7 @@ def test_gpu_build_large_invariants():
 def test_gpu_unlimited_budget_is_exact(rng, monkeypatch, kind, k, d, leaf):
     import cupy as cp
 
-    from scanforest.kernels import _kdtree_gpu
+    from scanforest.kernels.knn import _kdtree_gpu
 
     if kind == "random":
         X = rng.standard_normal((6000, d)).astype(np.float32)
@@ -467,7 +467,7 @@ def test_pcl_shot_dataset_holds_out_queries(pcl_dir, tmp_path):
 
     import scanforest as sf
     from scanforest.flows.cli_ann import pcl_shot_dataset
-    from scanforest.kernels.neighbors import knn
+    from scanforest.kernels.neighbors.search import knn
 
     shutil.copy(pcl_dir / "bun0.pcd", tmp_path / "bun0.pcd")
     X, Q, rows = pcl_shot_dataset(tmp_path, device="cpu", max_queries=1000)
@@ -515,8 +515,8 @@ def test_gpu_half_rows_answer_as_their_float32_widening(rng, monkeypatch, d):
 
     import cupy as cp
 
-    from scanforest.kernels import _kdtree_gpu
-    from scanforest.kernels.kdtree import build_kdforest
+    from scanforest.kernels.knn import _kdtree_gpu
+    from scanforest.kernels.knn.kdtree import build_kdforest
 
     X = rng.standard_normal((20000, d)).astype(np.float16).astype(np.float32)  # the stored (rounded) rows
     Q = cp.asarray(rng.standard_normal((600, d)).astype(np.float32))
@@ -560,7 +560,7 @@ def test_gpu_budget_sized_queue_matches_cpu(rng, monkeypatch):
     both devices: P-ANNS and every P-BANNS leaf kernel return the CPU answer bit for bit."""
     import cupy as cp
 
-    from scanforest.kernels import _kdtree_gpu
+    from scanforest.kernels.knn import _kdtree_gpu
 
     X = rng.standard_normal((20000, 24)).astype(np.float32)
     Q = rng.standard_normal((300, 24)).astype(np.float32)
@@ -584,7 +584,7 @@ def test_bounded_queue_keeps_the_closest_boxes():
     random push/pop sequences with many ties and every capacity from 1 to 40."""
     from numba import njit
 
-    from scanforest.kernels import kdtree as K
+    from scanforest.kernels.knn import kdtree as K
 
     @njit
     def run(ops, vals, cap, pops, evs):

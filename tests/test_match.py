@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from scanforest.flows.distributed import DistributedIndex, match
-from scanforest.kernels.bruteforce import knn_bruteforce
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.sharded import Shard, ShardedIndex, shard_ranges
-from scanforest.kernels.topk import merge_topk
+from scanforest.kernels.knn.bruteforce import knn_bruteforce
+from scanforest.kernels.knn.sharded import Shard, ShardedIndex, shard_ranges
+from scanforest.kernels.knn.topk import merge_topk
 from scanforest.tasks import index as idx
 
 
@@ -91,7 +91,7 @@ def test_index_records_its_split_rule_and_rebuilds_when_it_changes(tmp_path, rng
     """The trees' split rule is part of the index even when left to the default: an index built
     with another rule is rebuilt by a call that takes the default, and the stored trees are the
     default rule's."""
-    from scanforest.kernels.kdforest import KDForest
+    from scanforest.kernels.knn.kdforest import KDForest
 
     X, _ = _data(rng, n=600)
     store = str(tmp_path / "s.zarr")
@@ -162,7 +162,7 @@ def test_bound_synchronisation_is_exact_and_prunes(tmp_path, rng, local_client, 
     with pytest.raises(InputError, match="backtracks"):
         di.query(Q, k, backtracks=0)
     di.close()
-    from scanforest.kernels.bruteforce import recall
+    from scanforest.kernels.knn.bruteforce import recall
 
     assert recall(db, bd, k) >= recall(da, bd, k) - 0.02
     assert np.all(np.diff(db, axis=1) >= 0)
@@ -189,8 +189,8 @@ def test_shards_stay_on_their_workers(tmp_path, rng, local_client):
 def test_loaded_shard_holds_one_copy_of_its_rows(tmp_path, rng, device, dtype):
     """A loaded forest shard keeps only the leaf-ordered rows (no input-order copy, no second
     copy for the exact fallbacks) and still answers an unlimited search exactly."""
-    from scanforest.kernels._backend import to_numpy
-    from scanforest.kernels.sharded import gather_rows
+    from scanforest.kernels.backend import to_numpy
+    from scanforest.kernels.knn.sharded import gather_rows
 
     X, Q = _data(rng, n=3000, m=40, d=8)
     store = str(tmp_path / "s.zarr")
@@ -219,7 +219,7 @@ def test_loaded_shard_holds_one_copy_of_its_rows(tmp_path, rng, device, dtype):
 def test_plan_counts_half_rows_of_a_float16_index_on_gpus():
     """A float16 index holds its forest rows in half precision on GPUs: the plan (and the
     refusal of an index that does not fit) counts 2 bytes a value there, 4 on the host."""
-    from scanforest.kernels.sharded import plan_shards, shard_resident_bytes
+    from scanforest.kernels.knn.sharded import plan_shards, shard_resident_bytes
 
     full = shard_resident_bytes(50_000_000, 352)
     half = shard_resident_bytes(50_000_000, 352, row_bytes=2)
@@ -259,7 +259,7 @@ def test_gpu_shard_rows_stream_to_the_device(tmp_path, rng, dtype, where):
     one leaf-ordered copy per tree)."""
     import cupy as cp
 
-    from scanforest.kernels.sharded import gather_rows
+    from scanforest.kernels.knn.sharded import gather_rows
     from scanforest.tasks.store import ScanStore
 
     X, _ = _data(rng, n=5000, m=40, d=12)
@@ -338,8 +338,8 @@ def test_generated_shards_are_the_bench_reference(dtype):
 def test_generated_shards_answer_as_the_brute_force(rng, local_client, shards, n_trees):
     """Shards drawn and indexed on the workers (no store): an unlimited search over 1, 2 and 3
     of them equals the brute force over the drawn rows, and so does their exact method."""
-    from scanforest.kernels._backend import to_numpy
-    from scanforest.kernels.sharded import gather_rows
+    from scanforest.kernels.backend import to_numpy
+    from scanforest.kernels.knn.sharded import gather_rows
 
     g = _generated(4000, 12, "float16", shards, n_trees=n_trees)
     X = g.rows(0, 4000, np, np.float32)
@@ -368,7 +368,7 @@ def test_gpu_generated_shards_keep_half_rows(rng):
     as the brute force over the drawn rows."""
     import cupy as cp
 
-    from scanforest.kernels.sharded import gather_rows
+    from scanforest.kernels.knn.sharded import gather_rows
 
     g = _generated(6000, 20, "float16", 2, n_trees=2)
     X = cp.asnumpy(g.rows(0, 6000, cp, cp.float32))
@@ -415,7 +415,7 @@ def test_gpu_exact_float16_shard_holds_half_rows(tmp_path, rng):
 
 def test_trees_only_fit_keeps_no_rows(rng):
     """``fit(keep_rows=False)``: the same tree arrays, no copy of the rows, and no queries."""
-    from scanforest.kernels.kdforest import KDForest
+    from scanforest.kernels.knn.kdforest import KDForest
 
     X, Q = _data(rng, n=2000, m=40, d=8)
     full = KDForest(n_trees=2, leaf_size=16, device="cpu").fit(X)
@@ -450,7 +450,7 @@ def test_out_of_memory_splits_the_block_and_keeps_the_answer(rng, error):
     """A block that does not fit is searched in halves, recursively, with its per-query bounds
     split alike: the same ids, distances and leaf count as one search; only memory errors."""
     from scanforest.kernels.errors import OutOfMemory
-    from scanforest.kernels.kdforest import KDForest
+    from scanforest.kernels.knn.kdforest import KDForest
 
     X, Q = _data(rng, n=2000, m=400, d=8)
     shard = Shard(1000, 3000, KDForest(leaf_size=16, device="cpu").fit(X))
@@ -616,7 +616,7 @@ def test_local_cpu_workers_get_their_share(local_client):
 
 # ------------------------------------------------------------------ memory planning
 def test_shard_plan_fits_the_block_beside_the_resident_rows():
-    from scanforest.kernels.sharded import plan_shards, search_working_bytes, shard_resident_bytes
+    from scanforest.kernels.knn.sharded import plan_shards, search_working_bytes, shard_resident_bytes
 
     G = 2 ** 30
     # residency: the rows once (exact), or each tree's leaf-ordered rows, permutation and nodes

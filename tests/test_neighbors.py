@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.neighbors import knn, radius_search
+from scanforest.kernels.neighbors.search import knn, radius_search
 
 
 def brute_d2(pts, qs):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from scanforest.kernels.descriptors.keypoints import keypoints
+from scanforest.kernels.descriptors.normals import normals
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.keypoints import keypoints
-from scanforest.kernels.normals import normals
 
 
 def read_points(path):
@@ -64,7 +64,7 @@ def test_normals_match_float64_reference(rng):
     vp = np.array([0.3, 0.2, 5.0])
     for kw in ({"radius": 0.08}, {"k": 12}):
         n, c = normals(pts, viewpoint=vp, device="cpu", **kw)
-        from scanforest.kernels.neighbors import knn, radius_search
+        from scanforest.kernels.neighbors.search import knn, radius_search
 
         if "k" in kw:
             idx, _ = knn(pts, k=12, device="cpu")

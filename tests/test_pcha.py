@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scanforest.kernels import transforms as T
-from scanforest.kernels.edt import distance_transform
+from scanforest.kernels.align import transforms as T
+from scanforest.kernels.align.edt import distance_transform
+from scanforest.kernels.align.pcha import (align, align_batch, cpu_evaluate, point_error,
+                                           reference_evaluate, synthetic_problem)
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.pcha import (align, align_batch, cpu_evaluate, point_error,
-                                     reference_evaluate, synthetic_problem)
 
 ALL = [(d, n) for d, names in T.MODEL_NAMES.items() for n in names]
 
@@ -231,7 +231,7 @@ def test_bad_input_is_a_clear_error(rng, kwargs, msg):
                                                    ("huber", "drop", "corners"),
                                                    ("l2", "drop", "cell")])
 def test_gpu_fgh_forms_match_cpu(grids, rng, dim, name, loss, outside, lookup):
-    from scanforest.kernels._pcha_gpu import GpuEvaluator
+    from scanforest.kernels.align._pcha_gpu import GpuEvaluator
 
     g, obs = grids[dim]
     m = T.get_model(name, dim)

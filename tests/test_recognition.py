@@ -4,12 +4,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scanforest.kernels import synthetic as S
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.icp import icp_point_to_plane
-from scanforest.kernels.recognition import (Correspondences, Hypotheses, ModelLibrary, evaluate,
-                                            group_gc, hough_maxima, match, pose_errors,
-                                            ransac_rigid, recognize, rigid_transform, verify)
+from scanforest.kernels.recognition.icp import icp_point_to_plane
+from scanforest.kernels.recognition.pipeline import (Correspondences, Hypotheses, ModelLibrary, evaluate,
+                                                     group_gc, hough_maxima, match, pose_errors,
+                                                     ransac_rigid, recognize, rigid_transform, verify)
+from scanforest.kernels.synthetic import scenes as S
 
 
 def _pose(rng, t_scale=0.5):
@@ -57,7 +57,7 @@ def test_ransac_rejects_outliers(rng):
 def test_parallel_gc_sweep_equals_sequential(rng, chunk):
     """The speculative parallel consensus sweep, and the sequential one that tests each seed's
     candidates against the seed first, label exactly like PCL's plain sequential sweep."""
-    from scanforest.kernels.recognition import _gc_sets, _gc_sets_nb
+    from scanforest.kernels.recognition.pipeline import _gc_sets, _gc_sets_nb
 
     for trial in range(4):
         n = 600
@@ -81,7 +81,7 @@ def test_quaternion_kabsch_equals_the_svd_fit(rng):
     """RANSAC's batched 3-point fits (Horn's quaternion form, in numba) give the rotation and
     translation of the SVD (Kabsch) fit, proper rotations also where the best orthogonal map is a
     reflection."""
-    from scanforest.kernels.recognition import _kabsch_batch, _kabsch_svd
+    from scanforest.kernels.recognition.pipeline import _kabsch_batch, _kabsch_svd
 
     B = 2000
     S = rng.normal(size=(B, 3, 3))
@@ -103,7 +103,7 @@ def test_quaternion_kabsch_equals_the_svd_fit(rng):
 def test_batched_ransac_matches_known_poses_per_group(rng):
     """Many groups of different sizes and outlier ratios fitted at once: each group's pose and
     inlier mask as the single-group RANSAC finds them."""
-    from scanforest.kernels.recognition import ransac_rigid_groups
+    from scanforest.kernels.recognition.pipeline import ransac_rigid_groups
 
     srcs, dsts, truths, poses = [], [], [], []
     for n, n_out in [(3, 0), (5, 1), (12, 4), (40, 18), (64, 10), (2, 0), (25, 0)]:
@@ -334,7 +334,7 @@ def test_verify_lookup_matches_a_float64_kdtree(small_world):
     reference: transform, visibility, nearest scene point by cKDTree, its voxel rank."""
     from scipy.spatial import cKDTree
 
-    from scanforest.kernels.recognition import _hyp_points, _SceneIndex, _verify_nearest_cpu
+    from scanforest.kernels.recognition.pipeline import _hyp_points, _SceneIndex, _verify_nearest_cpu
 
     _, lib, scene = small_world
     h = _hyps(small_world)
@@ -400,8 +400,8 @@ def test_icp_recovers_perturbation(small_world, device):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_icp_batch_equals_one_by_one(small_world, device):
     """Lockstep ICP of several sources (both models, several starts) = the single-source ICP."""
-    from scanforest.kernels.icp import icp_point_to_plane_batch
-    from scanforest.kernels.recognition import _SceneIndex
+    from scanforest.kernels.recognition.icp import icp_point_to_plane_batch
+    from scanforest.kernels.recognition.pipeline import _SceneIndex
 
     _, lib, scene = small_world
     rng = np.random.default_rng(5)

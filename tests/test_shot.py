@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
+from scanforest.kernels.descriptors.keypoints import keypoints
+from scanforest.kernels.descriptors.normals import normals
+from scanforest.kernels.descriptors.shot import shot
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.keypoints import keypoints
-from scanforest.kernels.normals import normals
-from scanforest.kernels.shot import shot
 
 
 
@@ -252,7 +252,7 @@ def test_gpu_bun0_pcl_values_and_cpu_agreement(bun0):
     ng, _ = normals(cp.asarray(pts), radius=0.04)
     assert np.abs(cp.asnumpy(ng) - n).max() < 1e-5
     dc, fc = shot(pts, n, np.arange(397), 0.04, device="cpu")
-    from scanforest.kernels import _shot_gpu
+    from scanforest.kernels.descriptors import _shot_gpu
 
     for lpk in _shot_gpu.LPK_CHOICES:
         dg, fg = _shot_gpu.shot_gpu(cp.asarray(pts), cp.asarray(pts), cp.asarray(n), 0.04, lpk=lpk)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from scipy.spatial import cKDTree
 
-from scanforest.kernels import synthetic
 from scanforest.kernels.errors import InputError
+from scanforest.kernels.synthetic import scenes as synthetic
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,92 @@
+"""Benchmark data and timing shared by ``scanforest bench ann``, ``bench tools`` and ``bench match``.
+
+Synthetic clustered descriptors (:func:`clustered`), SHOT352 of real clouds
+(:func:`pcl_shot_dataset`) and the warm-up-then-median timer (:func:`_timeit`). They live apart
+from the commands so that one command's module never imports another's.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def clustered(n: int, d: int, *, clusters: int = 1000, spread: float = 0.35, seed: int = 0, xp=np,
+              centers_seed: int = 12345):
+    """``n`` points of ``d`` dims around ``clusters`` Gaussian centres (centres ~ N(0, 1))."""
+    crng = np.random.default_rng(centers_seed + d)
+    centers = xp.asarray(crng.standard_normal((clusters, d)).astype(np.float32))
+    if xp is np:
+        rng = np.random.default_rng(seed)
+        lab = rng.integers(0, clusters, n)
+        return (centers[lab] + spread * rng.standard_normal((n, d), dtype=np.float32)).astype(np.float32)
+    rng = xp.random.default_rng(seed)
+    lab = rng.integers(0, clusters, n)
+    out = rng.standard_normal((n, d), dtype=xp.float32)
+    out *= xp.float32(spread)
+    out += centers[lab]
+    return out
+
+
+def _timeit(fn, sync, repeat: int, long_s: float = 20.0):
+    """Median wall time of ``fn()`` after one warm-up call, synchronising the device.
+
+    When the warm-up call itself takes more than ``long_s`` seconds it is the measurement (the
+    kernels were compiled by the warm-up pass of :func:`_warm`, so it holds no compile time). A
+    shorter first call is not: on one H100 a 5.7 s first brute-force pass ran at 69% of the
+    speed of the next one (library handles and memory pools still growing).
+    """
+    t0 = time.perf_counter()
+    res = fn()
+    sync()
+    t_first = time.perf_counter() - t0
+    if t_first > long_s:
+        return t_first, res
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        res = fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), res
+
+
+def pcl_shot_dataset(folder, *, device="auto", radius_factor: float = 10.0, normal_k: int = 10,
+                     max_queries: int = 100_000, seed: int = 0):
+    """Real descriptors: SHOT352 of every cloud in ``folder``, split into reference and queries.
+
+    Every valid point of every ``*.pcd``/``*.ply`` cloud is a keypoint; normals by PCA over
+    ``normal_k`` neighbours, SHOT support radius ``radius_factor`` x the cloud's resolution (mean
+    nearest-neighbour distance). Descriptors with an invalid frame (NaN) are dropped. A random
+    ``max_queries`` of the rest (at most 10%) are held out as queries and removed from the
+    reference, so no query finds its own copy. Returns ``(reference, queries, per-cloud rows)``
+    on the device.
+    """
+    from pathlib import Path
+
+    import scanforest as sf
+    from scanforest.kernels.backend import resolve_device
+    from scanforest.kernels.neighbors.search import knn
+
+    dev = resolve_device(device)
+    xp = np
+    if dev == "gpu":
+        import cupy as xp
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in (".pcd", ".ply"))
+    if not files:
+        raise FileNotFoundError(f"no .pcd/.ply clouds in {folder}")
+    parts, rows = [], []
+    for f in files:
+        pts = xp.asarray(sf.read(f).points.astype(np.float32))
+        _, d2 = knn(pts, k=2, device=dev)  # resolution on the cloud's device (float32 k-NN)
+        res = float(xp.sqrt(d2[:, 1].astype(xp.float64)).mean())
+        nrm, _ = sf.normals(pts, k=normal_k, device=dev)
+        desc, _ = sf.shot(pts, nrm, xp.arange(len(pts)), radius_factor * res, device=dev)
+        ok = xp.isfinite(desc[:, 0])
+        parts.append(desc[ok])
+        rows.append((f.name, len(pts), int(ok.sum()), res))
+    allx = xp.concatenate(parts)
+    n = len(allx)
+    m = min(max_queries, n // 10)
+    perm = xp.asarray(np.random.default_rng(seed).permutation(n))
+    return xp.ascontiguousarray(allx[perm[m:]]), xp.ascontiguousarray(allx[perm[:m]]), rows

@@ -1,0 +1,234 @@
+"""Backend selection: numpy on the CPU, CuPy on the GPU.
+
+Every kernel takes ``device="auto" | "cpu" | "gpu"``. ``"auto"`` follows the input arrays: a
+CuPy array runs on the GPU, a numpy array on the CPU. Entry points that load data themselves
+(flows, CLI) resolve ``"auto"`` with :func:`resolve_device`, which picks the GPU when one is visible.
+
+Shared by every kernel family and used by the tasks, the flows and the CLI: device discovery,
+memory queries, array conversion (:func:`to_numpy`, :func:`to_device`), numba and CUDA settings.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import numpy as np
+
+from .errors import DeviceError, InputError
+
+DEVICES = ("auto", "cpu", "gpu")
+
+
+# how a host thread waits for the GPU (CUDA's CU_CTX_SCHED_* flags of the primary context)
+CUDA_SCHEDULES = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}
+
+
+def cuda_schedule_flag() -> int | None:
+    """The wait policy asked for by ``SCANFOREST_CUDA_SCHEDULE`` (``auto``, ``spin``, ``yield`` or
+    ``blocking``), or None when unset. CUDA's default (``auto``) spins a core while it waits when
+    the host has more cores than CUDA contexts; processes that share one GPU and also need the
+    host's cores (several workers per GPU) may do better with ``blocking``."""
+    value = os.environ.get("SCANFOREST_CUDA_SCHEDULE", "").strip().lower()
+    if not value:
+        return None
+    if value not in CUDA_SCHEDULES:
+        raise InputError(f"SCANFOREST_CUDA_SCHEDULE must be one of {sorted(CUDA_SCHEDULES)}, got {value!r}")
+    return CUDA_SCHEDULES[value]
+
+
+def _apply_cuda_schedule(n_devices: int) -> None:
+    """Set the requested wait policy on every visible device's primary context (driver API,
+    ``cuDevicePrimaryCtxSetFlags``, which also applies to a context already active)."""
+    flag = cuda_schedule_flag()
+    if flag is None:
+        return
+    import ctypes
+    import warnings
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        if cuda.cuInit(0) != 0:
+            raise OSError("cuInit failed")
+        setter = getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or cuda.cuDevicePrimaryCtxSetFlags
+        for ordinal in range(n_devices):
+            dev = ctypes.c_int()
+            if cuda.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
+                raise OSError(f"cuDeviceGet({ordinal}) failed")
+            rc = setter(dev, ctypes.c_uint(flag))
+            if rc != 0:
+                raise OSError(f"cuDevicePrimaryCtxSetFlags returned CUDA error {rc}")
+    except (OSError, AttributeError) as exc:
+        warnings.warn(f"SCANFOREST_CUDA_SCHEDULE could not be applied ({exc}); CUDA's default is used",
+                      RuntimeWarning, stacklevel=3)
+
+
+def settle_numba_threads() -> int | None:
+    """Make numba's thread count the one ``NUMBA_NUM_THREADS`` asks for now, before its threads start.
+
+    numba reads ``NUMBA_NUM_THREADS`` when it is imported and again before every compilation, and
+    raises once its threads are running and the two differ. A Dask worker process is spawned,
+    imports the program's ``__main__`` (numba may come with it), and only then receives the
+    environment its cluster gave it: a worker of a 2-core machine imported numba with 2 threads,
+    ran a cached parallel kernel (threads started with 2), and its first compilation read 1 and
+    failed. Called once in every worker before any task (a worker plugin, see
+    ``flows._runner``), this re-reads the environment while no thread has started. Returns the
+    count in force, or None when numba was not imported (it then reads the environment itself).
+    """
+    import sys
+
+    if "numba" not in sys.modules:
+        return None
+    import numba
+    from numba.np.ufunc import parallel
+
+    if not parallel._is_initialized:
+        numba.config.reload_config()
+        return numba.config.NUMBA_NUM_THREADS
+    wanted = os.environ.get("NUMBA_NUM_THREADS")
+    if wanted and wanted.isdigit() and int(wanted) != numba.config.NUMBA_NUM_THREADS:
+        # threads already run with another count: keep the environment equal to it, so no later
+        # compilation fails, and use at most the wanted count in this thread
+        os.environ["NUMBA_NUM_THREADS"] = str(numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(max(1, min(int(wanted), numba.config.NUMBA_NUM_THREADS)))
+    return numba.config.NUMBA_NUM_THREADS
+
+
+def numba_cache_cold() -> str | None:
+    """Where numba caches scanforest's compiled CPU kernels, when that folder holds none of them
+    yet: the first run on a machine (or with a new ``NUMBA_CACHE_DIR``) then compiles them, about a
+    minute on 2 cores, and says so instead of looking stuck. None when the cache is warm."""
+    from ._geom_cpu import eig3
+
+    cache = getattr(eig3, "_cache", None)
+    path = getattr(cache, "_cache_path", None)
+    if not path:
+        return None
+    try:
+        warm = any(name.endswith(".nbi") for name in os.listdir(path))
+    except OSError:
+        warm = False
+    return None if warm else str(path)
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_available() -> bool:
+    """True when CuPy imports and at least one CUDA device answers. The first call also applies
+    ``SCANFOREST_CUDA_SCHEDULE`` (see :func:`cuda_schedule_flag`)."""
+    if os.environ.get("SCANFOREST_DISABLE_GPU"):
+        return False
+    try:
+        import cupy as cp
+
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception:
+        return False
+    if n > 0:
+        _apply_cuda_schedule(n)
+    return n > 0
+
+
+def gpu_count() -> int:
+    """Number of visible CUDA devices (0 without a usable GPU)."""
+    if not gpu_available():
+        return 0
+    import cupy as cp
+
+    return int(cp.cuda.runtime.getDeviceCount())
+
+
+def gpu_name() -> str | None:
+    """Name of the current CUDA device, or None without a GPU."""
+    if not gpu_available():
+        return None
+    import cupy as cp
+
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def device_memory(device: str) -> list[int]:
+    """Total memory of each local device of ``device`` in bytes: every visible GPU, or the host
+    (one entry) for ``"cpu"``."""
+    if resolve_device(device) == "gpu":
+        import cupy as cp
+
+        return [int(cp.cuda.Device(i).mem_info[1]) for i in range(gpu_count())]
+    import psutil
+
+    return [int(psutil.virtual_memory().total)]
+
+
+def free_memory(device: str = "auto") -> tuple[int, str]:
+    """(free bytes, what they belong to) where ``device`` computes in this process: the current
+    GPU's free memory and its PCI bus id, or the host's available memory and ``"host"``."""
+    if resolve_device(device) == "gpu":
+        import cupy as cp
+
+        dev = cp.cuda.Device()
+        return int(dev.mem_info[0]), str(dev.pci_bus_id)
+    import psutil
+
+    return int(psutil.virtual_memory().available), "host"
+
+
+def is_cupy(a: Any) -> bool:
+    """True for a CuPy ndarray (checked without importing CuPy)."""
+    return type(a).__module__.startswith("cupy")
+
+
+def resolve_device(device: str | None = "auto", *arrays: Any) -> str:
+    """Turn ``auto|cpu|gpu`` (plus the inputs' array types) into ``"cpu"`` or ``"gpu"``.
+
+    ``auto`` with array inputs follows their type (any CuPy input means GPU); ``auto`` with no
+    arrays picks the GPU when one is available. ``gpu`` without a usable GPU raises
+    :class:`DeviceError` rather than silently running on the CPU.
+    """
+    device = "auto" if device is None else str(device).lower()
+    if device not in DEVICES:
+        raise InputError(f"device must be one of {DEVICES}, got {device!r}")
+    if device == "auto":
+        if arrays:
+            return "gpu" if any(is_cupy(a) for a in arrays) else "cpu"
+        return "gpu" if gpu_available() else "cpu"
+    if device == "gpu" and not gpu_available():
+        raise DeviceError(
+            "device='gpu' was requested but no CUDA GPU is usable (is CuPy installed, "
+            "e.g. `pip install scanforest[cuda12]`, and does `nvidia-smi` see a device?)"
+        )
+    return device
+
+
+def xp_for(device: str):
+    """The array module (numpy or cupy) of a resolved device."""
+    if device == "gpu":
+        import cupy as cp
+
+        return cp
+    return np
+
+
+def to_device(a: Any, device: str, dtype=None):
+    """Move ``a`` to the resolved device (no copy when it is already there with that dtype)."""
+    if device == "gpu":
+        import cupy as cp
+
+        return cp.asarray(a, dtype=dtype)
+    return np.asarray(to_numpy(a), dtype=dtype)
+
+
+def to_numpy(a: Any) -> np.ndarray:
+    """A numpy view/copy of a numpy or CuPy array."""
+    if is_cupy(a):
+        return a.get()
+    return np.asarray(a)
+
+
+def describe_device(device: str) -> str:
+    """Human-readable device description used in logs and benchmark tables."""
+    if device == "gpu":
+        return f"gpu ({gpu_name()})"
+    import platform
+
+    return f"cpu ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"

@@ -1,0 +1,102 @@
+"""Keypoint selection: PCL ``UniformSampling``, caller-given indices or coordinates, or all points.
+
+Uniform sampling (PCL 1.13 semantics): voxels of edge ``radius`` aligned to the origin
+(``ijk = floor(p * (1/radius))`` in float32), and in each occupied voxel the point closest to
+the voxel centre ``(ijk + 0.5) * radius`` (float32 squared distance; on a tie the earlier
+point wins, as PCL's strict ``<``). The indices come back sorted ascending (PCL returns them
+in voxel order).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import resolve_device
+from ..errors import InputError
+from ..neighbors.search import _check_radius, _on, validate_points
+
+__all__ = ["keypoints"]
+
+
+def keypoints(points, *, radius: float | None = None, indices=None, coords=None,
+              device: str = "auto"):
+    """Select keypoints and return their indices into ``points``.
+
+    Parameters
+    ----------
+    points : (N, 3) array
+        The cloud (finite coordinates; numpy or CuPy).
+    radius : float, optional
+        Uniform-sampling leaf size (PCL ``UniformSampling::setRadiusSearch``).
+    indices : (K,) int array, optional
+        Caller-given keypoint indices (validated and returned sorted, unique).
+    coords : (K, 3) array, optional
+        Caller-given keypoint coordinates: each is mapped to its nearest point of the cloud.
+    device : {"auto", "cpu", "gpu"}
+
+    Returns
+    -------
+    (K,) int64 indices, sorted ascending (numpy or CuPy, following the device). With none of
+    ``radius`` / ``indices`` / ``coords``: every point.
+    """
+    given = [x is not None for x in (radius, indices, coords)]
+    if sum(given) > 1:
+        raise InputError("give at most one of radius=, indices=, coords=")
+    dev = resolve_device(device, points)
+    pts = validate_points(_on(points, dev), "points", allow_empty=True)
+    xp = _xp(dev)
+    n = pts.shape[0]
+    if indices is not None:
+        idx = _on(indices, dev)
+        if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+            raise InputError(f"indices must be a 1-D integer array, got shape {tuple(idx.shape)} "
+                             f"dtype {idx.dtype}")
+        idx = idx.astype(xp.int64)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise InputError(f"indices must lie in [0, {n}), got [{int(idx.min())}, {int(idx.max())}]")
+        return xp.unique(idx)
+    if coords is not None:
+        from ..neighbors.search import knn
+
+        c = validate_points(_on(coords, dev), "coords", allow_empty=True)
+        if c.shape[0] == 0:
+            return xp.zeros(0, xp.int64)
+        if n == 0:
+            raise InputError("points is empty (0 points)")
+        idx, _ = knn(pts, c, k=1, device=dev)
+        return xp.unique(idx[:, 0].astype(xp.int64))
+    if radius is None:
+        return xp.arange(n, dtype=xp.int64)
+    r = _check_radius(radius)
+    if n == 0:
+        return xp.zeros(0, xp.int64)
+    return _uniform_sampling(pts, r, xp)
+
+
+def _xp(dev):
+    if dev == "gpu":
+        import cupy as cp
+
+        return cp
+    return np
+
+
+def _uniform_sampling(pts, r, xp):
+    f32 = xp.float32
+    inv = np.float32(np.float32(1.0) / np.float32(r))
+    ijk = xp.floor(pts * inv).astype(xp.int64)  # float32 product, as PCL
+    lo = ijk.min(axis=0)
+    rel = ijk - lo
+    dims = rel.max(axis=0) + 1
+    key = rel[:, 0] + dims[0] * (rel[:, 1] + dims[1] * rel[:, 2])
+    centre = (ijk.astype(f32) + f32(0.5)) * f32(r)
+    diff = pts - centre
+    d2 = (diff[:, 0] * diff[:, 0] + diff[:, 1] * diff[:, 1]) + diff[:, 2] * diff[:, 2]
+    # stable sorts: by distance to the centre (ties keep the earlier point), then by voxel
+    kw = {"kind": "stable"} if xp is np else {}
+    o1 = xp.argsort(d2, **kw)
+    order = o1[xp.argsort(key[o1], **kw)]
+    n = pts.shape[0]
+    ks = key[order]
+    first = xp.ones(n, dtype=bool)
+    first[1:] = ks[1:] != ks[:-1]
+    return xp.sort(order[first]).astype(xp.int64)

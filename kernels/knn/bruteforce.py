@@ -1,0 +1,745 @@
+"""Exact k-nearest neighbours by brute force (squared L2), CPU and GPU backends.
+
+Semantics shared by every neighbour search in scanforest (brute force, P-ANNS, P-BANNS):
+
+* the distance is the *canonical* float32 squared L2 distance, summed in dimension order
+  ``acc = acc + (q[j] - x[j])**2`` with correctly rounded float32 operations and no fused
+  multiply-add, so the CPU (numba) and GPU (CUDA ``__fadd_rn``/``__fmul_rn``) backends give
+  bit-identical distances;
+* rows are sorted ascending by ``(distance, id)`` (ties broken by the smaller id).
+
+The brute force runs in two passes. A coarse pass computes ``||q||^2 - 2 q.b + ||b||^2`` with a
+float32 GEMM (BLAS on the CPU, cuBLAS on the GPU) on mean-centred data, per query block and base
+block, and keeps a candidate superset of ``k' = 2k + 16`` per query (a per-tile top-k' merged
+across tiles; on the GPU a fused warp-select kernel). The candidates are re-ranked with the
+canonical distance. A rigorous float32 rounding-error bound then checks that no point outside
+the candidate set can enter the top k; for the queries where the check fails (near ties, many
+duplicates) every point whose coarse distance lies within the bound is re-ranked as well, so
+the result is exact.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import njit, prange
+
+from ..backend import free_memory, is_cupy, resolve_device, to_numpy
+from ..errors import InputError
+
+__all__ = ["knn_bruteforce", "pair_distances", "recall", "check_points", "MAX_K"]
+
+MAX_K = 256
+_U = 2.0 ** -24
+# a centred copy of the base is made when it takes at most this share of the free memory
+# (available host memory, free GPU memory); otherwise tiles are centred as they are used
+_COPY_SHARE = {"cpu": 0.25, "gpu": 0.5}
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------
+def check_points(a, name: str, *, dim: int | None = None, xp=None, keep_half: bool = False):
+    """Validate a (n, d) point array and return it as C-contiguous float32 on its own device.
+
+    Raises :class:`InputError` for non-2-D input, an empty set, a wrong dimension or rows with
+    NaN/inf values (the message names the first bad row). ``keep_half=True`` returns a float16
+    array as float16 (the GPU brute force reads half rows as they are).
+    """
+    if xp is None:
+        if is_cupy(a):
+            import cupy as xp
+        else:
+            xp = np
+    if not hasattr(a, "shape"):
+        a = np.asarray(a)
+    if a.ndim != 2:
+        raise InputError(f"{name} must be a 2-D array (n_points, n_dims), got shape {tuple(a.shape)}")
+    n, d = a.shape
+    if n == 0:
+        raise InputError(f"{name} is empty (shape {tuple(a.shape)}): at least one point is needed")
+    if d == 0:
+        raise InputError(f"{name} has 0 dimensions (shape {tuple(a.shape)})")
+    if dim is not None and d != dim:
+        raise InputError(f"{name} has {d} dimensions but the index was built on {dim}-D points")
+    if a.dtype.kind not in "fiub":
+        raise InputError(f"{name} must hold real numbers, got dtype {a.dtype}")
+    half = keep_half and a.dtype == np.float16
+    a = xp.ascontiguousarray(a, dtype=xp.float16 if half else xp.float32)
+    bad = _nonfinite_rows(a, xp)
+    if bool(bad.any()):
+        rows = to_numpy(xp.nonzero(bad)[0][:5]).tolist()
+        raise InputError(f"{name} has {int(bad.sum())} row(s) with NaN or inf values (first: {rows})")
+    return a
+
+
+def _nonfinite_rows(a, xp, nbytes: int = 1 << 28):
+    """Boolean mask of the rows of ``a`` with a NaN or inf, computed in blocks of about
+    ``nbytes`` (no temporary the size of ``a``: a 50M x 352 float16 shard is 35 GB);
+    float16 is checked on its exponent bits."""
+    n, d = a.shape
+    step = max(1, nbytes // max(1, d * a.itemsize))
+    if n <= step:
+        if a.dtype == np.float16:
+            return ((a.view(xp.uint16) & 0x7C00) == 0x7C00).any(axis=1)
+        return ~xp.isfinite(a).all(axis=1)
+    return xp.concatenate([_nonfinite_rows(a[i:i + step], xp, nbytes) for i in range(0, n, step)])
+
+
+def check_k(k, n: int, *, max_k: int = MAX_K) -> int:
+    """Validate the number of neighbours ``k`` against the size ``n`` of the indexed set."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise InputError(f"k must be an integer, got {k!r}")
+    k = int(k)
+    if k < 1:
+        raise InputError(f"k must be >= 1, got {k}")
+    if k > n:
+        raise InputError(f"k={k} is larger than the number of indexed points ({n})")
+    if k > max_k:
+        raise InputError(f"k={k} is above the supported maximum of {max_k}")
+    return k
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU kernels (numba)
+# ----------------------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _sqdist(q, x):
+    acc = np.float32(0.0)
+    for j in range(q.shape[0]):
+        t = q[j] - x[j]
+        acc += t * t
+    return acc
+
+
+@njit(cache=True, inline="always")
+def _sqdist4(q, x0, x1, x2, x3):
+    """:func:`_sqdist` of four rows at once: four independent sums, each in dimension order (the
+    same bits as four calls), so the additions overlap instead of waiting on one another."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    for j in range(q.shape[0]):
+        qj = q[j]
+        t0 = qj - x0[j]
+        t1 = qj - x1[j]
+        t2 = qj - x2[j]
+        t3 = qj - x3[j]
+        a0 += t0 * t0
+        a1 += t1 * t1
+        a2 += t2 * t2
+        a3 += t3 * t3
+    return a0, a1, a2, a3
+
+
+@njit(cache=True, inline="always")
+def _insert(dist, ids, cnt, k, dv, iv):
+    """Insert (dv, iv) into the ascending (dist, id) list of length cnt <= k; returns new cnt."""
+    if cnt == k:
+        last = k - 1
+        if dv > dist[last] or (dv == dist[last] and iv >= ids[last]):
+            return cnt
+        pos = last
+    else:
+        pos = cnt
+        cnt += 1
+    while pos > 0 and (dist[pos - 1] > dv or (dist[pos - 1] == dv and ids[pos - 1] > iv)):
+        dist[pos] = dist[pos - 1]
+        ids[pos] = ids[pos - 1]
+        pos -= 1
+    dist[pos] = dv
+    ids[pos] = iv
+    return cnt
+
+
+@njit(cache=True, parallel=True)
+def _select_coarse_cpu(G, qn, bn, b0, cand_d, cand_i, cnt):
+    """Merge one GEMM tile into each query's ascending list of its ``kc`` smallest coarse
+    distances: coarse = max((-2 G) + qn + bn, 0), in float32 as the tile math of the GPU path;
+    ties by the smaller id. ``cnt`` holds each list's fill (updated)."""
+    m, nb = G.shape
+    kc = cand_d.shape[1]
+    m2 = np.float32(-2.0)
+    zero = np.float32(0.0)
+    for r in prange(m):
+        dist = cand_d[r]
+        ids = cand_i[r]
+        c = cnt[r]
+        q = qn[r]
+        for j in range(nb):
+            v = m2 * G[r, j] + q + bn[b0 + j]
+            if v < zero:
+                v = zero
+            if c == kc and v >= dist[kc - 1]:
+                continue  # the common case: not among the kc smallest (ties keep the smaller id)
+            c = _insert(dist, ids, c, kc, v, b0 + j)
+        cnt[r] = c
+
+
+@njit(cache=True, parallel=True)
+def _rerank_cpu(base, queries, cand, k, out_d, out_i, idm):
+    """Canonical distances of candidate rows (-1 = none) -> sorted top k per query, as ids
+    ``idm[row]`` (the row itself when ``idm`` is empty), ties by the smaller id."""
+    m, c = cand.shape
+    mapped = idm.shape[0] > 0
+    for qi in prange(m):
+        dist = np.empty(k, np.float32)
+        ids = np.empty(k, np.int64)
+        cnt = 0
+        q = queries[qi]
+        for j in range(c):
+            b = cand[qi, j]
+            if b < 0:
+                continue
+            cnt = _insert(dist, ids, cnt, k, _sqdist(q, base[b]), idm[b] if mapped else b)
+        for j in range(k):
+            if j < cnt:
+                out_d[qi, j] = dist[j]
+                out_i[qi, j] = ids[j]
+            else:
+                out_d[qi, j] = np.inf
+                out_i[qi, j] = -1
+
+
+@njit(cache=True, parallel=True)
+def _rerank_pairs_cpu(base, queries, starts, cols, k, out_d, out_i, idm):
+    """Like _rerank_cpu for a CSR list of candidates: row r holds cols[starts[r]:starts[r+1]]."""
+    m = starts.shape[0] - 1
+    mapped = idm.shape[0] > 0
+    for qi in prange(m):
+        dist = np.empty(k, np.float32)
+        ids = np.empty(k, np.int64)
+        cnt = 0
+        q = queries[qi]
+        for j in range(starts[qi], starts[qi + 1]):
+            b = cols[j]
+            cnt = _insert(dist, ids, cnt, k, _sqdist(q, base[b]), idm[b] if mapped else b)
+        for j in range(k):
+            out_d[qi, j] = dist[j] if j < cnt else np.inf
+            out_i[qi, j] = ids[j] if j < cnt else -1
+
+
+@njit(cache=True, parallel=True)
+def exact_scan_cpu(base, queries, k):
+    """Reference exact scan with the canonical distance (O(M N d)); used for small inputs."""
+    m = queries.shape[0]
+    out_d = np.empty((m, k), np.float32)
+    out_i = np.empty((m, k), np.int64)
+    for qi in prange(m):
+        dist = np.empty(k, np.float32)
+        ids = np.empty(k, np.int64)
+        cnt = 0
+        q = queries[qi]
+        for b in range(base.shape[0]):
+            cnt = _insert(dist, ids, cnt, k, _sqdist(q, base[b]), b)
+        for j in range(k):
+            out_d[qi, j] = dist[j]
+            out_i[qi, j] = ids[j]
+    return out_d, out_i
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU kernels (CUDA source, compiled lazily)
+# ----------------------------------------------------------------------------------------------
+_CUDA_COMMON = r"""
+#define KEY_NONE 0xffffffffffffffffULL
+__device__ __forceinline__ unsigned long long make_key(float d, long long id) {
+    d = d > 0.0f ? d : 0.0f;
+    return ((unsigned long long)__float_as_uint(d) << 32) | (unsigned long long)(unsigned int)id;
+}
+__device__ __forceinline__ float key_dist(unsigned long long k) {
+    return k == KEY_NONE ? __int_as_float(0x7f800000) : __uint_as_float((unsigned int)(k >> 32));
+}
+__device__ __forceinline__ float canon_dist(const float* __restrict__ q, const float* __restrict__ x, int d) {
+    float acc = 0.0f;
+    for (int j = 0; j < d; ++j) {
+        float t = __fsub_rn(q[j], x[j]);
+        acc = __fadd_rn(acc, __fmul_rn(t, t));
+    }
+    return acc;
+}
+"""
+
+
+def _half_rows(macro: str, row_t: str, load: str) -> str:
+    """CUDA source for rows of ``float``, or of IEEE half (when ``macro`` is defined) widened
+    exactly to float in registers: type ``row_t`` and loader ``load``, so a distance over half
+    rows is the float one of the widened rows, bit for bit (half the bytes read)."""
+    return rf"""
+#ifdef {macro}
+typedef unsigned short {row_t};
+__device__ __forceinline__ float {load}(unsigned short h) {{
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}}
+#else
+typedef float {row_t};
+__device__ __forceinline__ float {load}(float x) {{ return x; }}
+#endif
+"""
+
+_SELECT_SRC = _CUDA_COMMON + r"""
+// One warp per row: every lane keeps a sorted list of its KP best keys, then the 32 lists are
+// merged with KP rounds of a warp-wide min.  mode 0: d = D[r, c]; mode 1: d = qn[r] + bn[c] - 2 D[r, c].
+__device__ __forceinline__ void lane_push(unsigned long long* list, int& cnt, int kp, unsigned long long key) {
+    int pos;
+    if (cnt == kp) {
+        if (key >= list[kp - 1]) return;
+        pos = kp - 1;
+    } else {
+        pos = cnt++;
+    }
+    while (pos > 0 && list[pos - 1] > key) { list[pos] = list[pos - 1]; --pos; }
+    list[pos] = key;
+}
+extern "C" __global__ void select_topk(const float* __restrict__ D, long long ldd, int nrows, int ncols,
+        const float* __restrict__ qn, const float* __restrict__ bn, int mode, long long col_offset,
+        const unsigned long long* __restrict__ prev, int kp, unsigned long long* __restrict__ out) {
+    int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (row >= nrows) return;
+    unsigned long long list[KMAX];
+    int cnt = 0;
+    if (prev != NULL) {
+        for (int i = lane; i < kp; i += 32) {
+            unsigned long long key = prev[(long long)row * kp + i];
+            if (key != KEY_NONE) lane_push(list, cnt, kp, key);
+        }
+    }
+    const float* Drow = D + (long long)row * ldd;
+    float qv = mode ? qn[row] : 0.0f;
+    for (int c = lane; c < ncols; c += 32) {
+        float g = Drow[c];
+        float d = mode ? (qv + bn[c]) - 2.0f * g : g;
+        unsigned long long key = make_key(d, col_offset + c);
+        if (cnt < kp || key < list[kp - 1]) lane_push(list, cnt, kp, key);
+    }
+    int h = 0;
+    for (int r = 0; r < kp; ++r) {
+        unsigned long long mine = h < cnt ? list[h] : KEY_NONE;
+        unsigned long long best = mine;
+        for (int off = 16; off > 0; off >>= 1) {
+            unsigned long long o = __shfl_xor_sync(0xffffffffu, best, off);
+            best = o < best ? o : best;
+        }
+        if (best != KEY_NONE && mine == best) ++h;
+        if (lane == 0) out[(long long)row * kp + r] = best;
+    }
+}
+"""
+
+_PAIR_SRC = _CUDA_COMMON + _half_rows("BASE_HALF", "BT", "ldb") + r"""
+// base rows: float, or IEEE half (BASE_HALF): see _half_rows
+// canonical distance of (query row qi[t], base row bi[t]); bi < 0 gives +inf
+extern "C" __global__ void pair_dist(const BT* __restrict__ X, const float* __restrict__ Q,
+        const long long* __restrict__ qi, const long long* __restrict__ bi, long long npairs, int d,
+        float* __restrict__ out) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= npairs) return;
+    long long b = bi[t];
+    if (b < 0) { out[t] = __int_as_float(0x7f800000); return; }
+    const float* q = Q + qi[t] * (long long)d;
+    const BT* x = X + b * (long long)d;
+    float acc = 0.0f;
+    for (int j = 0; j < d; ++j) {
+        float u = __fsub_rn(q[j], ldb(x[j]));
+        acc = __fadd_rn(acc, __fmul_rn(u, u));
+    }
+    out[t] = acc;
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _select_kernel(kmax: int):
+    import cupy as cp
+
+    return cp.RawKernel(_SELECT_SRC.replace("KMAX", str(kmax)), "select_topk")
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_kernel(half: bool = False):
+    import cupy as cp
+
+    return cp.RawKernel(_PAIR_SRC, "pair_dist", options=("-DBASE_HALF",) if half else ())
+
+
+def _select_gpu(D, k, *, qn=None, bn=None, col_offset=0, prev=None):
+    """Per-row top-k (k <= 1024) keys of a distance (mode 0) or dot-product (mode 1) tile."""
+    import cupy as cp
+
+    nrows, ncols = D.shape
+    kmax = max(8, 1 << (int(k) - 1).bit_length())
+    out = cp.empty((nrows, k), dtype=cp.uint64)
+    mode = 0 if qn is None else 1
+    dummy = cp.empty(1, dtype=cp.float32)
+    threads = 128
+    grid = (nrows * 32 + threads - 1) // threads
+    _select_kernel(kmax)((grid,), (threads,), (
+        D, np.int64(D.strides[0] // 4), np.int32(nrows), np.int32(ncols),
+        dummy if qn is None else qn, dummy if bn is None else bn, np.int32(mode),
+        np.int64(col_offset), prev if prev is not None else np.uint64(0), np.int32(k), out))
+    return out
+
+
+def decode_keys(keys):
+    """Split uint64 (dist_bits << 32 | id) keys into float32 distances and int64 ids."""
+    xp = np
+    if is_cupy(keys):
+        import cupy as xp
+    none = keys == np.uint64(0xFFFFFFFFFFFFFFFF)
+    d = (keys >> np.uint64(32)).astype(xp.uint32).view(xp.float32)
+    i = (keys & np.uint64(0xFFFFFFFF)).astype(xp.int64)
+    d = xp.where(none, xp.float32(np.inf), d)
+    i = xp.where(none, -1, i)
+    return d, i
+
+
+def pair_dist_gpu(base, queries, qi, bi):
+    """Canonical distances of (queries[qi], base[bi]) pairs on the GPU (bi < 0 -> inf)."""
+    import cupy as cp
+
+    qi = cp.ascontiguousarray(qi, dtype=cp.int64).ravel()
+    bi = cp.ascontiguousarray(bi, dtype=cp.int64).ravel()
+    out = cp.empty(qi.size, dtype=cp.float32)
+    if qi.size:
+        _pair_kernel(base.dtype == cp.float16)(((qi.size + 255) // 256,), (256,),
+                       (base, queries, qi, bi, np.int64(qi.size), np.int32(base.shape[1]), out))
+    return out
+
+
+def topk_keys_rows(keys, k):
+    """Sorted top-k (ascending) of each row of a uint64 key matrix."""
+    import cupy as cp
+
+    s = cp.sort(keys, axis=1)
+    return s[:, :k]
+
+
+# ----------------------------------------------------------------------------------------------
+# driver
+# ----------------------------------------------------------------------------------------------
+def _gamma(d: int) -> float:
+    n = d + 8
+    return n * _U / (1.0 - n * _U)
+
+
+def _blocks(n_rows: int, n_base: int, d: int, budget_bytes: int, block):
+    """(query_block, base_block) sizes whose coarse tile fits in ``budget_bytes``."""
+    if block is not None:
+        if isinstance(block, (tuple, list)):
+            qb, bb = int(block[0]), int(block[1])
+        else:
+            qb, bb = int(block), n_base
+        if qb < 1 or bb < 1:
+            raise InputError(f"block sizes must be >= 1, got {block!r}")
+        return max(1, min(qb, n_rows)), max(1, min(bb, n_base))
+    bb = min(n_base, 1 << 18)
+    qb = max(1, min(n_rows, budget_bytes // (4 * bb)))
+    if qb < 256 and bb > 4096:
+        bb = max(4096, budget_bytes // (4 * 256))
+        bb = min(bb, n_base)
+        qb = max(1, min(n_rows, budget_bytes // (4 * bb)))
+    return qb, bb
+
+
+def _placed(base, queries, device):
+    """``(device, array module, converter, base, queries)``: both validated on the device the
+    inputs or ``device`` choose (a float16 base stays float16 on a GPU)."""
+    dev = resolve_device(device, base, queries)
+    xp = np
+    if dev == "gpu":
+        import cupy as xp
+    conv = to_numpy if dev == "cpu" else xp.asarray
+    base = check_points(conv(base), "base", xp=xp, keep_half=dev == "gpu")
+    queries = check_points(conv(queries), "queries", dim=base.shape[1], xp=xp)
+    return dev, xp, conv, base, queries
+
+
+def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None, ids=None):
+    """Exact k nearest neighbours of every query in ``base`` (squared L2).
+
+    Parameters
+    ----------
+    base : (N, d) array_like
+        Indexed points (numpy or CuPy; converted to float32). A float16 CuPy array stays float16
+        on the GPU (half the memory of its float32 widening) and gives that widening's answer,
+        bit for bit: every row is widened exactly where it is read.
+    queries : (M, d) array_like
+        Query points.
+    k : int
+        Neighbours per query, ``1 <= k <= min(N, 256)``.
+    device : {"auto", "cpu", "gpu"}, keyword-only
+        ``auto`` follows the array type of the inputs.
+    block : int or (int, int), optional, keyword-only
+        Query block (and base block) size of the coarse GEMM tiles; by default sized to fit a
+        tile budget (512 MiB on the CPU, 2 GiB on the GPU).
+    ids : (N,) int array, optional, keyword-only
+        The id of each base row, returned instead of the row index and used to break ties
+        (e.g. a KD-tree's leaf-ordered rows with its permutation: the answer is then the one on
+        the rows in input order). Distinct, ``0 <= id < 2**32``.
+
+    Notes
+    -----
+    The coarse pass works on mean-centred rows. A centred copy of ``base`` is made when it fits
+    (half the free GPU memory, a quarter of the available host memory); otherwise each base
+    tile is centred as it is used, so the search needs no more memory than ``base`` itself plus
+    the tiles.
+
+    Returns
+    -------
+    dist2 : (M, k) float32
+        Canonical squared distances, ascending.
+    ids : (M, k) int64
+        Row indices into ``base`` (or ``ids`` of them); ties broken by the smaller id.
+    """
+    dev, xp, conv, base, queries = _placed(base, queries, device)
+    k = check_k(k, base.shape[0])
+    if ids is not None:
+        ids = conv(ids)
+        if ids.shape != (base.shape[0],) or ids.dtype.kind not in "iu":
+            raise InputError(f"ids must be ({base.shape[0]},) integers (one per base row), got "
+                             f"{tuple(ids.shape)} {ids.dtype}")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= 2 ** 32):
+            raise InputError("ids must lie in [0, 2**32)")
+        ids = xp.ascontiguousarray(ids, dtype=xp.int64)
+    if dev == "gpu":
+        return _bf_gpu(base, queries, k, block, ids)
+    return _bf_cpu(base, queries, k, block, ids)
+
+
+class _Tiles:
+    """Mean-centred tiles of ``base`` rows ``[b0, b0 + bb)``: views of one centred copy when
+    ``copy``, else centred as they are asked for (no second copy of the base)."""
+
+    def __init__(self, base, mu, copy: bool):
+        self.base, self.mu = base, mu
+        self.bc = base - mu if copy else None
+
+    def __call__(self, b0: int, bb: int):
+        if self.bc is not None:
+            return self.bc[b0:b0 + bb]
+        return self.base[b0:b0 + bb] - self.mu
+
+
+def _candidates(k: int, n: int) -> int:
+    return min(n, 2 * k + 16)
+
+
+def _bf_cpu(base, queries, k, block, ids=None):
+    n, d = base.shape
+    m = queries.shape[0]
+    kc = _candidates(k, n)
+    idm = np.empty(0, np.int64) if ids is None else ids
+    mu = base.mean(axis=0, dtype=np.float64).astype(np.float32)
+    qb, bb = _blocks(m, n, d, 512 << 20, block)
+    tiles = _Tiles(base, mu, copy=base.nbytes <= free_memory("cpu")[0] * _COPY_SHARE["cpu"])
+    bn = np.empty(n, np.float32)
+    for b0 in range(0, n, bb):
+        t = tiles(b0, bb)
+        bn[b0:b0 + bb] = np.einsum("ij,ij->i", t, t, dtype=np.float32)
+    bnmax = float(bn.max())
+    out_d = np.empty((m, k), np.float32)
+    out_i = np.empty((m, k), np.int64)
+    g = _gamma(d)
+    for q0 in range(0, m, qb):
+        qs = queries[q0:q0 + qb]
+        qc = qs - mu
+        qn = np.einsum("ij,ij->i", qc, qc, dtype=np.float32)
+        cand_d = np.empty((qs.shape[0], kc), np.float32)
+        cand = np.empty((qs.shape[0], kc), np.int64)
+        cnt = np.zeros(qs.shape[0], np.int32)
+        for b0 in range(0, n, bb):
+            # BLAS tile, then one fused parallel pass keeps each row's kc smallest coarse distances
+            _select_coarse_cpu(qc @ tiles(b0, bb).T, qn, bn, b0, cand_d, cand, cnt)
+        rd = np.empty((qs.shape[0], k), np.float32)
+        ri = np.empty((qs.shape[0], k), np.int64)
+        _rerank_cpu(base, qs, cand, k, rd, ri, idm)
+        if kc < n:
+            clast = cand_d[:, -1].astype(np.float64)  # lists are full (kc <= n) and ascending
+            err = 4 * g * (qn.astype(np.float64) + bnmax) + 2 * g * rd[:, -1] + 1e-30
+            bad = np.nonzero(~(rd[:, -1].astype(np.float64) + err < clast))[0]
+            if bad.size:
+                thr = rd[bad, -1].astype(np.float64) + err[bad]
+                _fix_cpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, idm)
+        out_d[q0:q0 + qb] = rd
+        out_i[q0:q0 + qb] = ri
+    return out_d, out_i
+
+
+def _fix_cpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, idm):
+    """Re-rank every point whose coarse distance is within the error bound (exact fallback)."""
+    qc = qs[bad] - mu
+    qn = np.einsum("ij,ij->i", qc, qc, dtype=np.float32)
+    rows, cols = [], []
+    for b0 in range(0, base.shape[0], bb):
+        D = (qn[:, None] + bn[None, b0:b0 + bb]) - 2.0 * (qc @ tiles(b0, bb).T)
+        r, c = np.nonzero(D <= thr[:, None])
+        rows.append(r)
+        cols.append(c.astype(np.int64) + b0)
+    rows = np.concatenate(rows)
+    cols = np.concatenate(cols)
+    order = np.argsort(rows, kind="stable")
+    cols = cols[order]
+    starts = np.searchsorted(rows[order], np.arange(bad.size + 1))
+    fd = np.empty((bad.size, k), np.float32)
+    fi = np.empty((bad.size, k), np.int64)
+    _rerank_pairs_cpu(base, np.ascontiguousarray(qs[bad]), starts.astype(np.int64), cols, k, fd, fi, idm)
+    rd[bad] = fd
+    ri[bad] = fi
+
+
+def _bf_gpu(base, queries, k, block, ids=None):
+    import cupy as cp
+
+    n, d = base.shape
+    m = queries.shape[0]
+    kc = _candidates(k, n)
+    mu = base.mean(axis=0, dtype=cp.float64).astype(cp.float32)
+    free = cp.cuda.Device().mem_info[0]
+    budget = int(min(2 << 30, max(64 << 20, free // 4)))
+    qb, bb = _blocks(m, n, d, budget, block)
+    # the centred copy is float32 whatever the base (half rows are widened exactly by the subtraction)
+    tiles = _Tiles(base, mu, copy=n * d * 4 <= free * _COPY_SHARE["gpu"])  # else centred tile by tile
+    bn = cp.empty(n, cp.float32)
+    for b0 in range(0, n, bb):
+        t = tiles(b0, bb)
+        bn[b0:b0 + bb] = cp.einsum("ij,ij->i", t, t)
+    bnmax = float(bn.max())
+    out_d = cp.empty((m, k), cp.float32)
+    out_i = cp.empty((m, k), cp.int64)
+    g = _gamma(d)
+    for q0 in range(0, m, qb):
+        qs = queries[q0:q0 + qb]
+        qc = qs - mu
+        qn = cp.einsum("ij,ij->i", qc, qc)
+        keys = None
+        for b0 in range(0, n, bb):
+            G = qc @ tiles(b0, bb).T
+            keys = _select_gpu(G, kc, qn=qn, bn=bn[b0:b0 + bb], col_offset=b0, prev=keys)
+        cd, ci = decode_keys(keys)
+        clast = cd[:, -1].astype(cp.float64)
+        nq = qs.shape[0]
+        qidx = cp.repeat(cp.arange(nq, dtype=cp.int64), kc)
+        dist = pair_dist_gpu(base, qs, qidx, ci).reshape(nq, kc)
+        rkeys = _keys_from(dist, ci if ids is None else cp.where(ci >= 0, ids[cp.maximum(ci, 0)], -1))
+        top = topk_keys_rows(rkeys, k)
+        rd, ri = decode_keys(top)
+        if kc < n:
+            err = 4 * g * (qn.astype(cp.float64) + bnmax) + 2 * g * rd[:, -1] + 1e-30
+            bad = cp.nonzero(~(rd[:, -1].astype(cp.float64) + err < clast))[0]
+            if int(bad.size):
+                thr = rd[bad, -1].astype(cp.float64) + err[bad]
+                _fix_gpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, ids)
+        out_d[q0:q0 + qb] = rd
+        out_i[q0:q0 + qb] = ri
+    return out_d, out_i
+
+
+def _keys_from(dist, ids):
+    """uint64 (dist_bits << 32 | id) keys; id < 0 or non-finite distance -> KEY_NONE."""
+    import cupy as cp
+
+    dist = cp.maximum(dist, cp.float32(0))
+    k = (dist.view(cp.uint32).astype(cp.uint64) << np.uint64(32)) | ids.astype(cp.uint64) & np.uint64(0xFFFFFFFF)
+    none = (ids < 0) | ~cp.isfinite(dist)
+    return cp.where(none, np.uint64(0xFFFFFFFFFFFFFFFF), k)
+
+
+def _fix_gpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, ids=None):
+    import cupy as cp
+
+    qsub = cp.ascontiguousarray(qs[bad])
+    qc = qsub - mu
+    qn = cp.einsum("ij,ij->i", qc, qc)
+    rows, cols = [], []
+    for b0 in range(0, base.shape[0], bb):
+        D = (qn[:, None] + bn[None, b0:b0 + bb]) - 2.0 * (qc @ tiles(b0, bb).T)
+        r, c = cp.nonzero(D <= thr[:, None].astype(cp.float32) * (1 + 1e-6))
+        rows.append(r.astype(cp.int64))
+        cols.append(c.astype(cp.int64) + b0)
+    rows = cp.concatenate(rows)
+    cols = cp.concatenate(cols)
+    dist = pair_dist_gpu(base, qsub, rows, cols)
+    keys = _keys_from(dist, cols if ids is None else ids[cols])
+    o1 = cp.argsort(keys)
+    o2 = cp.argsort(rows[o1])  # cupy sorts are stable
+    order = o1[o2]
+    rows = rows[order]
+    keys = keys[order]
+    starts = cp.searchsorted(rows, cp.arange(bad.size, dtype=cp.int64))
+    take = starts[:, None] + cp.arange(k)[None, :]
+    ends = cp.searchsorted(rows, cp.arange(bad.size, dtype=cp.int64), side="right")
+    ok = take < ends[:, None]
+    sel = cp.where(ok, keys[cp.minimum(take, keys.size - 1)], np.uint64(0xFFFFFFFFFFFFFFFF))
+    fd, fi = decode_keys(sel)
+    rd[bad] = fd
+    ri[bad] = fi
+
+
+# ----------------------------------------------------------------------------------------------
+# recall
+# ----------------------------------------------------------------------------------------------
+@njit(parallel=True, cache=True)
+def _pair_dist_cpu(base, queries, ids, out):
+    for r in prange(ids.shape[0]):
+        for c in range(ids.shape[1]):
+            i = ids[r, c]
+            out[r, c] = _sqdist(queries[r], base[i]) if 0 <= i < base.shape[0] else np.inf
+
+
+def pair_distances(base, queries, ids, *, device: str = "auto"):
+    """Canonical squared distances of each query to the base rows it names.
+
+    For answers found elsewhere (another library's index, a stored match): ``ids[r, c]`` is a
+    row of ``base`` for query ``r``; an id outside ``[0, N)`` (a library's ``-1`` pad) gives
+    ``+inf``. The distances are the ones :func:`knn_bruteforce` gives for the same pairs, bit
+    for bit, so :func:`recall` compares them with the exact answer without rounding noise.
+
+    Parameters
+    ----------
+    base : (N, d) array_like
+    queries : (M, d) array_like
+    ids : (M, k) integer array_like
+    device : {"auto", "cpu", "gpu"}, keyword-only
+
+    Returns
+    -------
+    dist2 : (M, k) float32
+    """
+    dev, xp, conv, base, queries = _placed(base, queries, device)
+    ids = conv(ids)
+    if ids.ndim != 2 or ids.shape[0] != queries.shape[0] or ids.dtype.kind not in "iu":
+        raise InputError(f"ids must be an (M, k) integer array with M = {queries.shape[0]}, "
+                         f"got {ids.dtype} {ids.shape}")
+    ids = ids.astype(xp.int64, copy=False)
+    if dev == "gpu":
+        n = base.shape[0]
+        bi = xp.where((ids >= 0) & (ids < n), ids, -1)
+        qi = xp.broadcast_to(xp.arange(ids.shape[0], dtype=xp.int64)[:, None], ids.shape)
+        return pair_dist_gpu(base, queries, qi, bi).reshape(ids.shape)
+    out = np.empty(ids.shape, np.float32)
+    _pair_dist_cpu(base, queries, np.ascontiguousarray(ids), out)
+    return out
+
+
+def recall(dist_found, dist_exact, k: int | None = None) -> float:
+    """Recall@k of an approximate search against exact distances.
+
+    A returned neighbour counts when its distance is ``<=`` the exact k-th distance of its query
+    (so ties count). Returns the fraction over all queries and the first ``k`` returned slots
+    (missing neighbours, +inf or id -1, never count).
+    """
+    f = np.asarray(to_numpy(dist_found), dtype=np.float64)
+    e = np.asarray(to_numpy(dist_exact), dtype=np.float64)
+    if f.ndim != 2 or e.ndim != 2 or f.shape[0] != e.shape[0]:
+        raise InputError(f"dist_found {f.shape} and dist_exact {e.shape} must be (M, k) arrays with "
+                         "the same number of rows")
+    k = min(f.shape[1], e.shape[1]) if k is None else int(k)
+    if not 1 <= k <= min(f.shape[1], e.shape[1]):
+        raise InputError(f"k={k} must be within 1..{min(f.shape[1], e.shape[1])}")
+    thr = e[:, k - 1:k]
+    hit = np.isfinite(f[:, :k]) & (f[:, :k] <= thr)
+    return float(hit.mean())

@@ -1,0 +1,217 @@
+"""Sharded nearest-neighbour index: the reference set split into contiguous shards, one
+KD-forest per shard, every query visiting every shard, per-shard top-k merged into the global
+top-k (:func:`scanforest.kernels.knn.topk.merge_topk`).
+
+This module is the single-process form (shards searched one after the other on one device);
+:mod:`scanforest.flows.match` runs the same shards resident on Dask workers, one per GPU.
+With an unlimited backtrack budget (or ``method="exact"``) the answer equals the single-device
+brute force exactly, ids and distances, because shards are contiguous id ranges and the merge
+orders by (distance, id).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from ..backend import is_cupy, xp_for
+from ..errors import InputError
+from .topk import merge_topk, pad_topk
+
+
+@njit(cache=True, parallel=True)
+def _gather_rows_nb(X, perm, out):
+    for i in prange(perm.shape[0]):
+        out[i] = X[perm[i]]
+
+
+def gather_rows(X: np.ndarray, perm: np.ndarray) -> np.ndarray:
+    """``X[perm]`` on the host with all cores (numpy's fancy indexing copies on one): a
+    shard's leaf-ordered rows, made before they go to the device (no second copy there)."""
+    X = np.ascontiguousarray(X)
+    perm = np.asarray(perm, np.int64)
+    out = np.empty((perm.shape[0],) + X.shape[1:], X.dtype)
+    bits = f"u{X.dtype.itemsize}"  # rows are moved as bits (numba has no float16)
+    _gather_rows_nb(X.view(bits), perm, out.view(bits))
+    return out
+
+
+def shard_ranges(n: int, shards: int) -> list[tuple[int, int]]:
+    """``shards`` contiguous, nearly equal ``[start, stop)`` ranges covering ``range(n)``."""
+    if shards < 1:
+        raise InputError(f"shards must be >= 1, got {shards}")
+    if shards > n:
+        raise InputError(f"shards ({shards}) cannot exceed the number of reference points ({n})")
+    bounds = np.linspace(0, n, shards + 1).round().astype(np.int64)
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclass
+class Shard:
+    """One shard: a fitted KDForest over rows ``[start, stop)`` of the reference set."""
+
+    start: int
+    stop: int
+    forest: object  # KDForest
+
+    def query(self, Q, k: int, **search):
+        """Top-min(k, shard size) of this shard with *global* ids, padded to k with (inf, -1).
+
+        ``search`` (``bounds=``, ``backtracks=``) goes to :meth:`KDForest.query`."""
+        kk = min(k, self.stop - self.start)
+        d, i = self.forest.query(Q, kk, **search)
+        xp = xp_for("gpu" if is_cupy(i) else "cpu")
+        i = xp.where(i >= 0, i + self.start, -1)  # -1 pads (fewer than k found) stay -1
+        return pad_topk(d, i, k)
+
+
+class ShardedIndex:
+    """A reference set in ``shards`` contiguous shards, each indexed by its own KD-forest.
+
+    Parameters
+    ----------
+    shards : int
+        Number of shards (one per GPU worker in the distributed form).
+    **forest_params
+        Passed to :class:`scanforest.kernels.knn.kdforest.KDForest` for every shard (``method``,
+        ``leaf_size``, ``backtracks``, ``random_dims``, ``device`` ...). Each shard's ``seed``
+        is ``seed + shard index``, so randomized trees differ between shards.
+    """
+
+    def __init__(self, *, shards: int = 1, **forest_params):
+        self.shards = shards
+        self.forest_params = forest_params
+
+    def fit(self, X) -> "ShardedIndex":
+        from .kdforest import KDForest
+
+        if getattr(X, "ndim", None) != 2:
+            raise InputError(f"X must be a 2-D (N, d) array, got shape {getattr(X, 'shape', None)}")
+        n = int(X.shape[0])
+        if n == 0:
+            raise InputError("X is empty (0 rows)")
+        self.ranges_ = shard_ranges(n, int(self.shards))
+        seed = int(self.forest_params.get("seed", 0))
+        params = {k: v for k, v in self.forest_params.items() if k != "seed"}
+        self.shards_ = [Shard(a, b, KDForest(seed=seed + s, **params).fit(X[a:b]))
+                        for s, (a, b) in enumerate(self.ranges_)]
+        self.n_samples_fit_, self.n_features_in_ = n, int(X.shape[1])
+        self.device_ = self.shards_[0].forest.device_
+        return self
+
+    def query(self, Q, k: int = 1):
+        """Global top-k (squared distances ascending, ties by id) over all shards."""
+        if not hasattr(self, "shards_"):
+            raise InputError("this ShardedIndex is not fitted yet: call fit(X) first")
+        if not 1 <= int(k) <= self.n_samples_fit_:
+            raise InputError(f"k must be in [1, {self.n_samples_fit_}], got {k}")
+        parts = [s.query(Q, int(k)) for s in self.shards_]
+        return merge_topk(parts, int(k))
+
+
+# ---------------------------------------------------------------------------------------------
+# memory planning
+# ---------------------------------------------------------------------------------------------
+# the search's per-query priority queue at its largest (kdtree.MAX_HEAP_CAP boxes: key + node)
+HEAP_BYTES_PER_QUERY = 2048 * 8
+BF_TILE_BYTES = {"gpu": 2 << 30, "cpu": 512 << 20}  # the brute force's coarse GEMM tile budget
+# the largest query block planned by default: a GPU search round has fixed costs (bucketing,
+# launches, one host sync) that a larger block spreads (10M x 352 on an H200, 384 leaves: 35,000
+# queries/s at 65,536 queries per block, 54,800 at 262,144); a CPU search has none
+MAX_BLOCK = {"gpu": 262_144, "cpu": 65_536}
+
+
+def shard_resident_bytes(rows: int, d: int, *, n_trees: int = 1, leaf_size: int = 64,
+                         method: str = "banns", row_bytes: int = 4) -> int:
+    """Bytes a loaded shard of ``rows`` rows holds on its device: for the exact method the rows;
+    for a forest each tree's leaf-ordered rows, permutation and nodes (at most 4 per
+    ``leaf_size`` rows; a node is its child, split, point range and a box of 2 x ``d`` floats).
+    ``row_bytes`` per value: 2 for a float16 index on a GPU, which keeps its rows in half
+    precision, else 4."""
+    rows, d = int(rows), int(d)
+    if method == "exact":
+        return rows * d * int(row_bytes)
+    nodes = 4 * -(-rows // int(leaf_size))
+    return int(n_trees) * (rows * d * int(row_bytes) + rows * 8 + nodes * (28 + 8 * d))
+
+
+def search_working_bytes(rows: int, d: int, block: int, k: int, *, device: str = "gpu") -> int:
+    """Transient bytes of one query block on a shard of ``rows`` rows: the block and its results,
+    the per-query queues, and the exact brute force that finishes queries (the rows' norms and
+    the GEMM tile budget; it centres the rows tile by tile when a centred copy does not fit)."""
+    rows, d, block, k = int(rows), int(d), int(block), int(k)
+    per_query = d * 4 + HEAP_BYTES_PER_QUERY + 20 * k + 64
+    return block * per_query + rows * 4 + BF_TILE_BYTES.get(device, BF_TILE_BYTES["gpu"])
+
+
+def fit_block(rows: int, d: int, k: int, cap: float, *, block: int | None = None, min_block: int = 256,
+              device: str = "gpu") -> int:
+    """The largest query block (``block``, default ``MAX_BLOCK[device]``, halved down to
+    ``min_block``) whose working set on a shard of ``rows`` rows fits in ``cap`` bytes
+    (``min_block`` when none does)."""
+    b = max(1, int(MAX_BLOCK.get(device, MAX_BLOCK["gpu"]) if block is None else block))
+    while b > min_block and search_working_bytes(rows, d, b, k, device=device) > cap:
+        b = max(min_block, b // 2)
+    return b
+
+
+@dataclass
+class ShardPlan:
+    shards: int                 # one per worker
+    block: int                  # queries per block that fit beside the resident shard
+    rows_per_shard: int
+    resident_bytes: int         # per worker
+    working_bytes: int          # per worker, at ``block``
+    memory_bytes: int           # the smallest worker's memory the plan was made for
+    fits: bool
+    min_workers: int            # workers of this memory the index needs at the smallest block
+
+    def describe(self) -> str:
+        g = 2 ** 30
+        return (f"{self.shards} shard(s) of {self.rows_per_shard:,} rows: {self.resident_bytes / g:.1f} GiB resident "
+                f"+ {self.working_bytes / g:.1f} GiB per {self.block:,}-query block on each worker "
+                f"({self.memory_bytes / g:.1f} GiB)")
+
+
+def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int | None = None, n_trees: int = 1,
+                leaf_size: int = 64, method: str = "banns", device: str = "gpu", headroom: float = 0.85,
+                min_block: int = 256, row_bytes: int = 4) -> ShardPlan:
+    """Shards and query block for ``n`` x ``d`` reference rows on workers of ``memory_bytes`` each
+    (an int, or one per worker: the smallest counts).
+
+    Every shard stays resident on its worker, so the rows per worker do not shrink with more
+    shards on the same workers: the plan is one shard per worker, and the largest block (at
+    most ``block``, default ``MAX_BLOCK[device]``, halved down to ``min_block``) whose working set fits beside it within
+    ``headroom`` of the memory. ``fits=False`` means even ``min_block`` does not fit; then
+    ``min_workers`` is the number of such workers the index needs. ``row_bytes``: bytes per
+    resident value of the rows (2 for a float16 index on GPUs).
+    """
+    mem = [int(m) for m in (memory_bytes if hasattr(memory_bytes, "__len__") else [memory_bytes])]
+    if not mem or min(mem) <= 0:
+        raise InputError(f"memory_bytes must be positive (one value per worker), got {memory_bytes!r}")
+    if int(n) < 1 or int(d) < 1:
+        raise InputError(f"n and d must be >= 1, got n={n}, d={d}")
+    if block is None:
+        block = MAX_BLOCK.get(device, MAX_BLOCK["gpu"])
+    if int(block) < 1 or int(min_block) < 1:
+        raise InputError(f"block and min_block must be >= 1, got {block}, {min_block}")
+    workers, cap = len(mem), headroom * min(mem)
+
+    def resident(w: int) -> tuple[int, int]:  # rows per shard and resident bytes per worker, w shards
+        rows = -(-int(n) // w)
+        return rows, shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method,
+                                          row_bytes=row_bytes)
+
+    def total(w: int, b: int) -> int:
+        rows, res = resident(w)
+        return res + search_working_bytes(rows, d, b, k, device=device)
+
+    shards = min(workers, int(n))
+    rows, res = resident(shards)
+    b = fit_block(rows, d, k, cap - res, block=block, min_block=min_block, device=device)
+    work = search_working_bytes(rows, d, b, k, device=device)
+    w = shards  # the workers of this memory the index needs (more than it has when it does not fit)
+    while total(w, min_block) > cap and w < int(n):
+        w += 1 if w < 64 else w // 8
+    return ShardPlan(shards, b, rows, res, work, min(mem), res + work <= cap, w)

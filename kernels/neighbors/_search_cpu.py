@@ -1,0 +1,222 @@
+"""numba helpers of the CPU neighbour search (exact float32 rule, segment sort, cap)."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True, inline="always")
+def sqdist32(qx, qy, qz, px, py, pz):
+    """float32 squared distance, FLANN order: ((dx*dx + dy*dy) + dz*dz)."""
+    dx = np.float32(qx - px)
+    dy = np.float32(qy - py)
+    dz = np.float32(qz - pz)
+    return np.float32(np.float32(np.float32(dx * dx) + np.float32(dy * dy)) + np.float32(dz * dz))
+
+
+@njit(cache=True)
+def _sort_segment(idx, d2):
+    """In-place sort of one segment by (d2, idx)."""
+    n = idx.shape[0]
+    if n < 2:
+        return
+    order = np.argsort(d2)
+    # ties on d2 keep the incoming order; make incoming order ascending by index first
+    i2 = idx[order]
+    e2 = d2[order]
+    # fix runs of equal distances so that indices ascend within them
+    s = 0
+    while s < n:
+        e = s + 1
+        while e < n and e2[e] == e2[s]:
+            e += 1
+        if e - s > 1:
+            i2[s:e] = np.sort(i2[s:e])
+        s = e
+    idx[:] = i2
+    d2[:] = e2
+
+
+@njit(cache=True, parallel=True)
+def exact_sq_dist_sort(pts, qs, idx):
+    nq, k = idx.shape
+    d2 = np.empty((nq, k), np.float32)
+    for q in prange(nq):
+        for j in range(k):
+            i = idx[q, j]
+            d2[q, j] = sqdist32(qs[q, 0], qs[q, 1], qs[q, 2], pts[i, 0], pts[i, 1], pts[i, 2])
+        _sort_segment(idx[q], d2[q])
+    return idx, d2
+
+
+# ---------------------------------------------------------------------------------------------
+# uniform grid (cell list), the CPU twin of _search_gpu
+# ---------------------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _cell(v, o, inv_h, d):
+    c = int(np.floor(np.float32(np.float32(v - o) * inv_h)))
+    if c < 0:
+        c = 0
+    if c > d - 1:
+        c = d - 1
+    return c
+
+
+@njit(cache=True, parallel=True)
+def cell_ids(pts, origin, inv_h, dims):
+    n = pts.shape[0]
+    out = np.empty(n, np.int64)
+    for i in prange(n):
+        cx = _cell(pts[i, 0], origin[0], inv_h, dims[0])
+        cy = _cell(pts[i, 1], origin[1], inv_h, dims[1])
+        cz = _cell(pts[i, 2], origin[2], inv_h, dims[2])
+        out[i] = (cz * dims[1] + cy) * dims[0] + cx
+    return out
+
+
+@njit(cache=True)
+def _scan(P, cs, origin, inv_h, dims, qx, qy, qz, r2, oidx, od2, w, fill):
+    cx = _cell(qx, origin[0], inv_h, dims[0])
+    cy = _cell(qy, origin[1], inv_h, dims[1])
+    cz = _cell(qz, origin[2], inv_h, dims[2])
+    x0 = max(cx - 1, 0)
+    x1 = min(cx + 1, dims[0] - 1)
+    cnt = 0
+    for z in range(max(cz - 1, 0), min(cz + 1, dims[2] - 1) + 1):
+        for y in range(max(cy - 1, 0), min(cy + 1, dims[1] - 1) + 1):
+            base = (z * dims[1] + y) * dims[0]
+            for j in range(cs[base + x0], cs[base + x1 + 1]):
+                d = sqdist32(qx, qy, qz, P[j, 0], P[j, 1], P[j, 2])
+                if d < r2:
+                    if fill:
+                        oidx[w + cnt] = j
+                        od2[w + cnt] = d
+                    cnt += 1
+    return cnt
+
+
+@njit(cache=True)
+def _select_nearest(idx, d2, m):
+    """Move the m nearest entries (by d2, then index) to the front, in O(n)."""
+    n = idx.shape[0]
+    thr = np.partition(d2.copy(), m - 1)[m - 1]
+    less = 0
+    for j in range(n):
+        if d2[j] < thr:
+            less += 1
+    need = m - less
+    # indices of the entries equal to the threshold, smallest first
+    eq = np.empty(n, np.int64)
+    ne = 0
+    for j in range(n):
+        if d2[j] == thr:
+            eq[ne] = idx[j]
+            ne += 1
+    eqs = np.sort(eq[:ne])
+    lim = eqs[need - 1]
+    w = 0
+    for j in range(n):
+        if d2[j] < thr or (d2[j] == thr and idx[j] <= lim):
+            i = idx[j]
+            d = d2[j]
+            idx[j] = idx[w]
+            d2[j] = d2[w]
+            idx[w] = i
+            d2[w] = d
+            w += 1
+
+
+@njit(cache=True, parallel=True)
+def grid_radius(P, order, cs, origin, inv_h, dims, qs, r2, cap, do_sort):
+    """CSR lists (original indices) of all P within sqrt(r2) of each query; sorted by
+    (d2, index) when do_sort or cap > 0, capped at ``cap`` entries when cap > 0."""
+    nq = qs.shape[0]
+    dummy_i = np.empty(0, np.int64)
+    dummy_d = np.empty(0, np.float32)
+    counts = np.empty(nq, np.int64)
+    for q in prange(nq):
+        counts[q] = _scan(P, cs, origin, inv_h, dims, qs[q, 0], qs[q, 1], qs[q, 2], r2,
+                          dummy_i, dummy_d, 0, False)
+    off = np.zeros(nq + 1, np.int64)
+    for q in range(nq):
+        off[q + 1] = off[q] + counts[q]
+    idx = np.empty(off[nq], np.int64)
+    d2 = np.empty(off[nq], np.float32)
+    keep = np.empty(nq, np.int64)
+    for q in prange(nq):
+        s = off[q]
+        n = _scan(P, cs, origin, inv_h, dims, qs[q, 0], qs[q, 1], qs[q, 2], r2, idx, d2, s, True)
+        for j in range(s, s + n):
+            idx[j] = order[idx[j]]
+        if do_sort and n > 1:
+            _sort_segment(idx[s:s + n], d2[s:s + n])
+        elif cap > 0 and n > cap:
+            _select_nearest(idx[s:s + n], d2[s:s + n], cap)
+        keep[q] = n if (cap <= 0 or n <= cap) else cap
+    if cap <= 0:
+        return off, idx, d2
+    out_off = np.zeros(nq + 1, np.int64)
+    for q in range(nq):
+        out_off[q + 1] = out_off[q] + keep[q]
+    out_idx = np.empty(out_off[nq], np.int64)
+    out_d2 = np.empty(out_off[nq], np.float32)
+    for q in prange(nq):
+        s = off[q]
+        o = out_off[q]
+        for j in range(keep[q]):
+            out_idx[o + j] = idx[s + j]
+            out_d2[o + j] = d2[s + j]
+    return out_off, out_idx, out_d2
+
+
+@njit(cache=True, inline="always")
+def _grid_nearest(P, cs, origin, inv_h, dims, qx, qy, qz, r2):
+    """Index (into the cell-sorted P) of the nearest point strictly within sqrt(r2), or -1;
+    the first of equals in cell order, as the GPU's ``grid_nearest``."""
+    cx = _cell(qx, origin[0], inv_h, dims[0])
+    cy = _cell(qy, origin[1], inv_h, dims[1])
+    cz = _cell(qz, origin[2], inv_h, dims[2])
+    x0 = max(cx - 1, 0)
+    x1 = min(cx + 1, dims[0] - 1)
+    best = r2
+    bi = -1
+    for z in range(max(cz - 1, 0), min(cz + 1, dims[2] - 1) + 1):
+        for y in range(max(cy - 1, 0), min(cy + 1, dims[1] - 1) + 1):
+            base = (z * dims[1] + y) * dims[0]
+            for j in range(cs[base + x0], cs[base + x1 + 1]):
+                d = sqdist32(qx, qy, qz, P[j, 0], P[j, 1], P[j, 2])
+                if d < best:
+                    best = d
+                    bi = j
+    return bi
+
+
+@njit(cache=True, parallel=True)
+def verify_points(hyp, src, T, VP, VN, vx, vy, vz, P, cs, origin, inv_h, dims, r2, order, vox):
+    """CPU twin of the GPU ``verify_points`` kernel: for every (hypothesis, verification point)
+    pair, the point and normal are moved by the hypothesis pose (float32, rows of T = [R | t]);
+    -2 when the normal does not face the viewpoint, else the voxel rank of the nearest scene
+    point strictly within sqrt(r2), or -1 when there is none."""
+    n = hyp.shape[0]
+    out = np.empty(n, np.int64)
+    for i in prange(n):
+        t = T[hyp[i]]
+        s = src[i]
+        px = VP[s, 0]
+        py = VP[s, 1]
+        pz = VP[s, 2]
+        nx = VN[s, 0]
+        ny = VN[s, 1]
+        nz = VN[s, 2]
+        wx = t[0] * px + t[1] * py + t[2] * pz + t[3]
+        wy = t[4] * px + t[5] * py + t[6] * pz + t[7]
+        wz = t[8] * px + t[9] * py + t[10] * pz + t[11]
+        mx = t[0] * nx + t[1] * ny + t[2] * nz
+        my = t[4] * nx + t[5] * ny + t[6] * nz
+        mz = t[8] * nx + t[9] * ny + t[10] * nz
+        if mx * (wx - vx) + my * (wy - vy) + mz * (wz - vz) >= 0:
+            out[i] = -2
+            continue
+        bi = _grid_nearest(P, cs, origin, inv_h, dims, wx, wy, wz, r2)
+        out[i] = vox[order[bi]] if bi >= 0 else -1
+    return out

@@ -1,0 +1,175 @@
+"""CuPy backend of recognition verification and ICP correspondence search.
+
+The scene is counting-sorted into a uniform grid (cell list, :func:`scanforest.kernels.
+neighbors._search_gpu.build_grid`) of edge >= the search distance, so a query scans the 3x3x3 block
+of cells around its own. Two kernels:
+
+* ``nearest_grid`` - nearest scene point strictly within ``r`` of each query (ICP);
+* ``verify_points`` - one thread per (hypothesis, model verification point) pair, all
+  hypotheses of a scene in one launch: transform the point and its normal by the hypothesis'
+  pose (float32, poses in a flat (H, 12) array), test visibility (normal facing the viewpoint)
+  and write the voxel rank of the nearest scene point within ``r`` (-1: none, -2: invisible).
+  The acceptance rounds then run as CuPy reductions (bincount + argmax, no sort).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+_SOURCE = r"""
+__device__ __forceinline__ int cell_coord(float v, float o, float inv_h, int d) {
+    int c = (int)floorf((v - o) * inv_h);
+    return min(max(c, 0), d - 1);
+}
+
+__device__ __forceinline__ int grid_nearest(float qx, float qy, float qz, const float* __restrict__ P,
+                                            const int* __restrict__ cs, float ox, float oy, float oz,
+                                            float inv_h, int dx, int dy, int dz, float r2,
+                                            float* best_out) {
+    int cx = cell_coord(qx, ox, inv_h, dx), cy = cell_coord(qy, oy, inv_h, dy),
+        cz = cell_coord(qz, oz, inv_h, dz);
+    int x0 = max(cx - 1, 0), x1 = min(cx + 1, dx - 1);
+    float best = r2;
+    int bi = -1;
+    for (int z = max(cz - 1, 0); z <= min(cz + 1, dz - 1); ++z)
+        for (int y = max(cy - 1, 0); y <= min(cy + 1, dy - 1); ++y) {
+            int row = (z * dy + y) * dx;
+            int s = cs[row + x0], e = cs[row + x1 + 1];
+            for (int j = s; j < e; ++j) {
+                float ddx = qx - P[3 * j], ddy = qy - P[3 * j + 1], ddz = qz - P[3 * j + 2];
+                float d = ddx * ddx + ddy * ddy + ddz * ddz;
+                if (d < best) { best = d; bi = j; }
+            }
+        }
+    *best_out = best;
+    return bi;
+}
+
+extern "C" __global__ void nearest_grid(const float* __restrict__ Q, int nq,
+                                        const float* __restrict__ P, const int* __restrict__ cs,
+                                        float ox, float oy, float oz, float inv_h,
+                                        int dx, int dy, int dz, float r2,
+                                        const int* __restrict__ order,
+                                        long long* __restrict__ out_idx, float* __restrict__ out_d2) {
+    int q = blockIdx.x * blockDim.x + threadIdx.x;
+    if (q >= nq) return;
+    float best;
+    int bi = grid_nearest(Q[3 * q], Q[3 * q + 1], Q[3 * q + 2], P, cs, ox, oy, oz, inv_h,
+                          dx, dy, dz, r2, &best);
+    out_idx[q] = bi >= 0 ? (long long)order[bi] : -1LL;
+    out_d2[q] = bi >= 0 ? best : __int_as_float(0x7f800000);
+}
+
+extern "C" __global__ void verify_points(const long long* __restrict__ hyp,
+                                         const long long* __restrict__ src, long long n,
+                                         const float* __restrict__ poses,
+                                         const float* __restrict__ VP, const float* __restrict__ VN,
+                                         float vx, float vy, float vz,
+                                         const float* __restrict__ P, const int* __restrict__ cs,
+                                         float ox, float oy, float oz, float inv_h,
+                                         int dx, int dy, int dz, float r2,
+                                         const int* __restrict__ order, const int* __restrict__ vox,
+                                         int* __restrict__ out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float* T = poses + 12 * hyp[i];
+    long long s = src[i];
+    float px = VP[3 * s], py = VP[3 * s + 1], pz = VP[3 * s + 2];
+    float nx = VN[3 * s], ny = VN[3 * s + 1], nz = VN[3 * s + 2];
+    float wx = T[0] * px + T[1] * py + T[2] * pz + T[3];
+    float wy = T[4] * px + T[5] * py + T[6] * pz + T[7];
+    float wz = T[8] * px + T[9] * py + T[10] * pz + T[11];
+    float mx = T[0] * nx + T[1] * ny + T[2] * nz;
+    float my = T[4] * nx + T[5] * ny + T[6] * nz;
+    float mz = T[8] * nx + T[9] * ny + T[10] * nz;
+    if (mx * (wx - vx) + my * (wy - vy) + mz * (wz - vz) >= 0.f) { out[i] = -2; return; }
+    float best;
+    int bi = grid_nearest(wx, wy, wz, P, cs, ox, oy, oz, inv_h, dx, dy, dz, r2, &best);
+    out[i] = bi >= 0 ? vox[order[bi]] : -1;
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    import cupy as cp
+
+    return cp.RawModule(code=_SOURCE, options=("--std=c++17",))
+
+
+def kernel(name):
+    return _module().get_function(name)
+
+
+def build_grid(points, cell: float):
+    """Cell list of the scene (reuses the neighbour-search grid of ``neighbors._search_gpu``)."""
+    from ..neighbors._search_gpu import build_grid as _bg
+
+    return _bg(points, cell)
+
+
+def voxel_ranks(points, cell: float):
+    """Dense rank of each point's voxel (edge ``cell``, origin at the min corner), int32."""
+    import cupy as cp
+
+    if points.shape[0] == 0:
+        return cp.zeros(0, cp.int32)
+    lo = points.min(axis=0)
+    inv = np.float32(1.0 / cell)
+    ijk = cp.floor((points - lo) * inv).astype(cp.int64)
+    dims = ijk.max(axis=0) + 1
+    key = ijk[:, 0] + dims[0] * (ijk[:, 1] + dims[1] * ijk[:, 2])
+    _, rank = cp.unique(key, return_inverse=True)
+    return rank.astype(cp.int32).reshape(-1)
+
+
+def _grid_args(grid):
+    return (grid.points, grid.cell_start, np.float32(grid.origin[0]), np.float32(grid.origin[1]),
+            np.float32(grid.origin[2]), np.float32(grid.inv_h), np.int32(grid.dims[0]),
+            np.int32(grid.dims[1]), np.int32(grid.dims[2]))
+
+
+def nearest(grid, queries, r: float):
+    """Nearest grid point strictly within ``r`` of each query: (int64 index | -1, float32 d2)."""
+    import cupy as cp
+
+    if r > grid.h * 1.0000001:
+        raise ValueError(f"search distance {r} exceeds the grid cell {grid.h}")
+    q = cp.ascontiguousarray(cp.asarray(queries, dtype=cp.float32))
+    n = q.shape[0]
+    idx = cp.empty(n, cp.int64)
+    d2 = cp.empty(n, cp.float32)
+    if n:
+        kernel("nearest_grid")(((n + 127) // 128,), (128,),
+                               (q, np.int32(n), *_grid_args(grid), np.float32(r * r), grid.order,
+                                idx, d2))
+    return idx, d2
+
+
+def verify_nearest(sidx, library, hyp, src, poses, r: float, viewpoint):
+    """Per (hypothesis, verification point): voxel rank of the nearest scene point (see module)."""
+    import cupy as cp
+
+    grid = sidx.grid
+    if r > grid.h * 1.0000001:
+        raise ValueError(f"inlier distance {r} exceeds the grid cell {grid.h}")
+    n = len(hyp)
+    T = np.ascontiguousarray(np.asarray(poses, np.float64)[:, :3, :4].reshape(-1, 12), np.float32)
+    cache = getattr(library, "_gpu_verify_cache", None)
+    if cache is None or cache[0] is not library.verify_points:
+        cache = (library.verify_points, cp.asarray(library.verify_points, dtype=cp.float32),
+                 cp.asarray(library.verify_normals, dtype=cp.float32))
+        try:
+            object.__setattr__(library, "_gpu_verify_cache", cache)
+        except Exception:
+            pass
+    out = cp.empty(n, cp.int32)
+    if n:
+        kernel("verify_points")(((n + 255) // 256,), (256,),
+                                (cp.asarray(hyp, dtype=cp.int64), cp.asarray(src, dtype=cp.int64),
+                                 np.int64(n), cp.asarray(T), cache[1], cache[2],
+                                 np.float32(viewpoint[0]), np.float32(viewpoint[1]),
+                                 np.float32(viewpoint[2]), *_grid_args(grid), np.float32(r * r),
+                                 grid.order, sidx.vox, out))
+    return out

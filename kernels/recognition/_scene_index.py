@@ -1,0 +1,76 @@
+"""The scene as verification (:mod:`.pipeline`) and ICP (:mod:`.icp`) both search it.
+
+:class:`_SceneIndex` holds a scene's points and normals with its nearest-neighbour structure
+(CPU: a ``scipy`` KD-tree and a lazily built cell list; GPU: the cell list of
+:mod:`._pipeline_gpu`) and its voxel ranks. It lives apart from :mod:`.pipeline` so that
+:mod:`.icp`, which :mod:`.pipeline` imports, can build one without importing :mod:`.pipeline`
+back.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import to_numpy
+from ..errors import InputError
+
+
+class _SceneIndex:
+    """The scene as seen by verification and ICP: points, normals, NN search, voxel ranks."""
+
+    def __init__(self, points, normals, cell: float, device: str):
+        self.device = device
+        self.cell = float(cell)
+        if device == "gpu":
+            import cupy as cp
+
+            from . import _pipeline_gpu as g
+
+            self.points = cp.ascontiguousarray(cp.asarray(points, dtype=cp.float32))
+            self.normals = None if normals is None else cp.ascontiguousarray(
+                cp.asarray(normals, dtype=cp.float32))
+            self.grid = g.build_grid(self.points, self.cell)
+            self.vox = g.voxel_ranks(self.points, self.cell)
+        else:
+            from scipy.spatial import cKDTree
+
+            self.points = np.ascontiguousarray(to_numpy(points), np.float32)
+            self.normals = None if normals is None else np.ascontiguousarray(to_numpy(normals),
+                                                                             np.float32)
+            self.tree = cKDTree(self.points)
+            self._cells = None  # the cell list of verification lookups, built on first use
+            self.vox = _voxel_ranks_cpu(self.points, self.cell)
+        self.n_vox = int(self.vox.max()) + 1 if len(self.vox) else 0
+
+    def cells(self):
+        """CPU: cell list of the scene (cells of edge >= ``cell``), as ``neighbors.search._cpu_grid``."""
+        if self._cells is None:
+            from ..neighbors.search import _cpu_grid
+
+            if len(self.points) == 0:
+                raise InputError("scene is empty (0 points)")
+            self._cells = _cpu_grid(self.points, self.cell)
+        return self._cells
+
+    def nearest(self, q, r: float):
+        """Nearest scene point within ``r`` (squared distance < r^2) of each query: (idx|-1, d2)."""
+        if self.device == "gpu":
+            from . import _pipeline_gpu as g
+
+            return g.nearest(self.grid, q, r)
+        d, i = self.tree.query(np.asarray(q, np.float64), k=1, distance_upper_bound=r,
+                                 workers=-1 if len(q) > 100_000 else 1)  # threads pay off on big batches
+        d2 = (d * d).astype(np.float32)
+        i = np.where(np.isfinite(d) & (d2 < np.float32(r * r)), i, -1).astype(np.int64)
+        return i, d2
+
+
+def _voxel_ranks_cpu(points, cell):
+    if len(points) == 0:
+        return np.zeros(0, np.int64)
+    lo = points.min(axis=0)
+    inv = np.float32(1.0 / cell)
+    ijk = np.floor((points - lo) * inv).astype(np.int64)
+    dims = ijk.max(axis=0) + 1
+    key = ijk[:, 0] + dims[0] * (ijk[:, 1] + dims[1] * ijk[:, 2])
+    _, rank = np.unique(key, return_inverse=True)
+    return rank.astype(np.int64)

@@ -1,0 +1,281 @@
+"""Point-to-plane ICP (Chen & Medioni; the linearised Gauss-Newton step of PCL's
+``TransformationEstimationPointToPlaneLLS``), CPU and GPU.
+
+Each iteration transforms the source by the current pose, pairs every source point with its
+nearest target point strictly within ``max_correspondence_distance`` (CPU: ``scipy`` KD-tree;
+GPU: a cell-list kernel), drops pairs whose target normal is undefined or (with source normals)
+disagrees by more than ``acos(normal_agreement)``, and solves the 6x6 normal equations of
+``sum(((R p + t) - q) . n_q)^2`` linearised around the current pose, in float64. The increment
+(a rotation vector and a translation) is applied on the left. It stops when the increment is
+below ``tolerance`` (rotation in radians plus translation in units) or after ``max_iterations``.
+Both backends share these semantics; they differ only by float32 rounding in the GPU transform
+and by ties in the nearest-neighbour search.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backend import is_cupy, resolve_device, to_numpy
+from ..errors import InputError
+
+__all__ = ["IcpResult", "icp_point_to_plane", "icp_point_to_plane_batch"]
+
+
+@dataclass
+class IcpResult:
+    pose: np.ndarray        # (4, 4) float64
+    rmse: float             # point-to-plane RMS residual of the last pairing
+    fitness: float          # fraction of source points paired in the last iteration
+    iterations: int
+    converged: bool
+
+
+def _rodrigues(w):
+    th = float(np.linalg.norm(w))
+    if th < 1e-15:
+        return np.eye(3)
+    k = w / th
+    K = np.array([[0, -k[2], k[1]], [k[2], 0, -k[0]], [-k[1], k[0], 0]])
+    return np.eye(3) + np.sin(th) * K + (1 - np.cos(th)) * (K @ K)
+
+
+def _check(a, name, n=None):
+    if a.ndim != 2 or a.shape[1] != 3:
+        raise InputError(f"{name} must have shape (N, 3), got {tuple(a.shape)}")
+    if a.shape[0] == 0:
+        raise InputError(f"{name} is empty (0 points)")
+    if n is not None and a.shape[0] != n:
+        raise InputError(f"{name} has {a.shape[0]} rows, expected {n}")
+
+
+def icp_point_to_plane(source, target, target_normals, *, init=None, source_normals=None,
+                       max_correspondence_distance: float, max_iterations: int = 30,
+                       tolerance: float = 1e-7, normal_agreement: float = 0.5,
+                       device: str = "auto", _target_index=None) -> IcpResult:
+    """Align ``source`` to ``target`` by point-to-plane ICP.
+
+    Parameters
+    ----------
+    source : (N, 3) array
+        Points to move (model frame).
+    target : (M, 3) array
+        Fixed points (scene).
+    target_normals : (M, 3) array
+        Target normals (NaN rows are never paired).
+    init : (4, 4) array, optional
+        Initial pose (identity by default).
+    source_normals : (N, 3) array, optional
+        Enables the normal-agreement test ``(R n_s) . n_t >= normal_agreement``.
+    max_correspondence_distance : float
+        Pairs farther apart are ignored.
+    max_iterations : int
+    tolerance : float
+    device : {"auto", "cpu", "gpu"}
+
+    Returns
+    -------
+    IcpResult
+    """
+    dev = resolve_device(device, target) if _target_index is None else _target_index.device
+    r = float(max_correspondence_distance)
+    if not r > 0:
+        raise InputError(f"max_correspondence_distance must be > 0, got {max_correspondence_distance!r}")
+    src = np.asarray(to_numpy(source), np.float64)
+    _check(src, "source")
+    sn = None if source_normals is None else np.asarray(to_numpy(source_normals), np.float64)
+    if sn is not None:
+        _check(sn, "source_normals", len(src))
+    T = np.eye(4) if init is None else np.array(to_numpy(init), np.float64)
+    if T.shape != (4, 4) or not np.isfinite(T).all():
+        raise InputError(f"init must be a finite 4x4 matrix, got shape {T.shape}")
+    if _target_index is not None and abs(_target_index.cell - r) <= 1e-12 * max(r, 1):
+        idx = _target_index
+    else:
+        from ._scene_index import _SceneIndex
+
+        tgt = target if is_cupy(target) else np.asarray(to_numpy(target))
+        _check(tgt, "target")
+        tn = target_normals
+        if tn is None:
+            raise InputError("target_normals are required for point-to-plane ICP")
+        _check(tn, "target_normals", tgt.shape[0])
+        idx = _SceneIndex(tgt, tn, r, dev)
+    if idx.normals is None:
+        raise InputError("target_normals are required for point-to-plane ICP")
+    if dev == "gpu":
+        return _icp_gpu(src, sn, T, idx, r, max_iterations, tolerance, normal_agreement)
+    return _icp_cpu(src, sn, T, idx, r, max_iterations, tolerance, normal_agreement)
+
+
+def _step(P, Q, Nq, xp):
+    """Normal equations of the linearised point-to-plane problem (float64)."""
+    e = ((P - Q) * Nq).sum(axis=1)
+    J = xp.concatenate([xp.cross(P, Nq), Nq], axis=1)
+    A = J.T @ J
+    b = -(J.T @ e)
+    return A, b, e
+
+
+def _solve(A, b):
+    try:
+        return np.linalg.solve(A, b)
+    except np.linalg.LinAlgError:
+        return np.linalg.lstsq(A, b, rcond=None)[0]
+
+
+def _increment(T, A, b):
+    """Solve the 6x6 normal equations and apply the increment on the left: (new pose, step)."""
+    x = _solve(A, b)
+    D = np.eye(4)
+    D[:3, :3] = _rodrigues(x[:3])
+    D[:3, 3] = x[3:]
+    return D @ T, x
+
+
+def _icp_cpu(src, sn, T, idx, r, iters, tol, agree):
+    tp, tn = idx.points, idx.normals
+    rmse, fit, it, conv = float("nan"), 0.0, 0, False
+    for it in range(1, iters + 1):
+        P = src @ T[:3, :3].T + T[:3, 3]
+        ni, _ = idx.nearest(P, r)
+        ok = ni >= 0
+        j = np.maximum(ni, 0)
+        Nq = tn[j].astype(np.float64)
+        ok &= np.isfinite(Nq).all(axis=1)
+        if sn is not None:
+            ok &= np.einsum("ij,ij->i", sn @ T[:3, :3].T, np.nan_to_num(Nq)) >= agree
+        fit = float(ok.mean())
+        if ok.sum() < 6:
+            break
+        A, b, e = _step(P[ok], tp[j[ok]].astype(np.float64), Nq[ok], np)
+        rmse = float(np.sqrt(np.mean(e * e)))
+        T, x = _increment(T, A, b)
+        if np.linalg.norm(x) < tol:
+            conv = True
+            break
+    return IcpResult(T, rmse, fit, it, conv)
+
+
+def _icp_gpu(src, sn, T, idx, r, iters, tol, agree):
+    import cupy as cp
+
+    S = cp.asarray(src)
+    SN = None if sn is None else cp.asarray(sn)
+    tp, tn = idx.points, idx.normals
+    rmse, fit, it, conv = float("nan"), 0.0, 0, False
+    for it in range(1, iters + 1):
+        R = cp.asarray(T[:3, :3])
+        P = S @ R.T + cp.asarray(T[:3, 3])
+        ni, _ = idx.nearest(P, r)
+        ok = ni >= 0
+        j = cp.maximum(ni, 0)
+        Nq = tn[j].astype(cp.float64)
+        ok &= cp.isfinite(Nq).all(axis=1)
+        if SN is not None:
+            ok &= ((SN @ R.T) * cp.nan_to_num(Nq)).sum(axis=1) >= agree
+        w = ok.astype(cp.float64)[:, None]
+        # masked normal equations (no compaction: fixed shapes, no host round trip but one)
+        Pm = P * w
+        Qm = tp[j].astype(cp.float64) * w
+        Nm = cp.nan_to_num(Nq) * w
+        A, b, e = _step(Pm, Qm, Nm, cp)
+        stats = cp.concatenate([A.ravel(), b, cp.stack([ok.sum().astype(cp.float64),
+                                                        (e * e).sum()])]).get()
+        A, b, cnt, sse = stats[:36].reshape(6, 6), stats[36:42], stats[42], stats[43]
+        fit = float(cnt / len(src))
+        if cnt < 6:
+            break
+        rmse = float(np.sqrt(sse / cnt))
+        T, x = _increment(T, A, b)
+        if np.linalg.norm(x) < tol:
+            conv = True
+            break
+    return IcpResult(T, rmse, fit, it, conv)
+
+
+def icp_point_to_plane_batch(sources, index, *, inits, source_normals=None, max_correspondence_distance: float,
+                             max_iterations: int = 30, tolerance: float = 1e-7,
+                             normal_agreement: float = 0.5) -> list[IcpResult]:
+    """Many ICP problems against ONE target, advanced in lockstep (the verification step's
+    candidates of one scene).
+
+    The same iteration, stopping rule and result as :func:`icp_point_to_plane` for each source,
+    but on the GPU one iteration of all sources is a few launches over the concatenated points
+    with a segmented reduction of the normal equations and one host transfer of the ``(B, 44)``
+    statistics; the B 6x6 systems are solved together on the host. On the CPU the problems are
+    solved one after the other. ``index`` is the target's ``_SceneIndex`` (cell =
+    ``max_correspondence_distance``).
+    """
+    r = float(max_correspondence_distance)
+    B = len(sources)
+    if len(inits) != B or (source_normals is not None and len(source_normals) != B):
+        raise InputError("sources, inits and source_normals must have the same length")
+    if index.normals is None:
+        raise InputError("target_normals are required for point-to-plane ICP")
+    if B == 0:
+        return []
+    if index.device != "gpu":
+        return [icp_point_to_plane(s, None, None, init=T, source_normals=None if source_normals is None
+                                   else source_normals[b], max_correspondence_distance=r,
+                                   max_iterations=max_iterations, tolerance=tolerance,
+                                   normal_agreement=normal_agreement, _target_index=index)
+                for b, (s, T) in enumerate(zip(sources, inits))]
+    import cupy as cp
+
+    srcs = [np.asarray(to_numpy(s), np.float64) for s in sources]
+    for b, s in enumerate(srcs):
+        _check(s, f"sources[{b}]")
+    n = np.array([len(s) for s in srcs])
+    off = np.concatenate([[0], np.cumsum(n)])
+    S = cp.asarray(np.concatenate(srcs))
+    seg = cp.asarray(np.repeat(np.arange(B), n))
+    SN = None
+    if source_normals is not None:
+        SN = cp.asarray(np.concatenate([np.asarray(to_numpy(x), np.float64) for x in source_normals]))
+    T = np.stack([np.array(to_numpy(t), np.float64) for t in inits])
+    if T.shape != (B, 4, 4) or not np.isfinite(T).all():
+        raise InputError("every init must be a finite 4x4 matrix")
+    tp, tn = index.points, index.normals
+    active = np.ones(B, bool)
+    rmse = np.full(B, np.nan)
+    fit = np.zeros(B)
+    its = np.zeros(B, int)
+    conv = np.zeros(B, bool)
+    ends = cp.asarray(off[1:] - 1)
+    for it in range(1, max_iterations + 1):
+        its[active] = it
+        Td = cp.asarray(T)
+        R = Td[seg, :3, :3]
+        P = cp.einsum("nij,nj->ni", R, S) + Td[seg, :3, 3]
+        ni, _ = index.nearest(P, r)
+        ok = ni >= 0
+        j = cp.maximum(ni, 0)
+        Nq = tn[j].astype(cp.float64)
+        ok &= cp.isfinite(Nq).all(axis=1)
+        if SN is not None:
+            ok &= (cp.einsum("nij,nj->ni", R, SN) * cp.nan_to_num(Nq)).sum(axis=1) >= normal_agreement
+        w = ok.astype(cp.float64)
+        Nm = cp.nan_to_num(Nq) * w[:, None]
+        e = ((P - tp[j].astype(cp.float64)) * Nm).sum(axis=1)
+        J = cp.concatenate([cp.cross(P, Nm), Nm], axis=1)          # zero rows for unpaired points
+        st = cp.concatenate([(J[:, :, None] * J[:, None, :]).reshape(-1, 36), -(J * e[:, None]),
+                             w[:, None], (e * e)[:, None]], axis=1)
+        cs = cp.cumsum(st, axis=0)[ends]                             # segmented sums (contiguous)
+        cs[1:] -= cs[:-1].copy()
+        stats = cs.get()
+        A, bb, cnt, sse = stats[:, :36].reshape(B, 6, 6), stats[:, 36:42], stats[:, 42], stats[:, 43]
+        for b in np.flatnonzero(active):
+            fit[b] = cnt[b] / n[b]
+            if cnt[b] < 6:
+                active[b] = False
+                continue
+            rmse[b] = np.sqrt(sse[b] / cnt[b])
+            T[b], x = _increment(T[b], A[b], bb[b])
+            if np.linalg.norm(x) < tolerance:
+                conv[b] = True
+                active[b] = False
+        if not active.any():
+            break
+    return [IcpResult(T[b], float(rmse[b]), float(fit[b]), int(its[b]), bool(conv[b])) for b in range(B)]
