@@ -1,14 +1,27 @@
 """Benchmark data and timing shared by ``scanforest bench ann``, ``bench tools`` and ``bench match``.
 
 Synthetic clustered descriptors (:func:`clustered`), SHOT352 of real clouds
-(:func:`pcl_shot_dataset`) and the warm-up-then-median timer (:func:`_timeit`). They live apart
+(:func:`pcl_shot_dataset`), where PCL's test clouds are (:func:`pcl_data_dir`) and the
+warm-up-then-median timer (:func:`_timeit`). They live apart
 from the commands so that one command's module never imports another's.
 """
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import numpy as np
+
+
+def pcl_data_dir() -> Path:
+    """PCL's test clouds, the benches' default real data: ``SCANFOREST_PCL_DATA`` when set, else
+    ``shared/data/pcl`` beside the checkout (the development layout; a bench given no cloud and
+    finding none there says which file is missing)."""
+    env = os.environ.get("SCANFOREST_PCL_DATA")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pcl"
 
 
 def clustered(n: int, d: int, *, clusters: int = 1000, spread: float = 0.35, seed: int = 0, xp=np,

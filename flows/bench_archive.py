@@ -185,7 +185,8 @@ def _archive_rows(rep: BenchReport, done: dict, scans: int, devname: str, total:
         rep.add("recognize recall", rec["recall"], "", devname)
 
 
-def register_bench(bench) -> None:
+def register(app, bench) -> None:
+    """Add this bench to ``scanforest bench`` (found by :mod:`scanforest.flows.cli`)."""
     import typer
 
     @bench.command("archive")

@@ -439,7 +439,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def register_bench(bench) -> None:
+def register(app, bench) -> None:
+    """Add this bench to ``scanforest bench`` (found by :mod:`scanforest.flows.cli`)."""
     import typer
 
     @bench.command("match")

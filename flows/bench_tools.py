@@ -225,7 +225,8 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     return rep
 
 
-def register_bench(bench) -> None:
+def register(app, bench) -> None:
+    """Add this bench to ``scanforest bench`` (found by :mod:`scanforest.flows.cli`)."""
     import typer
 
     from ._bench import parse_counts

@@ -1,8 +1,9 @@
 """The ``scanforest`` command line.
 
-Commands live beside the flows they start. Each module ``scanforest.flows.cli_<area>`` defines
-``register(app, bench)`` and adds its commands to the main app and to the ``bench`` sub-app; this
-module discovers them, so areas never edit one shared file.
+Commands live beside the flows they start. Each module ``scanforest.flows.cli_<area>`` and
+``scanforest.flows.bench_<name>`` defines ``register(app, bench)`` and adds its commands to the
+main app or to the ``bench`` sub-app; this module discovers them (the one way a command is
+registered), so areas never edit one shared file.
 """
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ def _register_all() -> None:
     import scanforest.flows as flows_pkg
 
     for info in sorted(pkgutil.iter_modules(flows_pkg.__path__), key=lambda m: m.name):
-        if info.name.startswith("cli_"):
+        if info.name.startswith(("cli_", "bench_")):
             module = importlib.import_module(f"scanforest.flows.{info.name}")
-            module.register(app, bench)
+            if hasattr(module, "register"):  # bench_flow is a library of `bench flow` (cli_flow)
+                module.register(app, bench)
 
 
 _register_all()

@@ -8,6 +8,7 @@ force (the baseline row, measured in the same run), plus the CPU backend on a qu
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -45,16 +46,37 @@ class _Summary(list):
 def run_bench(sizes, dims, queries, k, backtracks, leaf_size, device, out, cpu_queries, clusters,
               repeat, time_limit, windows=(True, False), variants=VARIANTS, cpu_max_n=2_000_000,
               window_kernel="rotate", real=None, real_radius=10.0, split="variance"):
+    """The ``bench ann`` run. ``window_kernel`` selects the GPU P-BANNS window kernel for this run
+    only: the module setting it changes is restored afterwards."""
+    from scanforest.kernels.backend import resolve_device
+
+    dev = resolve_device(device)
+    with _window_kernel(dev, window_kernel):
+        return _run_bench(sizes, dims, queries, k, backtracks, leaf_size, dev, out, cpu_queries, clusters, repeat,
+                          time_limit, windows, variants, cpu_max_n, window_kernel, real, real_radius, split)
+
+
+@contextlib.contextmanager
+def _window_kernel(dev: str, kernel: str):
+    if dev != "gpu":
+        yield
+        return
+    from scanforest.kernels.knn import _kdtree_gpu
+
+    before, _kdtree_gpu.WINDOW_KERNEL = _kdtree_gpu.WINDOW_KERNEL, kernel
+    try:
+        yield
+    finally:
+        _kdtree_gpu.WINDOW_KERNEL = before
+
+
+def _run_bench(sizes, dims, queries, k, backtracks, leaf_size, dev, out, cpu_queries, clusters, repeat,
+               time_limit, windows, variants, cpu_max_n, window_kernel, real, real_radius, split):
     from scanforest.flows._bench import BenchReport
-    from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
+    from scanforest.kernels.backend import describe_device, to_numpy
     from scanforest.kernels.knn.bruteforce import knn_bruteforce, recall
     from scanforest.kernels.knn.kdtree import build_kdtree, query_kdtree
 
-    dev = resolve_device(device)
-    if dev == "gpu":
-        from scanforest.kernels.knn import _kdtree_gpu
-
-        _kdtree_gpu.WINDOW_KERNEL = window_kernel
     params = dict(window_kernel=window_kernel, sizes=sizes, dims=dims, queries=queries, k=k, backtracks=backtracks, leaf_size=leaf_size,
                   device=dev, cpu_queries=cpu_queries, clusters=clusters, repeat=repeat,
                   real=str(real) if real else None, real_radius=real_radius, split=split)
@@ -173,10 +195,6 @@ def run_bench(sizes, dims, queries, k, backtracks, leaf_size, device, out, cpu_q
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
-    from . import bench_tools
-
-    bench_tools.register_bench(bench)
-
     @bench.command("ann")
     def bench_ann(
         sizes: str = typer.Option("100900", "--sizes", help="comma list of N (k/m suffixes ok; \"\" with --real: real data only)"),

@@ -53,11 +53,6 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         print_summary(f"describe {store}", summary, as_json=as_json,
                       keys=("scans", "described", "skipped", "failed", "keypoints", "seconds", "workers"))
 
-    from . import bench_archive, bench_match
-
-    bench_match.register_bench(bench)
-    bench_archive.register_bench(bench)
-
     index_app = typer.Typer(help="Nearest-neighbour indexes over stored descriptors.", no_args_is_help=True)
     app.add_typer(index_app, name="index")
 

@@ -35,21 +35,13 @@ TUTORIAL_LIB = dict(model_ss=0.01, descr_rad=0.02, rf_rad=0.015, normal_k=10)
 
 # synthetic setup: model sizes 0.15-0.35 m, resolution ~3 mm
 from scanforest.kernels.synthetic.scenes import SYNTHETIC_LIBRARY as SYN_LIB  # noqa: E402
+
+from ._bench_data import pcl_data_dir  # noqa: E402
 from scanforest.kernels.synthetic.scenes import SYNTHETIC_RECOGNIZE as SYN_REC  # noqa: E402
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     bench.command("recognize")(bench_recognize)
-
-
-def _default_pcl_dir() -> Path:
-    import os
-
-    env = os.environ.get("SCANFOREST_PCL_DATA")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve().parents[1]
-    return here.parent / "shared" / "data" / "pcl"
 
 
 def _read(path: Path) -> np.ndarray:
@@ -151,7 +143,7 @@ def bench_recognize(
                                     "archive_start": archive_start})
     gpu = gpu_available()
     if real:
-        pdir = Path(pcl_dir) if pcl_dir else _default_pcl_dir()
+        pdir = Path(pcl_dir) if pcl_dir else pcl_data_dir()
         model, scene = load_milk(pdir)
         rep.params["real_scene_points"] = int(len(scene))
         results = {}

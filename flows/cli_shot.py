@@ -245,8 +245,9 @@ def bench_shot(
     from scanforest.tasks.readers import read_cloud
 
     if scene is None:
-        scene = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pcl" / \
-            "milk_cartoon_all_small_clorox.pcd"
+        from ._bench_data import pcl_data_dir
+
+        scene = pcl_data_dir() / "milk_cartoon_all_small_clorox.pcd"
     pts = np.ascontiguousarray(read_cloud(scene).points, dtype=np.float32)
     rep = BenchReport("shot", {"scene": str(scene), "points": len(pts), "radius": radius,
                                "normal_k": normal_k, "synthetic": synthetic,
@@ -439,7 +440,9 @@ def bench_shot_recall(
     from scanforest.tasks.readers import read_cloud
 
     if model is None:
-        model = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pcl" / "milk.pcd"
+        from ._bench_data import pcl_data_dir
+
+        model = pcl_data_dir() / "milk.pcd"
     mpts = np.ascontiguousarray(read_cloud(model).points, dtype=np.float32)
     dev = resolve_device(device)
     mr = mesh_resolution(mpts)
