@@ -209,6 +209,11 @@ def xp_for(device: str):
     return np
 
 
+def array_module(*arrays):
+    """The array module of the inputs: cupy when any of them is a CuPy array, else numpy."""
+    return xp_for("gpu" if any(is_cupy(a) for a in arrays) else "cpu")
+
+
 def to_device(a: Any, device: str, dtype=None):
     """Move ``a`` to the resolved device (no copy when it is already there with that dtype)."""
     if device == "gpu":

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import is_cupy
+from .backend import array_module
 
 __all__ = ["masked_argmax"]
 
@@ -49,7 +49,7 @@ def masked_argmax(scores, ok, axis: int = -1):
     best : float array (same shape as ``index``)
         Its score, ``-inf`` where none passed.
     """
-    xp = _xp(scores, ok)
+    xp = array_module(scores, ok)
     s = xp.asarray(scores)
     ok = xp.asarray(ok, dtype=bool)
     if s.shape != ok.shape:
@@ -64,9 +64,3 @@ def masked_argmax(scores, ok, axis: int = -1):
     return idx, best
 
 
-def _xp(*arrays):
-    if any(is_cupy(a) for a in arrays):
-        import cupy as cp
-
-        return cp
-    return np

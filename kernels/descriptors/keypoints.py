@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import resolve_device
+from ..backend import resolve_device, xp_for
 from ..errors import InputError
 from ..neighbors.search import _check_radius, _on, validate_points
 
@@ -43,7 +43,7 @@ def keypoints(points, *, radius: float | None = None, indices=None, coords=None,
         raise InputError("give at most one of radius=, indices=, coords=")
     dev = resolve_device(device, points)
     pts = validate_points(_on(points, dev), "points", allow_empty=True)
-    xp = _xp(dev)
+    xp = xp_for(dev)
     n = pts.shape[0]
     if indices is not None:
         idx = _on(indices, dev)
@@ -72,12 +72,6 @@ def keypoints(points, *, radius: float | None = None, indices=None, coords=None,
     return _uniform_sampling(pts, r, xp)
 
 
-def _xp(dev):
-    if dev == "gpu":
-        import cupy as cp
-
-        return cp
-    return np
 
 
 def _uniform_sampling(pts, r, xp):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import resolve_device, to_numpy
+from ..backend import resolve_device, xp_for
 from ..errors import InputError
 from ..neighbors.search import _check_radius, _on, validate_points
 from ._shot_common import median_count
@@ -70,7 +70,7 @@ def shot(points, normals, keypoints, radius, *, surface=None, surface_normals=No
     arrays = [a for a in (points, normals, keypoints, surface, surface_normals) if a is not None]
     dev = resolve_device(device, *arrays)
     pts = validate_points(_on(points, dev), "points")
-    xp = _xp(dev)
+    xp = xp_for(dev)
     if surface is None:
         if normals is None:
             raise InputError("normals are required (the normals of points)")
@@ -95,12 +95,6 @@ def shot(points, normals, keypoints, radius, *, surface=None, surface_normals=No
                             chunk=_chunk or (1 << 15))
 
 
-def _xp(dev):
-    if dev == "gpu":
-        import cupy as cp
-
-        return cp
-    return np
 
 
 def _check_normals(n, count, name, xp):

@@ -255,7 +255,8 @@ def merge_topk_unique(parts, k: int):
     -------
     dist2 (M, k) float32, ids (M, k) int64
     """
-    from .topk import _xp, pack, unpack
+    from ..backend import array_module
+    from .topk import pack, unpack
 
     if not parts:
         raise InputError("merge_topk_unique needs at least one part")
@@ -263,7 +264,7 @@ def merge_topk_unique(parts, k: int):
     for d, i in parts:
         if d.shape != i.shape or d.ndim != 2 or d.shape[0] != m:
             raise InputError(f"every part must be (M, k_i) with M = {m}; got {d.shape} and {i.shape}")
-    xp = _xp(*[a for p in parts for a in p])
+    xp = array_module(*[a for p in parts for a in p])
     keys = xp.sort(xp.concatenate([pack(xp.asarray(d), xp.asarray(i)) for d, i in parts], axis=1), axis=1)
     none = pack(xp.full((1, 1), np.inf, xp.float32), xp.full((1, 1), -1, xp.int64))[0, 0]
     dup = keys[:, 1:] == keys[:, :-1]

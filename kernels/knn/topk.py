@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import is_cupy
+from ..backend import array_module
 from ..errors import InputError
 
 MAX_ID = (1 << 32) - 1
 
 
-def _xp(*arrays):
-    if any(is_cupy(a) for a in arrays):
-        import cupy as cp
-
-        return cp
-    return np
 
 
 def pack(dist, ids):
     """uint64 keys (distance bits << 32 | id) ordering like (distance, id)."""
-    xp = _xp(dist, ids)
+    xp = array_module(dist, ids)
     d = xp.ascontiguousarray(dist, dtype=xp.float32)
     d = xp.where(d < 0, xp.float32(0), d)  # -0.0 and rounding below zero sort as 0
     bits = d.view(xp.uint32).astype(xp.uint64)
@@ -34,7 +28,7 @@ def pack(dist, ids):
 
 
 def unpack(keys):
-    xp = _xp(keys)
+    xp = array_module(keys)
     dist = (keys >> xp.uint64(32)).astype(xp.uint32).view(xp.float32)
     ids = (keys & xp.uint64(MAX_ID)).astype(xp.int64)
     ids[ids == MAX_ID] = -1
@@ -60,7 +54,7 @@ def merge_topk(parts, k: int):
     for d, i in parts:
         if d.shape != i.shape or d.ndim != 2 or d.shape[0] != m:
             raise InputError(f"every part must be (M, k_i) with M = {m}; got {d.shape} and {i.shape}")
-    xp = _xp(*[a for p in parts for a in p])
+    xp = array_module(*[a for p in parts for a in p])
     keys = xp.concatenate([pack(xp.asarray(d), xp.asarray(i)) for d, i in parts], axis=1)
     if keys.shape[1] > k:
         keys = xp.sort(keys, axis=1)[:, :k]
@@ -71,7 +65,7 @@ def merge_topk(parts, k: int):
 
 def pad_topk(dist, ids, k: int):
     """Pad a (M, j <= k) result to k columns with (inf, -1)."""
-    xp = _xp(dist, ids)
+    xp = array_module(dist, ids)
     j = dist.shape[1]
     if j >= k:
         return dist, ids

@@ -68,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import is_cupy, resolve_device, to_numpy
+from ..backend import array_module, is_cupy, resolve_device, to_numpy
 from ..errors import InputError, ScanforestError
 from ..hypotheses import masked_argmax
 
@@ -132,7 +132,7 @@ class FlowResult:
 
     def masked(self):
         """``flow`` with NaN at unclassified pixels."""
-        xp = _xp(self.flow)
+        xp = array_module(self.flow)
         return xp.where(self.valid[..., None], self.flow, xp.float32(np.nan))
 
     def to_numpy(self) -> "FlowResult":
@@ -144,12 +144,6 @@ class FlowResult:
 # ---------------------------------------------------------------------------------------------
 # input checking
 # ---------------------------------------------------------------------------------------------
-def _xp(a):
-    if is_cupy(a):
-        import cupy as cp
-
-        return cp
-    return np
 
 
 def _as_frames(a, name: str):
@@ -180,7 +174,7 @@ def _as_frames(a, name: str):
 
 def _check_finite(a, name):
     if a.dtype.kind == "f":
-        xp = _xp(a)
+        xp = array_module(a)
         if not bool(xp.isfinite(a).all()):
             raise InputError(f"{name} contains NaN or infinite values")
 

@@ -24,19 +24,13 @@ import math
 
 import numpy as np
 
-from ..backend import is_cupy, resolve_device, to_numpy
+from ..backend import array_module, resolve_device, to_numpy
 from ..errors import InputError
 from ._search_common import Neighbors
 
 __all__ = ["Neighbors", "radius_search", "knn", "validate_points"]
 
 
-def _xp(a):
-    if is_cupy(a):
-        import cupy as cp
-
-        return cp
-    return np
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,7 +38,7 @@ def _xp(a):
 # ---------------------------------------------------------------------------------------------
 def validate_points(a, name: str, *, allow_empty: bool = False, finite: bool = True):
     """Check an (N, 3) coordinate array; returns it as float32 on its own device."""
-    xp = _xp(a)
+    xp = array_module(a)
     if not hasattr(a, "shape"):
         a = np.asarray(a)
         xp = np

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import is_cupy, resolve_device, to_numpy
+from ..backend import is_cupy, resolve_device, to_numpy, xp_for
 from ..errors import InputError
 from ..hypotheses import masked_argmax
 from ._scene_index import _SceneIndex
@@ -122,12 +122,6 @@ def _on(a, dev):
     return to_numpy(a)
 
 
-def _xp(dev):
-    if dev == "gpu":
-        import cupy as cp
-
-        return cp
-    return np
 
 
 def resolution(points) -> float:
@@ -182,7 +176,7 @@ def describe(points, *, normals=None, normal_k: int = 10, normal_radius: float |
     else:
         nrm = _on(normals, dev).astype(np.float32)
     timer.lap("normals")
-    xp = _xp(dev)
+    xp = xp_for(dev)
     good = xp.isfinite(nrm).all(axis=1)
     sub = None
     if not bool(good.all()):
@@ -557,7 +551,7 @@ def match(scene_descriptors, library: ModelLibrary, *, k: int = 1, max_dist2: fl
         raise InputError(f"k must be >= 1, got {k}")
     if ratio is not None and not (0 < float(ratio) <= 1):
         raise InputError(f"ratio must lie in (0, 1], got {ratio!r}")
-    xp = _xp(dev)
+    xp = xp_for(dev)
     sd = _on(scene_descriptors, dev)
     if sd.ndim != 2 or sd.shape[1] != library.descriptors.shape[1]:
         raise InputError(f"scene descriptors must have shape (S, {library.descriptors.shape[1]}), "
@@ -1405,7 +1399,7 @@ def verify(hypotheses: Hypotheses, library: ModelLibrary, scene, *, inlier_dist:
     if h == 0:
         z = np.zeros(0)
         return VerifyResult(np.zeros(0, np.int64), z, np.zeros(0, np.int64), np.zeros(0, np.int64), z)
-    xp = _xp(dev)
+    xp = xp_for(dev)
     vp = np.asarray(viewpoint, np.float64).reshape(3)
     mid = np.asarray(hypotheses.model_id, np.int64)
     hyp, src, sizes = _hyp_points(library, mid, hypotheses.poses, xp)
@@ -1546,7 +1540,7 @@ def recognize(scene_points, library: ModelLibrary, *, scene_normals=None, scene_
         raise InputError(f"refine must be 'icp' or 'pcha', got {refine!r}")
     if not isinstance(library, ModelLibrary):
         raise InputError(f"library must be a ModelLibrary, got {type(library).__name__}")
-    xp = _xp(dev)
+    xp = xp_for(dev)
     t0 = time.perf_counter()
     timer = _Timer(dev == "gpu")
     pts = _on(scene_points, dev)
@@ -1661,7 +1655,7 @@ def _refine_pcha(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations
 
     if not len(cand):
         return
-    xp = _xp(dev)
+    xp = xp_for(dev)
     vo = library.verify_offsets
     Ps, Ws = [], []
     for h in cand:
