@@ -221,9 +221,12 @@ def _rerank_pairs_cpu(base, queries, starts, cols, k, out_d, out_i, idm):
 
 
 @njit(cache=True, parallel=True)
-def exact_scan_cpu(base, queries, k):
-    """Reference exact scan with the canonical distance (O(M N d)); used for small inputs."""
+def exact_scan_ids(base, ids_of, queries, k):
+    """Exact scan with the canonical distance (O(M N d)), ties by id: row ``b`` of ``base`` has
+    id ``ids_of[b]`` (an empty ``ids_of``: its row index). The one exact scan of the CPU backend:
+    the brute force's reference and the KD-tree's fallback for overflowing queues."""
     m = queries.shape[0]
+    mapped = ids_of.shape[0] > 0
     out_d = np.empty((m, k), np.float32)
     out_i = np.empty((m, k), np.int64)
     for qi in prange(m):
@@ -232,11 +235,17 @@ def exact_scan_cpu(base, queries, k):
         cnt = 0
         q = queries[qi]
         for b in range(base.shape[0]):
-            cnt = _insert(dist, ids, cnt, k, _sqdist(q, base[b]), b)
+            cnt = _insert(dist, ids, cnt, k, _sqdist(q, base[b]), ids_of[b] if mapped else b)
         for j in range(k):
             out_d[qi, j] = dist[j]
             out_i[qi, j] = ids[j]
     return out_d, out_i
+
+
+def exact_scan_cpu(base, queries, k):
+    """Reference exact scan with the canonical distance (O(M N d)), ids = row indices; used for
+    small inputs and as the tests' reference."""
+    return exact_scan_ids(base, np.empty(0, np.int64), queries, k)
 
 
 # ----------------------------------------------------------------------------------------------

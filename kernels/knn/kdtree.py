@@ -65,7 +65,7 @@ from numba import njit, prange
 from ..backend import resolve_device, to_numpy
 from ..errors import InputError
 from ._kdtree_common import KDTree
-from .bruteforce import _insert, _sqdist, _sqdist4, check_k, check_points
+from .bruteforce import _insert, _sqdist, _sqdist4, check_k, check_points, exact_scan_ids
 
 __all__ = ["KDTree", "build_kdtree", "build_kdforest", "pack_forest", "query_kdtree", "check_bounds",
            "HEAP_CAP", "MAX_HEAP_CAP", "heap_capacity", "DEFAULT_MAX_DEPTH"]
@@ -885,7 +885,7 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
         # queue overflow lost boxes: redo those queries exactly (canonical scan of the first tree)
         idx = np.nonzero(ovf)[0]
         n = tree.n_points
-        d2, i2 = _exact_scan_ids(points[:n], tree.perm[:n], queries[idx], k)
+        d2, i2 = exact_scan_ids(points[:n], tree.perm[:n], queries[idx], k)
         drop = d2 > lim[idx, None]
         d2[drop] = np.inf
         i2[drop] = -1
@@ -895,20 +895,3 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
     return (out_d, out_i, stats) if return_stats else (out_d, out_i)
 
 
-@njit(cache=True, parallel=True)
-def _exact_scan_ids(points, ids_of, queries, k):
-    """Exact canonical scan of ``points`` whose ids are ``ids_of`` (ties by id)."""
-    m = queries.shape[0]
-    out_d = np.empty((m, k), np.float32)
-    out_i = np.empty((m, k), np.int64)
-    for qi in prange(m):
-        dist = np.empty(k, np.float32)
-        ids = np.empty(k, np.int64)
-        cnt = 0
-        q = queries[qi]
-        for b in range(points.shape[0]):
-            cnt = _insert(dist, ids, cnt, k, _sqdist(q, points[b]), ids_of[b])
-        for j in range(k):
-            out_d[qi, j] = dist[j]
-            out_i[qi, j] = ids[j]
-    return out_d, out_i
