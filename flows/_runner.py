@@ -43,8 +43,6 @@ class _LocalAPI:
 
     def __init__(self):
         import socket
-        import subprocess
-        import sys
 
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -56,30 +54,50 @@ class _LocalAPI:
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                "PREFECT__SERVER_FINAL": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
         env.pop("PREFECT_API_URL", None)
+        self._env = env
+        self._spawn()
+
+    def _spawn(self) -> None:
+        import subprocess
+        import sys
+
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
                  "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
-                env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+                env=self._env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
 
-    def wait_ready(self, timeout: float = 90.0) -> str:
-        """Block until the API answers its health check (the first start migrates its database)."""
+    def wait_ready(self, timeout: float = 90.0, attempts: int = 3) -> str:
+        """Block until the API answers its health check (the first start migrates its database).
+
+        Two commands started together on a new ``PREFECT_HOME`` both migrate its database, and the
+        loser's server exits ("table ... already exists"); it is started again (same port), up
+        to ``attempts`` times, and then finds the database migrated."""
         import time
 
         import httpx
 
         deadline = time.monotonic() + timeout
+        tries = 1
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                break
+                if tries >= attempts:
+                    break
+                tries += 1
+                time.sleep(0.5 * tries)
+                self._spawn()
+                continue
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return self.url
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        exited = self.proc.poll()
         self.stop()
-        raise RuntimeError(f"Prefect's local API did not start within {timeout:.0f} s; its log: {self.log} "
+        why = (f"exited with code {exited} ({tries} starts)" if exited is not None
+               else f"did not answer within {timeout:.0f} s")
+        raise RuntimeError(f"Prefect's local API {why}; its log: {self.log} "
                            "(or set PREFECT_API_URL to a running `prefect server start`)")
 
     def stop(self) -> None:

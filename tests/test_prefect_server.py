@@ -177,3 +177,30 @@ def test_a_killed_run_is_marked_interrupted_and_crashed(tmp_path):
     assert rec["status"] == "interrupted" and f"pid {dead.pid}" in rec["error"]
     with get_client(sync_client=True) as client:
         assert client.read_flow_run(run_id).state.is_crashed()
+
+
+def test_local_api_starts_again_when_its_first_server_exits(tmp_path, monkeypatch):
+    """Two commands started together on a new PREFECT_HOME both migrate its database and the
+    loser's server exits ("table ... already exists"): the local API starts it again."""
+    from scanforest.flows import _runner
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
+    real_spawn = _runner._LocalAPI._spawn
+    spawned = []
+
+    def spawn(self):
+        if not spawned:  # the first server dies at once, as the loser of the migration does
+            self.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        else:
+            real_spawn(self)
+        spawned.append(self.proc)
+
+    monkeypatch.setattr(_runner._LocalAPI, "_spawn", spawn)
+    api = _runner._LocalAPI()
+    try:
+        url = api.wait_ready(timeout=120)
+        assert len(spawned) == 2 and spawned[0].returncode == 3
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        api.stop()
