@@ -195,14 +195,11 @@ def absolute_path(path: str) -> str:
 
 
 def open_store(store: str, mode: str = "a"):
-    """An existing scan store, or a user error in one line: only ingest creates stores."""
-    from scanforest.kernels.errors import InputError
+    """An existing scan store, or a user error in one line (``ScanStore`` says which: none there,
+    or something else there); only ingest creates stores."""
     from scanforest.tasks.store import ScanStore
 
-    path = absolute_path(store)
-    if "://" not in path and not os.path.isfile(os.path.join(path, "zarr.json")):
-        raise InputError(f"no scan store at {store} (create one with: scanforest ingest SOURCE {store})")
-    return ScanStore(path, mode=mode)
+    return ScanStore(absolute_path(store), mode=mode)
 
 
 def count_redone(records: list[dict], st, stage: str, since: str, status: str) -> None:
@@ -515,9 +512,10 @@ def _run_id(flow: str, flow_run=None) -> str:
 
 def _existing_store(path) -> "object | None":
     """The store at ``path`` when one exists (run records never create a store)."""
-    if not path or not os.path.isfile(os.path.join(absolute_path(path), "zarr.json")):
-        return None
     from scanforest.tasks.store import ScanStore
+
+    if not path or not ScanStore.exists(absolute_path(path)):
+        return None
 
     try:
         return ScanStore(absolute_path(path), mode="a")

@@ -40,7 +40,7 @@ def ingest_flow(source: str, store: str, units: str = "m", scheduler: str | None
 def _is_store(store: str) -> bool:
     """An ingest into an existing store may find nothing new (a drop folder between deliveries);
     one that would create the store must find scans, or it leaves nothing behind."""
-    return os.path.isfile(os.path.join(store, "zarr.json"))
+    return ScanStore.exists(store)
 
 
 def _ingest(source: str, store: str, units: str, progress: bool, batch: int | None, nw: int,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -92,7 +91,7 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
     """
     from scanforest.kernels.knn.kdforest import KDForest
 
-    store = ScanStore(store_path, create=not os.path.exists(os.path.join(str(store_path), "zarr.json")))
+    store = ScanStore(store_path, create=True)
     params = {k: v for k, v in (params or {}).items() if k in FOREST_KEYS}
     if params.get("method", "banns") != "exact":  # the trees' split rule is part of the index, default or not
         params.setdefault("split", KDForest().split)

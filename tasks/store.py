@@ -210,6 +210,11 @@ class ScanStore:
             for name in ("scans", "quarantine", "runs"):
                 grp.require_group(name)
 
+    @staticmethod
+    def exists(path: str | os.PathLike) -> bool:
+        """Whether ``path`` holds a scanforest store (callers that must not create one ask this)."""
+        return _is_store_meta(_read_root_meta(Path(path))) if Path(path).is_dir() else False
+
     def __repr__(self) -> str:
         return f"ScanStore({self.path!r}, scans={len(self.scans())})"
 
