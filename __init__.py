@@ -15,7 +15,8 @@ The public API is small and is what the CLI, the Prefect flows and users all cal
 
 Submodules: :mod:`scanforest.kernels` (pure array compute, CPU and GPU backends),
 :mod:`scanforest.tasks` (Prefect tasks: store I/O around kernels), :mod:`scanforest.flows`
-(Prefect flows on Dask clusters, the CLI).
+(Prefect flows on Dask clusters), :mod:`scanforest.deploy` (the operator's side: the CLI in
+:mod:`scanforest.deploy.cli`, the benchmarks in :mod:`scanforest.deploy.bench`).
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ _API = {
     "knn_bruteforce": ("scanforest.kernels.knn.bruteforce", "knn_bruteforce"),
     "recall": ("scanforest.kernels.knn.bruteforce", "recall"),
     "match": ("scanforest.flows.distributed", "match"),
-    "ModelLibrary": ("scanforest.kernels.recognition.pipeline", "ModelLibrary"),
-    "recognize": ("scanforest.kernels.recognition.pipeline", "recognize"),
+    "ModelLibrary": ("scanforest.kernels.recognition", "ModelLibrary"),
+    "recognize": ("scanforest.kernels.recognition", "recognize"),
+    "RecognizeParams": ("scanforest.kernels.recognition", "RecognizeParams"),
     "align": ("scanforest.kernels.align.pcha", "align"),
     "align_batch": ("scanforest.kernels.align.pcha", "align_batch"),
     "distance_transform": ("scanforest.kernels.align.edt", "distance_transform"),

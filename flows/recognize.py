@@ -72,6 +72,10 @@ def check_recognize(store: str, models: list[str], scenes: list[str] | None, lib
     method = (params or {}).get("method")
     if method is not None and method not in ("hough", "gc"):
         raise InputError(f"--method must be hough or gc, got {method!r}")
+    if params:  # the rest of what every worker's recognize() will check: names and values
+        from scanforest.kernels.recognition import RecognizeParams
+
+        RecognizeParams().replace(**params)
     return st
 
 

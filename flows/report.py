@@ -188,12 +188,12 @@ def _short(name: str) -> str:
 
 def _correct(dets: list[dict], truth: list[dict], name_to_id: dict[str, int], max_translation: float,
              max_rotation_deg: float = 15.0) -> list[bool]:
-    """Which detections are correct, by the rule of ``kernels.recognition.pipeline.evaluate`` (same model,
+    """Which detections are correct, by the rule of ``kernels.recognition.evaluate`` (same model,
     rotation and translation within tolerance, each ground-truth instance taken once by the
     nearest such detection): the stored evaluation has the counts only, the table needs the
     verdict per detection. Ground-truth model ids are mapped through the library's names the
     way ``tasks.recognize.recognize_scan`` maps them."""
-    from scanforest.kernels.recognition.pipeline import pose_errors
+    from scanforest.kernels.recognition import pose_errors
 
     used: set[int] = set()
     for g in truth:

@@ -1,14 +1,70 @@
-"""numba building blocks shared by normals and SHOT on the CPU.
+"""numba building blocks shared by normals, SHOT and the rigid fits of recognition on the CPU.
 
-``eig3`` is a cyclic Jacobi eigen-solver for a symmetric 3x3 matrix in float64. The CUDA
-source in ``descriptors/_shot_gpu.py`` carries the same algorithm, operation for operation (compiled
-without fused multiply-add), so that both backends produce the same frames bit for bit on
-the same inputs.
+``jacobi_eigh`` is the one cyclic Jacobi eigen-solver of the package: a symmetric n x n float64
+matrix, in place. ``eig3`` wraps it for the 3x3 covariances of normals and SHOT frames (sorted
+eigenpairs); ``recognition.rigid`` uses it on the 4x4 matrix of Horn's quaternion fit. The CUDA
+source in ``descriptors/_shot_gpu.py`` carries the same algorithm for 3x3, operation for operation
+(compiled without fused multiply-add), so that both backends produce the same frames bit for bit
+on the same inputs.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+
+@njit(cache=True, inline="always")
+def jacobi_eigh(A, V, n, max_sweeps, tol):
+    """Eigen-decomposition of the symmetric (n, n) float64 matrix ``A`` by cyclic Jacobi sweeps.
+
+    ``n`` is ``A``'s size, given by the caller as a constant: the function is inlined, so the
+    sweeps' loops get a fixed trip count and unroll (as fast as a hand-written 3x3 solver).
+    ``A`` is overwritten: it ends (nearly) diagonal with the eigenvalues on its diagonal, in no
+    particular order. ``V`` (n, n) is set to the identity and receives the unit eigenvectors as
+    its columns, column ``i`` belonging to ``A[i, i]``. A sweep rotates every pair ``p < q`` in
+    row order; the sweeps stop when the squared off-diagonal sum is ``<= tol`` times the squared
+    diagonal sum (or zero), after at most ``max_sweeps``. Only the upper triangle of ``A`` is read
+    for the pivots, but both triangles are rotated: pass a full symmetric matrix.
+    """
+    for i in range(n):
+        for j in range(n):
+            V[i, j] = 1.0 if i == j else 0.0
+    for _sweep in range(max_sweeps):
+        off = 0.0
+        for p in range(n - 1):
+            for q in range(p + 1, n):
+                off += A[p, q] * A[p, q]
+        dia = 0.0
+        for p in range(n):
+            dia += A[p, p] * A[p, p]
+        if off <= tol * dia or off == 0.0:
+            break
+        for p in range(n - 1):
+            for q in range(p + 1, n):
+                apq = A[p, q]
+                if apq == 0.0:
+                    continue
+                theta = (A[q, q] - A[p, p]) / (2.0 * apq)
+                t = 1.0 / (abs(theta) + np.sqrt(theta * theta + 1.0))
+                if theta < 0.0:
+                    t = -t
+                c = 1.0 / np.sqrt(t * t + 1.0)
+                s = t * c
+                for k in range(n):  # A <- J^T A J, V <- V J
+                    akp = A[k, p]
+                    akq = A[k, q]
+                    A[k, p] = c * akp - s * akq
+                    A[k, q] = s * akp + c * akq
+                for k in range(n):
+                    apk = A[p, k]
+                    aqk = A[q, k]
+                    A[p, k] = c * apk - s * aqk
+                    A[q, k] = s * apk + c * aqk
+                for k in range(n):
+                    vkp = V[k, p]
+                    vkq = V[k, q]
+                    V[k, p] = c * vkp - s * vkq
+                    V[k, q] = s * vkp + c * vkq
 
 
 @njit(cache=True)
@@ -18,6 +74,15 @@ def eig3(a00, a01, a02, a11, a12, a22, w, V):
     Writes eigenvalues ascending into ``w`` (3,) and the unit eigenvectors as the columns of
     ``V`` (3, 3) in the same order. Returns False when the input is not finite.
     """
+    if not (np.isfinite(a00) and np.isfinite(a01) and np.isfinite(a02) and np.isfinite(a11)
+            and np.isfinite(a12) and np.isfinite(a22)):
+        for i in range(3):
+            for j in range(3):
+                V[i, j] = 1.0 if i == j else 0.0
+        w[0] = np.nan
+        w[1] = np.nan
+        w[2] = np.nan
+        return False
     A = np.empty((3, 3), np.float64)
     A[0, 0] = a00
     A[0, 1] = a01
@@ -28,54 +93,7 @@ def eig3(a00, a01, a02, a11, a12, a22, w, V):
     A[2, 0] = a02
     A[2, 1] = a12
     A[2, 2] = a22
-    for i in range(3):
-        for j in range(3):
-            V[i, j] = 1.0 if i == j else 0.0
-    if not (np.isfinite(a00) and np.isfinite(a01) and np.isfinite(a02) and np.isfinite(a11)
-            and np.isfinite(a12) and np.isfinite(a22)):
-        w[0] = np.nan
-        w[1] = np.nan
-        w[2] = np.nan
-        return False
-    for sweep in range(32):
-        off = A[0, 1] * A[0, 1] + A[0, 2] * A[0, 2] + A[1, 2] * A[1, 2]
-        dia = A[0, 0] * A[0, 0] + A[1, 1] * A[1, 1] + A[2, 2] * A[2, 2]
-        if off <= 1e-34 * dia or off == 0.0:
-            break
-        for pq in range(3):
-            if pq == 0:
-                p = 0
-                q = 1
-            elif pq == 1:
-                p = 0
-                q = 2
-            else:
-                p = 1
-                q = 2
-            apq = A[p, q]
-            if apq == 0.0:
-                continue
-            theta = (A[q, q] - A[p, p]) / (2.0 * apq)
-            t = 1.0 / (abs(theta) + np.sqrt(theta * theta + 1.0))
-            if theta < 0.0:
-                t = -t
-            c = 1.0 / np.sqrt(t * t + 1.0)
-            s = t * c
-            for k in range(3):
-                akp = A[k, p]
-                akq = A[k, q]
-                A[k, p] = c * akp - s * akq
-                A[k, q] = s * akp + c * akq
-            for k in range(3):
-                apk = A[p, k]
-                aqk = A[q, k]
-                A[p, k] = c * apk - s * aqk
-                A[q, k] = s * apk + c * aqk
-            for k in range(3):
-                vkp = V[k, p]
-                vkq = V[k, q]
-                V[k, p] = c * vkp - s * vkq
-                V[k, q] = s * vkp + c * vkq
+    jacobi_eigh(A, V, 3, 32, 1e-34)
     # components at rounding level are zero (Eigen's solver returns exact zeros for the
     # block-structured covariances of grid-like scans; keeping 1e-17 would flip their bins)
     for i in range(3):

@@ -230,6 +230,34 @@ def to_numpy(a: Any) -> np.ndarray:
     return np.asarray(a)
 
 
+#: below this size a device-to-host copy goes through pageable memory (pinning costs more)
+PINNED_MIN_BYTES = 1 << 20
+
+
+def to_host(a: Any, *, stream=None) -> np.ndarray:
+    """A numpy copy of a CuPy array through page-locked (pinned) host memory.
+
+    A copy from the device into pageable memory runs at about 2.4 GB/s on an H100 host (the
+    driver stages it through a bounce buffer); into pinned memory at the link's speed, several
+    times faster. The pinned buffers come from CuPy's pinned-memory pool, so a pipeline that
+    copies results of similar sizes scene after scene allocates them once; each buffer returns
+    to the pool when its numpy array is freed. With ``stream`` the copy is ordered on that
+    stream and the call waits for it. Numpy input is returned as it is; small arrays take the
+    plain path.
+    """
+    if not is_cupy(a):
+        return np.asarray(a)
+    if a.nbytes < PINNED_MIN_BYTES:
+        return a.get(stream=stream)
+    import cupy as cp
+
+    a = cp.ascontiguousarray(a)
+    mem = cp.cuda.alloc_pinned_memory(a.nbytes)
+    out = np.frombuffer(mem, a.dtype, a.size).reshape(a.shape)
+    a.get(stream=stream, out=out)
+    return out
+
+
 def describe_device(device: str) -> str:
     """Human-readable device description used in logs and benchmark tables."""
     if device == "gpu":

@@ -8,7 +8,7 @@ at the price of a data-dependent loop; the argmax is single-path.
 
 What is shared is exactly this selection rule, :func:`masked_argmax`:
 
-* ``recognition.pipeline.verify`` scores pose hypotheses by their inlier fraction and tests them against
+* ``recognition.verification.verify`` scores pose hypotheses by their inlier fraction and tests them against
   the acceptance thresholds; each greedy round takes the masked argmax over hypotheses.
 * ``motion.optical_flow.hypothesis_flow`` (CPU backend) scores every flow label of a pixel by likelihood
   voting and tests it by change detection; the masked argmax over labels gives the pixel's flow.

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from scanforest.kernels.backend import resolve_device, to_numpy
+from scanforest.kernels.backend import resolve_device, to_host
 
 from .store import ScanStore
 
@@ -73,8 +73,11 @@ def describe_cloud(points, params: DescribeParams, *, device: str = "auto") -> d
     timings["keypoints"] = time.perf_counter() - t
     t = time.perf_counter()
     desc, frames = shot(pts, nrm, kp, params.shot_radius, approximate=params.approximate, device=dev)
-    out = {"est_normals": to_numpy(nrm).astype(np.float32), "kp_index": to_numpy(kp).astype(np.int64),
-           "kp_frames": to_numpy(frames).astype(np.float32), "kp_shot": to_numpy(desc).astype(np.float32)}
+    # pinned device-to-host copies (several times faster than pageable ones for SHOT's 1.4 kB rows)
+    out = {"est_normals": to_host(nrm.astype(np.float32, copy=False)),
+           "kp_index": to_host(kp.astype(np.int64, copy=False)),
+           "kp_frames": to_host(frames.astype(np.float32, copy=False)),
+           "kp_shot": to_host(desc.astype(np.float32, copy=False))}
     timings["shot"] = time.perf_counter() - t
     return {"arrays": out, "timings": timings, "device": dev}
 

@@ -32,7 +32,7 @@ LIBRARY_KEYS = ("model_ss", "descr_rad", "rf_rad", "normal_k", "normal_radius", 
 def build_library(store_path: str, model_scans: list[str], *, name: str = "default",
                   params: dict[str, Any] | None = None, device: str = "auto") -> dict[str, Any]:
     """Describe the model scans and persist them as library ``name`` (no-op when unchanged)."""
-    from scanforest.kernels.recognition.pipeline import ModelLibrary
+    from scanforest.kernels.recognition import ModelLibrary
 
     st = ScanStore(store_path)
     params = {k: v for k, v in (params or {}).items() if k in LIBRARY_KEYS and v is not None}
@@ -78,7 +78,7 @@ def library_hash(store_path: str, name: str) -> str:
 
 @functools.lru_cache(maxsize=4)
 def _load_library_cached(store_path: str, name: str, digest: str):
-    from scanforest.kernels.recognition.pipeline import ModelLibrary
+    from scanforest.kernels.recognition import ModelLibrary
 
     g = ScanStore(store_path, mode="r").root["libraries"][name]
     arrays = {k: g[k][...] for k in g.array_keys()}
@@ -94,7 +94,7 @@ def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str
                    device: str = "auto", force: bool = False) -> dict[str, Any]:
     """Recognise the library's models in one stored scene; writes the detections (skips when done)."""
     from scanforest.kernels.backend import resolve_device
-    from scanforest.kernels.recognition.pipeline import evaluate, recognize
+    from scanforest.kernels.recognition import evaluate, recognize
 
     t0 = time.perf_counter()
     st = ScanStore(store_path)

@@ -43,7 +43,7 @@ def test_align_flow_recovers_known_pose(tmp_path):
 
 # ----------------------------------------------------------------------------- scanforest align
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "scanforest.flows.cli", "align", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "scanforest.deploy.cli", "align", *map(str, args)],
                           cwd=cwd, capture_output=True, text=True, timeout=300)
 
 

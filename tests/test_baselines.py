@@ -9,8 +9,8 @@ import stat
 import numpy as np
 import pytest
 
-from scanforest.flows._bench import BenchReport
-from scanforest.flows.cli_recognize import _pcl_tutorial
+from scanforest.deploy.bench._common import BenchReport
+from scanforest.deploy.bench.recognize import _pcl_tutorial
 
 
 def _fake(tmp_path, lines, rc=0):
@@ -55,7 +55,7 @@ def test_utilization_sampler_sees_a_busy_core():
     import shutil
     import time
 
-    from scanforest.flows._bench import Utilization
+    from scanforest.deploy.bench._common import Utilization
 
     with Utilization(period=0.1) as u:
         t = time.perf_counter()

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from scanforest.flows import bench_archive as ba
-from scanforest.flows._bench import BenchReport
+from scanforest.deploy.bench import archive as ba
+from scanforest.deploy.bench._common import BenchReport
 from scanforest.kernels.errors import InputError
 
 
@@ -56,7 +56,7 @@ def test_bench_match_merges_worker_counts_recorded_on_its_workdir(tmp_path):
     """``bench match --workdir``: each worker count may run in its own command; the efficiency
     uses the recorded (queries/s, recall) of the same configuration only, whatever the
     synchronisation and budgets each command ran."""
-    from scanforest.flows.bench_match import _merge_recorded
+    from scanforest.deploy.bench.match import _merge_recorded
 
     path = str(tmp_path / "bench-match.json")
     one = BenchReport("match", {"n": 10, "workers": [1], "sync_after": None, "backtracks": 384})
@@ -74,7 +74,7 @@ def test_bench_match_efficiency_at_the_same_budget_and_at_matched_recall():
     """The same-budget efficiency divides by W x the 1-worker rate at that budget; the
     matched-recall efficiency takes the fastest W-worker budget whose recall is at least the
     1-worker recall (the figures of the 10M x 352 runs on 2 H200s)."""
-    from scanforest.flows.bench_match import _efficiency_rows
+    from scanforest.deploy.bench.match import _efficiency_rows
 
     qps = {(1, None, 384): (14562.0, 0.9307), (2, None, 384): (18297.0, 0.9799),
            (2, None, 192): (33664.0, 0.8807), (2, None, 256): (25765.0, 0.9426)}
@@ -94,7 +94,7 @@ def test_bench_match_curve_on_cpu_one_index_for_every_budget(tmp_path):
     """``bench match --backtracks 4,16``, one worker count per command on a kept workdir: the
     index is built once (budgets are set per query), the second command merges the first's
     figures, and every efficiency row is the ratio of the queries/s rows it names."""
-    from scanforest.flows import bench_match
+    from scanforest.deploy.bench import match as bench_match
 
     kw = dict(method="banns", backtracks=[4, 16], leaf_size=16, device="cpu", block=100, clusters=10, shards=2,
               store_dtype="float16",
@@ -127,7 +127,7 @@ def test_bench_match_reference_drawn_on_the_workers(tmp_path):
     """``bench match --reference workers``: no store is written; the shards are drawn and
     indexed on the workers, an unlimited search has recall 1 against the brute force over the
     same rows, and a bad choice is refused."""
-    from scanforest.flows import bench_match
+    from scanforest.deploy.bench import match as bench_match
 
     rep = bench_match.run(1200, 60, 8, 4, [1, 2], method="banns", backtracks=[None], leaf_size=16, device="cpu",
                           block=30, clusters=10, shards=2, store_dtype="float16", reference="workers",
@@ -147,8 +147,8 @@ def test_bench_match_reference_drawn_on_the_workers(tmp_path):
 def test_bench_match_reference_in_pieces():
     """Above ``whole_max`` rows the reference is made piece by piece (own seeds) straight into
     the stored dtype; at most ``whole_max`` it is the one-piece data of earlier runs."""
-    from scanforest.flows.bench_match import _reference
-    from scanforest.flows.cli_ann import clustered
+    from scanforest.deploy.bench._data import clustered
+    from scanforest.deploy.bench.match import _reference
 
     whole = _reference(3000, 8, 10, "cpu", "float32")
     np.testing.assert_array_equal(whole, clustered(3000, 8, clusters=10, seed=1))
@@ -167,7 +167,7 @@ def test_bench_tools_measures_every_tool_against_one_exact_answer(tmp_path):
     index are exact under the common recall rule, the approximate indexes lie in (0, 1], and the
     matched-recall rows compare scanforest's fastest point at the target with each tool's."""
     pytest.importorskip("faiss")
-    from scanforest.flows import bench_tools
+    from scanforest.deploy.bench import tools as bench_tools
 
     out = tmp_path / "tools.json"
     rep = bench_tools.run(3000, 200, 16, 4, device="cpu", trees=2, leaf_size=16, budgets=[2, 400], nprobes=[1, 8],
@@ -209,7 +209,7 @@ def test_bench_tools_flann_baseline(tmp_path):
         pytest.skip("libflann-dev and g++ are needed to build the FLANN baseline")
     binary = tmp_path / "flann_knn_bench"
     subprocess.run(["g++", "-O2", "-fopenmp", str(src), "-o", str(binary), "-llz4"], check=True)
-    from scanforest.flows import bench_tools
+    from scanforest.deploy.bench import tools as bench_tools
 
     rep = bench_tools.run(2000, 100, 8, 4, device="cpu", trees=2, leaf_size=16, budgets=[300],
                           flann_baseline=str(binary), flann_checks=[16, 4000], nprobes=[], ef_search=[],

@@ -217,7 +217,7 @@ def test_gpu_half_base_answers_as_its_float32_widening(rng, monkeypatch, share):
 def test_nonfinite_rows_are_found_block_by_block(rng):
     """The NaN/inf row check runs in blocks (no temporary the size of a large base) and finds
     the same rows, float32 and float16."""
-    from scanforest.kernels.knn.bruteforce import _nonfinite_rows
+    from scanforest.kernels.validation import nonfinite_rows
 
     for dtype in (np.float32, np.float16):
         a = rng.standard_normal((1000, 7)).astype(dtype)
@@ -225,7 +225,7 @@ def test_nonfinite_rows_are_found_block_by_block(rng):
         want = np.zeros(1000, bool)
         want[[3, 400, 999]] = True
         for nbytes in (1 << 28, 7 * a.itemsize * 33):
-            np.testing.assert_array_equal(_nonfinite_rows(a, np, nbytes), want)
+            np.testing.assert_array_equal(nonfinite_rows(a, np, nbytes), want)
 
 
 def _pair_case(rng, d=352):

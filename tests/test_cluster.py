@@ -140,7 +140,7 @@ def test_recognize_flow_on_external_cluster_survives_worker_kill(tmp_path, clust
     import threading
 
     from scanforest.flows.recognize import run_recognize
-    from scanforest.kernels.recognition.pipeline import recognize
+    from scanforest.kernels.recognition import recognize
     from scanforest.tasks.recognize import load_library
     from scanforest.tasks.synth import write_archive
 

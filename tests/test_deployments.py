@@ -16,7 +16,7 @@ from scanforest.flows.deployments import DEPLOYMENTS, prefect_yaml, runner_deplo
 from scanforest.kernels.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "scanforest.flows.cli"]
+CLI = [sys.executable, "-m", "scanforest.deploy.cli"]
 
 
 def _cli(*args, api=None):

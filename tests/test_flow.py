@@ -487,7 +487,7 @@ def test_ingest_frames_folder(tmp_path):
 def test_flow_cli_pair_and_run(tmp_path):
     from typer.testing import CliRunner
 
-    from scanforest.flows.cli import app
+    from scanforest.deploy.cli import app
     from scanforest.tasks.flow import read_flow
 
     seq = sequence("layers", height=32, width=40, n_frames=3, seed=6)

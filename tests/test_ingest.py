@@ -125,7 +125,7 @@ def test_ingest_killed_midway_and_rerun(tmp_path):
     store = tmp_path / "s.zarr"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "scanforest.flows.cli", "ingest", str(src), str(store),
+    proc = subprocess.Popen([sys.executable, "-m", "scanforest.deploy.cli", "ingest", str(src), str(store),
                              "--workers", "1"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -159,13 +159,13 @@ def test_ingest_killed_midway_and_rerun(tmp_path):
 def test_cli_info_and_bad_store(tmp_path):
     from typer.testing import CliRunner
 
-    from scanforest.flows.cli import app
+    from scanforest.deploy.cli import app
 
     store = ScanStore(tmp_path / "s.zarr", create=True)
     store.write_scan("x", {"points": np.zeros((5, 3), np.float32)}, {"n_points": 5, "format": "npy"})
     res = CliRunner().invoke(app, ["info", str(tmp_path / "s.zarr"), "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout[: res.stdout.rindex("}") + 1])["scans"] == 1
-    res = subprocess.run([sys.executable, "-m", "scanforest.flows.cli", "info", str(tmp_path / "nope.zarr")],
+    res = subprocess.run([sys.executable, "-m", "scanforest.deploy.cli", "info", str(tmp_path / "nope.zarr")],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "no scan store at" in res.stderr and "Traceback" not in res.stderr
 

@@ -140,7 +140,7 @@ def test_variance_rule_finds_more_neighbours_per_leaf(rng):
     """The measured reason for the default (kdtree docstring): on clustered data a 4-tree forest
     with the variance rule finds more of the exact neighbours than the median rule for the same
     leaf budget."""
-    from scanforest.flows.cli_ann import clustered
+    from scanforest.deploy.bench._data import clustered
     from scanforest.kernels.knn.bruteforce import recall
     from scanforest.kernels.knn.kdforest import KDForest
 
@@ -466,7 +466,7 @@ def test_pcl_shot_dataset_holds_out_queries(pcl_dir, tmp_path):
     import shutil
 
     import scanforest as sf
-    from scanforest.flows.cli_ann import pcl_shot_dataset
+    from scanforest.deploy.bench._data import pcl_shot_dataset
     from scanforest.kernels.neighbors.search import knn
 
     shutil.copy(pcl_dir / "bun0.pcd", tmp_path / "bun0.pcd")

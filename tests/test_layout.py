@@ -1,14 +1,20 @@
 """The import contract of the package layout (issue 23).
 
-* ``scanforest.kernels`` is pure array compute: none of its modules imports the tasks, the flows
-  or the orchestration and storage stack (Prefect, Dask, distributed, zarr), at module level or
-  inside a function.
+* ``scanforest.kernels`` is pure array compute: none of its modules imports the tasks, the flows,
+  the command line and benchmarks (``deploy``) or the orchestration and storage stack (Prefect,
+  Dask, distributed, zarr), at module level or inside a function.
 * No import cycles among scanforest modules: the graph of every ``import`` (module-level and
   inside functions, relative imports resolved; a package's ``__init__`` re-export is an edge from
   the package) has no strongly connected component of more than one module. Imports under
   ``if TYPE_CHECKING:`` are for annotations only and are not edges.
 * ``kernels/`` has one subpackage per family, each listed in ``pyproject.toml`` (the GPU machine
   installs with setuptools from that list).
+* One family per folder: ``flows/`` holds Prefect flows, the runner, the deployment table and the
+  helpers the flows use (distributed matching, the report), and nothing else: no CLI or bench
+  module, nothing that imports typer, and no import of :mod:`scanforest.deploy`. The command line
+  is ``deploy/cli/`` and the benchmarks ``deploy/bench/`` (one module per bench); every public
+  module there registers its commands with ``register(app, bench)`` (the one way, discovered by
+  :mod:`scanforest.deploy.cli`), and a bench imports neither the command line nor another bench.
 """
 from __future__ import annotations
 
@@ -21,10 +27,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = {"scanforest.kernels": REPO / "kernels", "scanforest.tasks": REPO / "tasks",
-            "scanforest.flows": REPO / "flows"}
+            "scanforest.flows": REPO / "flows", "scanforest.deploy": REPO / "deploy"}
 FAMILIES = ("neighbors", "descriptors", "knn", "recognition", "align", "motion", "synthetic")
-FORBIDDEN = ("scanforest.tasks", "scanforest.flows", "prefect", "prefect_dask", "dask", "distributed",
-             "dask_cuda", "zarr")
+FORBIDDEN = ("scanforest.tasks", "scanforest.flows", "scanforest.deploy", "prefect", "prefect_dask", "dask",
+             "distributed", "dask_cuda", "zarr")
 
 
 def _modules() -> dict[str, Path]:
@@ -182,3 +188,83 @@ def test_every_kernels_family_is_a_listed_subpackage():
     for init in (REPO / "kernels").rglob("__init__.py"):
         rel = init.parent.relative_to(REPO / "kernels").parts
         assert ".".join(("scanforest.kernels", *rel)) in listed, init
+
+
+#: what ``flows/`` holds besides the flows themselves: the runner, the deployment table and the
+#: helpers the flows use (distributed matching for the match flow, the report of their runs)
+FLOW_HELPERS = {"__init__", "_runner", "deployments", "distributed", "report"}
+
+
+def _defines_flow(path: Path) -> bool:
+    """Whether a module defines a Prefect flow: a function decorated ``@flow`` or ``@flow(...)``."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for dec in node.decorator_list:
+                fn = dec.func if isinstance(dec, ast.Call) else dec
+                if getattr(fn, "id", None) == "flow" or getattr(fn, "attr", None) == "flow":
+                    return True
+    return False
+
+
+def test_flows_holds_no_cli_or_bench_module():
+    """``flows/`` holds Prefect flows, the runner, the deployment table and the flows' helpers:
+    no ``cli*``/``bench*``/``_bench*`` module, no module importing typer, no subpackage."""
+    folder = REPO / "flows"
+    bad = []
+    for path in sorted(folder.rglob("*.py")):
+        rel = path.relative_to(folder)
+        if "__pycache__" in rel.parts:
+            continue
+        if len(rel.parts) > 1:
+            bad.append(f"flows/{rel}: flows/ has no subpackages")
+            continue
+        name = path.stem
+        if name.lstrip("_").startswith(("cli", "bench")):
+            bad.append(f"flows/{rel}: a CLI or bench module (they live in deploy/cli/ and deploy/bench/)")
+        for target, _, line in _imports(f"scanforest.flows.{name}", path):
+            if target.split(".")[0] in ("typer", "click"):
+                bad.append(f"flows/{rel}:{line} imports {target} (command-line code lives in deploy/cli/)")
+        if name not in FLOW_HELPERS and not _defines_flow(path):
+            bad.append(f"flows/{rel}: not a Prefect flow, nor the runner, the deployment table or a helper "
+                       f"of the flows ({', '.join(sorted(FLOW_HELPERS))})")
+    assert not bad, "\n".join(bad)
+
+
+def test_flows_and_tasks_never_import_the_command_line_or_the_benches():
+    bad = [f"{path.relative_to(REPO)}:{line} imports {target}"
+           for name, path in _modules().items() if name.startswith(("scanforest.flows", "scanforest.tasks"))
+           for target, _, line in _imports(name, path)
+           if target == "scanforest.deploy" or target.startswith("scanforest.deploy.")]
+    assert not bad, "\n".join(bad)
+
+
+def test_one_way_to_register_a_command():
+    """Every public module of deploy/cli and deploy/bench defines ``register(app, bench)`` and the
+    discovery finds exactly those modules; a bench imports neither the command line nor another
+    bench (what benches share is in the ``_`` modules)."""
+    import scanforest.deploy.cli as cli
+
+    expected, bad = [], []
+    for sub in ("cli", "bench"):
+        folder = REPO / "deploy" / sub
+        assert (folder / "__init__.py").is_file()
+        for path in sorted(folder.glob("*.py")):
+            if path.stem.startswith("_"):
+                continue
+            name = f"scanforest.deploy.{sub}.{path.stem}"
+            expected.append(name)
+            tree = ast.parse(path.read_text(), filename=str(path))
+            regs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "register"]
+            if not regs or [a.arg for a in regs[0].args.args] != ["app", "bench"]:
+                bad.append(f"deploy/{sub}/{path.name}: no top-level register(app, bench)")
+            if sub == "bench":
+                for target, names, line in _imports(name, path):
+                    mods = [target] + [f"{target}.{n}" for n in names]
+                    if any(m.startswith("scanforest.deploy.cli") or
+                           (m.startswith("scanforest.deploy.bench.") and not m.split(".")[3].startswith("_"))
+                           for m in mods):
+                        bad.append(f"deploy/bench/{path.name}:{line} imports {target} {names}")
+    assert not bad, "\n".join(bad)
+    assert sorted(cli.command_modules()) == sorted(expected)
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert {"scanforest.deploy", "scanforest.deploy.cli", "scanforest.deploy.bench"} <= listed

@@ -313,7 +313,7 @@ def test_float16_index_is_exact_for_its_rounded_rows(tmp_path, rng, local_client
 
 
 def _generated(n, d, dtype, shards, n_trees=1, piece=700):
-    from scanforest.flows.bench_match import GeneratedShards
+    from scanforest.deploy.bench.match import GeneratedShards
 
     params = {"method": "banns", "leaf_size": 16, "backtracks": None, "n_trees": n_trees}
     return GeneratedShards(n, d, 20, dtype, tuple(sorted(params.items())), shards, piece=piece)
@@ -323,7 +323,7 @@ def _generated(n, d, dtype, shards, n_trees=1, piece=700):
 def test_generated_shards_are_the_bench_reference(dtype):
     """The bench's reference drawn shard by shard on the workers has the rows of the one drawn
     whole in pieces for a store (every shard border, piece border and both dtypes)."""
-    from scanforest.flows.bench_match import _reference
+    from scanforest.deploy.bench.match import _reference
 
     g = _generated(5000, 16, dtype, 3)
     X = _reference(5000, 16, 20, "cpu", dtype, piece=700, whole_max=0)

@@ -20,7 +20,7 @@ import pytest
 from scanforest.tasks.readers import write_cloud
 from scanforest.tasks.store import ScanStore
 
-CLI = [sys.executable, "-m", "scanforest.flows.cli"]
+CLI = [sys.executable, "-m", "scanforest.deploy.cli"]
 
 
 def _free_port() -> int:

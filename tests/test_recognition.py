@@ -6,9 +6,10 @@ import pytest
 
 from scanforest.kernels.errors import InputError
 from scanforest.kernels.recognition.icp import icp_point_to_plane
-from scanforest.kernels.recognition.pipeline import (Correspondences, Hypotheses, ModelLibrary, evaluate,
-                                                     group_gc, hough_maxima, match, pose_errors,
-                                                     ransac_rigid, recognize, rigid_transform, verify)
+from scanforest.kernels.recognition import (Correspondences, Hypotheses, ModelLibrary, RecognizeParams, evaluate,
+                                            group_gc, match, pose_errors, ransac_rigid, recognize, rigid_transform,
+                                            verify)
+from scanforest.kernels.recognition.grouping import hough_maxima
 from scanforest.kernels.synthetic import scenes as S
 
 
@@ -57,7 +58,7 @@ def test_ransac_rejects_outliers(rng):
 def test_parallel_gc_sweep_equals_sequential(rng, chunk):
     """The speculative parallel consensus sweep, and the sequential one that tests each seed's
     candidates against the seed first, label exactly like PCL's plain sequential sweep."""
-    from scanforest.kernels.recognition.pipeline import _gc_sets, _gc_sets_nb
+    from scanforest.kernels.recognition.grouping import _gc_sets, _gc_sets_nb
 
     for trial in range(4):
         n = 600
@@ -81,7 +82,7 @@ def test_quaternion_kabsch_equals_the_svd_fit(rng):
     """RANSAC's batched 3-point fits (Horn's quaternion form, in numba) give the rotation and
     translation of the SVD (Kabsch) fit, proper rotations also where the best orthogonal map is a
     reflection."""
-    from scanforest.kernels.recognition.pipeline import _kabsch_batch, _kabsch_svd
+    from scanforest.kernels.recognition.rigid import _kabsch_batch, _kabsch_svd
 
     B = 2000
     S = rng.normal(size=(B, 3, 3))
@@ -103,7 +104,7 @@ def test_quaternion_kabsch_equals_the_svd_fit(rng):
 def test_batched_ransac_matches_known_poses_per_group(rng):
     """Many groups of different sizes and outlier ratios fitted at once: each group's pose and
     inlier mask as the single-group RANSAC finds them."""
-    from scanforest.kernels.recognition.pipeline import ransac_rigid_groups
+    from scanforest.kernels.recognition.rigid import ransac_rigid_groups
 
     srcs, dsts, truths, poses = [], [], [], []
     for n, n_out in [(3, 0), (5, 1), (12, 4), (40, 18), (64, 10), (2, 0), (25, 0)]:
@@ -334,7 +335,8 @@ def test_verify_lookup_matches_a_float64_kdtree(small_world):
     reference: transform, visibility, nearest scene point by cKDTree, its voxel rank."""
     from scipy.spatial import cKDTree
 
-    from scanforest.kernels.recognition.pipeline import _hyp_points, _SceneIndex, _verify_nearest_cpu
+    from scanforest.kernels.recognition._scene_index import _SceneIndex
+    from scanforest.kernels.recognition.verification import _hyp_points, _verify_nearest_cpu
 
     _, lib, scene = small_world
     h = _hyps(small_world)
@@ -401,7 +403,7 @@ def test_icp_recovers_perturbation(small_world, device):
 def test_icp_batch_equals_one_by_one(small_world, device):
     """Lockstep ICP of several sources (both models, several starts) = the single-source ICP."""
     from scanforest.kernels.recognition.icp import icp_point_to_plane_batch
-    from scanforest.kernels.recognition.pipeline import _SceneIndex
+    from scanforest.kernels.recognition._scene_index import _SceneIndex
 
     _, lib, scene = small_world
     rng = np.random.default_rng(5)
@@ -494,7 +496,7 @@ def test_recognize_gpu_agrees_with_cpu(small_world):
 
 
 def _milk(pcl_dir):
-    from scanforest.flows.cli_recognize import load_milk
+    from scanforest.deploy.bench.recognize import load_milk
 
     return load_milk(pcl_dir)
 
@@ -541,3 +543,68 @@ def test_recognize_without_verification_returns_every_hypothesis(small_world):
     dets = recognize(scene.points, lib, device="cpu", verify=False, **SMALL_REC)
     assert len(dets) == dets.info["hypotheses"] >= len(scene.ground_truth)
     assert all(np.isnan(d.score) for d in dets)
+
+
+# --------------------------------------------------------------------------- parameters
+#: recognize()'s keyword defaults before they moved onto RecognizeParams
+_DEFAULTS = dict(scene_ss=0.03, descr_rad=None, rf_rad=None, normal_k=10, normal_radius=None, method="hough",
+                 cg_size=0.01, cg_thresh=5, use_interpolation=True, match_k=1, max_dist2=0.25, ratio=None,
+                 ransac=True, verify=True, inlier_dist=None, min_inlier_fraction=0.5, min_inliers=10,
+                 viewpoint=(0.0, 0.0, 0.0), icp=True, icp_iterations=30, refine_min_fraction=0.3, max_refine=32,
+                 refine="icp", max_detections=None, seed=0)
+
+
+def test_recognize_params_defaults_and_frozen():
+    import dataclasses
+
+    import scanforest as sf
+
+    p = RecognizeParams()
+    assert dataclasses.asdict(p) == _DEFAULTS
+    assert RecognizeParams.names() == tuple(_DEFAULTS)
+    assert sf.RecognizeParams is RecognizeParams
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.method = "gc"
+    q = p.replace(method="gc", viewpoint=np.array([0, 0, 1]))
+    assert (q.method, q.viewpoint, p.method) == ("gc", (0.0, 0.0, 1.0), "hough")
+    assert q == RecognizeParams(method="gc", viewpoint=[0.0, 0.0, 1.0]) and hash(q) == hash(RecognizeParams(
+        method="gc", viewpoint=(0, 0, 1)))
+
+
+@pytest.mark.parametrize("bad, word", [
+    (dict(method="ransac"), "method"), (dict(refine="lm"), "refine"), (dict(scene_ss=0.0), "scene_ss"),
+    (dict(cg_size=-0.01), "cg_size"), (dict(descr_rad=float("nan")), "descr_rad"), (dict(match_k=0), "match_k"),
+    (dict(max_refine=0), "max_refine"), (dict(icp_iterations=2.5), "icp_iterations"),
+    (dict(ratio=1.5), "ratio"), (dict(min_inlier_fraction=2.0), "min_inlier_fraction"),
+    (dict(min_inliers=-1), "min_inliers"), (dict(verify="yes"), "verify"), (dict(viewpoint=(0, 0)), "viewpoint"),
+    (dict(method="gc", cg_thresh=-1), "cg_thresh"), (dict(max_detections=0), "max_detections"),
+    (dict(seed=1.5), "seed"),
+])
+def test_recognize_params_refuse_bad_values(bad, word):
+    with pytest.raises(InputError, match=word) as err:
+        RecognizeParams(**bad)
+    assert "\n" not in str(err.value)
+    with pytest.raises(InputError, match=word):  # also as recognize()'s keywords, before any work
+        recognize(np.zeros((10, 3), np.float32), None, device="cpu", **bad)
+    RecognizeParams(method="hough", cg_thresh=-0.5)  # Hough: a fraction of the maximum
+
+
+def test_recognize_refuses_unknown_parameters():
+    with pytest.raises(InputError, match="unknown parameter 'cg_sise'; RecognizeParams has: scene_ss, "):
+        recognize(np.zeros((10, 3), np.float32), None, device="cpu", cg_sise=0.02)
+    with pytest.raises(InputError, match="unknown parameter 'scene_normal'"):
+        RecognizeParams().replace(scene_normal=None)
+    with pytest.raises(InputError, match="params must be a RecognizeParams"):
+        recognize(np.zeros((10, 3), np.float32), None, {"method": "gc"}, device="cpu")
+
+
+def test_recognize_with_params_equals_keywords(small_world):
+    _, lib, scene = small_world
+    by_kw = recognize(scene.points, lib, device="cpu", **SMALL_REC)
+    by_params = recognize(scene.points, lib, RecognizeParams(**SMALL_REC), device="cpu")
+    overridden = recognize(scene.points, lib, RecognizeParams(**dict(SMALL_REC, method="hough", cg_size=0.05)),
+                           device="cpu", method="gc", cg_size=SMALL_REC["cg_size"])
+    assert len(by_kw) == len(scene.ground_truth)
+    for dets in (by_params, overridden):
+        assert [d.as_dict() for d in dets] == [d.as_dict() for d in by_kw]
+        assert dets.info == by_kw.info

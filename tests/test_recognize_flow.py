@@ -50,7 +50,7 @@ def test_flow_process_killed_midway_then_rerun(tmp_path):
     run_ingest(str(tmp_path / "arch"), store, workers=1, progress=False)
     st = ScanStore(store, mode="r")
     scenes = [s for s in st.scans() if s.startswith("scenes__")]
-    args = [sys.executable, "-m", "scanforest.flows.cli", "recognize", store, "-m", "models__*",
+    args = [sys.executable, "-m", "scanforest.deploy.cli", "recognize", store, "-m", "models__*",
             "--model-ss", "0.01", "--descr-rad", "0.04", "--rf-rad", "0.03", "--scene-ss", "0.02",
             "--cg-size", "0.02", "--device", "cpu", "--workers", "1"]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}

@@ -15,7 +15,8 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_namespace_maps_the_top_level_folders():
-    for sub, folder in (("kernels", "kernels"), ("tasks", "tasks"), ("flows", "flows")):
+    for sub, folder in (("kernels", "kernels"), ("tasks", "tasks"), ("flows", "flows"), ("deploy", "deploy"),
+                        ("deploy.cli", "deploy/cli"), ("deploy.bench", "deploy/bench")):
         mod = importlib.import_module(f"scanforest.{sub}")
         assert Path(mod.__file__).resolve().parent == REPO / folder
     import scanforest
@@ -28,7 +29,7 @@ def test_namespace_maps_the_top_level_folders():
 def test_cli_help_for_every_command():
     from typer.testing import CliRunner
 
-    from scanforest.flows.cli import app
+    from scanforest.deploy.cli import app
 
     runner = CliRunner()
     res = runner.invoke(app, ["--help"])

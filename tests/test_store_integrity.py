@@ -20,7 +20,7 @@ from scanforest.tasks.store import ScanStore
 def _cli(*args, cwd=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PREFECT_API_URL", None)
-    return subprocess.Popen([sys.executable, "-m", "scanforest.flows.cli", *map(str, args)], env=env, cwd=cwd,
+    return subprocess.Popen([sys.executable, "-m", "scanforest.deploy.cli", *map(str, args)], env=env, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import validation
 from ..backend import is_cupy, resolve_device, to_numpy
 from ..errors import InputError, OutOfMemory
 
@@ -182,25 +183,6 @@ def estimate_bytes(shape, *, device: str = "cpu") -> int:
 
 
 # ----------------------------------------------------------------------------- grid
-def _check_points(a, name: str):
-    if a is None:
-        raise InputError(f"{name} is None")
-    shape = getattr(a, "shape", None)
-    if shape is None:
-        a = np.asarray(a)
-        shape = a.shape
-    if len(shape) != 2 or shape[1] not in (2, 3):
-        raise InputError(f"{name} must be an (N, 2) or (N, 3) array of points, got shape {tuple(shape)}")
-    if shape[0] == 0:
-        raise InputError(f"{name} is empty (0 points)")
-    xp = np
-    if is_cupy(a):
-        import cupy as xp  # noqa: F811
-    if not bool(xp.all(xp.isfinite(a))):
-        raise InputError(f"{name} contains NaN or inf coordinates")
-    return a
-
-
 def grid_spec(reference_n: np.ndarray, *, resolution: int | None = None, padding: float = 0.25,
               max_bytes: int | None = None, device: str = "cpu"):
     """Choose ``(origin, cell, shape)`` for normalised reference points (see the module rule)."""
@@ -287,9 +269,9 @@ def distance_transform(reference, *, resolution: int | None = None, padding: flo
     OutOfMemory
         The grid would not fit (message names needed and available bytes).
     """
-    _check_points(reference, "reference")
-    dev = resolve_device(device, reference)
-    ref = to_numpy(reference).astype(np.float64)
+    ref = validation.points(reference, "reference", dims=(2, 3), dtype=None)
+    dev = resolve_device(device, ref)
+    ref = to_numpy(ref).astype(np.float64)
     d = ref.shape[1]
     if normalize:
         center = ref.mean(0)

@@ -68,7 +68,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backend import is_cupy, resolve_device, to_numpy
+from .. import validation
+from ..backend import resolve_device, to_numpy
 from ..errors import InputError
 from . import transforms as T
 from .edt import DistanceGrid, distance_transform
@@ -437,26 +438,6 @@ def _lm(evaluate, model, P0, delta, *, max_iter, xtol, ftol, lambda0, scaling, m
 
 
 # ----------------------------------------------------------------------------- public API
-def _check_cloud(a, name):
-    if a is None:
-        raise InputError(f"{name} is None")
-    if not is_cupy(a):
-        try:
-            a = np.asarray(a, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise InputError(f"{name} is not a numeric array: {exc}") from None
-    if a.ndim != 2 or a.shape[1] not in (2, 3):
-        raise InputError(f"{name} must be an (N, 2) or (N, 3) array of points, got shape {tuple(a.shape)}")
-    if a.shape[0] == 0:
-        raise InputError(f"{name} is empty (0 points)")
-    xp = np
-    if is_cupy(a):
-        import cupy as xp  # noqa: F811
-    if not bool(xp.all(xp.isfinite(a))):
-        raise InputError(f"{name} contains NaN or inf coordinates")
-    return a
-
-
 def _init_matrix(init, m, observed, grid):
     d = m.dim
     if init is None or (isinstance(init, str) and init == "identity"):
@@ -575,8 +556,8 @@ def align_batch(observed, reference, model: str = "rigid", *, init=None,
             observed = [arr]
     if len(observed) == 0:
         raise InputError("observed is an empty batch")
-    obs = [_check_cloud(o, f"observed[{i}]" if len(observed) > 1 else "observed")
-           for i, o in enumerate(observed)]
+    obs = [validation.points(o, f"observed[{i}]" if len(observed) > 1 else "observed", dims=(2, 3),
+                             dtype=np.float64) for i, o in enumerate(observed)]
     d = obs[0].shape[1]
     if any(o.shape[1] != d for o in obs):
         raise InputError("all observed clouds of a batch must have the same dimension")
@@ -587,7 +568,7 @@ def align_batch(observed, reference, model: str = "rigid", *, init=None,
     if grid is None:
         if reference is None:
             raise InputError("give a reference point set or a precomputed grid")
-        ref = _check_cloud(reference, "reference")
+        ref = validation.points(reference, "reference", dims=(2, 3), dtype=None)
         if ref.shape[1] != d:
             raise InputError(f"observed points are {d}-D but reference points are {ref.shape[1]}-D")
     dev = resolve_device(device, *obs, *([] if reference is None else [reference]))

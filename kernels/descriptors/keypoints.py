@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import validation
 from ..backend import resolve_device, xp_for
 from ..errors import InputError
-from ..neighbors.search import _check_radius, _on, validate_points
+from ..neighbors.search import _on
 
 __all__ = ["keypoints"]
 
@@ -42,7 +43,7 @@ def keypoints(points, *, radius: float | None = None, indices=None, coords=None,
     if sum(given) > 1:
         raise InputError("give at most one of radius=, indices=, coords=")
     dev = resolve_device(device, points)
-    pts = validate_points(_on(points, dev), "points", allow_empty=True)
+    pts = validation.points(_on(points, dev), "points", allow_empty=True)
     xp = xp_for(dev)
     n = pts.shape[0]
     if indices is not None:
@@ -57,7 +58,7 @@ def keypoints(points, *, radius: float | None = None, indices=None, coords=None,
     if coords is not None:
         from ..neighbors.search import knn
 
-        c = validate_points(_on(coords, dev), "coords", allow_empty=True)
+        c = validation.points(_on(coords, dev), "coords", allow_empty=True)
         if c.shape[0] == 0:
             return xp.zeros(0, xp.int64)
         if n == 0:
@@ -66,7 +67,7 @@ def keypoints(points, *, radius: float | None = None, indices=None, coords=None,
         return xp.unique(idx[:, 0].astype(xp.int64))
     if radius is None:
         return xp.arange(n, dtype=xp.int64)
-    r = _check_radius(radius)
+    r = validation.positive(radius, "radius")
     if n == 0:
         return xp.zeros(0, xp.int64)
     return _uniform_sampling(pts, r, xp)

@@ -18,10 +18,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .. import validation
 from .._geom_cpu import eig3
 from ..backend import resolve_device, to_numpy
 from ..errors import InputError
-from ..neighbors.search import _check_radius, _on, validate_points
+from ..neighbors.search import _on
 
 __all__ = ["normals"]
 
@@ -53,8 +54,8 @@ def normals(points, *, k: int | None = None, radius: float | None = None,
     if (k is None) == (radius is None):
         raise InputError("give exactly one of k= or radius= for the normal neighbourhood")
     dev = resolve_device(device, points, *([] if surface is None else [surface]))
-    pts = validate_points(_on(points, dev), "points", allow_empty=True)
-    surf = pts if surface is None else validate_points(_on(surface, dev), "surface")
+    pts = validation.points(_on(points, dev), "points", allow_empty=True)
+    surf = pts if surface is None else validation.points(_on(surface, dev), "surface")
     if surf.shape[0] == 0:
         raise InputError("points is empty (0 points)")
     vp = np.asarray(to_numpy(viewpoint), dtype=np.float64).reshape(-1)
@@ -67,7 +68,7 @@ def normals(points, *, k: int | None = None, radius: float | None = None,
         if k > surf.shape[0]:
             raise InputError(f"k={k} is larger than the number of surface points ({surf.shape[0]})")
     else:
-        radius = _check_radius(radius)
+        radius = validation.positive(radius, "radius")
     if dev == "gpu":
         from . import _shot_gpu
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import validation
 from ..backend import resolve_device, xp_for
 from ..errors import InputError
-from ..neighbors.search import _check_radius, _on, validate_points
+from ..neighbors.search import _on
 from ._shot_common import median_count
 
 __all__ = ["shot", "DESCRIPTOR_LENGTH"]
@@ -66,21 +67,23 @@ def shot(points, normals, keypoints, radius, *, surface=None, surface_normals=No
     frames : (K, 3, 3) float32
         Rows are the x, y, z axes of each keypoint's local reference frame.
     """
-    r = _check_radius(radius)
+    r = validation.positive(radius, "radius")
     arrays = [a for a in (points, normals, keypoints, surface, surface_normals) if a is not None]
     dev = resolve_device(device, *arrays)
-    pts = validate_points(_on(points, dev), "points")
+    pts = validation.points(_on(points, dev), "points")
     xp = xp_for(dev)
     if surface is None:
         if normals is None:
             raise InputError("normals are required (the normals of points)")
         surf = pts
-        snrm = _check_normals(_on(normals, dev), pts.shape[0], "normals", xp)
+        snrm = validation.points(_on(normals, dev), "normals", finite=False, allow_empty=True,
+                                 rows=pts.shape[0])  # NaN normals allowed: such neighbours are skipped
     else:
-        surf = validate_points(_on(surface, dev), "surface")
+        surf = validation.points(_on(surface, dev), "surface")
         if surface_normals is None:
             raise InputError("surface_normals are required when surface is given")
-        snrm = _check_normals(_on(surface_normals, dev), surf.shape[0], "surface_normals", xp)
+        snrm = validation.points(_on(surface_normals, dev), "surface_normals", finite=False,
+                                 allow_empty=True, rows=surf.shape[0])
     kp = _keypoint_coords(_on(keypoints, dev), pts, xp)
     if max_neighbors is not None and not approximate:
         raise InputError("max_neighbors only applies with approximate=True")
@@ -97,14 +100,6 @@ def shot(points, normals, keypoints, radius, *, surface=None, surface_normals=No
 
 
 
-def _check_normals(n, count, name, xp):
-    if n.ndim != 2 or n.shape[1] != 3:
-        raise InputError(f"{name} must have shape (N, 3), got {tuple(n.shape)}")
-    if n.shape[0] != count:
-        raise InputError(f"{name} has {n.shape[0]} rows but its cloud has {count} points")
-    return xp.ascontiguousarray(n, dtype=xp.float32)
-
-
 def _keypoint_coords(k, pts, xp):
     if k.ndim == 1:
         if k.dtype.kind not in "iu":
@@ -113,7 +108,7 @@ def _keypoint_coords(k, pts, xp):
             raise InputError(f"keypoint indices must lie in [0, {pts.shape[0]}), got range "
                              f"[{int(k.min())}, {int(k.max())}]")
         return xp.ascontiguousarray(pts[k.astype(xp.int64)])
-    return validate_points(k, "keypoints", allow_empty=True)
+    return validation.points(k, "keypoints", allow_empty=True)
 
 
 def _shot_cpu_driver(kp, surf, snrm, r, *, approximate, cap, chunk):

@@ -24,6 +24,7 @@ import functools
 import numpy as np
 from numba import njit, prange
 
+from .. import validation
 from ..backend import free_memory, is_cupy, resolve_device, to_numpy
 from ..errors import InputError
 
@@ -40,50 +41,14 @@ _COPY_SHARE = {"cpu": 0.25, "gpu": 0.5}
 # validation
 # ----------------------------------------------------------------------------------------------
 def check_points(a, name: str, *, dim: int | None = None, xp=None, keep_half: bool = False):
-    """Validate a (n, d) point array and return it as C-contiguous float32 on its own device.
-
-    Raises :class:`InputError` for non-2-D input, an empty set, a wrong dimension or rows with
-    NaN/inf values (the message names the first bad row). ``keep_half=True`` returns a float16
-    array as float16 (the GPU brute force reads half rows as they are).
-    """
-    if xp is None:
-        if is_cupy(a):
-            import cupy as xp
-        else:
-            xp = np
+    """:func:`scanforest.kernels.validation.points` for the knn family: any number of dimensions,
+    C-contiguous float32 (float16 kept with ``keep_half``, as the GPU brute force reads half
+    rows), and a query set of the wrong width is told the ``dim`` the index was built on."""
     if not hasattr(a, "shape"):
         a = np.asarray(a)
-    if a.ndim != 2:
-        raise InputError(f"{name} must be a 2-D array (n_points, n_dims), got shape {tuple(a.shape)}")
-    n, d = a.shape
-    if n == 0:
-        raise InputError(f"{name} is empty (shape {tuple(a.shape)}): at least one point is needed")
-    if d == 0:
-        raise InputError(f"{name} has 0 dimensions (shape {tuple(a.shape)})")
-    if dim is not None and d != dim:
-        raise InputError(f"{name} has {d} dimensions but the index was built on {dim}-D points")
-    if a.dtype.kind not in "fiub":
-        raise InputError(f"{name} must hold real numbers, got dtype {a.dtype}")
-    half = keep_half and a.dtype == np.float16
-    a = xp.ascontiguousarray(a, dtype=xp.float16 if half else xp.float32)
-    bad = _nonfinite_rows(a, xp)
-    if bool(bad.any()):
-        rows = to_numpy(xp.nonzero(bad)[0][:5]).tolist()
-        raise InputError(f"{name} has {int(bad.sum())} row(s) with NaN or inf values (first: {rows})")
-    return a
-
-
-def _nonfinite_rows(a, xp, nbytes: int = 1 << 28):
-    """Boolean mask of the rows of ``a`` with a NaN or inf, computed in blocks of about
-    ``nbytes`` (no temporary the size of ``a``: a 50M x 352 float16 shard is 35 GB);
-    float16 is checked on its exponent bits."""
-    n, d = a.shape
-    step = max(1, nbytes // max(1, d * a.itemsize))
-    if n <= step:
-        if a.dtype == np.float16:
-            return ((a.view(xp.uint16) & 0x7C00) == 0x7C00).any(axis=1)
-        return ~xp.isfinite(a).all(axis=1)
-    return xp.concatenate([_nonfinite_rows(a[i:i + step], xp, nbytes) for i in range(0, n, step)])
+    if dim is not None and a.ndim == 2 and a.shape[0] and a.shape[1] != dim:
+        raise InputError(f"{name} has {a.shape[1]} dimensions but the index was built on {dim}-D points")
+    return validation.points(a, name, dims=None, xp=xp, keep_half=keep_half)
 
 
 def check_k(k, n: int, *, max_k: int = MAX_K) -> int:

@@ -4,11 +4,10 @@
 CuPy); ``_search_common`` holds the CSR result type both backends return. Descriptors and
 recognition build on these searches.
 """
-from .search import Neighbors, knn, radius_search, validate_points
+from .search import Neighbors, knn, radius_search
 
 __all__ = [
     "Neighbors",
     "knn",
     "radius_search",
-    "validate_points",
 ]

@@ -20,50 +20,14 @@ Lists come back as CSR (:class:`Neighbors`): ``offsets`` (Q+1,), ``indices`` (M,
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from ..backend import array_module, resolve_device, to_numpy
+from .. import validation
+from ..backend import resolve_device, to_numpy
 from ..errors import InputError
 from ._search_common import Neighbors
 
-__all__ = ["Neighbors", "radius_search", "knn", "validate_points"]
-
-
-
-
-# ---------------------------------------------------------------------------------------------
-# validation
-# ---------------------------------------------------------------------------------------------
-def validate_points(a, name: str, *, allow_empty: bool = False, finite: bool = True):
-    """Check an (N, 3) coordinate array; returns it as float32 on its own device."""
-    xp = array_module(a)
-    if not hasattr(a, "shape"):
-        a = np.asarray(a)
-        xp = np
-    if a.ndim != 2 or a.shape[1] != 3:
-        raise InputError(f"{name} must have shape (N, 3), got {tuple(a.shape)}")
-    if a.shape[0] == 0 and not allow_empty:
-        raise InputError(f"{name} is empty (0 points)")
-    if not (a.dtype.kind == "f" or a.dtype.kind in "iu"):
-        raise InputError(f"{name} must be a float array, got dtype {a.dtype}")
-    a = xp.ascontiguousarray(a, dtype=xp.float32)
-    if finite and a.size and not bool(xp.isfinite(a).all()):
-        bad = int((~xp.isfinite(a).all(axis=1)).sum())
-        raise InputError(f"{name} contains {bad} rows with NaN/inf coordinates; drop them first "
-                         f"(e.g. points[np.isfinite(points).all(1)])")
-    return a
-
-
-def _check_radius(radius) -> float:
-    try:
-        r = float(radius)
-    except (TypeError, ValueError):
-        raise InputError(f"radius must be a positive number, got {radius!r}") from None
-    if not (r > 0 and math.isfinite(r)):
-        raise InputError(f"radius must be a positive finite number, got {radius!r}")
-    return r
+__all__ = ["Neighbors", "radius_search", "knn"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,10 +58,10 @@ def radius_search(points, queries=None, *, radius, max_neighbors: int | None = N
     -------
     Neighbors
     """
-    r = _check_radius(radius)
+    r = validation.positive(radius, "radius")
     dev = resolve_device(device, points, *([] if queries is None else [queries]))
-    pts = validate_points(_on(points, dev), "points")
-    qs = pts if queries is None else validate_points(_on(queries, dev), "queries", allow_empty=True)
+    pts = validation.points(_on(points, dev), "points")
+    qs = pts if queries is None else validation.points(_on(queries, dev), "queries", allow_empty=True)
     if max_neighbors is not None:
         max_neighbors = int(max_neighbors)
         if max_neighbors < 1:
@@ -130,8 +94,8 @@ def knn(points, queries=None, *, k: int, device: str = "auto"):
     sq_distances : (Q, k) float32
     """
     dev = resolve_device(device, points, *([] if queries is None else [queries]))
-    pts = validate_points(_on(points, dev), "points")
-    qs = pts if queries is None else validate_points(_on(queries, dev), "queries", allow_empty=True)
+    pts = validation.points(_on(points, dev), "points")
+    qs = pts if queries is None else validation.points(_on(queries, dev), "queries", allow_empty=True)
     k = int(k)
     if k < 1:
         raise InputError(f"k must be >= 1, got {k}")

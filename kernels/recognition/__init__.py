@@ -1,13 +1,25 @@
-"""3-D object recognition: model library, correspondences, grouping, verification, ICP.
+"""3-D object recognition: model library, correspondences, grouping, verification, refinement.
 
-``pipeline`` is PCL's correspondence-grouping pipeline (GPU verification kernels in
-``_pipeline_gpu``), ``icp`` the point-to-plane ICP refinement, and ``_scene_index`` the scene
-structure both search.
+* ``library`` - :class:`ModelLibrary` (every model described once, stacked) and :func:`describe`;
+* ``correspondences`` - :func:`match`: scene descriptors to library descriptors (:class:`Correspondences`);
+* ``rigid`` - least-squares rigid fits (SVD, Horn's quaternions in numba) and RANSAC;
+* ``grouping`` - :class:`Hypotheses` from Hough voting or geometric consistency (PCL), fitted by ``rigid``;
+* ``verification`` - :func:`verify`: all hypotheses scored at once, greedy acceptance with occupancy;
+* ``refinement`` - the ICP / chamfer refinement of the promising hypotheses between two verifications;
+* ``evaluation`` - :func:`pose_errors` and :func:`evaluate` against ground truth;
+* ``pipeline`` - :func:`recognize` (the whole pipeline), :class:`RecognizeParams`, :class:`Detection`;
+* ``icp`` - point-to-plane ICP, one source or many in lockstep;
+* ``_scene_index`` - the scene as verification and ICP search it;
+* ``_verification_gpu`` - the CUDA kernels of that search.
 """
+from .correspondences import Correspondences, match
+from .evaluation import evaluate, pose_errors
+from .grouping import Hypotheses, group_gc, group_hough
 from .icp import IcpResult, icp_point_to_plane, icp_point_to_plane_batch
-from .pipeline import (Correspondences, Detection, Detections, Hypotheses, ModelLibrary, describe,
-                       evaluate, group_gc, group_hough, match, pose_errors, ransac_rigid, recognize,
-                       render_view, resolution, rigid_transform, verify)
+from .library import ModelLibrary, describe, render_view, resolution
+from .pipeline import Detection, Detections, RecognizeParams, recognize
+from .rigid import ransac_rigid, rigid_transform
+from .verification import verify
 
 __all__ = [
     "Correspondences",
@@ -16,6 +28,7 @@ __all__ = [
     "Hypotheses",
     "IcpResult",
     "ModelLibrary",
+    "RecognizeParams",
     "describe",
     "evaluate",
     "group_gc",

@@ -1,10 +1,9 @@
-"""The scene as verification (:mod:`.pipeline`) and ICP (:mod:`.icp`) both search it.
+"""The scene as verification (:mod:`.verification`) and ICP (:mod:`.icp`) both search it.
 
 :class:`_SceneIndex` holds a scene's points and normals with its nearest-neighbour structure
 (CPU: a ``scipy`` KD-tree and a lazily built cell list; GPU: the cell list of
-:mod:`._pipeline_gpu`) and its voxel ranks. It lives apart from :mod:`.pipeline` so that
-:mod:`.icp`, which :mod:`.pipeline` imports, can build one without importing :mod:`.pipeline`
-back.
+:mod:`._verification_gpu`) and its voxel ranks. It lives apart from both so that :mod:`.icp`
+can build one without importing the recognition pipeline.
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ class _SceneIndex:
         if device == "gpu":
             import cupy as cp
 
-            from . import _pipeline_gpu as g
+            from . import _verification_gpu as g
 
             self.points = cp.ascontiguousarray(cp.asarray(points, dtype=cp.float32))
             self.normals = None if normals is None else cp.ascontiguousarray(
@@ -54,7 +53,7 @@ class _SceneIndex:
     def nearest(self, q, r: float):
         """Nearest scene point within ``r`` (squared distance < r^2) of each query: (idx|-1, d2)."""
         if self.device == "gpu":
-            from . import _pipeline_gpu as g
+            from . import _verification_gpu as g
 
             return g.nearest(self.grid, q, r)
         d, i = self.tree.query(np.asarray(q, np.float64), k=1, distance_upper_bound=r,

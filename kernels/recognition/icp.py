@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import is_cupy, resolve_device, to_numpy
+from ..backend import resolve_device, to_numpy
 from ..errors import InputError
+from ..validation import points
 
 __all__ = ["IcpResult", "icp_point_to_plane", "icp_point_to_plane_batch"]
 
@@ -39,15 +40,6 @@ def _rodrigues(w):
     k = w / th
     K = np.array([[0, -k[2], k[1]], [k[2], 0, -k[0]], [-k[1], k[0], 0]])
     return np.eye(3) + np.sin(th) * K + (1 - np.cos(th)) * (K @ K)
-
-
-def _check(a, name, n=None):
-    if a.ndim != 2 or a.shape[1] != 3:
-        raise InputError(f"{name} must have shape (N, 3), got {tuple(a.shape)}")
-    if a.shape[0] == 0:
-        raise InputError(f"{name} is empty (0 points)")
-    if n is not None and a.shape[0] != n:
-        raise InputError(f"{name} has {a.shape[0]} rows, expected {n}")
 
 
 def icp_point_to_plane(source, target, target_normals, *, init=None, source_normals=None,
@@ -82,11 +74,9 @@ def icp_point_to_plane(source, target, target_normals, *, init=None, source_norm
     r = float(max_correspondence_distance)
     if not r > 0:
         raise InputError(f"max_correspondence_distance must be > 0, got {max_correspondence_distance!r}")
-    src = np.asarray(to_numpy(source), np.float64)
-    _check(src, "source")
-    sn = None if source_normals is None else np.asarray(to_numpy(source_normals), np.float64)
-    if sn is not None:
-        _check(sn, "source_normals", len(src))
+    src = points(to_numpy(source), "source", finite=False, dtype=np.float64)
+    sn = None if source_normals is None else points(to_numpy(source_normals), "source_normals",
+                                                    finite=False, dtype=np.float64, rows=len(src))
     T = np.eye(4) if init is None else np.array(to_numpy(init), np.float64)
     if T.shape != (4, 4) or not np.isfinite(T).all():
         raise InputError(f"init must be a finite 4x4 matrix, got shape {T.shape}")
@@ -95,12 +85,10 @@ def icp_point_to_plane(source, target, target_normals, *, init=None, source_norm
     else:
         from ._scene_index import _SceneIndex
 
-        tgt = target if is_cupy(target) else np.asarray(to_numpy(target))
-        _check(tgt, "target")
-        tn = target_normals
-        if tn is None:
+        tgt = points(target, "target", finite=False, dtype=None)
+        if target_normals is None:
             raise InputError("target_normals are required for point-to-plane ICP")
-        _check(tn, "target_normals", tgt.shape[0])
+        tn = points(target_normals, "target_normals", finite=False, dtype=None, rows=tgt.shape[0])
         idx = _SceneIndex(tgt, tn, r, dev)
     if idx.normals is None:
         raise InputError("target_normals are required for point-to-plane ICP")
@@ -131,6 +119,26 @@ def _increment(T, A, b):
     D = np.eye(4)
     D[:3, :3] = _rodrigues(x[:3])
     D[:3, 3] = x[3:]
+    return D @ T, x
+
+
+def _increment_batch(T, A, b):
+    """:func:`_increment` for a batch: (B, 4, 4) poses, (B, 6, 6) systems, (B, 6) right-hand sides."""
+    try:
+        x = np.linalg.solve(A, b[..., None])[..., 0]
+    except np.linalg.LinAlgError:  # a singular system somewhere: solve each on its own
+        x = np.stack([_solve(a, v) for a, v in zip(A, b)])
+    D = np.broadcast_to(np.eye(4), T.shape).copy()
+    w = x[:, :3]
+    th = np.linalg.norm(w, axis=1)
+    turn = th >= 1e-15
+    k = w[turn] / th[turn, None]
+    z = np.zeros(len(k))
+    K = np.stack([np.stack([z, -k[:, 2], k[:, 1]], 1), np.stack([k[:, 2], z, -k[:, 0]], 1),
+                  np.stack([-k[:, 1], k[:, 0], z], 1)], 1)
+    D[turn, :3, :3] = (np.eye(3) + np.sin(th[turn])[:, None, None] * K
+                       + (1 - np.cos(th[turn]))[:, None, None] * (K @ K))
+    D[:, :3, 3] = x[:, 3:]
     return D @ T, x
 
 
@@ -224,9 +232,8 @@ def icp_point_to_plane_batch(sources, index, *, inits, source_normals=None, max_
                 for b, (s, T) in enumerate(zip(sources, inits))]
     import cupy as cp
 
-    srcs = [np.asarray(to_numpy(s), np.float64) for s in sources]
-    for b, s in enumerate(srcs):
-        _check(s, f"sources[{b}]")
+    srcs = [points(to_numpy(s), f"sources[{b}]", finite=False, dtype=np.float64)
+            for b, s in enumerate(sources)]
     n = np.array([len(s) for s in srcs])
     off = np.concatenate([[0], np.cumsum(n)])
     S = cp.asarray(np.concatenate(srcs))
@@ -266,16 +273,16 @@ def icp_point_to_plane_batch(sources, index, *, inits, source_normals=None, max_
         cs[1:] -= cs[:-1].copy()
         stats = cs.get()
         A, bb, cnt, sse = stats[:, :36].reshape(B, 6, 6), stats[:, 36:42], stats[:, 42], stats[:, 43]
-        for b in np.flatnonzero(active):
-            fit[b] = cnt[b] / n[b]
-            if cnt[b] < 6:
-                active[b] = False
-                continue
-            rmse[b] = np.sqrt(sse[b] / cnt[b])
-            T[b], x = _increment(T[b], A[b], bb[b])
-            if np.linalg.norm(x) < tolerance:
-                conv[b] = True
-                active[b] = False
+        act = np.flatnonzero(active)
+        fit[act] = cnt[act] / n[act]
+        active[act[cnt[act] < 6]] = False
+        live = act[cnt[act] >= 6]
+        if len(live):  # the live systems solved together (one LAPACK call per matrix, as before)
+            rmse[live] = np.sqrt(sse[live] / cnt[live])
+            T[live], x = _increment_batch(T[live], A[live], bb[live])
+            done = live[np.linalg.norm(x, axis=1) < tolerance]
+            conv[done] = True
+            active[done] = False
         if not active.any():
             break
     return [IcpResult(T[b], float(rmse[b]), float(fit[b]), int(its[b]), bool(conv[b])) for b in range(B)]

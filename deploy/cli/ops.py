@@ -39,7 +39,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         from prefect import serve as prefect_serve
 
-        from .deployments import api_url, runner_deployments
+        from scanforest.flows.deployments import api_url, runner_deployments
 
         # parameters are checked before anything is registered: a wrong one fails here, not every run
         deps = runner_deployments(only, parameters=_parse_params(param), schedules=not no_schedules, cron=cron)
@@ -56,7 +56,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         yaml: bool = typer.Option(False, "--yaml", help="Print deploy/prefect.yaml as generated from the table."),
     ):
         """List the deployments (name, schedule, required parameters), or print their prefect.yaml."""
-        from .deployments import DEPLOYMENTS, prefect_yaml
+        from scanforest.flows.deployments import DEPLOYMENTS, prefect_yaml
 
         if yaml:
             typer.echo(prefect_yaml(), nl=False)
@@ -72,7 +72,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         bench_dir: str = typer.Option("bench-results", help="Folder of `scanforest bench` JSON files."),
     ):
         """Write an HTML report: runs, throughput over time, benchmark curves, detections, failures."""
-        from .report import write_report
+        from scanforest.flows.report import write_report
 
         typer.echo(f"wrote {write_report(store, out, bench_dir=bench_dir)}")
 
@@ -89,7 +89,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         registered or no process serves it, or the run would lack a required parameter."""
         from prefect.deployments import run_deployment
 
-        from .deployments import check_run, get
+        from scanforest.flows.deployments import check_run, get
 
         spec = get(deployment)
         parameters = _parse_params(param)

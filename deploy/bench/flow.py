@@ -27,6 +27,9 @@ import statistics
 import time
 
 import numpy as np
+import typer
+
+from ._common import parse_counts
 
 #: (background, foreground) flows giving DFS sizes for the label sweep
 _SWEEP = {8: ((-1.2, 0.3), (2.1, 0.8)), 25: ((0.0, 0.0), (4.0, 4.0)), 64: ((0.0, 0.0), (7.0, 7.0)),
@@ -144,7 +147,7 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
     from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
     from scanforest.kernels.motion.optical_flow import dense_flow
 
-    from ._bench import BenchReport
+    from ._common import BenchReport
 
     dev = resolve_device(device)
     rep = BenchReport("flow", dict(sizes=[f"{w}x{h}" for w, h in sizes], features=features,
@@ -303,3 +306,48 @@ def _merry_go_round(rep, gpu_name, cpu_name, cpu, repeat):
         rep.add(f"{tag}: GPU end to end incl. transfers", t, "ms/pair", gpu_name,
                 baseline="CPU numba" if t_cpu else None, baseline_value=t_cpu,
                 higher_is_better=False)
+
+
+def _sizes(text: str) -> list[tuple[int, int]]:
+    from scanforest.kernels.errors import InputError
+
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        try:
+            w, h = (int(v) for v in part.split("x"))
+        except ValueError:
+            raise InputError(f"sizes are WIDTHxHEIGHT, comma separated; got {part!r}") from None
+        out.append((w, h))
+    return out
+
+
+def register(app: typer.Typer, bench: typer.Typer) -> None:
+    @bench.command("flow")
+    def bench_flow(
+        sizes: str = typer.Option("320x240,1920x1080", "--sizes", help="WIDTHxHEIGHT list"),
+        features: int = typer.Option(156, "--features", help="tracks per pair (paper: 156)"),
+        batch: int = typer.Option(8, "--batch", help="pairs per call in the batched rows"),
+        repeat: int = typer.Option(20, "--repeat"),
+        device: str = typer.Option("auto", "--device"),
+        out: str = typer.Option(None, "--out", help="JSON file or folder"),
+        cpu: bool = typer.Option(True, "--cpu/--no-cpu", help="CPU numba baseline rows"),
+        labels: str = typer.Option("8,25,64,128,256", "--labels", help="label sweep at the "
+                                   "largest size ('' to skip)"),
+        accuracy: bool = typer.Option(True, "--accuracy/--no-accuracy"),
+        time_limit: float = typer.Option(1e9, "--time-limit"),
+    ):
+        """Both flow methods on the GPU at the paper's size and 1080p, CPU baseline in the same run."""
+        run_bench(_sizes(sizes), features=features, batch=batch, repeat=repeat, device=device,
+                  out=out, cpu=cpu, label_sweep=parse_counts(labels), accuracy=accuracy,
+                  time_limit=time_limit)
+
+
+if __name__ == "__main__":  # standalone: python -m scanforest.deploy.bench.flow --sizes ...
+    _app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    _bench = typer.Typer()
+    _app.add_typer(_bench, name="bench")
+    register(_app, _bench)
+    _app(["bench", "flow", *__import__("sys").argv[1:]])

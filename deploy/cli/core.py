@@ -1,8 +1,7 @@
-"""Core commands: ingest, info, demo, and ``bench ingest``."""
+"""Core commands: ingest, info, demo (``bench ingest`` is :mod:`scanforest.deploy.bench.ingest`)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -90,7 +89,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         Unchanged files already in the store are skipped; unreadable files are quarantined with
         the reason and the batch goes on.
         """
-        from .ingest import run_ingest
+        from scanforest.flows.ingest import run_ingest
 
         summary = run_ingest(source, store, scheduler=scheduler, workers=workers, units=units, progress=not as_json)
         print_summary(f"ingest {source} -> {store}", summary, as_json=as_json, keys=INGEST_KEYS)
@@ -100,7 +99,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
              scans: bool = typer.Option(False, "--scans", help="List every scan."),
              as_json: bool = JsonOpt):
         """Summarise a store: scans, points, formats, stages done, quarantine, runs."""
-        from ._runner import open_store
+        from scanforest.flows._runner import open_store
 
         st = open_store(store, mode="r")
         summary = st.info()
@@ -133,9 +132,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     ):
         """End to end on synthetic data: an archive (with one corrupt file) -> ingest -> describe -> index -> match
         -> recognize, with precision and recall against the ground truth."""
+        from scanforest.flows.ingest import run_ingest
         from scanforest.tasks.synth import corrupt_copy, write_archive
-
-        from .ingest import run_ingest
 
         dev = choose_device(device)
         t0 = time.perf_counter()
@@ -149,81 +147,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         print_summary(f"ingest {archive} -> {store}", summary)
         _demo_stages(store, dev)
 
-    @bench.command("ingest")
-    def bench_ingest(
-        scans: int = typer.Option(100, help="Synthetic scans in the archive."),
-        points: int = typer.Option(300_000, help="Points per scan."),
-        workers: Optional[int] = WorkersOpt,
-        scheduler: Optional[str] = SchedulerOpt,
-        workdir: Path = typer.Option(Path("bench-ingest"), help="Scratch folder (archive + store)."),
-        out: Optional[Path] = typer.Option(None, "--out", help="JSON file or folder (default bench-results/)."),
-    ):
-        """Ingest throughput (MB/s, points/s) for an archive of synthetic scans, on the CPU.
-
-        The baseline row is the same files read and written by one process in a plain loop
-        (no Dask, no Prefect), measured in the same run.
-        """
-        import shutil
-
-        from scanforest.kernels.synthetic import scenes as synthetic
-        from scanforest.tasks.ingest import Source, ingest_file
-        from scanforest.tasks.readers import write_cloud
-
-        from ._bench import BenchReport
-        from .ingest import run_ingest
-
-        rep = BenchReport("ingest", {"scans": scans, "points": points})
-        src = workdir / "archive"
-        src.mkdir(parents=True, exist_ok=True)
-        lib = synthetic.model_library(4, 10_000, seed=7)
-        t0 = time.perf_counter()
-        for i in range(scans):
-            p = src / f"scan_{i:04d}.pcd"
-            if not p.exists():
-                sc = synthetic.make_scene(lib, n_instances=3, n_points=points, seed=i, occlusion=False)
-                write_cloud(p, sc.points, encoding="binary_compressed")
-        files = sorted(src.glob("*.pcd"))
-        nbytes = sum(f.stat().st_size for f in files)
-        rep.note(f"archive: {len(files)} binary_compressed PCD files, {nbytes / 1e6:.1f} MB, made in "
-                 f"{time.perf_counter() - t0:.1f} s")
-        # baseline: one process, plain loop, same unit of work
-        base_store = workdir / "baseline.zarr"
-        shutil.rmtree(base_store, ignore_errors=True)
-        t0 = time.perf_counter()
-        npts = 0
-        from scanforest.tasks.store import ScanStore
-
-        ScanStore(base_store, create=True)
-        for f in files:
-            npts += ingest_file(str(base_store), Source(str(f), f.name))["points"]
-        t_base = time.perf_counter() - t0
-        store = workdir / "store.zarr"
-        shutil.rmtree(store, ignore_errors=True)
-        summary = run_ingest(str(src), str(store), scheduler=scheduler, workers=workers, progress=False)
-        t_flow = summary["seconds"]
-        t0 = time.perf_counter()
-        again = run_ingest(str(src), str(store), scheduler=scheduler, workers=workers, progress=False)
-        t_skip = time.perf_counter() - t0
-        cpu = f"cpu ({os.cpu_count()} cores, {summary['workers']} dask workers)"
-        rep.add("ingest MB/s (flow)", nbytes / 1e6 / t_flow, "MB/s", cpu, baseline="1 process loop",
-                baseline_value=nbytes / 1e6 / t_base)
-        rep.add("ingest points/s (flow)", summary["points"] / t_flow, "points/s", cpu,
-                baseline="1 process loop", baseline_value=npts / t_base)
-        rep.add("ingest MB/s (1 process loop, baseline)", nbytes / 1e6 / t_base, "MB/s", "cpu (1 process)")
-        rep.add("re-ingest of unchanged archive", t_skip, "s", cpu, higher_is_better=False,
-                skipped=again["skipped"])
-        rep.add("dask workers", summary["workers"], "workers", cpu)
-        rep.note(f"flow wall {t_flow:.2f} s, summed task time {summary['task_seconds']:.2f} s; "
-                 f"ingested {summary['ingested']}, skipped {summary['skipped']}, quarantined {summary['quarantined']}")
-        rep.finish(out)
-
 
 def _demo_stages(store: Path, device: str) -> None:
     """Later stages of the demo on the ingested store."""
+    from scanforest.flows.describe import run_describe
     from scanforest.tasks.describe import DescribeParams
     from scanforest.tasks.store import ScanStore
-
-    from .describe import run_describe
 
     info = ScanStore(str(store), mode="r").info()
     typer.echo(f"store {store}: {info['scans']} scans, {info['points']:,} points, "
@@ -233,7 +162,7 @@ def _demo_stages(store: Path, device: str) -> None:
     d = run_describe(str(store), params=params, device=device)
     typer.echo(f"describe: {d['described']} scans described ({d['skipped']} already done), "
                f"{d['keypoints']:,} keypoints with SHOT352 in {d['seconds']:.1f} s on {d['workers']} workers")
-    from .match import run_index_build, run_match
+    from scanforest.flows.match import run_index_build, run_match
 
     st = ScanStore(str(store), mode="r")
     models = [s for s in st.scans() if s.startswith("models__")]
@@ -244,10 +173,9 @@ def _demo_stages(store: Path, device: str) -> None:
     m = run_match(str(store), k=4, name="models", device=device, progress=True)
     typer.echo(f"match: {m['queries']:,} scene descriptors x top-{m['k']} over {m['shards']} shards "
                f"on {m['workers']} workers in {m['seconds']:.1f} s")
+    from scanforest.flows.recognize import run_recognize
     from scanforest.kernels.backend import resolve_device
     from scanforest.kernels.synthetic.scenes import recognition_presets
-
-    from .recognize import run_recognize
 
     lib_params, rec_params = recognition_presets(resolve_device(device))
     r = run_recognize(str(store), models, library="demo", device=device, progress=True, render=False,

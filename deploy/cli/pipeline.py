@@ -1,18 +1,18 @@
-"""Pipeline commands over a store: describe (and, as they land, index, match, recognize)."""
+"""Pipeline commands over a store: describe, index build, match, align-store, recognize."""
 from __future__ import annotations
 
 from typing import Optional
 
 import typer
 
-from .cli_core import DeviceOpt, JsonOpt, SchedulerOpt, WorkersOpt, choose_device, print_summary
+from .core import DeviceOpt, JsonOpt, SchedulerOpt, WorkersOpt, choose_device, print_summary
 
 
 def _pick(store: str, patterns: list[str], what: str) -> list[str]:
     """Scan ids of the store matching any of the glob ``patterns``; none is a user error."""
     import fnmatch
 
-    from ._runner import open_store
+    from scanforest.flows._runner import open_store
 
     ids = open_store(store, mode="r").scans()
     chosen = sorted({s for pat in patterns for s in ids if fnmatch.fnmatchcase(s, pat)})
@@ -39,9 +39,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         as_json: bool = JsonOpt,
     ):
         """Normals, keypoints, local reference frames and SHOT352 for every scan; resumable."""
+        from scanforest.flows.describe import check_describe, run_describe
         from scanforest.tasks.describe import DescribeParams
-
-        from .describe import check_describe, run_describe
 
         params = DescribeParams(normal_k=None if normal_radius else normal_k, normal_radius=normal_radius,
                                 keypoint_radius=keypoint_radius or None, shot_radius=shot_radius,
@@ -75,7 +74,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         as_json: bool = JsonOpt,
     ):
         """Build a sharded KD-forest index over the SHOT descriptors of the reference scans (kept when unchanged)."""
-        from .match import check_index_build, run_index_build
+        from scanforest.flows.match import check_index_build, run_index_build
 
         chosen = _pick(store, reference, "--reference")
         params = {"method": method, "leaf_size": leaf_size, "backtracks": backtracks,
@@ -98,7 +97,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         as_json: bool = JsonOpt,
     ):
         """Match query scans' descriptors against an index on the Dask cluster; writes match_ids/match_dist."""
-        from .match import check_match, run_match
+        from scanforest.flows.match import check_match, run_match
 
         chosen = _pick(store, queries, "--queries") if queries else None
         check_match(store, chosen, k, name)
@@ -121,7 +120,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         as_json: bool = JsonOpt,
     ):
         """Parametric chamfer alignment for a batch of scan pairs in the store (results stored per scan)."""
-        from .align import check_align, run_align
+        from scanforest.flows.align import check_align, run_align
 
         pairs = []
         for p in pair:
@@ -160,7 +159,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         as_json: bool = JsonOpt,
     ):
         """Recognise library models in scenes: correspondences, grouping, GPU verification, ICP."""
-        from .recognize import check_recognize, run_recognize
+        from scanforest.flows.recognize import check_recognize, run_recognize
 
         model_ids = _pick(store, models, "--models")
         scene_ids = _pick(store, scenes, "--scenes") if scenes else None

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ._bench import BenchReport, Utilization, read_record
+from ._common import BenchReport, Utilization, read_record
 
 
 STAGES = ("ingest", "describe", "match", "recognize")
@@ -53,18 +53,17 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     each stage is always a complete run over the whole archive, and its figures are recorded in
     ``workdir/bench-stages.json``, so a long archive can be measured stage by stage (for example
     within a per-command time limit) and the whole-archive figures combine the recorded stages."""
+    from scanforest.flows._runner import ensure_prefect_api
+    from scanforest.flows.describe import run_describe
+    from scanforest.flows.ingest import run_ingest
+    from scanforest.flows.match import run_index_build, run_match
+    from scanforest.flows.recognize import run_recognize
     from scanforest.kernels.backend import describe_device, gpu_count, resolve_device
     from scanforest.kernels.errors import InputError
     from scanforest.kernels.synthetic.scenes import recognition_presets
     from scanforest.tasks.describe import DescribeParams
     from scanforest.tasks.store import ScanStore
     from scanforest.tasks.synth import write_archive
-
-    from ._runner import ensure_prefect_api
-    from .describe import run_describe
-    from .ingest import run_ingest
-    from .match import run_index_build, run_match
-    from .recognize import run_recognize
 
     dev = resolve_device(device)
     todo = list(stages_to_run or STAGES)
@@ -186,7 +185,7 @@ def _archive_rows(rep: BenchReport, done: dict, scans: int, devname: str, total:
 
 
 def register(app, bench) -> None:
-    """Add this bench to ``scanforest bench`` (found by :mod:`scanforest.flows.cli`)."""
+    """Add this bench to ``scanforest bench`` (found by :mod:`scanforest.deploy.cli`)."""
     import typer
 
     @bench.command("archive")

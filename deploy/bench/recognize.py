@@ -26,18 +26,18 @@ from pathlib import Path
 import numpy as np
 import typer
 
+from scanforest.kernels.synthetic.scenes import SYNTHETIC_LIBRARY as SYN_LIB
+from scanforest.kernels.synthetic.scenes import SYNTHETIC_RECOGNIZE as SYN_REC
+
+from ._data import pcl_data_dir
+
 PHASES = ("normals", "keypoints", "shot", "matching", "grouping", "verification", "icp", "total")
 
 # tutorial parameters of PCL's correspondence_grouping.cpp
 TUTORIAL = dict(scene_ss=0.03, method="hough", cg_size=0.01, cg_thresh=5, max_dist2=0.25,
                 normal_k=10, inlier_dist=0.005)
 TUTORIAL_LIB = dict(model_ss=0.01, descr_rad=0.02, rf_rad=0.015, normal_k=10)
-
-# synthetic setup: model sizes 0.15-0.35 m, resolution ~3 mm
-from scanforest.kernels.synthetic.scenes import SYNTHETIC_LIBRARY as SYN_LIB  # noqa: E402
-
-from ._bench_data import pcl_data_dir  # noqa: E402
-from scanforest.kernels.synthetic.scenes import SYNTHETIC_RECOGNIZE as SYN_REC  # noqa: E402
+# synthetic setup: SYN_LIB and SYN_REC (model sizes 0.15-0.35 m, resolution ~3 mm)
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -70,7 +70,7 @@ def _pcl_tutorial(rep, binary, pdir, threads, repeats):
     """Run PCL's correspondence-grouping tutorial (external binary); median run, or None on failure."""
     import os
 
-    from scanforest.flows._bench import run_baseline
+    from ._common import run_baseline
 
     threads = threads or os.cpu_count() or 1
     cmd = [binary, Path(pdir) / "milk.pcd", Path(pdir) / "milk_cartoon_all_small_clorox.pcd", threads,
@@ -92,7 +92,7 @@ def _pcl_tutorial(rep, binary, pdir, threads, repeats):
 
 
 def _run_real(lib, scene, dev, repeats, warmup, method):
-    from scanforest.kernels.recognition.pipeline import recognize
+    from scanforest.kernels.recognition import recognize
 
     kw = dict(TUTORIAL, method=method)
     for _ in range(warmup):
@@ -132,9 +132,10 @@ def bench_recognize(
     out: Path = typer.Option(None, help="JSON output (file or folder)."),
 ) -> None:
     """Seconds per scene (phase breakdown, CPU vs GPU) and synthetic detection accuracy."""
-    from scanforest.flows._bench import BenchReport, numba_threads
     from scanforest.kernels.backend import describe_device, gpu_available
-    from scanforest.kernels.recognition.pipeline import ModelLibrary, pose_errors
+    from scanforest.kernels.recognition import ModelLibrary, pose_errors
+
+    from ._common import BenchReport, numba_threads
 
     rep = BenchReport("recognize", {"real": real, "synthetic": synthetic, "repeats": repeats,
                                     "method": method, "tutorial": TUTORIAL,
@@ -221,7 +222,7 @@ def bench_recognize(
 
 def _synthetic(rep, noises, n_scenes, n_points, method, device, refine="icp"):
     from scanforest.kernels.backend import describe_device, resolve_device
-    from scanforest.kernels.recognition.pipeline import ModelLibrary, evaluate, recognize
+    from scanforest.kernels.recognition import ModelLibrary, evaluate, recognize
     from scanforest.kernels.synthetic import scenes as S
 
     dev = resolve_device(device)
@@ -299,7 +300,7 @@ def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers
     from concurrent.futures import ProcessPoolExecutor
 
     from scanforest.kernels.backend import describe_device, resolve_device
-    from scanforest.kernels.recognition.pipeline import ModelLibrary, evaluate, recognize
+    from scanforest.kernels.recognition import ModelLibrary, evaluate, recognize
     from scanforest.kernels.synthetic import scenes as S
 
     dev = resolve_device(device)

@@ -30,7 +30,7 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError
 
-from ._bench_data import _timeit, clustered
+from ._data import _timeit, clustered
 
 
 def _best_at(points, target):
@@ -46,15 +46,24 @@ def _recall_of(X, Q, ids, ed, k):
     return recall(pair_distances(X, Q, ids, device="cpu"), ed, k)
 
 
-def _faiss_rows(rep, X, Q, k, ed, threads, cdev, *, nlist, nprobes, hnsw_m, ef_construction, ef_search, repeat,
-                base):
-    """FAISS Flat, IVF-Flat and HNSW on the host: rows, and ``{tool: [(q/s, recall, setting)]}``."""
+def _faiss_rows(rep, X, Q, k, ed, threads, cdev, **kw):
+    """FAISS Flat, IVF-Flat and HNSW on the host on ``threads`` threads: rows, and
+    ``{tool: [(q/s, recall, setting)]}``. FAISS's thread count is restored afterwards."""
     try:
         import faiss
     except ImportError:
         rep.note("FAISS rows skipped: faiss is not installed (pip install faiss-cpu)")
         return {}
+    before = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(threads)
+    try:
+        return _faiss_curves(faiss, rep, X, Q, k, ed, cdev, **kw)
+    finally:
+        faiss.omp_set_num_threads(before)
+
+
+def _faiss_curves(faiss, rep, X, Q, k, ed, cdev, *, nlist, nprobes, hnsw_m, ef_construction, ef_search, repeat,
+                  base):
     n, d = X.shape
     m = len(Q)
     curves = {}
@@ -103,7 +112,7 @@ def _faiss_rows(rep, X, Q, k, ed, threads, cdev, *, nlist, nprobes, hnsw_m, ef_c
 
 def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, base):
     """FLANN's KDTreeIndex through ``deploy/baselines/flann_knn_bench``: rows and its curve."""
-    from scanforest.flows._bench import baseline_lines
+    from ._common import baseline_lines
 
     m, d = Q.shape
     with tempfile.TemporaryDirectory(prefix="sf-flann-") as tmp:
@@ -133,10 +142,11 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         threads: int = 0, clusters: int = 1000, real: str | None = None, targets=(0.9, 0.95, 0.98),
         repeat: int = 3, out=None):
     """Measure every tool on one data set and print the table (see the module docstring)."""
-    from scanforest.flows._bench import BenchReport, numba_threads
     from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
     from scanforest.kernels.knn.bruteforce import knn_bruteforce, recall
     from scanforest.kernels.knn.kdforest import KDForest
+
+    from ._common import BenchReport, numba_threads
 
     targets = [float(t) for t in (targets if isinstance(targets, (list, tuple)) else [targets])]
     if not targets or not all(0 < t <= 1 for t in targets):
@@ -162,7 +172,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     else:
         xp, sync = np, (lambda: None)
     if real:
-        from ._bench_data import pcl_shot_dataset
+        from ._data import pcl_shot_dataset
 
         X, Q, clouds = pcl_shot_dataset(real, device=dev, max_queries=m)
         if n and len(X) > n:  # a random subset of the reference, the same for every tool
@@ -226,10 +236,10 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
 
 
 def register(app, bench) -> None:
-    """Add this bench to ``scanforest bench`` (found by :mod:`scanforest.flows.cli`)."""
+    """Add this bench to ``scanforest bench`` (found by :mod:`scanforest.deploy.cli`)."""
     import typer
 
-    from ._bench import parse_counts
+    from ._common import parse_counts
 
     @bench.command("tools")
     def bench_tools(

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import typer
 
-from ._bench import parse_counts
-from ._bench_data import _timeit, clustered, pcl_shot_dataset  # noqa: F401 (tests use them from here)
+from ._common import parse_counts
+from ._data import _timeit, clustered, pcl_shot_dataset
 
 
 VARIANTS = ("banns-window", "banns-plain", "anns")
@@ -72,10 +72,11 @@ def _window_kernel(dev: str, kernel: str):
 
 def _run_bench(sizes, dims, queries, k, backtracks, leaf_size, dev, out, cpu_queries, clusters, repeat,
                time_limit, windows, variants, cpu_max_n, window_kernel, real, real_radius, split):
-    from scanforest.flows._bench import BenchReport
     from scanforest.kernels.backend import describe_device, to_numpy
     from scanforest.kernels.knn.bruteforce import knn_bruteforce, recall
     from scanforest.kernels.knn.kdtree import build_kdtree, query_kdtree
+
+    from ._common import BenchReport
 
     params = dict(window_kernel=window_kernel, sizes=sizes, dims=dims, queries=queries, k=k, backtracks=backtracks, leaf_size=leaf_size,
                   device=dev, cpu_queries=cpu_queries, clusters=clusters, repeat=repeat,
@@ -228,9 +229,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                   window_kernel=window_kernel, real=real, real_radius=real_radius, split=split)
 
 
-if __name__ == "__main__":  # standalone: python -m scanforest.flows.cli_ann ann --sizes ...
+if __name__ == "__main__":  # standalone: python -m scanforest.deploy.bench.ann --sizes ...
     _app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     _bench = typer.Typer()
     _app.add_typer(_bench, name="bench")
     register(_app, _bench)
-    _app(["bench", *__import__("sys").argv[1:]])
+    _app(["bench", "ann", *__import__("sys").argv[1:]])

@@ -1,4 +1,4 @@
-"""``scanforest flow ...`` and ``scanforest bench flow``: dense motion from sparse tracks.
+"""``scanforest flow ...``: dense motion from sparse tracks.
 
 ``scanforest flow run STORE --frames DIR`` ingests a folder of frames (PNG/TIFF/JPEG/NPY) as a
 sequence of the store and writes the (H, W, 2) flow of every consecutive pair with both methods
@@ -9,8 +9,8 @@ are skipped.
 ``scanforest flow pair FRAME0 FRAME1 -o FLOW.npy`` computes one pair without a store or Prefect
 (``--tracks T.npy``: caller-given ``(M, 4)`` tracks; otherwise KLT through OpenCV).
 
-``scanforest bench flow`` times both methods at 320x240 and 1920x1080 on the GPU with the CPU
-backend as the baseline in the same run (see :mod:`scanforest.flows.bench_flow`).
+``scanforest bench flow`` (both methods timed on the GPU against the CPU backend) is
+:mod:`scanforest.deploy.bench.flow`.
 
 Prefect, OpenCV and CuPy are imported only inside the commands that need them.
 """
@@ -20,22 +20,6 @@ import json
 from pathlib import Path
 
 import typer
-
-
-def _sizes(text: str) -> list[tuple[int, int]]:
-    from scanforest.kernels.errors import InputError
-
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        try:
-            w, h = (int(v) for v in part.split("x"))
-        except ValueError:
-            raise InputError(f"sizes are WIDTHxHEIGHT, comma separated; got {part!r}") from None
-        out.append((w, h))
-    return out
 
 
 def _params(sigma_c, sigma_x, sigma_f, tau, no_test, max_labels) -> dict:
@@ -86,10 +70,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         force: bool = typer.Option(False, "--force", help="recompute pairs already written"),
     ):
         """Flow of every consecutive frame pair of the store's sequences (idempotent)."""
+        from scanforest.flows.flow import run_flow
         from scanforest.kernels.errors import InputError
         from scanforest.kernels.motion.optical_flow import METHODS
-
-        from .flow import run_flow
 
         methods = list(METHODS) if method == "both" else [method]
         if any(m not in METHODS for m in methods):
@@ -152,33 +135,3 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         typer.echo(json.dumps({"out": out, "valid": vpath, "png": png, "method": method,
                                "device": dev, "features": r.n_features[0],
                                "coverage": float(valid.mean()), "params": r.params}))
-
-    @bench.command("flow")
-    def bench_flow(
-        sizes: str = typer.Option("320x240,1920x1080", "--sizes", help="WIDTHxHEIGHT list"),
-        features: int = typer.Option(156, "--features", help="tracks per pair (paper: 156)"),
-        batch: int = typer.Option(8, "--batch", help="pairs per call in the batched rows"),
-        repeat: int = typer.Option(20, "--repeat"),
-        device: str = typer.Option("auto", "--device"),
-        out: str = typer.Option(None, "--out", help="JSON file or folder"),
-        cpu: bool = typer.Option(True, "--cpu/--no-cpu", help="CPU numba baseline rows"),
-        labels: str = typer.Option("8,25,64,128,256", "--labels", help="label sweep at the "
-                                   "largest size ('' to skip)"),
-        accuracy: bool = typer.Option(True, "--accuracy/--no-accuracy"),
-        time_limit: float = typer.Option(1e9, "--time-limit"),
-    ):
-        """Both flow methods on the GPU at the paper's size and 1080p, CPU baseline in the same run."""
-        from ._bench import parse_counts
-        from .bench_flow import run_bench
-
-        run_bench(_sizes(sizes), features=features, batch=batch, repeat=repeat, device=device,
-                  out=out, cpu=cpu, label_sweep=parse_counts(labels), accuracy=accuracy,
-                  time_limit=time_limit)
-
-
-if __name__ == "__main__":  # standalone: python -m scanforest.flows.cli_flow flow --sizes ...
-    _app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    _bench = typer.Typer()
-    _app.add_typer(_bench, name="bench")
-    register(_app, _bench)
-    _app(["bench", *__import__("sys").argv[1:]])

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from scanforest.flows._runner import dask_client
 from scanforest.kernels.backend import describe_device, resolve_device
 from scanforest.kernels.errors import InputError
 from scanforest.kernels.knn.bruteforce import recall
 
-from ._bench import BenchReport, read_record
-from ._runner import dask_client
+from ._common import BenchReport, read_record
 
 # synthetic references up to WHOLE_MAX rows are drawn in one piece (the data of earlier runs),
 # larger ones in PIECE-row parts of their own seeds
@@ -149,7 +149,7 @@ def _reference(n: int, d: int, clusters: int, dev: str, dtype: str, piece: int =
     """The synthetic reference (seed 1): whole up to ``whole_max`` (16M) rows (the figures of
     earlier runs), else in ``piece``-row parts of their own seeds, written into a host array of
     ``dtype`` (a 100M x 352 reference never exists in float32 anywhere)."""
-    from ._bench_data import clustered
+    from ._data import clustered
 
     xp = np
     if dev == "gpu":
@@ -170,7 +170,7 @@ def _reference(n: int, d: int, clusters: int, dev: str, dtype: str, piece: int =
 
 def _piece(i: int, n: int, d: int, clusters: int, xp, piece: int = PIECE):
     """Piece ``i`` (rows ``i * piece`` to ``(i + 1) * piece``) of a reference drawn in pieces, float32."""
-    from ._bench_data import clustered
+    from ._data import clustered
 
     a = i * piece
     return clustered(min(piece, n - a), d, clusters=clusters, seed=1_000_003 * (i + 1) + 1, xp=xp)
@@ -313,10 +313,10 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     """
     if reference not in ("store", "workers"):
         raise InputError(f"reference must be 'store' or 'workers', got {reference!r}")
+    from scanforest.flows.distributed import DistributedIndex
     from scanforest.tasks import index as idx
 
-    from ._bench_data import clustered
-    from .distributed import DistributedIndex
+    from ._data import clustered
 
     dev = resolve_device(device)
     budgets = list(backtracks) if isinstance(backtracks, (list, tuple)) else [backtracks]
@@ -440,7 +440,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
 
 
 def register(app, bench) -> None:
-    """Add this bench to ``scanforest bench`` (found by :mod:`scanforest.flows.cli`)."""
+    """Add this bench to ``scanforest bench`` (found by :mod:`scanforest.deploy.cli`)."""
     import typer
 
     @bench.command("match")

@@ -21,7 +21,7 @@ def pcl_data_dir() -> Path:
     env = os.environ.get("SCANFOREST_PCL_DATA")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pcl"
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pcl"  # deploy/bench/ -> ../shared
 
 
 def clustered(n: int, d: int, *, clusters: int = 1000, spread: float = 0.35, seed: int = 0, xp=np,

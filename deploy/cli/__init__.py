@@ -1,0 +1,72 @@
+"""The ``scanforest`` command line.
+
+Every public module of :mod:`scanforest.deploy.cli` (one per command group: ``core``, ``align``,
+``check``, ``motion``, ``ops``, ``pipeline``, ``shot``) and of :mod:`scanforest.deploy.bench`
+(one per benchmark) defines ``register(app, bench)`` and adds its commands to the main app or to
+the ``bench`` sub-app; this module discovers them (the one way a command is registered), so
+command groups never edit one shared file. ``_``-prefixed modules are shared helpers, not
+commands. The commands start the Prefect flows of :mod:`scanforest.flows`; the flows never import
+the command line.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import typer
+
+app = typer.Typer(
+    name="scanforest",
+    help="Find known objects in large archives of 3-D scans, on CPUs or GPU clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench = typer.Typer(help="Benchmarks: print a table (figure, device, ratio to the baseline "
+                         "measured in the same run) and write JSON.", no_args_is_help=True)
+app.add_typer(bench, name="bench")
+
+#: the packages whose public modules hold commands (each module: ``register(app, bench)``)
+COMMAND_PACKAGES = ("scanforest.deploy.cli", "scanforest.deploy.bench")
+
+
+def command_modules() -> list[str]:
+    """Dotted names of every module that registers commands, in registration order."""
+    names = []
+    for pkg_name in COMMAND_PACKAGES:
+        pkg = importlib.import_module(pkg_name)
+        names += [f"{pkg_name}.{info.name}"
+                  for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name)
+                  if not info.name.startswith("_") and not info.ispkg]
+    return names
+
+
+def _register_all() -> None:
+    for name in command_modules():
+        importlib.import_module(name).register(app, bench)
+
+
+_register_all()
+
+
+#: commands that run Prefect flows: their local Prefect API starts with the command, and boots
+#: while the command imports its flow and checks its input (a user error still ends at once)
+FLOW_COMMANDS = {"ingest", "describe", "index", "match", "recognize", "align-store", "demo"}
+
+
+def main() -> None:
+    """Console entry point: user errors print one clear line and exit 2, not a traceback."""
+    from scanforest.kernels.errors import ScanforestError
+
+    args = sys.argv[1:]
+    if args and args[0] in FLOW_COMMANDS and not {"--help", "-h"} & set(args):
+        from scanforest.flows._runner import start_prefect_api
+
+        start_prefect_api()
+    try:
+        app()
+    except ScanforestError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
+

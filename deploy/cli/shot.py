@@ -1,0 +1,59 @@
+"""``scanforest shot FILE -o OUT.npy``: SHOT352 descriptors and local reference frames of one scan.
+
+``scanforest bench shot`` and ``bench shot-recall`` are :mod:`scanforest.deploy.bench.shot` and
+:mod:`scanforest.deploy.bench.shot_recall`.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import typer
+
+
+def register(app: typer.Typer, bench: typer.Typer) -> None:
+    app.command("shot")(shot_command)
+
+
+def shot_command(
+    file: Path = typer.Argument(..., help="Point cloud file (pcd/ply/las/xyz/npy)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Descriptors .npy (K, 352); frames and "
+                             "keypoint indices go beside it as OUT.frames.npy / OUT.keypoints.npy."),
+    radius: float = typer.Option(0.02, help="SHOT support radius (m)."),
+    normal_radius: float = typer.Option(None, help="Normals from neighbours within this radius."),
+    normal_k: int = typer.Option(10, help="Normals from k nearest neighbours (when no --normal-radius)."),
+    keypoint_radius: float = typer.Option(None, help="Uniform-sampling leaf; all points when omitted."),
+    approximate: bool = typer.Option(False, help="G-SHOT approximate mode (lists capped at the median)."),
+    max_neighbors: int = typer.Option(None, help="Cap for --approximate (default: median count)."),
+    device: str = typer.Option("auto", help="auto | cpu | gpu"),
+) -> None:
+    """Compute SHOT352 descriptors and local reference frames for one scan."""
+    from scanforest.kernels.backend import resolve_device, to_device, to_numpy
+    from scanforest.kernels.descriptors.keypoints import keypoints
+    from scanforest.kernels.descriptors.normals import normals
+    from scanforest.kernels.descriptors.shot import shot
+    from scanforest.tasks.readers import read_cloud
+
+    cloud = read_cloud(file)
+    dev = resolve_device(device)
+    pts = to_device(np.asarray(cloud.points, dtype=np.float32), dev)
+    t0 = time.perf_counter()
+    if normal_radius is not None:
+        nrm, _ = normals(pts, radius=normal_radius, device=dev)
+    else:
+        nrm, _ = normals(pts, k=normal_k, device=dev)
+    kp = keypoints(pts, radius=keypoint_radius, device=dev)
+    desc, frames = shot(pts, nrm, kp, radius, approximate=approximate,
+                        max_neighbors=max_neighbors, device=dev)
+    desc, frames, kp = to_numpy(desc), to_numpy(frames), to_numpy(kp)
+    dt = time.perf_counter() - t0
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.save(out, desc)
+    stem = out.with_suffix("")
+    np.save(f"{stem}.frames.npy", frames)
+    np.save(f"{stem}.keypoints.npy", kp)
+    valid = int(np.isfinite(desc[:, 0]).sum())
+    typer.echo(f"{file}: {len(cloud.points)} points, {len(kp)} keypoints ({valid} valid) "
+               f"on {dev} in {dt:.3f} s -> {out}")

@@ -1,0 +1,103 @@
+"""Correspondences: scene keypoints matched to the library's reference descriptors.
+
+:func:`match` gives each scene descriptor its ``k`` nearest reference descriptors of the whole
+library (exact brute force, :func:`~scanforest.kernels.knn.bruteforce.knn_bruteforce`) and keeps
+those with squared distance ``< max_dist2`` (PCL tutorial: 0.25), optionally behind a ratio test.
+NaN descriptors (too few neighbours) are skipped on both sides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backend import resolve_device, to_numpy, xp_for
+from ..errors import InputError
+from .library import ModelLibrary, _on
+
+__all__ = ["Correspondences", "match"]
+
+
+@dataclass
+class Correspondences:
+    """Scene-keypoint -> library-row matches (numpy).
+
+    ``scene_kp`` indexes the scene keypoints, ``ref_row`` the library rows; ``model_id`` and
+    ``model_kp`` (keypoint id inside its model) follow from ``ref_row``.
+    """
+
+    scene_kp: np.ndarray
+    ref_row: np.ndarray
+    model_id: np.ndarray
+    model_kp: np.ndarray
+    dist2: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.scene_kp)
+
+    def take(self, sel) -> "Correspondences":
+        return Correspondences(self.scene_kp[sel], self.ref_row[sel], self.model_id[sel],
+                               self.model_kp[sel], self.dist2[sel])
+
+
+def match(scene_descriptors, library: ModelLibrary, *, k: int = 1, max_dist2: float = 0.25,
+          ratio: float | None = None, device: str = "auto") -> Correspondences:
+    """Nearest library descriptors of every scene descriptor (exact brute force).
+
+    Parameters
+    ----------
+    scene_descriptors : (S, 352) array
+        Scene SHOT descriptors; rows with NaN are skipped (PCL tutorial).
+    library : ModelLibrary
+    k : int
+        Neighbours per scene descriptor (PCL tutorial: 1).
+    max_dist2 : float
+        Keep a pair when its squared descriptor distance is ``< max_dist2`` (PCL: 0.25).
+    ratio : float, optional
+        Ratio test: also query the ``k + 1``-th neighbour and keep neighbour ``j`` only when
+        ``sqrt(d_j / d_{k+1}) < ratio`` (Lowe's test for ``k = 1``).
+    device : {"auto", "cpu", "gpu"}
+
+    Returns
+    -------
+    Correspondences
+        Ordered by scene keypoint, then neighbour rank.
+    """
+    from ..knn.bruteforce import knn_bruteforce
+
+    dev = resolve_device(device, scene_descriptors)
+    k = int(k)
+    if k < 1:
+        raise InputError(f"k must be >= 1, got {k}")
+    if ratio is not None and not (0 < float(ratio) <= 1):
+        raise InputError(f"ratio must lie in (0, 1], got {ratio!r}")
+    xp = xp_for(dev)
+    sd = _on(scene_descriptors, dev)
+    if sd.ndim != 2 or sd.shape[1] != library.descriptors.shape[1]:
+        raise InputError(f"scene descriptors must have shape (S, {library.descriptors.shape[1]}), "
+                         f"got {tuple(sd.shape)}")
+    rows = library.valid_rows
+    empty = Correspondences(*(np.zeros(0, t) for t in (np.int64, np.int64, np.int32, np.int32,
+                                                       np.float32)))
+    if sd.shape[0] == 0 or len(rows) == 0:
+        return empty
+    sval = xp.flatnonzero(xp.isfinite(sd).all(axis=1))
+    if int(sval.shape[0]) == 0:
+        return empty
+    kq = k + (1 if ratio is not None else 0)
+    kq = min(kq, len(rows))
+    base = library._device_array("ref_descriptors", lambda: library.descriptors[rows], dev)
+    d2, ids = knn_bruteforce(base, sd[sval], kq, device=dev)
+    d2 = to_numpy(d2).astype(np.float32)
+    ids = to_numpy(ids)
+    sval = to_numpy(sval)
+    kk = min(k, kq)
+    keep = d2[:, :kk] < np.float32(max_dist2)
+    if ratio is not None and kq > kk:
+        den = np.maximum(d2[:, kk:kk + 1], np.float32(1e-30))
+        keep &= np.sqrt(d2[:, :kk] / den) < np.float32(ratio)
+    qi, j = np.nonzero(keep)
+    ref = rows[ids[qi, j]]
+    return Correspondences(sval[qi].astype(np.int64), ref.astype(np.int64),
+                           library.model_id[ref].astype(np.int32),
+                           library.kp_id[ref].astype(np.int32), d2[qi, j])

@@ -1,0 +1,117 @@
+"""Refinement of the promising hypotheses between the two verification passes of ``recognize``.
+
+Pass 1 of verification scores every hypothesis (no claims); :func:`refine_hypotheses` keeps the
+promising ones (inlier fraction ``>= min_fraction``, at most ``max_refine``, best first) and
+refines their poses against the scene, all candidates in lockstep: point-to-plane ICP
+(:func:`~scanforest.kernels.recognition.icp.icp_point_to_plane_batch`, one batched iteration on
+the GPU) or parametric chamfer alignment (:func:`scanforest.kernels.align.pcha.align_batch`:
+Levenberg-Marquardt on a distance transform of the scene around the candidates, Huber loss at
+``inlier_dist``). Pass 2 then runs the greedy acceptance on the refined poses.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import to_numpy, xp_for
+from .grouping import Hypotheses
+from .icp import icp_point_to_plane_batch
+
+__all__ = ["refine_hypotheses"]
+
+
+def refine_hypotheses(hyps: Hypotheses, first_scores, library, sidx, *, method: str = "icp",
+                      min_fraction: float = 0.3, max_refine: int = 32, inlier_dist: float,
+                      iterations: int = 30):
+    """Refine the promising hypotheses and keep only them.
+
+    Parameters
+    ----------
+    hyps : Hypotheses
+    first_scores : (H,) array
+        Inlier fraction of every hypothesis before any claim (verification pass 1).
+    library : ModelLibrary
+    sidx : _SceneIndex
+        The scene (cell ``inlier_dist``, with normals for ICP).
+    method : {"icp", "pcha"}
+    min_fraction, max_refine :
+        The candidates: ``first_scores >= min_fraction``, at most ``max_refine`` (best first).
+    inlier_dist : float
+        ICP correspondence distance / PChA Huber threshold.
+    iterations : int
+
+    Returns
+    -------
+    (work, back, rmse): the candidates as :class:`Hypotheses` with refined poses (in hypothesis
+    order), their indices into ``hyps``, and the (H,) refinement RMSE (NaN where not refined).
+    """
+    cand = np.flatnonzero(first_scores >= min_fraction)
+    if len(cand) > max_refine:
+        cand = cand[np.argpartition(-first_scores[cand], max_refine - 1)[:max_refine]]
+    poses = hyps.poses.copy()
+    rmse = np.full(len(hyps), np.nan)
+    if method == "pcha":
+        _refine_pcha(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations, sidx.device)
+    else:
+        _refine_icp(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations)
+    keep = np.zeros(len(hyps), bool)
+    keep[cand] = True
+    work = Hypotheses(hyps.model_id[keep], poses[keep], hyps.n_corr[keep],
+                      [g for g, k in zip(hyps.groups, keep) if k] if hyps.groups else [])
+    return work, np.flatnonzero(keep), rmse
+
+
+def _refine_icp(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations):
+    """Refine ``poses[cand]`` in place by point-to-plane ICP, all candidates in lockstep (one
+    batched iteration on the GPU)."""
+    if not len(cand):
+        return
+    vo = library.verify_offsets
+    mids = [int(hyps.model_id[hi]) for hi in cand]
+    results = icp_point_to_plane_batch(
+        [library.verify_points[vo[m]:vo[m + 1]] for m in mids], sidx,
+        inits=[poses[hi] for hi in cand],
+        source_normals=[library.verify_normals[vo[m]:vo[m + 1]] for m in mids],
+        max_correspondence_distance=inlier_dist, max_iterations=iterations)
+    for hi, res in zip(cand, results):
+        poses[hi], rmse[hi] = res.pose, res.rmse
+
+
+def _refine_pcha(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations, dev):
+    """Refine ``poses[cand]`` in place by parametric chamfer alignment (rigid, Huber)."""
+    from ..align.edt import distance_transform
+    from ..align.pcha import align_batch
+
+    if not len(cand):
+        return
+    xp = xp_for(dev)
+    vo = library.verify_offsets
+    Ps, Ws = [], []
+    for h in cand:
+        mid = int(hyps.model_id[h])
+        P = np.asarray(library.verify_points[vo[mid]:vo[mid + 1]], np.float64)
+        Ps.append(P)
+        Ws.append((P @ poses[h][:3, :3].T + poses[h][:3, 3]).astype(np.float32))
+    idx, _ = sidx.nearest(xp.asarray(np.concatenate(Ws)), inlier_dist)  # one search for all candidates
+    near_all = np.split(to_numpy(idx) >= 0, np.cumsum([len(W) for W in Ws])[:-1])
+    obs, keep_c = [], []
+    lo, hi_ = np.full(3, np.inf), np.full(3, -np.inf)
+    for h, P, W, near in zip(cand, Ps, Ws, near_all):
+        if near.sum() < 6:  # nothing of the model overlaps the scene here: leave the pose as it is
+            continue
+        obs.append(P[near].astype(np.float32))
+        keep_c.append(h)
+        lo, hi_ = np.minimum(lo, W[near].min(0)), np.maximum(hi_, W[near].max(0))
+    if not obs:
+        return
+    # the distance transform covers the scene around the candidates only, cells ~ inlier_dist / 2
+    margin = 4.0 * inlier_dist
+    S = to_numpy(sidx.points)
+    box = np.all((S >= lo - margin) & (S <= hi_ + margin), axis=1)
+    ext = float(np.max(hi_ - lo + 2 * margin))
+    res = int(np.clip(np.ceil(1.5 * ext / (0.5 * inlier_dist)), 32, 256 if dev == "gpu" else 160))
+    grid = distance_transform(S[box], resolution=res, device=dev)  # the EDT reads its reference on the host
+    out = align_batch([xp.asarray(o) for o in obs], None, "rigid", init=[poses[h] for h in keep_c], grid=grid,
+                      loss="huber", huber_delta=float(inlier_dist), max_iter=int(iterations), device=dev)
+    for h, r in zip(keep_c, out):
+        if np.all(np.isfinite(r.transform)):
+            poses[h], rmse[h] = np.asarray(r.transform, np.float64), r.rmse
