@@ -608,3 +608,53 @@ def test_recognize_with_params_equals_keywords(small_world):
     for dets in (by_params, overridden):
         assert [d.as_dict() for d in dets] == [d.as_dict() for d in by_kw]
         assert dets.info == by_kw.info
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_recognition_from_a_stored_description_and_matches_equals_recognize(small_world, device):
+    """The archive's path (a description and a top-P search done elsewhere, then grouping,
+    verification and refinement) gives the detections of the one-scene API, on both devices."""
+    from scanforest.kernels.backend import to_numpy
+    from scanforest.kernels.knn.bruteforce import knn_bruteforce
+    from scanforest.kernels.recognition import describe, from_neighbours, recognize_described
+
+    _, lib, scene = small_world
+    want = recognize(scene.points, lib, device=device, **SMALL_REC)
+    assert len(want) == len(scene.ground_truth)
+    p = RecognizeParams(**SMALL_REC)
+    d = describe(scene.points.astype(np.float32), normal_k=p.normal_k, normal_radius=p.normal_radius,
+                 keypoint_radius=p.scene_ss, descr_rad=lib.params["descr_rad"], device=device)
+    nrm, kp, desc = (to_numpy(d[k]) for k in ("normals", "keypoints", "descriptors"))
+    pts = scene.points
+    if device == "gpu":
+        import cupy as cp
+
+        pts = cp.asarray(pts)
+    # 1. the stored description, matched here
+    got = recognize_described(pts, lib, p, normals=nrm, keypoints=kp, descriptors=desc, device=device)
+    # 2. the stored description and a stored top-4 over the library's reference rows (the index)
+    ok = np.flatnonzero(np.isfinite(desc).all(axis=1))
+    d2, ids = knn_bruteforce(lib.reference(), desc[ok], 4, device="cpu")
+    corr = from_neighbours(ok, d2, ids, lib, k=p.match_k, max_dist2=p.max_dist2)
+    got2 = recognize_described(pts, lib, p, normals=nrm, keypoints=kp, correspondences=corr, device=device)
+    for dets in (got, got2):
+        assert [x.model_id for x in dets] == [x.model_id for x in want]
+        for a, b in zip(dets, want):
+            np.testing.assert_allclose(a.pose, b.pose, atol=1e-6)
+            assert a.inliers == b.inliers and a.score == pytest.approx(b.score)
+        assert dets.info["correspondences"] == want.info["correspondences"]
+
+
+def test_recognize_described_refuses_bad_input(small_world):
+    from scanforest.kernels.recognition import recognize_described
+
+    _, lib, scene = small_world
+    n = len(scene.points)
+    with pytest.raises(InputError, match="descriptors or their correspondences"):
+        recognize_described(scene.points, lib, normals=np.zeros((n, 3)), keypoints=np.arange(5))
+    with pytest.raises(InputError, match="rows"):
+        recognize_described(scene.points, lib, normals=np.zeros((n - 1, 3)), keypoints=np.arange(5),
+                            descriptors=np.zeros((5, 352)))
+    with pytest.raises(InputError, match="index"):
+        recognize_described(scene.points, lib, normals=np.zeros((n, 3)), keypoints=np.array([n]),
+                            descriptors=np.zeros((1, 352)))

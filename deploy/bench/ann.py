@@ -8,7 +8,6 @@ force (the baseline row, measured in the same run), plus the CPU backend on a qu
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 import numpy as np
@@ -46,28 +45,13 @@ class _Summary(list):
 def run_bench(sizes, dims, queries, k, backtracks, leaf_size, device, out, cpu_queries, clusters,
               repeat, time_limit, windows=(True, False), variants=VARIANTS, cpu_max_n=2_000_000,
               window_kernel="rotate", real=None, real_radius=10.0, split="variance"):
-    """The ``bench ann`` run. ``window_kernel`` selects the GPU P-BANNS window kernel for this run
-    only: the module setting it changes is restored afterwards."""
+    """The ``bench ann`` run. ``window_kernel`` names the GPU P-BANNS window kernel of the
+    windowed rows (passed to each search as ``sliding_window=``; no module setting changes)."""
     from scanforest.kernels.backend import resolve_device
 
     dev = resolve_device(device)
-    with _window_kernel(dev, window_kernel):
-        return _run_bench(sizes, dims, queries, k, backtracks, leaf_size, dev, out, cpu_queries, clusters, repeat,
-                          time_limit, windows, variants, cpu_max_n, window_kernel, real, real_radius, split)
-
-
-@contextlib.contextmanager
-def _window_kernel(dev: str, kernel: str):
-    if dev != "gpu":
-        yield
-        return
-    from scanforest.kernels.knn import _kdtree_gpu
-
-    before, _kdtree_gpu.WINDOW_KERNEL = _kdtree_gpu.WINDOW_KERNEL, kernel
-    try:
-        yield
-    finally:
-        _kdtree_gpu.WINDOW_KERNEL = before
+    return _run_bench(sizes, dims, queries, k, backtracks, leaf_size, dev, out, cpu_queries, clusters, repeat,
+                      time_limit, windows, variants, cpu_max_n, window_kernel, real, real_radius, split)
 
 
 def _run_bench(sizes, dims, queries, k, backtracks, leaf_size, dev, out, cpu_queries, clusters, repeat,
@@ -105,7 +89,8 @@ def _run_bench(sizes, dims, queries, k, backtracks, leaf_size, dev, out, cpu_que
             knn_bruteforce(Xw, Xw[:300], k)
             for method in ("banns", "anns"):
                 for w in windows:
-                    query_kdtree(tw, Xw[:300], k, method=method, backtracks=4, sliding_window=w)
+                    query_kdtree(tw, Xw[:300], k, method=method, backtracks=4,
+                                 sliding_window=window_kernel if (w and dev == "gpu") else w)
             sync()
             warmed.add(d)
         if time.time() - t_start > time_limit:
@@ -147,8 +132,9 @@ def _run_bench(sizes, dims, queries, k, backtracks, leaf_size, dev, out, cpu_que
             for label, method, w in todo:
                 if time.time() - t_start > time_limit:
                     break
+                wk = window_kernel if (w and dev == "gpu") else w
                 t, (fd, fi, st) = _timeit(lambda: query_kdtree(tree, Q, k, method=method, backtracks=b,
-                                                               sliding_window=w, return_stats=True),
+                                                               sliding_window=wk, return_stats=True),
                                           sync, repeat)
                 r1 = recall(fd[:, :1], ed[:, :1])
                 rk = recall(fd, ed)

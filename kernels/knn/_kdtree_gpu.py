@@ -1022,11 +1022,12 @@ def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None,
     mod = _module(_kp(k), _is_half(tree), hcap)
     f_desc = mod.get_function("banns_descend")
     smem = 0
-    if not sliding_window:
+    window = WINDOW_KERNEL if sliding_window is True else sliding_window  # a name picks the kernel
+    if not window:
         f_leaf, qb, threads = mod.get_function("banns_leaf_plain"), QB, QB
-    elif WINDOW_KERNEL == "tile":
+    elif window == "tile":
         f_leaf, qb, threads = mod.get_function("banns_leaf_window"), QB, QB
-    elif WINDOW_KERNEL == "stream" and SQ * d * 4 <= 40 * 1024:
+    elif window == "stream" and SQ * d * 4 <= 40 * 1024:
         f_leaf, qb, threads = mod.get_function("banns_leaf_stream"), SQ, SP
         smem = SQ * d * 4
     else:

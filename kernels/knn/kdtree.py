@@ -795,7 +795,7 @@ def heap_capacity(budget: int, heap_cap: int | None = None) -> int:
 
 
 def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtracks: int | None = None,
-                 sliding_window: bool = True, finish_below: int | None = None, bounds=None,
+                 sliding_window: bool | str = True, finish_below: int | None = None, bounds=None,
                  return_stats: bool = False, heap_cap: int | None = None):
     """The ``k`` nearest indexed points of every query (squared L2, ascending, ties by id).
 
@@ -816,11 +816,11 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
     backtracks : int or None
         Maximum number of leaves scanned per query (over all trees of a forest); ``None``
         means unlimited, which returns the exact brute-force answer.
-    sliding_window : bool
+    sliding_window : bool or {"stream", "rotate", "tile"}
         P-BANNS only: a block per leaf with its buffered queries staged in shared memory (True:
-        ``_kdtree_gpu.WINDOW_KERNEL``, default ``"stream"``; ``"rotate"``/``"tile"`` are the
-        paper's rotating windows) or the naive per-thread global-memory scan (False). Every
-        kernel returns the same answer.
+        ``_kdtree_gpu.WINDOW_KERNEL``, default ``"stream"``; or name the kernel: ``"rotate"``/
+        ``"tile"`` are the paper's rotating windows) or the naive per-thread global-memory scan
+        (False). Every kernel returns the same answer.
     finish_below : int, optional
         P-BANNS only: when at most this many queries are still active they are finished by exact
         brute force (default ``max(32, M // 256)``).
@@ -843,6 +843,8 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
         raise InputError("tree must be a KDTree from build_kdtree()")
     if method not in ("anns", "banns"):
         raise InputError(f"method must be 'anns' or 'banns', got {method!r}")
+    if not (isinstance(sliding_window, (bool, np.bool_)) or sliding_window in ("stream", "rotate", "tile")):
+        raise InputError(f"sliding_window must be a bool or one of 'stream', 'rotate', 'tile', got {sliding_window!r}")
     budget = _check_budget(backtracks)
     cap = heap_capacity(budget, heap_cap)
     roots = tree.roots

@@ -15,7 +15,7 @@ from ..backend import resolve_device, to_numpy, xp_for
 from ..errors import InputError
 from .library import ModelLibrary, _on
 
-__all__ = ["Correspondences", "match"]
+__all__ = ["Correspondences", "from_neighbours", "match"]
 
 
 @dataclass
@@ -91,13 +91,42 @@ def match(scene_descriptors, library: ModelLibrary, *, k: int = 1, max_dist2: fl
     d2 = to_numpy(d2).astype(np.float32)
     ids = to_numpy(ids)
     sval = to_numpy(sval)
-    kk = min(k, kq)
-    keep = d2[:, :kk] < np.float32(max_dist2)
-    if ratio is not None and kq > kk:
+    return from_neighbours(to_numpy(sval), to_numpy(d2), to_numpy(ids), library, k=k,
+                           max_dist2=max_dist2, ratio=ratio if kq > min(k, kq) else None)
+
+
+def from_neighbours(queries, dist2, ids, library: ModelLibrary, *, k: int = 1, max_dist2: float = 0.25,
+                    ratio: float | None = None, rows=None) -> Correspondences:
+    """Correspondences from a nearest-neighbour search done elsewhere (the match stage's global
+    top-P from the KD-forest, or :func:`match`'s brute force): the same filters as :func:`match`.
+
+    Parameters
+    ----------
+    queries : (Q,) int
+        The scene keypoint of each searched row.
+    dist2, ids : (Q, P)
+        Squared descriptor distances (ascending) and ids of the P nearest reference rows; an id
+        < 0 (fewer than P found) is skipped.
+    rows : (R,) int, optional
+        The library row of each reference id (default ``library.valid_rows``: the rows an index
+        built from :meth:`ModelLibrary.reference` holds, in order).
+    k, max_dist2, ratio :
+        As :func:`match`; with ``ratio`` neighbour ``k + 1`` must be among the P.
+    """
+    rows = library.valid_rows if rows is None else np.asarray(rows)
+    d2 = np.asarray(dist2, np.float32)
+    ids = np.asarray(ids, np.int64)
+    queries = np.asarray(queries, np.int64)
+    if d2.ndim != 2 or d2.shape != ids.shape or len(queries) != len(ids):
+        raise InputError(f"dist2 {d2.shape}, ids {ids.shape} and queries ({len(queries)},) do not agree")
+    kk = min(int(k), d2.shape[1])
+    keep = (d2[:, :kk] < np.float32(max_dist2)) & (ids[:, :kk] >= 0)
+    if ratio is not None:
+        if d2.shape[1] <= kk:
+            raise InputError(f"the ratio test needs {kk + 1} neighbours per keypoint, got {d2.shape[1]}")
         den = np.maximum(d2[:, kk:kk + 1], np.float32(1e-30))
         keep &= np.sqrt(d2[:, :kk] / den) < np.float32(ratio)
     qi, j = np.nonzero(keep)
     ref = rows[ids[qi, j]]
-    return Correspondences(sval[qi].astype(np.int64), ref.astype(np.int64),
-                           library.model_id[ref].astype(np.int32),
+    return Correspondences(queries[qi], ref.astype(np.int64), library.model_id[ref].astype(np.int32),
                            library.kp_id[ref].astype(np.int32), d2[qi, j])

@@ -69,7 +69,7 @@ def resolution(points) -> float:
 def describe(points, *, normals=None, normal_k: int = 10, normal_radius: float | None = None,
              keypoint_radius: float,
              descr_rad: float, rf_rad: float | None = None, viewpoint=(0.0, 0.0, 0.0),
-             device: str = "auto", timer: _Timer | None = None) -> dict:
+             approximate: bool = False, device: str = "auto", timer: _Timer | None = None) -> dict:
     """Normals, uniform-sampling keypoints, SHOT descriptors and frames of one cloud.
 
     Parameters
@@ -86,6 +86,9 @@ def describe(points, *, normals=None, normal_k: int = 10, normal_radius: float |
     rf_rad : float, optional
         Radius of the local reference frames used by Hough voting; when it differs from
         ``descr_rad`` the frames are computed separately at that radius (SHOT LRF).
+    approximate : bool
+        G-SHOT approximate mode (neighbour lists capped; see
+        :func:`~scanforest.kernels.descriptors.shot.shot`). Recognition describes exactly.
 
     Returns
     -------
@@ -117,11 +120,11 @@ def describe(points, *, normals=None, normal_k: int = 10, normal_radius: float |
         pts, nrm = xp.ascontiguousarray(pts[sub]), xp.ascontiguousarray(nrm[sub])
     kp = _keypoints(pts, radius=keypoint_radius, device=dev)
     timer.lap("keypoints")
-    desc, frames = _shot(pts, nrm, kp, descr_rad, device=dev)
+    desc, frames = _shot(pts, nrm, kp, descr_rad, approximate=approximate, device=dev)
     if rf_rad is None or abs(rf_rad - descr_rad) < 1e-12:
         rf = frames
     else:
-        _, rf = _shot(pts, nrm, kp, rf_rad, device=dev)
+        _, rf = _shot(pts, nrm, kp, rf_rad, approximate=approximate, device=dev)
     timer.lap("shot")
     kc = pts[kp]
     if sub is not None:
@@ -387,6 +390,11 @@ class ModelLibrary:
             memo = (self.descriptors, np.flatnonzero(np.isfinite(self.descriptors).all(axis=1)))
             self.__dict__["_valid_rows_memo"] = memo
         return memo[1]
+
+    def reference(self) -> np.ndarray:
+        """The descriptors an index over this library holds: the valid rows, in order (id ``i``
+        of a search is library row ``valid_rows[i]``; see ``correspondences.from_neighbours``)."""
+        return self.descriptors[self.valid_rows]
 
     @property
     def resolution(self) -> float:

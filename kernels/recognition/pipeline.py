@@ -38,7 +38,7 @@ from .library import ModelLibrary, _on, _Timer, describe
 from .refinement import refine_hypotheses
 from .verification import verify
 
-__all__ = ["RecognizeParams", "Detection", "Detections", "recognize"]
+__all__ = ["RecognizeParams", "Detection", "Detections", "recognize", "recognize_described"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,12 +239,7 @@ def recognize(scene_points, library: ModelLibrary, params: RecognizeParams | Non
         normals, keypoints, shot, matching, grouping, verification, icp, total) and ``.info``.
     """
     dev = resolve_device(device, scene_points)
-    if params is None:
-        params = RecognizeParams()
-    elif not isinstance(params, RecognizeParams):
-        raise InputError(f"params must be a RecognizeParams, got {type(params).__name__} "
-                         f"(pass a dict of parameters as **params)")
-    p = params.replace(**overrides)
+    p = _params(params, overrides)
     if not isinstance(library, ModelLibrary):
         raise InputError(f"library must be a ModelLibrary, got {type(library).__name__}")
     xp = xp_for(dev)
@@ -271,6 +266,85 @@ def recognize(scene_points, library: ModelLibrary, params: RecognizeParams | Non
                  rf_rad=rf_rad if p.method == "hough" else None, viewpoint=vp, device=dev, timer=timer)
     corr = match(d["descriptors"], library, k=p.match_k, max_dist2=p.max_dist2, ratio=p.ratio, device=dev)
     timer.lap("matching")
+    return _recognize_matched(pts, d, corr, library, p, dev, timer, t0, inlier_dist, vp)
+
+
+def recognize_described(scene_points, library: ModelLibrary, params: RecognizeParams | None = None, *,
+                        normals, keypoints, descriptors=None, rf=None, correspondences=None,
+                        device: str = "auto", **overrides) -> Detections:
+    """Recognition of a scene described elsewhere: the archive's describe stage gave its normals,
+    keypoints and SHOT, its match stage the keypoints' nearest library descriptors.
+
+    :func:`recognize` is ``describe`` + :func:`match` + this function's steps (grouping,
+    verification, refinement), so given the same description and matches both return the same
+    detections.
+
+    Parameters
+    ----------
+    scene_points : (N, 3) array
+        Finite scene points (the ones that were described).
+    normals : (N, 3) array
+        Their normals (NaN where a point had too few neighbours).
+    keypoints : (K,) int
+        Keypoint indices into ``scene_points``.
+    descriptors : (K, 352) array, optional
+        The keypoints' SHOT, matched here by exact brute force when ``correspondences`` is not
+        given.
+    rf : (K, 3, 3) array, optional
+        The keypoints' frames at the library's ``rf_rad`` (Hough voting only; computed when
+        missing).
+    correspondences : Correspondences, optional
+        Matches found elsewhere (``correspondences.from_neighbours`` over the match stage's
+        stored top-P); ``scene_kp`` indexes ``keypoints``.
+    params, device, **overrides :
+        As :func:`recognize` (the description parameters among them are not used).
+    """
+    dev = resolve_device(device, scene_points)
+    p = _params(params, overrides)
+    if not isinstance(library, ModelLibrary):
+        raise InputError(f"library must be a ModelLibrary, got {type(library).__name__}")
+    if descriptors is None and correspondences is None:
+        raise InputError("recognize_described needs the keypoints' descriptors or their correspondences")
+    xp = xp_for(dev)
+    t0 = time.perf_counter()
+    timer = _Timer(dev == "gpu")
+    pts = xp.ascontiguousarray(points(_on(scene_points, dev), "scene_points"), dtype=xp.float32)
+    nrm = points(_on(normals, dev), "normals", finite=False, rows=int(pts.shape[0]))
+    kp = xp.asarray(_on(keypoints, dev), dtype=xp.int64).reshape(-1)
+    if int(kp.shape[0]) and (int(kp.min()) < 0 or int(kp.max()) >= int(pts.shape[0])):
+        raise InputError(f"keypoints must index the {int(pts.shape[0])} scene points")
+    rf_rad = float(library.params.get("rf_rad", 0.015) if p.rf_rad is None else p.rf_rad)
+    inlier_dist = float(2.0 * library.resolution if p.inlier_dist is None else p.inlier_dist)
+    vp = np.asarray(p.viewpoint, np.float64).reshape(3)
+    d = {"normals": nrm, "keypoints": kp, "kp_coords": pts[kp]}
+    if p.method == "hough":
+        if rf is None:
+            from ..descriptors.shot import shot as _shot
+
+            good = xp.isfinite(nrm).all(axis=1)
+            sub = xp.flatnonzero(good)
+            pos = xp.cumsum(good) - 1  # keypoint index among the points with a normal
+            _, rf = _shot(xp.ascontiguousarray(pts[sub]), xp.ascontiguousarray(nrm[sub]), pos[kp], rf_rad,
+                          device=dev)
+        d["rf"] = _on(rf, dev)
+    if correspondences is None:
+        correspondences = match(_on(descriptors, dev), library, k=p.match_k, max_dist2=p.max_dist2,
+                                ratio=p.ratio, device=dev)
+    timer.lap("matching")
+    return _recognize_matched(pts, d, correspondences, library, p, dev, timer, t0, inlier_dist, vp)
+
+
+def _params(params, overrides) -> RecognizeParams:
+    if params is None:
+        params = RecognizeParams()
+    elif not isinstance(params, RecognizeParams):
+        raise InputError(f"params must be a RecognizeParams, got {type(params).__name__} "
+                         f"(pass a dict of parameters as **params)")
+    return params.replace(**overrides)
+
+
+def _recognize_matched(pts, d, corr, library, p, dev, timer, t0, inlier_dist, vp) -> Detections:
+    """Grouping, verification and refinement of a described and matched scene."""
     skp = to_numpy(d["kp_coords"])
     if p.method == "hough":
         hyps = group_hough(corr, library, skp, to_numpy(d["rf"]), bin_size=p.cg_size,
