@@ -1,5 +1,12 @@
-"""The archive flow: one run takes a store through every stage, ingest -> describe -> index ->
-match -> recognize, as subflows (each its own flow run on the server, with its own Dask client).
+"""The archive flow: one run takes a store through every stage, ingest -> library -> describe ->
+index -> match -> recognize, as subflows (each its own flow run on the server, with its own Dask
+client).
+
+One pipeline: the model library is built first, the scenes are described with the parameters
+recognition uses (:func:`~scanforest.tasks.recognize.describe_params_for`), the index is built
+over the library's reference rows and the scenes are matched against it, so the recognize stage
+takes every scene's description and matches from the store instead of describing and matching
+it a second time (each scene's record says ``source: "stored"``).
 
 Every stage is resumable on its own (a scan's stage is recorded only after its arrays are
 written, an unchanged index or library is kept), so a rerun after a crash, or the next scheduled
@@ -13,12 +20,14 @@ from prefect import flow
 
 from scanforest.kernels.errors import InputError
 from scanforest.tasks.describe import DescribeParams
+from scanforest.tasks.recognize import build_library, describe_params_for, description_key, library_attrs
 from scanforest.tasks.store import ScanStore
 
+from ._runner import absolute_path
 from .describe import describe_flow
 from .ingest import ingest_flow
 from .match import index_build_flow, match_flow
-from .recognize import recognize_flow
+from .recognize import check_recognize, recognize_flow
 
 
 @flow(name="scanforest-archive")
@@ -27,26 +36,46 @@ def archive_flow(store: str, source: str | None = None, models: str = "models__*
                  shards: int | str = 1, k: int = 4, library_params: dict | None = None,
                  recognize: dict | None = None, device: str = "auto", scheduler: str | None = None,
                  workers: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """Ingest ``source`` (when given) into ``store``, describe every scan, build the index
-    ``index`` over the model scans (scan ids matching the glob ``models``), match the other
-    described scans against it and recognise the models in them. ``describe`` holds
-    :class:`DescribeParams` fields, ``recognize`` the recognition parameters. Returns each
+    """Ingest ``source`` (when given) into ``store``, build the model library ``library`` from the
+    model scans (scan ids matching the glob ``models``), describe the other scans as recognition
+    describes a scene, build the index ``index`` over the library, match the scenes against it
+    (top ``k``) and recognise the models in them from those stored outputs.
+
+    ``recognize`` holds the recognition parameters and ``library_params`` the library's; the
+    scenes' :class:`DescribeParams` follow from them. ``describe`` may only repeat them (e.g.
+    ``{"normal_k": 10}``): a description recognition would not use is refused. Returns each
     stage's summary under its name."""
     out: dict[str, Any] = {}
+    store = absolute_path(store)
     cluster = dict(scheduler=scheduler, workers=workers, progress=progress)
     if source is not None:
         out["ingest"] = ingest_flow(source=source, store=store, **cluster)
     ids = ScanStore(store, mode="r").scans()
     model_ids = [s for s in ids if fnmatch.fnmatchcase(s, models)]
-    if not model_ids:  # the index and recognition need the models: say so before describing anything
+    if not model_ids:  # the library needs the models: say so before describing anything
         raise InputError(f"no scan of {store} matches the models pattern {models!r} "
                          f"(scan ids look like {ids[:3]})")
-    out["describe"] = describe_flow(store=store, params=DescribeParams(**(describe or {})), device=device,
-                                    **cluster)
-    out["index-build"] = index_build_flow(store=store, reference=model_ids, name=index, shards=shards,
+    scene_ids = [s for s in ids if s not in set(model_ids)]
+    rec_params = dict(recognize or {})
+    check_recognize(store, model_ids, scene_ids, library_params, rec_params)
+    need = int(rec_params.get("match_k", 1)) + (1 if rec_params.get("ratio") is not None else 0)
+    if int(k) < need:
+        raise InputError(f"k={k} neighbours are fewer than recognition uses ({need}: match_k"
+                         f"{' + 1 for the ratio test' if need > int(rec_params.get('match_k', 1)) else ''})")
+    out["library"] = build_library(store, model_ids, name=library, params=library_params or {}, device=device)
+    params = describe_params_for(rec_params, library_attrs(store, library).get("params"))
+    if describe:
+        asked = DescribeParams(**{**params.__dict__, **describe})
+        want, got = description_key(params.as_dict()), description_key(asked.as_dict())
+        bad = [f"{key} {got[key]} (recognition describes with {want[key]})" for key in want if got[key] != want[key]]
+        if bad:
+            raise InputError("the archive describes scenes as recognition does; describe= asks for "
+                             + ", ".join(bad) + ": leave it out, or change the recognition parameters")
+    out["describe"] = describe_flow(store=store, scans=scene_ids, params=params, device=device, **cluster)
+    out["index-build"] = index_build_flow(store=store, library=library, name=index, shards=shards,
                                           params=index_params, k=k)
     out["match"] = match_flow(store=store, k=k, name=index, device=device, **cluster)
     out["recognize"] = recognize_flow(store=store, models=model_ids, library=library,
-                                      library_params=library_params, params=recognize, device=device,
+                                      library_params=library_params, params=rec_params, device=device,
                                       render=False, **cluster)
     return out

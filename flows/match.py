@@ -13,7 +13,7 @@ from scanforest.kernels.errors import InputError
 from scanforest.kernels.knn.kdforest import METHODS as KDFOREST_METHODS
 from scanforest.tasks import index as idx
 from scanforest.tasks.prefect_tasks import _run_label
-from scanforest.tasks.store import ScanStore
+from scanforest.tasks.store import ScanStore, stage_digest
 
 from ._runner import (RUN_HOOKS, absolute_path, auto_batch, check_scheduler, dask_client, ensure_prefect_api,
                       map_batches, n_workers, open_store, record_run, require_scans)
@@ -24,29 +24,39 @@ from .distributed import DistributedIndex
 
 
 @flow(name="scanforest-index-build", **RUN_HOOKS)
-def index_build_flow(store: str, reference: list[str], name: str = "default", shards: int | str = 1,
+def index_build_flow(store: str, reference: list[str] | None = None, name: str = "default", shards: int | str = 1,
                      params: dict | None = None, device: str = "cpu", k: int = 4,
-                     dtype: str = "float32") -> dict[str, Any]:
+                     dtype: str = "float32", library: str | None = None) -> dict[str, Any]:
     """Build (or keep, when unchanged) the sharded index ``name`` over the SHOT descriptors of the
-    ``reference`` scans, stored as ``dtype`` (float32, or float16 for half the disk).
+    ``reference`` scans, or over the model library ``library`` of the store (its reference rows,
+    in order: what the recognize stage matches against, so it uses this index's matches instead
+    of matching again), stored as ``dtype`` (float32, or float16 for half the disk).
     ``shards="auto"``: one per local GPU (one on the CPU), checked against the devices' memory
     with :func:`scanforest.kernels.knn.sharded.plan_shards` (an index that cannot fit is refused
     before anything is written)."""
     store = absolute_path(store)
-    st = check_index_build(store, reference, shards, params, dtype)
-    missing = [s for s in reference if not st.has_stage(s, "describe")]
-    if missing:
-        raise InputError(f"reference scans without descriptors (run `scanforest describe`): {missing[:5]}")
-    ref, ref_scan, ref_row = idx.collect_reference(st, reference)
+    st = check_index_build(store, reference, shards, params, dtype, library=library)
+    source = None
+    if library is not None:
+        ref, ref_scan, ref_row, scans, source = idx.collect_library_reference(st, library)
+    else:
+        missing = [s for s in reference if not st.has_stage(s, "describe")]
+        if missing:
+            raise InputError(f"reference scans without descriptors (run `scanforest describe`): {missing[:5]}")
+        ref, ref_scan, ref_row = idx.collect_reference(st, reference)
+        scans = list(reference)
     plan = None
     if shards == "auto":
         plan = idx.plan_for(ref.shape[0], ref.shape[1], params or {}, device, k=k, dtype=dtype)
         shards = plan.shards
     res = idx.build_index(store, name, ref, shards=int(shards), params=params or {}, ref_scan=ref_scan,
-                          ref_row=ref_row, scans=reference, device=device, dtype=dtype)
+                          ref_row=ref_row, scans=scans, device=device, dtype=dtype, library=source)
     if plan is not None:
         res["plan"] = plan.describe()
-    record_run(st, "index-build", {"name": name, "shards": shards, **(params or {})}, res, [])
+    if source is not None:
+        res["library"] = source["name"]
+    record_run(st, "index-build", {"name": name, "shards": shards, **({"library": library} if library else {}),
+                                   **(params or {})}, res, [])
     return res
 
 
@@ -62,21 +72,24 @@ def _match_batch(di: DistributedIndex, store: str, scan_ids: list[str], k: int) 
     todo = []
     for sid in scan_ids:
         t0 = time.perf_counter()
-        if st.has_stage(sid, "match", index=di.name, content_hash=tag, k=k):
+        # the describe record the matches belong to: a scan described again is matched again
+        described = stage_digest(st.stage(sid, "describe"))
+        if st.has_stage(sid, "match", index=di.name, content_hash=tag, k=k, describe=described):
             recs[sid] = {"scan_id": sid, "status": "skipped", "seconds": time.perf_counter() - t0}
             continue
         Q = st.read(sid, "kp_shot")
         ok = np.isfinite(Q).all(axis=1)
-        todo.append((sid, Q, ok, time.perf_counter() - t0))
+        todo.append((sid, Q, ok, described, time.perf_counter() - t0))
     if todo:
-        rows = [int(ok.sum()) for _, _, ok, _ in todo]
+        rows = [int(ok.sum()) for _, _, ok, _, _ in todo]
         n_rows = sum(rows)
         compute = 0.0
         if n_rows:
-            d_all, i_all, stats = di.query(np.concatenate([Q[ok] for _, Q, ok, _ in todo]), k, return_stats=True)
+            d_all, i_all, stats = di.query(np.concatenate([Q[ok] for _, Q, ok, _, _ in todo]), k,
+                                           return_stats=True)
             compute = stats["compute_seconds"]
         a = 0
-        for (sid, Q, ok, t_read), n in zip(todo, rows):
+        for (sid, Q, ok, described, t_read), n in zip(todo, rows):
             t0 = time.perf_counter()
             dist = np.full((len(Q), k), np.inf, np.float32)
             ids = np.full((len(Q), k), -1, np.int64)
@@ -84,7 +97,7 @@ def _match_batch(di: DistributedIndex, store: str, scan_ids: list[str], k: int) 
                 dist[ok], ids[ok] = d_all[a:a + n], i_all[a:a + n]
             a += n
             st.write_stage(sid, "match", {"match_ids": ids, "match_dist": dist},
-                           {"index": di.name, "content_hash": tag, "k": k, "queries": n})
+                           {"index": di.name, "content_hash": tag, "k": k, "queries": n, "describe": described})
             share = compute * n / max(1, n_rows)
             recs[sid] = {"scan_id": sid, "status": "matched", "queries": n,
                          "seconds": t_read + time.perf_counter() - t0 + share}
@@ -137,12 +150,24 @@ def match_flow(store: str, queries: list[str] | None = None, k: int = 4, name: s
     return summary
 
 
-def check_index_build(store: str, reference: list[str], shards, params: dict | None, dtype: str) -> ScanStore:
-    """User errors of an index build, found before any cluster starts."""
+def check_index_build(store: str, reference: list[str] | None, shards, params: dict | None, dtype: str, *,
+                      library: str | None = None) -> ScanStore:
+    """User errors of an index build, found before any cluster starts: the reference is either
+    scans (``reference``) or a stored model library (``library``), not both."""
     st = open_store(store)
-    if not reference:
-        raise InputError("no reference scans given for the index")
-    require_scans(st, reference)
+    if library is not None:
+        if reference:
+            raise InputError("give the index's reference as scans or as a model library, not both")
+        libs = st.root["libraries"] if "libraries" in st.root else None
+        if libs is None or library not in libs or not libs[library].attrs.get("complete"):
+            have = sorted(libs.group_keys()) if libs is not None else []
+            raise InputError(f"{store}: no complete model library {library!r} "
+                             f"({'libraries: ' + ', '.join(have) if have else 'the store has none'}; "
+                             "`scanforest recognize` or the archive flow builds one)")
+    elif not reference:
+        raise InputError("no reference scans given for the index (or a model library)")
+    else:
+        require_scans(st, reference)
     if shards != "auto" and (not str(shards).isdigit() or int(shards) < 1):
         raise InputError(f"--shards takes a positive number or 'auto', got {shards!r}")
     p = params or {}
@@ -172,11 +197,13 @@ def check_match(store: str, queries: list[str] | None, k: int, name: str) -> tup
     return st, attrs
 
 
-def run_index_build(store, reference, **kw):
+def run_index_build(store, reference=None, **kw):
     store = absolute_path(store)
-    check_index_build(store, list(reference), kw.get("shards", 1), kw.get("params"), kw.get("dtype", "float32"))
+    reference = None if reference is None else list(reference)
+    check_index_build(store, reference, kw.get("shards", 1), kw.get("params"), kw.get("dtype", "float32"),
+                      library=kw.get("library"))
     ensure_prefect_api()
-    return index_build_flow(store=store, reference=list(reference), **kw)
+    return index_build_flow(store=store, reference=reference, **kw)
 
 
 def run_match(store, **kw):

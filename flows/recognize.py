@@ -84,6 +84,17 @@ def summarize(recs: list[dict]) -> dict[str, Any]:
                            "skipped": sum(r["status"] == "skipped" for r in recs),
                            "failed": sum(r["status"] == "failed" for r in recs), "failures": failures(recs),
                            "detections": int(sum(r.get("detections", 0) for r in recs))}
+    # where the recognised scenes' descriptions and matches came from: the describe and match
+    # stages ("stored") or a description and brute-force match of their own ("recomputed", why)
+    done = [r for r in recs if r["status"] == "recognized"]
+    out["from_stored"] = sum(r.get("source") == "stored" for r in done)
+    out["recomputed"] = sum(r.get("source") == "recomputed" for r in done)
+    reasons: dict[str, int] = {}
+    for r in done:
+        if r.get("source") == "recomputed":
+            reasons[r.get("reason") or "?"] = reasons.get(r.get("reason") or "?", 0) + 1
+    if reasons:
+        out["recompute_reasons"] = reasons
     phases: dict[str, float] = {}  # seconds per recognition phase, summed over the recognised scenes
     for r in recs:
         for k, v in (r.get("timings") or {}).items():

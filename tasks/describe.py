@@ -2,13 +2,16 @@
 
 Arrays written into the scan's group (``ScanStore.write_stage(scan, "describe", ...)``)::
 
-    est_normals  (N, 3) float32   PCA normals (PCL conventions) of every point
-    kp_index     (K,)   int64     keypoint indices into points (uniform sampling)
+    est_normals  (N, 3) float32   PCA normals (PCL conventions) of every point (NaN: < 3 neighbours)
+    kp_index     (K,)   int64     keypoint indices into points (uniform sampling of the points
+                                  with a normal)
     kp_frames    (K, 3, 3) float32 local reference frames, rows = x, y, z axes (NaN if invalid)
     kp_shot      (K, 352) float32 SHOT352 descriptors (NaN rows where the frame is invalid)
 
 The stage record holds the parameters, so asking again with the same parameters is a no-op and
-with different ones recomputes.
+with different ones recomputes. The description is the one recognition uses, so the recognize
+stage reads these arrays (and the match stage's) instead of describing the scene again when the
+parameters are the ones it would use (:func:`scanforest.tasks.recognize.describe_params_for`).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ class DescribeParams:
     keypoint_radius: float | None = 0.03  # uniform sampling leaf; None = every point
     shot_radius: float = 0.02
     approximate: bool = False            # G-SHOT approximate mode (capped neighbour lists)
+    viewpoint: tuple | None = None       # normals face this point; None = the origin (PCL's default)
 
     def __post_init__(self):
         """Refuse impossible values here, in the command's process, before a cluster starts."""
@@ -43,43 +47,57 @@ class DescribeParams:
             v = getattr(self, name)
             if v is not None and not (float(v) > 0 and np.isfinite(v)):
                 raise InputError(f"--{name.replace('_', '-')} must be a positive length, got {v}")
+        if self.viewpoint is not None:
+            try:
+                vp = tuple(float(v) for v in np.asarray(self.viewpoint, np.float64).reshape(3))
+            except (TypeError, ValueError):
+                vp = None
+            if vp is None or not all(np.isfinite(vp)):
+                raise InputError(f"viewpoint must be 3 finite numbers, got {self.viewpoint!r}")
+            # the origin is the default: one record for it, the one scans described before had
+            object.__setattr__(self, "viewpoint", None if vp == (0.0, 0.0, 0.0) else vp)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The parameters as the stage record holds them (``viewpoint`` only when it is not the
+        origin, so records written before it existed still match)."""
+        d = asdict(self)
+        if d["viewpoint"] is None:
+            del d["viewpoint"]
+        return d
+
+    @property
+    def camera(self) -> tuple[float, float, float]:
+        return (0.0, 0.0, 0.0) if self.viewpoint is None else tuple(self.viewpoint)
 
 
 def describe_cloud(points, params: DescribeParams, *, device: str = "auto") -> dict[str, Any]:
-    """Normals, keypoints, frames and SHOT for one cloud; returns numpy arrays and phase timings."""
-    from scanforest.kernels.descriptors.keypoints import keypoints
-    from scanforest.kernels.descriptors.normals import normals
-    from scanforest.kernels.descriptors.shot import shot
+    """Normals, keypoints, frames and SHOT for one cloud; returns numpy arrays and phase timings.
+
+    The description is recognition's own (:func:`scanforest.kernels.recognition.describe`):
+    points without a normal (fewer than 3 neighbours) are left out of keypoints and SHOT
+    support, so a scene described here with the parameters recognition uses
+    (:func:`scanforest.tasks.recognize.describe_params_for`) is recognised from these arrays
+    exactly as :func:`~scanforest.kernels.recognition.recognize` would describe it."""
+    from scanforest.kernels.recognition.library import _Timer, describe
 
     dev = resolve_device(device) if device == "auto" else resolve_device(device, points)
-    timings = {}
-    t = time.perf_counter()
     if dev == "gpu":
         import cupy as cp
 
         pts = cp.asarray(points, dtype=cp.float32)
     else:
         pts = np.asarray(points, dtype=np.float32)
-    if params.normal_radius is not None:
-        nrm, _ = normals(pts, radius=params.normal_radius, device=dev)
-    else:
-        nrm, _ = normals(pts, k=params.normal_k, device=dev)
-    timings["normals"] = time.perf_counter() - t
-    t = time.perf_counter()
-    kp = keypoints(pts, radius=params.keypoint_radius, device=dev)
-    timings["keypoints"] = time.perf_counter() - t
-    t = time.perf_counter()
-    desc, frames = shot(pts, nrm, kp, params.shot_radius, approximate=params.approximate, device=dev)
+    timer = _Timer(dev == "gpu")
+    d = describe(pts, normal_k=params.normal_k, normal_radius=params.normal_radius,
+                 keypoint_radius=params.keypoint_radius, descr_rad=params.shot_radius,
+                 viewpoint=params.camera, approximate=params.approximate, device=dev, timer=timer)
     # pinned device-to-host copies (several times faster than pageable ones for SHOT's 1.4 kB rows)
-    out = {"est_normals": to_host(nrm.astype(np.float32, copy=False)),
-           "kp_index": to_host(kp.astype(np.int64, copy=False)),
-           "kp_frames": to_host(frames.astype(np.float32, copy=False)),
-           "kp_shot": to_host(desc.astype(np.float32, copy=False))}
-    timings["shot"] = time.perf_counter() - t
-    return {"arrays": out, "timings": timings, "device": dev}
+    out = {"est_normals": to_host(d["normals"].astype(np.float32, copy=False)),
+           "kp_index": to_host(d["keypoints"].astype(np.int64, copy=False)),
+           "kp_frames": to_host(d["frames"].astype(np.float32, copy=False)),
+           "kp_shot": to_host(d["descriptors"].astype(np.float32, copy=False))}
+    timer.lap("shot")  # the copies count with SHOT, as before
+    return {"arrays": out, "timings": dict(timer.t), "device": dev}
 
 
 def describe_scan(store_path: str, scan_id: str, params: DescribeParams, *, device: str = "auto",

@@ -7,7 +7,14 @@ Layout::
         ref_scan    (N,)   int32     which reference scan each row came from (index into attrs.scans)
         ref_row     (N,)   int64     the row within that scan's descriptor array (keypoint number)
         shard_<i>/  perm child split_dim split_val start end lo hi  (the tree of shard i, built once)
-      attrs: params, shards [[start, stop], ...], n, d, content_hash, scans, complete
+      attrs: params, shards [[start, stop], ...], n, d, content_hash, scans, complete,
+             library {name, content_hash} (an index over a model library, see below)
+
+The reference is either the SHOT rows of reference scans (their describe stage) or a model
+library's (:func:`collect_library_reference`: ``ModelLibrary.reference()``, in order, so a
+search's id ``i`` is library row ``library.valid_rows[i]``, ``ref_scan`` the model and
+``ref_row`` the library row). The recognize stage uses the matches against an index over its
+own library instead of matching again.
 
 The content hash covers the reference bytes and the parameters; building again with the same
 reference and parameters is a no-op, and a change rebuilds. Workers load their shard (the rows
@@ -73,13 +80,41 @@ def collect_reference(store: ScanStore, scans: list[str], array: str = "kp_shot"
     return np.concatenate(refs), np.concatenate(sid), np.concatenate(rows)
 
 
+def collect_library_reference(store: ScanStore, library: str):
+    """The reference of an index over the stored model library ``library``: its finite descriptor
+    rows in library order (``ModelLibrary.reference()``; read without loading the rest of it).
+
+    Returns ``reference, ref_scan, ref_row, scans, source``: ``ref_scan`` the model of each row
+    (an index into ``scans``, the library's model scans in its order), ``ref_row`` its library
+    row (``valid_rows``), ``source`` ``{"name", "content_hash"}`` of the library (recorded in the
+    index's attributes)."""
+    libs = store.root["libraries"] if "libraries" in store.root else None
+    if libs is None or library not in libs or not libs[library].attrs.get("complete"):
+        raise InputError(f"{store.path}: no complete model library {library!r} (build it first: "
+                         "`scanforest recognize` or the archive flow builds it)")
+    g = libs[library]
+    desc = g["descriptors"][...].astype(np.float32, copy=False)
+    rows = np.flatnonzero(np.isfinite(desc).all(axis=1))  # = ModelLibrary.valid_rows
+    if len(rows) == 0:
+        raise InputError(f"{store.path}: model library {library!r} has no finite descriptor")
+    attrs = dict(g.attrs)
+    scans = list(attrs.get("model_scans") or attrs.get("names") or [])
+    ref_scan = np.asarray(g["model_id"][...], np.int32)[rows]
+    return (np.ascontiguousarray(desc[rows]), ref_scan, rows.astype(np.int64), scans,
+            {"name": library, "content_hash": attrs["content_hash"]})
+
+
 def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: int = 1,
                 params: dict[str, Any] | None = None, ref_scan=None, ref_row=None, scans=None,
-                build_trees: bool = True, device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
+                build_trees: bool = True, device: str = "cpu", dtype: str = "float32",
+                library: dict[str, str] | None = None) -> dict[str, Any]:
     """Write ``reference`` as a sharded index ``name`` (no-op if the content hash matches).
 
     The hash covers the rows and the forest parameters, the split rule of the trees included
     when ``params`` leave it to the default, so a changed default rebuilds the index once.
+    ``library`` (``{"name", "content_hash"}``, from :func:`collect_library_reference`) names the
+    model library the rows came from; it is recorded in the attributes and hashed too, so the
+    index of a rebuilt library is a new index even where its rows did not change.
 
     ``dtype="float16"`` stores the rows in half precision (half the disk and host memory;
     e.g. 100M SHOT352 rows are 70 GB instead of 141 GB). The trees are built on, and searches
@@ -106,8 +141,11 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
     if not _all_finite(reference):
         raise InputError("reference has NaN or infinite rows; drop them first")
     ranges = shard_ranges(reference.shape[0], shards)
-    digest = content_hash(reference, {**params, "shards": shards} if dtype == "float32"
-                          else {**params, "shards": shards, "dtype": dtype})
+    hashed = {**params, "shards": shards} if dtype == "float32" else {**params, "shards": shards, "dtype": dtype}
+    if library is not None:
+        library = {"name": str(library["name"]), "content_hash": str(library["content_hash"])}
+        hashed["library"] = library
+    digest = content_hash(reference, hashed)
     idx = store.root.require_group("indexes")
     if name in idx and idx[name].attrs.get("complete") and idx[name].attrs.get("content_hash") == digest:
         return {"name": name, "status": "unchanged", "content_hash": digest, "n": int(reference.shape[0])}
@@ -140,7 +178,7 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
     g.attrs.update({"params": _jsonable(params), "shards": [list(r) for r in ranges], "n": int(reference.shape[0]),
                     "d": int(reference.shape[1]), "dtype": dtype, "content_hash": digest, "scans": list(scans or []),
                     "build_seconds": build_s, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "complete": True})
+                    **({"library": library} if library is not None else {}), "complete": True})
     return {"name": name, "status": "built", "content_hash": digest, "n": int(reference.shape[0]),
             "shards": len(ranges), "seconds": time.perf_counter() - t0, "tree_seconds": build_s}
 

@@ -10,7 +10,17 @@ Layout::
         det_pose     (D, 4, 4) float64  model -> scene
         det_score    (D,)      float32  verified inlier fraction
         det_inliers  (D,)      int32
-        attrs.stages.recognize: library, content_hash, params, detections [...], timings, evaluation
+        attrs.stages.recognize: library, content_hash, params, inputs, source, reason,
+                                detections [...], timings, evaluation
+
+One pipeline: a scene that the describe stage described with the parameters recognition uses
+(:func:`describe_params_for`) and the match stage matched against an index built over this
+library (``index build --library``, with enough neighbours) is recognised from those stored
+arrays (``source: "stored"``): no second description, no second brute-force match. Any other
+scene is described and matched here as :func:`~scanforest.kernels.recognition.recognize` does
+(``source: "recomputed"``, with the reason). The stage's key holds the identities of the describe
+and match records it used (``inputs``), so a scene described or matched again is recognised
+again.
 """
 from __future__ import annotations
 
@@ -24,7 +34,7 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError
 
-from .store import ScanStore, _jsonable
+from .store import ScanStore, _jsonable, stage_digest
 
 LIBRARY_KEYS = ("model_ss", "descr_rad", "rf_rad", "normal_k", "normal_radius", "verify_leaf", "views")
 
@@ -68,12 +78,113 @@ def build_library(store_path: str, model_scans: list[str], *, name: str = "defau
             "reference_descriptors": int(len(lib.descriptors)), "seconds": time.perf_counter() - t0}
 
 
-def library_hash(store_path: str, name: str) -> str:
+def library_attrs(store_path: str, name: str) -> dict[str, Any]:
+    """The attributes of the complete library ``name`` (names, params, model_scans, content_hash)."""
     st = ScanStore(store_path, mode="r")
     libs = st.root["libraries"] if "libraries" in st.root else None
     if libs is None or name not in libs or not libs[name].attrs.get("complete"):
         raise InputError(f"{store_path}: no complete model library {name!r} (build it first)")
-    return libs[name].attrs["content_hash"]
+    return dict(libs[name].attrs)
+
+
+def library_hash(store_path: str, name: str) -> str:
+    return library_attrs(store_path, name)["content_hash"]
+
+
+def _library_descr_rad(library_params: dict[str, Any] | None) -> float:
+    """The library's SHOT radius (``ModelLibrary.build``'s default when not given), the radius
+    recognition describes scenes with unless its ``descr_rad`` says otherwise."""
+    import inspect
+
+    from scanforest.kernels.recognition import ModelLibrary
+
+    v = (library_params or {}).get("descr_rad")
+    return float(inspect.signature(ModelLibrary.build).parameters["descr_rad"].default if v is None else v)
+
+
+def describe_params_for(recognize_params: dict[str, Any] | None, library_params: dict[str, Any] | None):
+    """The :class:`~scanforest.tasks.describe.DescribeParams` of the description recognition makes
+    of a scene with these recognition parameters (a dict of ``RecognizeParams`` fields) and a
+    library with these parameters (its ``params``, or the ones it is built with): normals as
+    ``normal_k``/``normal_radius`` towards ``viewpoint``, keypoints at ``scene_ss``, SHOT at
+    ``descr_rad`` (default: the library's), exact. A scene described with them is recognised
+    from its stored description."""
+    from scanforest.kernels.recognition import RecognizeParams
+
+    from .describe import DescribeParams
+
+    p = RecognizeParams().replace(**(recognize_params or {}))
+    descr_rad = float(p.descr_rad) if p.descr_rad is not None else _library_descr_rad(library_params)
+    return DescribeParams(normal_k=None if p.normal_radius else int(p.normal_k),
+                          normal_radius=float(p.normal_radius) if p.normal_radius else None,
+                          keypoint_radius=float(p.scene_ss), shot_radius=descr_rad, approximate=False,
+                          viewpoint=p.viewpoint)
+
+
+def description_key(rec: dict[str, Any]) -> dict[str, Any]:
+    """What a describe record's (or ``DescribeParams.as_dict()``) parameters compute, in a form that
+    compares equal exactly when two descriptions are the same (normals by radius or by k)."""
+    r = rec.get("normal_radius")
+    kr = rec.get("keypoint_radius")
+    return {"normals": f"radius {float(r)}" if r else f"k {rec.get('normal_k')}",
+            "keypoint_radius": None if kr is None else float(kr),
+            "shot_radius": float(rec.get("shot_radius")),
+            "approximate": bool(rec.get("approximate", False)),
+            "viewpoint": [float(v) for v in (rec.get("viewpoint") or (0.0, 0.0, 0.0))]}
+
+
+def stored_inputs(st: ScanStore, scan_id: str, library: str, lib_attrs: dict[str, Any],
+                  params: dict[str, Any] | None) -> dict[str, Any]:
+    """Whether the scan's stored description and matches are what recognition with ``params``
+    against the library (``lib_attrs``) would compute. Reads stage records and attributes only.
+
+    Returns ``{"fits": bool, "reason": why not (or None), "describe": digest of the describe
+    record, "match": digest of the match record}``."""
+    from scanforest.kernels.recognition import RecognizeParams
+
+    from .index import index_attrs
+
+    p = RecognizeParams().replace(**(params or {}))
+
+    def unfit(reason: str) -> dict[str, Any]:
+        return {"fits": False, "reason": reason, "describe": None, "match": None}
+
+    drec = st.stage(scan_id, "describe")
+    if drec is None:
+        return unfit("the scan is not described")
+    want = description_key(describe_params_for(params, lib_attrs.get("params")).as_dict())
+    have = description_key(drec)
+    diff = [f"{k} {have[k]} (recognition: {want[k]})" for k in want if have[k] != want[k]]
+    if diff:
+        return unfit("described with other parameters: " + ", ".join(diff))
+    n_points = (st.attrs(scan_id).get("arrays", {}).get("points") or {}).get("shape", [None])[0]
+    d_arrays = drec.get("arrays", {})
+    if (d_arrays.get("est_normals") or {}).get("shape", [None])[0] != n_points:
+        return unfit("the description does not cover the scan's points")
+    mrec = st.stage(scan_id, "match")
+    if mrec is None:
+        return unfit("the scan is not matched")
+    d_digest = stage_digest(drec)
+    if mrec.get("describe") != d_digest:
+        return unfit("the matches are older than the description (the scan was described again)")
+    name = mrec.get("index")
+    try:
+        iattrs = index_attrs(st.path, name)
+    except InputError:
+        return unfit(f"index {name!r} of the matches is gone")
+    src = iattrs.get("library") or {}
+    if src.get("name") != library or src.get("content_hash") != lib_attrs.get("content_hash"):
+        return unfit(f"matched against index {name!r}, which is not built over this library "
+                     f"({library!r} as it is now)")
+    if iattrs.get("content_hash") != mrec.get("content_hash"):
+        return unfit(f"index {name!r} was rebuilt since the scan was matched")
+    need = int(p.match_k) + (1 if p.ratio is not None else 0)
+    if int(mrec.get("k", 0)) < need:
+        return unfit(f"matched with k={mrec.get('k')}; recognition needs {need} neighbours")
+    rows = (mrec.get("arrays", {}).get("match_ids") or {}).get("shape", [None])[0]
+    if rows != (d_arrays.get("kp_shot") or {}).get("shape", [None])[0]:
+        return unfit("the matches do not cover the scan's descriptors")
+    return {"fits": True, "reason": None, "describe": d_digest, "match": stage_digest(mrec)}
 
 
 @functools.lru_cache(maxsize=4)
@@ -92,23 +203,38 @@ def load_library(store_path: str, name: str):
 
 def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str, Any], *,
                    device: str = "auto", force: bool = False) -> dict[str, Any]:
-    """Recognise the library's models in one stored scene; writes the detections (skips when done)."""
+    """Recognise the library's models in one stored scene; writes the detections (skips when done).
+
+    From the scene's stored description and matches when they fit (:func:`stored_inputs`),
+    otherwise by describing and matching it here (the record's ``source`` and ``reason`` say
+    which and why)."""
     from scanforest.kernels.backend import resolve_device
-    from scanforest.kernels.recognition import evaluate, recognize
+    from scanforest.kernels.recognition import recognize
 
     t0 = time.perf_counter()
     st = ScanStore(store_path)
-    digest = library_hash(store_path, library)
-    key = {"library": library, "content_hash": digest, "params": _jsonable(params)}
+    lib_attrs = library_attrs(store_path, library)
+    digest = lib_attrs["content_hash"]
+    plan = stored_inputs(st, scan_id, library, lib_attrs, params)
+    key = {"library": library, "content_hash": digest, "params": _jsonable(params),
+           "inputs": {"describe": plan["describe"], "match": plan["match"]} if plan["fits"] else None}
     if not force and st.has_stage(scan_id, "recognize", **key):
-        rec = st.attrs(scan_id)["stages"]["recognize"]
+        rec = st.stage(scan_id, "recognize")
         return {"scan_id": scan_id, "status": "skipped", "detections": len(rec.get("detections", [])),
-                "evaluation": rec.get("evaluation"), "seconds": time.perf_counter() - t0}
+                "evaluation": rec.get("evaluation"), "source": rec.get("source"),
+                "seconds": time.perf_counter() - t0}
     lib = load_library(store_path, library)
-    cloud = st.read_cloud(scan_id)
     dev = resolve_device(device)
-    t_io = time.perf_counter() - t0
-    dets = recognize(cloud.points.astype(np.float32), lib, device=dev, **params)
+    meta = st.attrs(scan_id)
+    if plan["fits"]:
+        scene = _stored_scene(st, scan_id, lib, params)
+        t_io = time.perf_counter() - t0
+        dets = _recognize_stored(scene, lib, params, dev)
+        dets.timings["matching"] = dets.timings.get("matching", 0.0) + scene["seconds"]
+    else:
+        pts = st.read(scan_id, "points")
+        t_io = time.perf_counter() - t0
+        dets = recognize(pts.astype(np.float32), lib, device=dev, **params)
     n = len(dets)
     arrays = {
         "det_model": np.array([d.model_id for d in dets], np.int32),
@@ -116,25 +242,67 @@ def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str
         "det_score": np.array([d.score for d in dets], np.float32),
         "det_inliers": np.array([d.inliers for d in dets], np.int32),
     }
-    evaluation = None
-    gt = cloud.meta.get("ground_truth")
-    if gt is not None:
-        # ground truth ids refer to the synthetic library order; map them through the model names
-        name_to_id = {n.split("__")[-1].rsplit(".", 1)[0]: i for i, n in enumerate(lib.names)}
-        truth = [{"model_id": name_to_id.get(g.get("model"), g["model_id"]), "pose": g["pose"]} for g in gt]
-        res = float(np.median(lib.resolutions))
-        ev = evaluate(dets, truth, max_translation=10 * res)
-        evaluation = {k: ev[k] for k in ("tp", "fp", "fn")}
-        evaluation.update(rotation_errors=ev["rotation_errors"], translation_errors=ev["translation_errors"],
-                          resolution=res)
+    evaluation = _evaluate(dets, meta.get("ground_truth"), lib)
     timings = dict(getattr(dets, "timings", {}) or {})
     timings["io"] = t_io
+    source = "stored" if plan["fits"] else "recomputed"
     st.write_stage(scan_id, "recognize", arrays,
-                   {**key, "detections": [d.as_dict() | {"model_name": d.model} for d in dets],
+                   {**key, "source": source, "reason": plan["reason"],
+                    "detections": [d.as_dict() | {"model_name": d.model} for d in dets],
                     "timings": timings, "evaluation": evaluation, "device": dev,
                     "seconds": time.perf_counter() - t0})
     return {"scan_id": scan_id, "status": "recognized", "detections": n, "evaluation": evaluation,
-            "timings": timings, "seconds": time.perf_counter() - t0}
+            "source": source, "reason": plan["reason"], "timings": timings, "seconds": time.perf_counter() - t0}
+
+
+def _stored_scene(st: ScanStore, scan_id: str, lib, params: dict[str, Any]) -> dict[str, Any]:
+    """The scene as the describe and match stages stored it, and its correspondences from the
+    stored top-P (``from_neighbours``: the filters of ``match``). The points are the stored ones,
+    as float32: exactly what the describe stage described."""
+    from scanforest.kernels.recognition import RecognizeParams, from_neighbours
+
+    p = RecognizeParams().replace(**(params or {}))
+    pts = np.ascontiguousarray(st.read(scan_id, "points"), dtype=np.float32)
+    desc = st.read(scan_id, "kp_shot")
+    out = {"points": pts, "normals": st.read(scan_id, "est_normals"), "keypoints": st.read(scan_id, "kp_index"),
+           "frames": st.read(scan_id, "kp_frames")}
+    ids, dist = st.read(scan_id, "match_ids"), st.read(scan_id, "match_dist")
+    t = time.perf_counter()
+    ok = np.flatnonzero(np.isfinite(desc).all(axis=1))  # the rows the match stage searched
+    out["correspondences"] = from_neighbours(ok, dist[ok], ids[ok], lib, k=p.match_k, max_dist2=p.max_dist2,
+                                             ratio=p.ratio)
+    out["seconds"] = time.perf_counter() - t
+    return out
+
+
+def _recognize_stored(scene: dict[str, Any], lib, params: dict[str, Any], dev: str):
+    """Grouping, verification and refinement of a stored scene (``recognize_described``); Hough's
+    frames are the stored SHOT frames when its radius is SHOT's (as ``recognize`` takes them)."""
+    from scanforest.kernels.recognition import RecognizeParams, recognize_described
+
+    p = RecognizeParams().replace(**(params or {}))
+    descr_rad = float(p.descr_rad) if p.descr_rad is not None else _library_descr_rad(lib.params)
+    rf_rad = float(lib.params.get("rf_rad", 0.015) if p.rf_rad is None else p.rf_rad)
+    rf = scene["frames"] if p.method == "hough" and abs(rf_rad - descr_rad) < 1e-12 else None
+    return recognize_described(scene["points"], lib, normals=scene["normals"], keypoints=scene["keypoints"],
+                               rf=rf, correspondences=scene["correspondences"], device=dev, **params)
+
+
+def _evaluate(dets, gt, lib) -> dict[str, Any] | None:
+    """tp/fp/fn and pose errors against a synthetic scene's ground truth (None without one)."""
+    from scanforest.kernels.recognition import evaluate
+
+    if gt is None:
+        return None
+    # ground truth ids refer to the synthetic library order; map them through the model names
+    name_to_id = {n.split("__")[-1].rsplit(".", 1)[0]: i for i, n in enumerate(lib.names)}
+    truth = [{"model_id": name_to_id.get(g.get("model"), g["model_id"]), "pose": g["pose"]} for g in gt]
+    res = float(np.median(lib.resolutions))
+    ev = evaluate(dets, truth, max_translation=10 * res)
+    evaluation = {k: ev[k] for k in ("tp", "fp", "fn")}
+    evaluation.update(rotation_errors=ev["rotation_errors"], translation_errors=ev["translation_errors"],
+                      resolution=res)
+    return evaluation
 
 
 def detections_table(store_path: str, scans: list[str] | None = None):

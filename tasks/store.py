@@ -350,6 +350,14 @@ class ScanStore:
             stages[stage] = {**_jsonable(attrs or {}), "arrays": promised, "written": _now()}
             grp.attrs["stages"] = stages
 
+    def stage(self, scan_id: str, stage: str) -> dict[str, Any] | None:
+        """The record of ``stage`` for this scan (None when the stage was not written)."""
+        try:
+            rec = self._scan(scan_id).attrs.get("stages", {}).get(stage)
+        except InputError:
+            return None
+        return None if rec is None else dict(rec)
+
     def has_stage(self, scan_id: str, stage: str, **params) -> bool:
         """True when ``stage`` was completely written for this scan (with these params, if given)."""
         try:
@@ -557,6 +565,16 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     return obj
+
+
+def stage_digest(record: dict[str, Any] | None) -> str | None:
+    """The identity of one stage record (None for none): a digest of the whole record, its
+    write time and timings included, so a stage written again, even with the same parameters,
+    has a new one. A later stage that used this one's arrays records it, and finds out that
+    they changed since."""
+    if record is None:
+        return None
+    return hashlib.sha256(json.dumps(_jsonable(record), sort_keys=True).encode()).hexdigest()[:20]
 
 
 def iter_chunks(n: int, size: int) -> Iterable[slice]:

@@ -87,27 +87,39 @@ def test_committed_prefect_yaml_is_generated_from_the_table():
 
 
 def test_archive_flow_runs_every_stage_and_resumes(tmp_path):
+    """One pipeline: the library is built first, the scenes are described as recognition describes
+    them and matched against an index over the library, and recognition takes both from the store."""
     from scanforest.flows._runner import ensure_prefect_api
     from scanforest.flows.archive import archive_flow
     from scanforest.kernels.synthetic.scenes import recognition_presets
+    from scanforest.tasks.index import index_attrs
+    from scanforest.tasks.recognize import library_hash
     from scanforest.tasks.store import ScanStore
     from scanforest.tasks.synth import write_archive
 
     write_archive(tmp_path / "arch", n_models=2, n_scenes=2, points_per_scene=12_000, points_per_model=3_000)
     store = str(tmp_path / "s.zarr")
     lib_params, rec_params = recognition_presets("cpu", 12_000)
-    kw = dict(store=store, describe={"normal_k": 10, "keypoint_radius": 0.02, "shot_radius": 0.04},
-              index_params={"method": "exact"}, library_params=lib_params, recognize=rec_params,
+    kw = dict(store=store, index_params={"method": "exact"}, library_params=lib_params, recognize=rec_params,
               device="cpu", workers=1, progress=False)
     ensure_prefect_api()
     first = archive_flow(source=str(tmp_path / "arch"), **kw)
-    assert first["ingest"]["ingested"] == 4 and first["describe"]["described"] == 4
+    assert first["ingest"]["ingested"] == 4 and first["library"]["status"] == "built"
+    assert first["describe"]["described"] == 2  # the scenes: the library describes the models
     assert first["match"]["matched"] == 2 and first["recognize"]["recognized"] == 2
+    assert first["recognize"]["from_stored"] == 2 and first["recognize"]["recomputed"] == 0
+    assert index_attrs(store, "models")["library"] == {"name": "default",
+                                                       "content_hash": library_hash(store, "default")}
     st = ScanStore(store, mode="r")
     for sid in ("scenes__scene_0000.pcd", "scenes__scene_0001.pcd"):
-        assert st.has_stage(sid, "match") and st.has_stage(sid, "recognize")
+        assert st.has_stage(sid, "match") and st.stage(sid, "recognize")["source"] == "stored"
+        assert st.stage(sid, "describe")["keypoint_radius"] == rec_params["scene_ss"]
     again = archive_flow(**kw)  # nothing new: every stage finds its work done
     assert "ingest" not in again and again["describe"]["described"] == 0
     assert again["match"]["matched"] == 0 and again["recognize"]["skipped"] == 2
+    with pytest.raises(InputError, match="describes scenes as recognition does; describe= asks for keypoint_radius"):
+        archive_flow(**{**kw, "describe": {"keypoint_radius": 0.05}})
+    with pytest.raises(InputError, match="fewer than recognition uses"):
+        archive_flow(**{**kw, "k": 1})
     with pytest.raises(InputError, match="matches the models pattern"):
         archive_flow(**{**kw, "models": "nothing__*"})

@@ -48,8 +48,9 @@ def test_readme_demo_command_on_a_fresh_machine(cold_env, tmp_path):
 def test_pcl_clouds_through_every_stage_and_the_report(cold_env, tmp_path, pcl_dir):
     """PCL's test clouds: ingest (the folder's README.md is not a failure) -> describe -> index
     build -> match -> recognize -> report. The milk carton is found once in PCL's tutorial scene
-    at the identity (the model was cut out of that scene), as PCL's own tutorial finds it; the
-    report opens in headless Chromium."""
+    at the identity (the model was cut out of that scene), as PCL's own tutorial finds it; found
+    again, equally, from the stored description and matches once the scene is matched against an
+    index over the library; the report opens in headless Chromium."""
     store = str(tmp_path / "pcl.zarr")
     out = _ok(sf("ingest", str(pcl_dir), store, "--json", env=cold_env, cwd=tmp_path))
     import json
@@ -71,6 +72,19 @@ def test_pcl_clouds_through_every_stage_and_the_report(cold_env, tmp_path, pcl_d
     det = ScanStore(store, mode="r").attrs(scene)["stages"]["recognize"]["detections"]
     pose = np.asarray(det[0]["pose"])
     assert np.abs(pose[:3, :3] - np.eye(3)).max() < 0.02 and np.abs(pose[:3, 3]).max() < 0.005, pose
+    # its matches are against an index over the scan milk.pcd, not over the library: described and matched again
+    assert rc["recomputed"] == 1 and rc["from_stored"] == 0, rc
+    # one pipeline: an index over the library that recognize built, the scene matched against it, and
+    # recognize takes the stored description (the describe defaults are recognize's) and matches
+    _ok(sf("index", "build", store, "--library", "default", "--name", "lib", "--method", "exact",
+           env=cold_env, cwd=tmp_path))
+    _ok(sf("match", store, "--name", "lib", "-q", scene, env=cold_env, cwd=tmp_path))
+    rc = json.loads(_ok(sf("recognize", store, "-m", "milk.pcd", "-s", scene, "--json", env=cold_env,
+                           cwd=tmp_path)))
+    assert rc["recognized"] == 1 and rc["from_stored"] == 1 and rc["detections"] == 1, rc
+    again = ScanStore(store, mode="r").attrs(scene)["stages"]["recognize"]["detections"]
+    np.testing.assert_allclose(np.asarray(again[0]["pose"]), pose, atol=1e-6)
+    assert again[0]["inliers"] == det[0]["inliers"]
     info = _ok(sf("info", store, env=cold_env, cwd=tmp_path))
     assert "recognize 1" in info and "describe 2" in info
     html = tmp_path / "report.html"

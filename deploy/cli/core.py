@@ -149,41 +149,48 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
 
 def _demo_stages(store: Path, device: str) -> None:
-    """Later stages of the demo on the ingested store."""
+    """Later stages of the demo on the ingested store: one pipeline, as the archive flow runs it
+    (the library first, the scenes described as recognition describes them and matched against an
+    index over the library, recognition from those stored outputs)."""
     from scanforest.flows.describe import run_describe
-    from scanforest.tasks.describe import DescribeParams
+    from scanforest.flows.match import run_index_build, run_match
+    from scanforest.flows.recognize import run_recognize
+    from scanforest.kernels.backend import resolve_device
+    from scanforest.kernels.synthetic.scenes import recognition_presets
+    from scanforest.tasks.recognize import build_library, describe_params_for
     from scanforest.tasks.store import ScanStore
 
     info = ScanStore(str(store), mode="r").info()
     typer.echo(f"store {store}: {info['scans']} scans, {info['points']:,} points, "
                f"{info['quarantined']} quarantined")
-    # synthetic models are ~0.15-0.25 m across
-    params = DescribeParams(normal_k=10, keypoint_radius=0.02, shot_radius=0.04)
-    d = run_describe(str(store), params=params, device=device)
-    typer.echo(f"describe: {d['described']} scans described ({d['skipped']} already done), "
-               f"{d['keypoints']:,} keypoints with SHOT352 in {d['seconds']:.1f} s on {d['workers']} workers")
-    from scanforest.flows.match import run_index_build, run_match
-
     st = ScanStore(str(store), mode="r")
     models = [s for s in st.scans() if s.startswith("models__")]
-    b = run_index_build(str(store), models, name="models", shards=2,
+    scenes = [s for s in st.scans() if not s.startswith("models__")]
+    lib_params, rec_params = recognition_presets(resolve_device(device))
+    t0 = time.perf_counter()
+    lib = build_library(str(store), models, name="demo", params=lib_params, device=device)
+    typer.echo(f"library 'demo': {len(models)} models described through rendered views "
+               f"({lib['status']}, {time.perf_counter() - t0:.1f} s)")
+    # the scenes, with the parameters recognition describes them with (synthetic models are ~0.15-0.25 m across)
+    d = run_describe(str(store), scans=scenes, params=describe_params_for(rec_params, lib_params), device=device)
+    typer.echo(f"describe: {d['described']} scenes described ({d['skipped']} already done), "
+               f"{d['keypoints']:,} keypoints with SHOT352 in {d['seconds']:.1f} s on {d['workers']} workers")
+    b = run_index_build(str(store), None, library="demo", name="models", shards=2,
                         params={"method": "exact"})  # a few thousand rows: brute force wins
-    typer.echo(f"index 'models': {b['n']:,} reference descriptors from {len(models)} models, "
+    typer.echo(f"index 'models': {b['n']:,} reference descriptors of the library 'demo', "
                f"{b.get('shards', 2)} shards ({b['status']})")
     m = run_match(str(store), k=4, name="models", device=device, progress=True)
     typer.echo(f"match: {m['queries']:,} scene descriptors x top-{m['k']} over {m['shards']} shards "
                f"on {m['workers']} workers in {m['seconds']:.1f} s")
-    from scanforest.flows.recognize import run_recognize
-    from scanforest.kernels.backend import resolve_device
-    from scanforest.kernels.synthetic.scenes import recognition_presets
-
-    lib_params, rec_params = recognition_presets(resolve_device(device))
     r = run_recognize(str(store), models, library="demo", device=device, progress=True, render=False,
                       library_params=lib_params, params=rec_params)
     pr = (f"precision {r['precision']:.2f}, recall {r['recall']:.2f} against the ground truth"
           if "precision" in r else "no ground truth")
     typer.echo(f"recognize: {r['scenes']} scenes, {r.get('detections', 0)} detections of {len(models)} models "
                f"in {r['scenes_seconds']:.1f} s on {r['workers']} workers; {pr}")
+    typer.echo(f"recognize: {r['from_stored']} scenes from their stored description and matches, "
+               f"{r['recomputed']} described and matched again"
+               + "".join(f"; {n}: {why}" for why, n in r.get("recompute_reasons", {}).items()))
     failed = d.get("failures", []) + r.get("failures", [])
     for f in failed:
         typer.secho(f"failed: {f['scan_id']}: {f['reason']}", fg=typer.colors.RED, err=True)

@@ -58,8 +58,13 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     @index_app.command("build")
     def index_build(
         store: str = typer.Argument(..., help="The Zarr scan store."),
-        reference: list[str] = typer.Option(..., "--reference", "-r",
-                                            help="Reference scan ids or glob patterns on ids (repeatable), e.g. 'models__*'."),
+        reference: Optional[list[str]] = typer.Option(
+            None, "--reference", "-r",
+            help="Reference scan ids or glob patterns on ids (repeatable), e.g. 'models__*'."),
+        library: Optional[str] = typer.Option(
+            None, "--library", "-l",
+            help="Index the model library NAME of the store instead of scans (the rows recognition matches "
+                 "against: `recognize` then uses this index's matches instead of matching again)."),
         name: str = typer.Option("default", help="Index name."),
         shards: str = typer.Option("1", help="Shards (one per GPU worker), or 'auto': one per local GPU, "
                                    "checked against their memory before anything is written."),
@@ -73,15 +78,19 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         device: str = DeviceOpt,
         as_json: bool = JsonOpt,
     ):
-        """Build a sharded KD-forest index over the SHOT descriptors of the reference scans (kept when unchanged)."""
+        """Build a sharded KD-forest index over the SHOT descriptors of the reference scans, or of a model
+        library (kept when unchanged)."""
         from scanforest.flows.match import check_index_build, run_index_build
+        from scanforest.kernels.errors import InputError
 
-        chosen = _pick(store, reference, "--reference")
+        if (library is None) == (not reference):
+            raise InputError("give the index's reference: --reference SCANS or --library NAME (one of them)")
+        chosen = _pick(store, reference, "--reference") if reference else None
         params = {"method": method, "leaf_size": leaf_size, "backtracks": backtracks,
                   "random_dims": random_dims, "seed": seed}
-        check_index_build(store, chosen, shards, params, dtype)
+        check_index_build(store, chosen, shards, params, dtype, library=library)
         res = run_index_build(store, chosen, name=name, params=params, device=choose_device(device),
-                              shards=shards if shards == "auto" else int(shards), dtype=dtype)
+                              shards=shards if shards == "auto" else int(shards), dtype=dtype, library=library)
         print_summary(f"index {name!r} in {store}", res, as_json=as_json)
 
     @app.command("match")
@@ -171,7 +180,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                             params=params, device=dev, scheduler=scheduler, workers=workers, export=export,
                             progress=not as_json)
         print_summary(f"recognize in {store}", res, as_json=as_json,
-                      keys=("scenes", "recognized", "skipped", "failed", "detections", "precision", "recall",
-                            "seconds", "workers"))
+                      keys=("scenes", "recognized", "skipped", "failed", "detections", "from_stored", "recomputed",
+                            "precision", "recall", "seconds", "workers"))
+        if not as_json:
+            for reason, n in res.get("recompute_reasons", {}).items():
+                typer.echo(f"described and matched again ({n} scene{'s' if n != 1 else ''}): {reason}")
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))

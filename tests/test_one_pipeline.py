@@ -1,0 +1,214 @@
+"""One pipeline (issue 24): the recognize stage takes a scene's description and matches from the
+describe and match stages (an index built over the model library) instead of describing and
+matching it again, and gives the detections of ``sf.recognize``; a scene whose stored outputs
+do not fit is recognised from its points, and a scene described or matched again is recognised
+again."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scanforest.kernels.errors import InputError
+from scanforest.kernels.recognition import recognize
+from scanforest.kernels.synthetic import scenes as S
+from scanforest.tasks import index as idx
+from scanforest.tasks.describe import DescribeParams, describe_scan
+from scanforest.tasks.recognize import (build_library, describe_params_for, library_attrs, load_library,
+                                        recognize_scan, stored_inputs)
+from scanforest.tasks.store import ScanStore
+
+LIB = dict(model_ss=0.01, descr_rad=0.04, rf_rad=0.03, normal_radius=0.015, views=16)
+REC = dict(scene_ss=0.015, method="gc", cg_size=0.02, cg_thresh=5, normal_radius=0.015, inlier_dist=0.008,
+           min_inlier_fraction=0.7, match_k=2)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A store with two model scans, their library 'lib', an exact index 'ix' over the library
+    (two shards), and the scene's points to write under any scan id."""
+    models = S.model_library(2, 6000, seed=3)
+    scene = S.make_scene(models, n_instances=2, n_points=40_000, noise=0.2, clutter=1, seed=5)
+    store = str(tmp_path_factory.mktemp("pipe") / "s.zarr")
+    st = ScanStore(store, create=True)
+    mids = []
+    for m in models:
+        mids.append(f"models__{m.name}")
+        st.write_scan(mids[-1], {"points": m.points, "normals": m.normals}, {"sha256": m.name})
+    build_library(store, mids, name="lib", params=LIB, device="cpu")
+    ref, ref_scan, ref_row, scans, src = idx.collect_library_reference(st, "lib")
+    idx.build_index(store, "ix", ref, shards=2, params={"method": "exact"}, ref_scan=ref_scan, ref_row=ref_row,
+                    scans=scans, library=src)
+    from distributed import Client
+
+    with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=None) as client:
+        yield {"store": store, "scene": scene, "models": mids, "client": client}
+
+
+def _scene(world, sid: str) -> str:
+    gt = [dict(g, pose=np.asarray(g["pose"]).tolist()) for g in world["scene"].ground_truth]
+    ScanStore(world["store"]).write_scan(sid, {"points": world["scene"].points}, {"sha256": sid, "ground_truth": gt})
+    return sid
+
+
+def _match(world, sid: str, k: int = 4, index: str = "ix") -> dict:
+    from scanforest.flows.distributed import DistributedIndex
+    from scanforest.flows.match import _match_batch
+
+    di = DistributedIndex(world["client"], world["store"], index, device="cpu")
+    try:
+        return _match_batch(di, world["store"], [sid], k)[0]
+    finally:
+        di.close()
+
+
+def _want(world, sid: str):
+    st = ScanStore(world["store"], mode="r")
+    return recognize(st.read(sid, "points"), load_library(world["store"], "lib"), device="cpu", **REC)
+
+
+def _same(world, sid: str, want) -> None:
+    st = ScanStore(world["store"], mode="r")
+    assert st.read(sid, "det_model").tolist() == [d.model_id for d in want]
+    assert st.read(sid, "det_inliers").tolist() == [d.inliers for d in want]
+    np.testing.assert_allclose(st.read(sid, "det_pose"), np.array([d.pose for d in want]).reshape(-1, 4, 4),
+                               atol=1e-6)
+
+
+def _describe(world, sid: str, params: DescribeParams | None = None, **kw) -> dict:
+    p = params or describe_params_for(REC, library_attrs(world["store"], "lib")["params"])
+    return describe_scan(world["store"], sid, p, device="cpu", **kw)
+
+
+def test_describe_params_follow_the_recognition_and_library_params():
+    p = describe_params_for(REC, {"descr_rad": 0.04})
+    assert p == DescribeParams(normal_k=None, normal_radius=0.015, keypoint_radius=0.015, shot_radius=0.04)
+    assert "viewpoint" not in p.as_dict()  # the origin: the record scans described before carry
+    q = describe_params_for({"descr_rad": 0.05, "viewpoint": (0, 0, 1)}, {})
+    assert (q.normal_k, q.normal_radius, q.keypoint_radius, q.shot_radius) == (10, None, 0.03, 0.05)
+    assert q.as_dict()["viewpoint"] == (0.0, 0.0, 1.0)
+    assert describe_params_for({}, {}).shot_radius == 0.02  # ModelLibrary.build's default
+    with pytest.raises(InputError, match="scene_ss"):
+        describe_params_for({"scene_ss": -1}, {})
+
+
+def test_index_over_the_library_is_its_reference_in_order(world):
+    st = ScanStore(world["store"], mode="r")
+    lib = load_library(world["store"], "lib")
+    g = st.root["indexes"]["ix"]
+    np.testing.assert_array_equal(g["reference"][...], lib.reference())
+    np.testing.assert_array_equal(g["ref_row"][...], lib.valid_rows)
+    np.testing.assert_array_equal(g["ref_scan"][...], lib.model_id[lib.valid_rows])
+    attrs = idx.index_attrs(world["store"], "ix")
+    assert attrs["library"] == {"name": "lib", "content_hash": library_attrs(world["store"], "lib")["content_hash"]}
+    assert attrs["scans"] == world["models"]
+
+
+def test_recognize_from_the_stored_description_and_matches_equals_recognize(world):
+    sid = _scene(world, "scene_stored")
+    assert _describe(world, sid)["status"] == "described"
+    assert _match(world, sid)["status"] == "matched"
+    res = recognize_scan(world["store"], sid, "lib", REC, device="cpu")
+    assert res["status"] == "recognized" and res["source"] == "stored" and res["reason"] is None
+    want = _want(world, sid)
+    assert len(want) == 2
+    _same(world, sid, want)
+    rec = ScanStore(world["store"], mode="r").stage(sid, "recognize")
+    assert rec["source"] == "stored" and set(rec["inputs"]) == {"describe", "match"}
+    assert res["evaluation"]["tp"] == 2 and res["evaluation"]["fp"] == 0
+    # the stored description is recognition's own: the same keypoints and SHOT rows
+    from scanforest.kernels.recognition import describe
+
+    st = ScanStore(world["store"], mode="r")
+    d = describe(st.read(sid, "points").astype(np.float32), normal_radius=0.015, keypoint_radius=0.015,
+                 descr_rad=0.04, device="cpu")
+    np.testing.assert_array_equal(st.read(sid, "kp_index"), d["keypoints"])
+    np.testing.assert_array_equal(st.read(sid, "kp_shot"), d["descriptors"])
+
+
+def test_a_scene_described_otherwise_is_recognised_from_its_points(world):
+    sid = _scene(world, "scene_other")
+    _describe(world, sid, DescribeParams(normal_k=10, keypoint_radius=0.02, shot_radius=0.04))
+    _match(world, sid)
+    res = recognize_scan(world["store"], sid, "lib", REC, device="cpu")
+    assert res["source"] == "recomputed"
+    assert "described with other parameters" in res["reason"] and "keypoint_radius 0.02" in res["reason"]
+    assert ScanStore(world["store"], mode="r").stage(sid, "recognize")["source"] == "recomputed"
+    _same(world, sid, _want(world, sid))
+
+
+def test_matches_that_do_not_fit_are_not_used(world):
+    st = ScanStore(world["store"])
+    lib = library_attrs(world["store"], "lib")
+    sid = _scene(world, "scene_fit")
+    assert stored_inputs(st, sid, "lib", lib, REC)["reason"] == "the scan is not described"
+    _describe(world, sid)
+    assert stored_inputs(st, sid, "lib", lib, REC)["reason"] == "the scan is not matched"
+    _match(world, sid, k=2)
+    assert stored_inputs(st, sid, "lib", lib, REC)["fits"]
+    why = stored_inputs(st, sid, "lib", lib, {**REC, "ratio": 0.9})["reason"]
+    assert why == "matched with k=2; recognition needs 3 neighbours"
+    # another library (or this one rebuilt): the index is not over it
+    assert "not built over this library" in stored_inputs(st, sid, "other", lib, REC)["reason"]
+    # an index over scans, not over the library
+    ref = st.read(sid, "kp_shot")
+    idx.build_index(world["store"], "scans", ref[np.isfinite(ref).all(axis=1)], params={"method": "exact"},
+                    scans=[sid])
+    _match(world, sid, k=4, index="scans")
+    assert "not built over this library" in stored_inputs(st, sid, "lib", lib, REC)["reason"]
+    res = recognize_scan(world["store"], sid, "lib", REC, device="cpu")
+    assert res["source"] == "recomputed"
+    _same(world, sid, _want(world, sid))
+    # the index rebuilt since the scene was matched
+    _match(world, sid)
+    assert stored_inputs(st, sid, "lib", lib, REC)["fits"]
+    g = st.root["indexes"]["ix"]
+    old = g.attrs["content_hash"]
+    try:
+        g.attrs["content_hash"] = "rebuilt"
+        assert stored_inputs(st, sid, "lib", lib, REC)["reason"] == "index 'ix' was rebuilt since the scan was matched"
+    finally:
+        g.attrs["content_hash"] = old
+
+
+def test_recognize_resumes_and_redoes_a_scene_described_or_matched_again(world):
+    store = world["store"]
+    sid = _scene(world, "scene_resume")
+    _describe(world, sid)
+    _match(world, sid)
+    first = recognize_scan(store, sid, "lib", REC, device="cpu")
+    assert first["status"] == "recognized" and first["source"] == "stored"
+    again = recognize_scan(store, sid, "lib", REC, device="cpu")
+    assert again["status"] == "skipped" and again["source"] == "stored"
+    # described again with other parameters: the matches are stale too; recognised again, from its points
+    _describe(world, sid, DescribeParams(normal_k=10, keypoint_radius=0.02, shot_radius=0.04))
+    redo = recognize_scan(store, sid, "lib", REC, device="cpu")
+    assert redo["status"] == "recognized" and redo["source"] == "recomputed"
+    assert recognize_scan(store, sid, "lib", REC, device="cpu")["status"] == "skipped"
+    # described as recognition describes again: the old matches belong to another description, so
+    # they are not used (and the detections recognised from the points stand)
+    _describe(world, sid)
+    reason = stored_inputs(ScanStore(store), sid, "lib", library_attrs(store, "lib"), REC)["reason"]
+    assert reason == "the matches are older than the description (the scan was described again)"
+    assert recognize_scan(store, sid, "lib", REC, device="cpu")["status"] == "skipped"
+    # matched again (the match stage sees the new description): recognised again, from the store
+    assert _match(world, sid)["status"] == "matched"
+    assert _match(world, sid)["status"] == "skipped"
+    last = recognize_scan(store, sid, "lib", REC, device="cpu")
+    assert last["status"] == "recognized" and last["source"] == "stored"
+    _same(world, sid, _want(world, sid))
+    # described again with the same parameters (forced): a new describe record, recognised again
+    _describe(world, sid, force=True)
+    _match(world, sid)
+    assert recognize_scan(store, sid, "lib", REC, device="cpu")["status"] == "recognized"
+
+
+def test_index_build_refuses_both_or_neither_reference(world):
+    from scanforest.flows.match import check_index_build
+
+    with pytest.raises(InputError, match="not both"):
+        check_index_build(world["store"], ["scene_x"], 1, {}, "float32", library="lib")
+    with pytest.raises(InputError, match="no complete model library 'nope'"):
+        check_index_build(world["store"], None, 1, {}, "float32", library="nope")
+    with pytest.raises(InputError, match="no reference scans"):
+        check_index_build(world["store"], None, 1, {}, "float32")
+    check_index_build(world["store"], None, 1, {}, "float32", library="lib")
