@@ -252,10 +252,20 @@ def to_host(a: Any, *, stream=None) -> np.ndarray:
     import cupy as cp
 
     a = cp.ascontiguousarray(a)
-    mem = cp.cuda.alloc_pinned_memory(a.nbytes)
-    out = np.frombuffer(mem, a.dtype, a.size).reshape(a.shape)
+    out = pinned_empty(a.shape, a.dtype)
     a.get(stream=stream, out=out)
     return out
+
+
+def pinned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised numpy array in page-locked host memory from CuPy's pinned-memory pool
+    (the buffer returns to the pool when the array is freed): the target of fast, and with a
+    stream asynchronous, device-to-host copies."""
+    import cupy as cp
+
+    n = int(np.prod(shape))
+    mem = cp.cuda.alloc_pinned_memory(n * np.dtype(dtype).itemsize)
+    return np.frombuffer(mem, dtype, n).reshape(shape)
 
 
 def describe_device(device: str) -> str:

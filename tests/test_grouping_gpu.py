@@ -89,10 +89,10 @@ def test_gpu_group_gc_equals_cpu_on_unambiguous_groups(rng):
     n_kp = 60
     lib = Lib()
     lib.kp_coords = rng.uniform(-0.1, 0.1, (2 * n_kp, 3))
-    skp, rows, mids = [], [], []
+    skp, rows = [], []
     for inst in range(2):
         T = S.pose_matrix(S.random_rotation(rng), np.array([inst * 1.0, 0, 0]))
-        m = np.arange(n_kp) + inst * 0  # model 0's keypoints
+        m = np.arange(n_kp)  # model 0's keypoints, both instances
         skp.append(lib.kp_coords[m] @ T[:3, :3].T + T[:3, 3])
         rows.append(m)
     clutter = rng.uniform(-1, 2, (50, 3))

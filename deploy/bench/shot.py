@@ -91,19 +91,12 @@ class _Phases:
         return out
 
 
-def _pinned(shape, dtype):
-    """A numpy array in page-locked memory (CuPy's pinned pool: allocated once per size)."""
-    import cupy as cp
-
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    return np.frombuffer(cp.cuda.alloc_pinned_memory(n), dtype, int(np.prod(shape))).reshape(shape)
-
-
 def gpu_pipeline(pts_host, radius, normal_k, *, keypoints="all", approximate=False, lpk=None,
                  copy_out=False, host_buffers=None):
     """End-to-end GPU SHOT on host points; returns (desc, frames, phases dict seconds)."""
     import cupy as cp
 
+    from scanforest.kernels.backend import pinned_empty
     from scanforest.kernels.descriptors import _shot_gpu as sg
     from scanforest.kernels.neighbors import _search_gpu as ng
 
@@ -145,7 +138,8 @@ def gpu_pipeline(pts_host, radius, normal_k, *, keypoints="all", approximate=Fal
         # H100, the smaller launches and per-batch host syncs costing more than the copy they hide)
         # a pipeline reuses its pinned buffers scene after scene (``host_buffers``); a fresh
         # cudaHostAlloc of 340 MB costs more than the copy
-        host_desc, host_frames = host_buffers or (_pinned((nk, 352), np.float32), _pinned((nk, 3, 3), np.float32))
+        host_desc, host_frames = host_buffers or (pinned_empty((nk, 352), np.float32),
+                                                  pinned_empty((nk, 3, 3), np.float32))
         copy_stream = cp.cuda.Stream(non_blocking=True)
         budget = min(budget, max(1, int(counts.sum()) // 4 + 1))
     for s, e in sg._batches(counts, budget):
@@ -212,7 +206,7 @@ def bench_shot(
     threads: int = typer.Option(0, help="Threads of the PCL comparison (0: all cores)."),
 ) -> None:
     """SHOT352 keypoints/s end to end, GPU and CPU in the same run, with a phase breakdown."""
-    from scanforest.kernels.backend import describe_device, gpu_available
+    from scanforest.kernels.backend import describe_device, gpu_available, pinned_empty
     from scanforest.tasks.readers import read_cloud
 
     from ._common import BenchReport
@@ -258,7 +252,7 @@ def bench_shot(
 
     def gpu_case(p, label, cpu_baseline, **kw):
         if kw.get("copy_out"):  # pinned output buffers, allocated once as a pipeline would
-            kw["host_buffers"] = (_pinned((len(p), 352), np.float32), _pinned((len(p), 3, 3), np.float32))
+            kw["host_buffers"] = (pinned_empty((len(p), 352), np.float32), pinned_empty((len(p), 3, 3), np.float32))
         gpu_pipeline(p, radius, normal_k, **kw)  # warm-up (compilation)
         cp.cuda.Device().synchronize()
         runs = [gpu_pipeline(p, radius, normal_k, **kw) for _ in range(repeat)]

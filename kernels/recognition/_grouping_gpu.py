@@ -452,8 +452,7 @@ def ransac_groups(S, D, offsets, *, threshold: float, max_iterations: int = 1000
 
 
 def gc_hypotheses(model_id, scene_kp, ref_row, dist2, scene_kp_coords, model_kp_coords, *,
-                  gc_size: float, gc_threshold: int, max_iterations: int = 10000, seed: int = 0,
-                  _times: dict | None = None):
+                  gc_size: float, gc_threshold: int, max_iterations: int = 10000, seed: int = 0):
     """Geometric-consistency grouping and RANSAC fits of one scene's correspondences on the GPU.
 
     The correspondences (host or device arrays) are grouped per model in ascending descriptor
@@ -479,10 +478,8 @@ def gc_hypotheses(model_id, scene_kp, ref_row, dist2, scene_kp_coords, model_kp_
     mkp = cp.asarray(model_kp_coords)
     sk = cp.asarray(scene_kp)[order]
     rr = cp.asarray(ref_row)[order]
-    _lap(_times, "prep")
     labels, nsets = gc_sets_batch(skp[sk].astype(cp.float32), mkp[rr].astype(cp.float32), offs,
                                   gc_size, gc_threshold)
-    _lap(_times, "gc")
     # global set id: sets of earlier models first, then acceptance order within the model
     grp_of_row = cp.repeat(cp.arange(len(models)), counts.get().tolist())
     set_base = cp.concatenate([cp.zeros(1, cp.int64), cp.cumsum(nsets.astype(cp.int64))])
@@ -490,35 +487,19 @@ def gc_hypotheses(model_id, scene_kp, ref_row, dist2, scene_kp_coords, model_kp_
     if int(kept.shape[0]) == 0:
         return empty
     gid = set_base[grp_of_row[kept]] + labels[kept]
-    k2 = kept[cp.lexsort(cp.stack([kept, gid]))]  # by set, then position (ascending distance)
-    gid = set_base[grp_of_row[k2]] + labels[k2]
+    by_set = cp.lexsort(cp.stack([kept, gid]))  # by set, then position (ascending distance)
+    k2, gid = kept[by_set], gid[by_set]
     H = int(set_base[-1])
     sizes = cp.bincount(gid, minlength=H)
     goffs = cp.concatenate([cp.zeros(1, cp.int64), cp.cumsum(sizes)])
     rows = order[k2]  # correspondence indices, grouped, ascending distance within a group
     src = mkp[cp.asarray(ref_row)[rows]].astype(cp.float64)
     dst = skp[cp.asarray(scene_kp)[rows]].astype(cp.float64)
-    _lap(_times, "sets")
     poses, inl, cnt = ransac_groups(src, dst, goffs, threshold=gc_size, max_iterations=max_iterations,
                                     seed=seed)
-    _lap(_times, "ransac")
     ok = cnt >= 3
     set_model = models[cp.repeat(cp.arange(len(models)), nsets.get().tolist())]
     rows_h, inl_h, goffs_h, ok_h = rows.get(), inl.get(), goffs.get(), ok.get()
     groups = [rows_h[a:b][inl_h[a:b]] for a, b, k in zip(goffs_h[:-1], goffs_h[1:], ok_h) if k]
-    out = (set_model[ok].get().astype(np.int32), poses[ok].get(), cnt[ok].get().astype(np.int32), groups)
-    _lap(_times, "host")
-    return out
+    return set_model[ok].get().astype(np.int32), poses[ok].get(), cnt[ok].get().astype(np.int32), groups
 
-
-def _lap(times, name):
-    if times is None:
-        return
-    import time
-
-    import cupy as cp
-
-    cp.cuda.Device().synchronize()
-    now = time.perf_counter()
-    times[name] = times.get(name, 0.0) + now - times.get("_last", now)
-    times["_last"] = now

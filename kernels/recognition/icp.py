@@ -33,15 +33,6 @@ class IcpResult:
     converged: bool
 
 
-def _rodrigues(w):
-    th = float(np.linalg.norm(w))
-    if th < 1e-15:
-        return np.eye(3)
-    k = w / th
-    K = np.array([[0, -k[2], k[1]], [k[2], 0, -k[0]], [-k[1], k[0], 0]])
-    return np.eye(3) + np.sin(th) * K + (1 - np.cos(th)) * (K @ K)
-
-
 def icp_point_to_plane(source, target, target_normals, *, init=None, source_normals=None,
                        max_correspondence_distance: float, max_iterations: int = 30,
                        tolerance: float = 1e-7, normal_agreement: float = 0.5,
@@ -115,11 +106,8 @@ def _solve(A, b):
 
 def _increment(T, A, b):
     """Solve the 6x6 normal equations and apply the increment on the left: (new pose, step)."""
-    x = _solve(A, b)
-    D = np.eye(4)
-    D[:3, :3] = _rodrigues(x[:3])
-    D[:3, 3] = x[3:]
-    return D @ T, x
+    T2, x = _increment_batch(np.asarray(T, np.float64)[None], np.asarray(A)[None], np.asarray(b)[None])
+    return T2[0], x[0]
 
 
 def _increment_batch(T, A, b):
@@ -235,7 +223,6 @@ def icp_point_to_plane_batch(sources, index, *, inits, source_normals=None, max_
     srcs = [points(to_numpy(s), f"sources[{b}]", finite=False, dtype=np.float64)
             for b, s in enumerate(sources)]
     n = np.array([len(s) for s in srcs])
-    off = np.concatenate([[0], np.cumsum(n)])
     S = cp.asarray(np.concatenate(srcs))
     seg = cp.asarray(np.repeat(np.arange(B), n))
     SN = None
