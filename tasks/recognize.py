@@ -262,11 +262,12 @@ def _stored_scene(st: ScanStore, scan_id: str, lib, params: dict[str, Any]) -> d
     from scanforest.kernels.recognition import RecognizeParams, from_neighbours
 
     p = RecognizeParams().replace(**(params or {}))
-    pts = np.ascontiguousarray(st.read(scan_id, "points"), dtype=np.float32)
-    desc = st.read(scan_id, "kp_shot")
-    out = {"points": pts, "normals": st.read(scan_id, "est_normals"), "keypoints": st.read(scan_id, "kp_index"),
-           "frames": st.read(scan_id, "kp_frames")}
-    ids, dist = st.read(scan_id, "match_ids"), st.read(scan_id, "match_dist")
+    a = st.read_many(scan_id, ["points", "kp_shot", "est_normals", "kp_index", "kp_frames", "match_ids",
+                               "match_dist"])
+    pts = np.ascontiguousarray(a["points"], dtype=np.float32)
+    desc = a["kp_shot"]
+    out = {"points": pts, "normals": a["est_normals"], "keypoints": a["kp_index"], "frames": a["kp_frames"]}
+    ids, dist = a["match_ids"], a["match_dist"]
     t = time.perf_counter()
     ok = np.flatnonzero(np.isfinite(desc).all(axis=1))  # the rows the match stage searched
     out["correspondences"] = from_neighbours(ok, dist[ok], ids[ok], lib, k=p.match_k, max_dist2=p.max_dist2,

@@ -439,6 +439,63 @@ def test_icp_batch_equals_one_by_one(small_world, device):
     assert icp_point_to_plane_batch([], idx, inits=[], max_correspondence_distance=0.01) == []
 
 
+@pytest.mark.gpu
+def test_device_icp_equals_the_cpu_loop(small_world):
+    """The device ICP loop (pairing, sums, 6x6 solves and pose updates on the GPU) against the CPU
+    loop (float64, scipy KD-tree), including problems that stop early (too few pairs) and a
+    planar source whose normal equations are exactly singular (minimum-norm least squares)."""
+    import cupy as cp
+
+    from scanforest.kernels.recognition.icp import icp_point_to_plane_batch
+    from scanforest.kernels.recognition._scene_index import _SceneIndex
+
+    _, lib, scene = small_world
+    rng = np.random.default_rng(7)
+    ic = _SceneIndex(scene.points, scene.normals, 0.01, "cpu")
+    ig = _SceneIndex(cp.asarray(scene.points), cp.asarray(scene.normals), 0.01, "gpu")
+    vo = lib.verify_offsets
+    srcs, sns, inits = [], [], []
+    for g in scene.ground_truth:
+        m = g["model_id"]
+        for k in range(4):
+            D = np.eye(4)
+            ax = rng.normal(size=3)
+            ax /= np.linalg.norm(ax)
+            K = np.array([[0, -ax[2], ax[1]], [ax[2], 0, -ax[0]], [-ax[1], ax[0], 0]])
+            a = np.radians(1.5 * k)
+            D[:3, :3] = np.eye(3) + np.sin(a) * K + (1 - np.cos(a)) * K @ K
+            D[:3, 3] = 0.0015 * k * ax
+            srcs.append(lib.verify_points[vo[m]:vo[m + 1]])
+            sns.append(lib.verify_normals[vo[m]:vo[m + 1]])
+            inits.append(np.array(g["pose"]) @ D)
+    far = np.eye(4)
+    far[:3, 3] = 100.0                       # nothing within reach: stops at iteration 1
+    srcs.append(srcs[0]); sns.append(sns[0]); inits.append(far)
+    # a flat patch (all normals equal: singular normal equations, checked below)
+    flat = np.c_[rng.uniform(-0.02, 0.02, (400, 2)), np.zeros(400)]
+    res_c = icp_point_to_plane_batch(srcs, ic, inits=inits, source_normals=sns,
+                                     max_correspondence_distance=0.01, max_iterations=25)
+    res_g = icp_point_to_plane_batch(srcs, ig, inits=inits, source_normals=sns,
+                                     max_correspondence_distance=0.01, max_iterations=25)
+    for rc, rg in zip(res_c, res_g):
+        assert rg.converged == rc.converged
+        assert abs(rg.iterations - rc.iterations) <= 1
+        np.testing.assert_allclose(rg.pose, rc.pose, atol=2e-5)
+        assert rg.fitness == pytest.approx(rc.fitness, abs=2e-3)
+        assert (np.isnan(rg.rmse) and np.isnan(rc.rmse)) or rg.rmse == pytest.approx(rc.rmse, rel=1e-3)
+    assert res_g[-1].iterations == 1 and res_g[-1].fitness == 0.0
+    # singular normal equations: a plane against a plane leaves 3 degrees of freedom free
+    tn = np.tile([0.0, 0.0, 1.0], (len(flat), 1))
+    tgt = flat + [0.0, 0.0, 0.001]
+    init = np.eye(4)
+    out = []
+    for dev, xp in (("cpu", np), ("gpu", cp)):
+        out.append(icp_point_to_plane(flat, xp.asarray(tgt), xp.asarray(tn), init=init,
+                                      max_correspondence_distance=0.01, max_iterations=5, device=dev))
+    np.testing.assert_allclose(out[1].pose, out[0].pose, atol=1e-9)
+    assert out[1].pose[2, 3] == pytest.approx(0.001, abs=1e-9)   # the free directions are not moved
+
+
 def test_icp_rejects_bad_input():
     with pytest.raises(InputError):
         icp_point_to_plane(np.zeros((10, 3)), np.zeros((10, 3)), np.zeros((10, 3)),

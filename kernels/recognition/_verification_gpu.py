@@ -17,7 +17,8 @@ import functools
 
 import numpy as np
 
-_SOURCE = r"""
+#: the cell-list nearest-neighbour search, shared with the device ICP (:mod:`._icp_gpu`)
+GRID_NEAREST = r"""
 __device__ __forceinline__ int cell_coord(float v, float o, float inv_h, int d) {
     int c = (int)floorf((v - o) * inv_h);
     return min(max(c, 0), d - 1);
@@ -45,7 +46,9 @@ __device__ __forceinline__ int grid_nearest(float qx, float qy, float qz, const 
     *best_out = best;
     return bi;
 }
+"""
 
+_SOURCE = GRID_NEAREST + r"""
 extern "C" __global__ void nearest_grid(const float* __restrict__ Q, int nq,
                                         const float* __restrict__ P, const int* __restrict__ cs,
                                         float ox, float oy, float oz, float inv_h,

@@ -8,8 +8,9 @@ disagrees by more than ``acos(normal_agreement)``, and solves the 6x6 normal equ
 ``sum(((R p + t) - q) . n_q)^2`` linearised around the current pose, in float64. The increment
 (a rotation vector and a translation) is applied on the left. It stops when the increment is
 below ``tolerance`` (rotation in radians plus translation in units) or after ``max_iterations``.
-Both backends share these semantics; they differ only by float32 rounding in the GPU transform
-and by ties in the nearest-neighbour search.
+Both backends share these semantics; they differ only by float64 summation order and by float32
+ties in the nearest-neighbour search. The GPU iterates on the device without a host round trip
+(:mod:`._icp_gpu`).
 """
 from __future__ import annotations
 
@@ -155,40 +156,11 @@ def _icp_cpu(src, sn, T, idx, r, iters, tol, agree):
 
 
 def _icp_gpu(src, sn, T, idx, r, iters, tol, agree):
-    import cupy as cp
+    """The device loop of :mod:`._icp_gpu`, a batch of one."""
+    from ._icp_gpu import icp_batch
 
-    S = cp.asarray(src)
-    SN = None if sn is None else cp.asarray(sn)
-    tp, tn = idx.points, idx.normals
-    rmse, fit, it, conv = float("nan"), 0.0, 0, False
-    for it in range(1, iters + 1):
-        R = cp.asarray(T[:3, :3])
-        P = S @ R.T + cp.asarray(T[:3, 3])
-        ni, _ = idx.nearest(P, r)
-        ok = ni >= 0
-        j = cp.maximum(ni, 0)
-        Nq = tn[j].astype(cp.float64)
-        ok &= cp.isfinite(Nq).all(axis=1)
-        if SN is not None:
-            ok &= ((SN @ R.T) * cp.nan_to_num(Nq)).sum(axis=1) >= agree
-        w = ok.astype(cp.float64)[:, None]
-        # masked normal equations (no compaction: fixed shapes, no host round trip but one)
-        Pm = P * w
-        Qm = tp[j].astype(cp.float64) * w
-        Nm = cp.nan_to_num(Nq) * w
-        A, b, e = _step(Pm, Qm, Nm, cp)
-        stats = cp.concatenate([A.ravel(), b, cp.stack([ok.sum().astype(cp.float64),
-                                                        (e * e).sum()])]).get()
-        A, b, cnt, sse = stats[:36].reshape(6, 6), stats[36:42], stats[42], stats[43]
-        fit = float(cnt / len(src))
-        if cnt < 6:
-            break
-        rmse = float(np.sqrt(sse / cnt))
-        T, x = _increment(T, A, b)
-        if np.linalg.norm(x) < tol:
-            conv = True
-            break
-    return IcpResult(T, rmse, fit, it, conv)
+    P, rm, ft, its, cv = icp_batch([src], None if sn is None else [sn], T[None], idx, r, iters, tol, agree)
+    return IcpResult(P[0], float(rm[0]), float(ft[0]), int(its[0]), bool(cv[0]))
 
 
 def icp_point_to_plane_batch(sources, index, *, inits, source_normals=None, max_correspondence_distance: float,
@@ -197,12 +169,12 @@ def icp_point_to_plane_batch(sources, index, *, inits, source_normals=None, max_
     """Many ICP problems against ONE target, advanced in lockstep (the verification step's
     candidates of one scene).
 
-    The same iteration, stopping rule and result as :func:`icp_point_to_plane` for each source,
-    but on the GPU one iteration of all sources is a few launches over the concatenated points
-    with a segmented reduction of the normal equations and one host transfer of the ``(B, 44)``
-    statistics; the B 6x6 systems are solved together on the host. On the CPU the problems are
-    solved one after the other. ``index`` is the target's ``_SceneIndex`` (cell =
-    ``max_correspondence_distance``).
+    The same iteration, stopping rule and result as :func:`icp_point_to_plane` for each source.
+    On the GPU the whole loop runs on the device (:mod:`._icp_gpu`: per iteration one launch
+    pairs every source point and sums the normal equations per problem, one solves the 6x6
+    systems and updates the poses; the host looks at the active flags every few iterations and
+    fetches the results once). On the CPU the problems are solved one after the other. ``index``
+    is the target's ``_SceneIndex`` (cell = ``max_correspondence_distance``).
     """
     r = float(max_correspondence_distance)
     B = len(sources)
@@ -218,58 +190,16 @@ def icp_point_to_plane_batch(sources, index, *, inits, source_normals=None, max_
                                    max_iterations=max_iterations, tolerance=tolerance,
                                    normal_agreement=normal_agreement, _target_index=index)
                 for b, (s, T) in enumerate(zip(sources, inits))]
-    import cupy as cp
+    from ._icp_gpu import icp_batch
 
     srcs = [points(to_numpy(s), f"sources[{b}]", finite=False, dtype=np.float64)
             for b, s in enumerate(sources)]
-    n = np.array([len(s) for s in srcs])
-    S = cp.asarray(np.concatenate(srcs))
-    seg = cp.asarray(np.repeat(np.arange(B), n))
-    SN = None
+    sns = None
     if source_normals is not None:
-        SN = cp.asarray(np.concatenate([np.asarray(to_numpy(x), np.float64) for x in source_normals]))
+        sns = [points(to_numpy(x), f"source_normals[{b}]", finite=False, dtype=np.float64, rows=len(srcs[b]))
+               for b, x in enumerate(source_normals)]
     T = np.stack([np.array(to_numpy(t), np.float64) for t in inits])
     if T.shape != (B, 4, 4) or not np.isfinite(T).all():
         raise InputError("every init must be a finite 4x4 matrix")
-    tp, tn = index.points, index.normals
-    active = np.ones(B, bool)
-    rmse = np.full(B, np.nan)
-    fit = np.zeros(B)
-    its = np.zeros(B, int)
-    conv = np.zeros(B, bool)
-    # per-problem sums of the (N, 44) statistics as one GEMM with a 0/1 segment matrix (built once)
-    onehot = cp.zeros((B, len(S)), cp.float64)
-    onehot[seg, cp.arange(len(S))] = 1.0
-    for it in range(1, max_iterations + 1):
-        its[active] = it
-        Td = cp.asarray(T)
-        R = Td[seg, :3, :3]
-        P = (R * S[:, None, :]).sum(axis=2) + Td[seg, :3, 3]  # per-point 3x3 products, elementwise
-        ni, _ = index.nearest(P, r)
-        ok = ni >= 0
-        j = cp.maximum(ni, 0)
-        Nq = tn[j].astype(cp.float64)
-        ok &= cp.isfinite(Nq).all(axis=1)
-        if SN is not None:
-            ok &= ((R * SN[:, None, :]).sum(axis=2) * cp.nan_to_num(Nq)).sum(axis=1) >= normal_agreement
-        w = ok.astype(cp.float64)
-        Nm = cp.nan_to_num(Nq) * w[:, None]
-        e = ((P - tp[j].astype(cp.float64)) * Nm).sum(axis=1)
-        J = cp.concatenate([cp.cross(P, Nm), Nm], axis=1)          # zero rows for unpaired points
-        st = cp.concatenate([(J[:, :, None] * J[:, None, :]).reshape(-1, 36), -(J * e[:, None]),
-                             w[:, None], (e * e)[:, None]], axis=1)
-        stats = (onehot @ st).get()                                  # (B, 44): one host transfer
-        A, bb, cnt, sse = stats[:, :36].reshape(B, 6, 6), stats[:, 36:42], stats[:, 42], stats[:, 43]
-        act = np.flatnonzero(active)
-        fit[act] = cnt[act] / n[act]
-        active[act[cnt[act] < 6]] = False
-        live = act[cnt[act] >= 6]
-        if len(live):  # the live systems solved together (one LAPACK call per matrix, as before)
-            rmse[live] = np.sqrt(sse[live] / cnt[live])
-            T[live], x = _increment_batch(T[live], A[live], bb[live])
-            done = live[np.linalg.norm(x, axis=1) < tolerance]
-            conv[done] = True
-            active[done] = False
-        if not active.any():
-            break
-    return [IcpResult(T[b], float(rmse[b]), float(fit[b]), int(its[b]), bool(conv[b])) for b in range(B)]
+    P, rm, ft, its, cv = icp_batch(srcs, sns, T, index, r, max_iterations, tolerance, normal_agreement)
+    return [IcpResult(P[b], float(rm[b]), float(ft[b]), int(its[b]), bool(cv[b])) for b in range(B)]
