@@ -10,7 +10,7 @@ they still receive the flow's API URL (a worker plugin sets ``PREFECT_API_URL``)
 call made there talks to the flow's server instead of starting a temporary one.
 
 The embedded default needs no infrastructure: a ``LocalCluster`` of processes (or
-``LocalCUDACluster``, one worker per GPU, when dask-cuda is installed and GPUs are visible) and
+GPU workers, 4 per GPU by default, when dask-cuda is installed and GPUs are visible) and
 Prefect's temporary local API, started once per process. ``scheduler=ADDRESS`` uses an existing
 Dask cluster instead; ``PREFECT_API_URL`` set in the environment uses that Prefect server.
 """
@@ -299,8 +299,9 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
     scheduler : str, optional
         Address of an existing scheduler (``tcp://host:8786``). Its workers are used as they are.
     n_workers : int, optional
-        Local workers (default: one per core, at most 8; one per GPU with ``LocalCUDACluster``;
-        more workers than GPUs share the GPUs, see :func:`_gpu_cluster`).
+        Local workers (default: one per core, at most 8; on GPUs :func:`default_gpu_workers`,
+        4 per GPU where the host has the cores; more workers than GPUs share the GPUs, see
+        :func:`_gpu_cluster`).
     device : {"auto", "cpu", "gpu"}
         ``gpu``/``auto`` with dask-cuda and a visible GPU start ``LocalCUDACluster``.
     """
@@ -347,16 +348,34 @@ def _thread_env(n_workers: int, threads_per_worker: int) -> dict[str, str]:
     return {"NUMBA_NUM_THREADS": str(max(1, cores // max(1, n_workers * threads_per_worker)))}
 
 
+#: default worker processes per GPU (fewer where the host has under 2 cores per worker). The
+#: archive's GPU stages are partly host-bound (Zarr I/O, launches, host syncs): on one H100 with 16
+#: cores, `bench archive --scans 300 --device gpu` ran 1.60 scans/s end to end with 1 worker,
+#: 2.92 with 4 and 1.89 with 8 (processes on one GPU time-slice it; 8 contend more than they overlap)
+GPU_WORKERS_PER_DEVICE = 4
+
+
+def default_gpu_workers(n_gpus: int) -> int:
+    """Workers for ``n_gpus`` GPUs when none is asked for: :data:`GPU_WORKERS_PER_DEVICE` per GPU,
+    at most one per 2 cores of the host."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per = max(1, min(GPU_WORKERS_PER_DEVICE, cores // max(1, 2 * n_gpus)))
+    return max(1, n_gpus) * per
+
+
 def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
-    """One dask-cuda worker per GPU (``LocalCUDACluster``). More workers than GPUs share the GPUs
-    round-robin: worker ``i`` is a plain Dask worker process whose ``CUDA_VISIBLE_DEVICES`` starts
-    with GPU ``i mod G``. That suits stages whose work per GPU is partly host-bound (recognition's
-    grouping, Zarr I/O), and it runs the multi-worker paths on a one-GPU machine."""
+    """One dask-cuda worker per GPU (``LocalCUDACluster``) when one worker per GPU is asked for.
+    More workers than GPUs share the GPUs round-robin: worker ``i`` is a plain Dask worker process
+    whose ``CUDA_VISIBLE_DEVICES`` starts with GPU ``i mod G``. That suits stages whose work per GPU
+    is partly host-bound (recognition's grouping, Zarr I/O), and it runs the multi-worker paths on a
+    one-GPU machine. Without ``n_workers``: :func:`default_gpu_workers`."""
     from scanforest.kernels.backend import gpu_count
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devs = [d for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(gpu_count())]
-    if n_workers is None or n_workers <= len(devs):
+    if n_workers is None:
+        n_workers = default_gpu_workers(len(devs))
+    if n_workers <= len(devs):
         from dask_cuda import LocalCUDACluster
 
         return LocalCUDACluster(n_workers=n_workers, threads_per_worker=threads_per_worker, dashboard_address=None)

@@ -134,9 +134,10 @@ def description_key(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def stored_inputs(st: ScanStore, scan_id: str, library: str, lib_attrs: dict[str, Any],
-                  params: dict[str, Any] | None) -> dict[str, Any]:
+                  params: dict[str, Any] | None, *, scan_attrs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Whether the scan's stored description and matches are what recognition with ``params``
-    against the library (``lib_attrs``) would compute. Reads stage records and attributes only.
+    against the library (``lib_attrs``) would compute. Reads stage records and attributes only
+    (``scan_attrs``: the scan's attributes when the caller has read them already).
 
     Returns ``{"fits": bool, "reason": why not (or None), "describe": digest of the describe
     record, "match": digest of the match record}``."""
@@ -149,7 +150,10 @@ def stored_inputs(st: ScanStore, scan_id: str, library: str, lib_attrs: dict[str
     def unfit(reason: str) -> dict[str, Any]:
         return {"fits": False, "reason": reason, "describe": None, "match": None}
 
-    drec = st.stage(scan_id, "describe")
+    if scan_attrs is None:
+        scan_attrs = st.attrs(scan_id)
+    stages = scan_attrs.get("stages", {})
+    drec = stages.get("describe")
     if drec is None:
         return unfit("the scan is not described")
     want = description_key(describe_params_for(params, lib_attrs.get("params")).as_dict())
@@ -157,11 +161,11 @@ def stored_inputs(st: ScanStore, scan_id: str, library: str, lib_attrs: dict[str
     diff = [f"{k} {have[k]} (recognition: {want[k]})" for k in want if have[k] != want[k]]
     if diff:
         return unfit("described with other parameters: " + ", ".join(diff))
-    n_points = (st.attrs(scan_id).get("arrays", {}).get("points") or {}).get("shape", [None])[0]
+    n_points = (scan_attrs.get("arrays", {}).get("points") or {}).get("shape", [None])[0]
     d_arrays = drec.get("arrays", {})
     if (d_arrays.get("est_normals") or {}).get("shape", [None])[0] != n_points:
         return unfit("the description does not cover the scan's points")
-    mrec = st.stage(scan_id, "match")
+    mrec = stages.get("match")
     if mrec is None:
         return unfit("the scan is not matched")
     d_digest = stage_digest(drec)
@@ -215,17 +219,17 @@ def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str
     st = ScanStore(store_path)
     lib_attrs = library_attrs(store_path, library)
     digest = lib_attrs["content_hash"]
-    plan = stored_inputs(st, scan_id, library, lib_attrs, params)
+    meta = st.attrs(scan_id)  # read once: the stage records below all come from it
+    plan = stored_inputs(st, scan_id, library, lib_attrs, params, scan_attrs=meta)
     key = {"library": library, "content_hash": digest, "params": _jsonable(params),
            "inputs": {"describe": plan["describe"], "match": plan["match"]} if plan["fits"] else None}
-    if not force and st.has_stage(scan_id, "recognize", **key):
-        rec = st.stage(scan_id, "recognize")
+    rec = meta.get("stages", {}).get("recognize")
+    if not force and rec is not None and all(rec.get(k) == _jsonable(v) for k, v in key.items()):
         return {"scan_id": scan_id, "status": "skipped", "detections": len(rec.get("detections", [])),
                 "evaluation": rec.get("evaluation"), "source": rec.get("source"),
                 "seconds": time.perf_counter() - t0}
-    lib = load_library(store_path, library)
+    lib = _load_library_cached(store_path, library, digest)
     dev = resolve_device(device)
-    meta = st.attrs(scan_id)
     if plan["fits"]:
         scene = _stored_scene(st, scan_id, lib, params)
         t_io = time.perf_counter() - t0
@@ -262,16 +266,18 @@ def _stored_scene(st: ScanStore, scan_id: str, lib, params: dict[str, Any]) -> d
     from scanforest.kernels.recognition import RecognizeParams, from_neighbours
 
     p = RecognizeParams().replace(**(params or {}))
-    a = st.read_many(scan_id, ["points", "kp_shot", "est_normals", "kp_index", "kp_frames", "match_ids",
-                               "match_dist"])
+    names = ["points", "est_normals", "kp_index", "match_ids", "match_dist"]
+    if p.method == "hough":
+        names.append("kp_frames")
+    a = st.read_many(scan_id, names)
     pts = np.ascontiguousarray(a["points"], dtype=np.float32)
-    desc = a["kp_shot"]
-    out = {"points": pts, "normals": a["est_normals"], "keypoints": a["kp_index"], "frames": a["kp_frames"]}
+    out = {"points": pts, "normals": a["est_normals"], "keypoints": a["kp_index"], "frames": a.get("kp_frames")}
     ids, dist = a["match_ids"], a["match_dist"]
     t = time.perf_counter()
-    ok = np.flatnonzero(np.isfinite(desc).all(axis=1))  # the rows the match stage searched
-    out["correspondences"] = from_neighbours(ok, dist[ok], ids[ok], lib, k=p.match_k, max_dist2=p.max_dist2,
-                                             ratio=p.ratio)
+    # every keypoint's row; the match stage left the rows it did not search (a NaN descriptor)
+    # at id -1, which from_neighbours skips, so the descriptors themselves are not read
+    out["correspondences"] = from_neighbours(np.arange(len(ids)), dist, ids, lib, k=p.match_k,
+                                             max_dist2=p.max_dist2, ratio=p.ratio)
     out["seconds"] = time.perf_counter() - t
     return out
 
