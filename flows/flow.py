@@ -44,7 +44,8 @@ def flow_pairs_task(store: str, seq_id: str, pairs: list[int], first: int, last:
 def motion_flow(store: str, sequences: list[str] | None = None, source: str | None = None,
                 seq_id: str | None = None, tracks_dir: str | None = None,
                 methods: list[str] | None = None, params: dict | None = None,
-                klt: dict | None = None, device: str = "auto", png_dir: str | None = None,
+                klt: dict | None = None, tracker: str = "builtin", device: str = "auto",
+                png_dir: str | None = None,
                 scheduler: str | None = None, workers: int | None = None,
                 batch: int | None = None, force: bool = False,
                 progress: bool = True) -> dict[str, Any]:
@@ -72,8 +73,8 @@ def motion_flow(store: str, sequences: list[str] | None = None, source: str | No
         missing = [s for s in seqs if s not in have]
         if missing:
             raise InputError(f"{store}: no sequence {missing[:5]} (have: {sorted(have)[:10]})")
-        options = dict(params=dict(params or {}), klt=klt, device=device, png_dir=png_dir,
-                       force=force)
+        options = dict(params=dict(params or {}), klt=klt, tracker=tracker, device=device,
+                       png_dir=png_dir, force=force)
         units = []
         for sid in seqs:
             n = T.prepare_outputs(store, sid, methods)

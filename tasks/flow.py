@@ -239,20 +239,25 @@ def prepare_outputs(store: str, seq_id: str, methods) -> int:
 
 def flow_pairs(store: str, seq_id: str, pairs: list[int], *, method: str = "hypotheses",
                params: dict | None = None, klt: dict | None = None, device: str = "auto",
-               png_dir: str | None = None, force: bool = False) -> list[dict[str, Any]]:
+               png_dir: str | None = None, force: bool = False,
+               tracker: str = "builtin") -> list[dict[str, Any]]:
     """Flow of the pairs ``t -> t + 1`` for ``t`` in ``pairs`` of one sequence (idempotent).
 
     All pending pairs of the call run in one batched kernel launch. Tracks: the sequence's
-    stored tracks for a pair when present, else KLT (OpenCV). ``params``: keyword arguments of
+    stored tracks for a pair when present, else KLT by ``tracker`` inside the flow call
+    (``"builtin"``: :mod:`scanforest.kernels.motion.tracking` on the flow's device, the GPU
+    tracker on a GPU; ``"opencv"``: the host reference). ``params``: keyword arguments of
     :func:`scanforest.kernels.motion.optical_flow.dense_flow` (sigma_c, sigma_x, sigma_f, tau, max_labels).
     One record per pair: status ``"written"`` or ``"skipped"``.
     """
     from scanforest.kernels.backend import resolve_device, to_numpy
     from scanforest.kernels.motion.metrics import flow_to_rgb, png_bytes
-    from scanforest.kernels.motion.optical_flow import METHODS, dense_flow, klt_tracks
+    from scanforest.kernels.motion.optical_flow import METHODS, TRACKERS, dense_flow
 
     if method not in METHODS:
         raise InputError(f"method must be one of {METHODS}, got {method!r}")
+    if tracker not in TRACKERS:
+        raise InputError(f"tracker must be one of {TRACKERS}, got {tracker!r}")
     t_start = time.perf_counter()
     params = dict(params or {})
     st = ScanStore(store)
@@ -262,7 +267,8 @@ def flow_pairs(store: str, seq_id: str, pairs: list[int], *, method: str = "hypo
     if bad:
         raise InputError(f"sequence {seq_id!r} has pairs 0..{n_pairs - 1}; got {bad[:5]}")
     stored = g["tracks"] if "tracks" in g else None
-    src = {t: ("stored" if stored is not None and _pair_name(t) in stored else "klt") for t in pairs}
+    src = {t: ("stored" if stored is not None and _pair_name(t) in stored else f"klt-{tracker}")
+           for t in pairs}
     keys = {t: _params_key(method, params, src[t]) for t in pairs}
     todo = [int(t) for t in pairs if force or not pair_done(st, seq_id, t, method, keys[t])]
     recs = [{"seq_id": seq_id, "pair": int(t), "method": method, "status": "skipped"}
@@ -273,18 +279,15 @@ def flow_pairs(store: str, seq_id: str, pairs: list[int], *, method: str = "hypo
     frames = g["frames"]
     f0 = np.stack([frames[t] for t in todo])
     f1 = np.stack([frames[t + 1] for t in todo])
-    tracks = []
-    for t, a, b in zip(todo, f0, f1):
-        if src[t] == "stored":
-            tracks.append(np.asarray(stored[_pair_name(t)][...], np.float32))
-        else:
-            tracks.append(klt_tracks(a, b, **(klt or {})))
+    tracks = [np.asarray(stored[_pair_name(t)][...], np.float32) if src[t] == "stored" else None
+              for t in todo]                    # None: tracked inside dense_flow, on dev
     if dev == "gpu":
         import cupy as cp
 
         f0, f1 = cp.asarray(f0), cp.asarray(f1)
     t_flow = time.perf_counter()
-    res = dense_flow(f0, f1, tracks, method=method, device=dev, **params)
+    res = dense_flow(f0, f1, tracks, method=method, device=dev, klt=klt, tracker=tracker,
+                     **params)
     flow, valid = to_numpy(res.flow), to_numpy(res.valid)
     label = None if res.label is None else to_numpy(res.label)
     t_flow = time.perf_counter() - t_flow

@@ -362,9 +362,14 @@ def test_without_opencv_klt_is_a_clear_error_and_given_tracks_work(monkeypatch):
     monkeypatch.setitem(sys.modules, "cv2", None)        # import cv2 -> ImportError
     seq = sequence("translation", height=24, width=32, seed=0)
     with pytest.raises(MissingDependency, match="opencv-python-headless"):
-        interpolate_flow(seq.frames[0], seq.frames[1], device="cpu")
+        interpolate_flow(seq.frames[0], seq.frames[1], tracker="opencv", device="cpu")
     r = interpolate_flow(seq.frames[0], seq.frames[1], tracks_from_flow(seq, 0, 20), device="cpu")
     assert r.valid.mean() > 0.5
+    # the built-in tracker (the default) needs no OpenCV
+    seq = sequence("translation", height=64, width=80, seed=0)
+    r = interpolate_flow(seq.frames[0], seq.frames[1], device="cpu")
+    assert r.params["tracks"] == "builtin" and r.n_features[0] > 20
+    assert flow_errors(r.flow, seq.flows[0], r.valid).epe < 0.1
 
 
 # ---------------------------------------------------------------------------------------------

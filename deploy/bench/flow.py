@@ -16,9 +16,19 @@ feature count of the paper's timed 320x240 runs, Fig. 4 and 5). Per size and met
 * GPU resident, ``--batch`` pairs per call (a sequence of batch + 1 frames, one launch);
 * the flow kernel alone (CUDA events).
 
-KLT tracking time is never included in these figures; with OpenCV present it is its own row
-(``cv2.goodFeaturesToTrack`` + ``calcOpticalFlowPyrLK`` on the CPU). Warm-up calls are
-excluded; figures are medians over ``--repeat`` calls.
+KLT tracking time is not included in these figures; with OpenCV present it is its own row
+(``cv2.goodFeaturesToTrack`` + ``calcOpticalFlowPyrLK`` on the CPU). ``--tracking`` (default)
+adds the figures *with* tracking, frames on the host (issue 25), per size:
+
+* the built-in tracker alone (:mod:`scanforest.kernels.motion.tracking`: the GPU tracker on a
+  GPU run, the numba one otherwise), one pair per call and ``--batch`` pairs per call (each
+  frame's pyramid built once), against OpenCV's tracking time measured in the same run;
+* per method, dense flow end to end from host frames with tracking included (``tracks=None``:
+  upload, tracking, flow, download), one pair per call and ``--batch`` pairs per call, with
+  pairs/s and the tracking share; the baseline is the same call with ``tracker="opencv"``.
+
+The tracked feature count is ``--features`` (``max_features``) for both trackers. Warm-up
+calls are excluded; figures are medians over ``--repeat`` calls.
 """
 from __future__ import annotations
 
@@ -142,7 +152,8 @@ def format_accuracy(rows) -> str:
 
 def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, device: str = "auto",
               out=None, cpu: bool = True, cpu_repeat: int = 3, label_sweep=(8, 25, 64, 128, 256),
-              accuracy: bool = True, merry_go_round: bool = True, time_limit: float = 1e9):
+              accuracy: bool = True, merry_go_round: bool = True, time_limit: float = 1e9,
+              tracking: bool = True):
     """Run the benchmark; ``sizes`` is a list of (width, height). Returns the JSON path."""
     from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
     from scanforest.kernels.motion.optical_flow import dense_flow
@@ -152,7 +163,7 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
     dev = resolve_device(device)
     rep = BenchReport("flow", dict(sizes=[f"{w}x{h}" for w, h in sizes], features=features,
                                    batch=batch, repeat=repeat, device=dev, cpu=cpu,
-                                   label_sweep=list(label_sweep)))
+                                   label_sweep=list(label_sweep), tracking=tracking))
     _add = rep.add
 
     def add(*a, **k):  # print each row as it is measured
@@ -174,10 +185,14 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
         seq, tracks = _scene(h, w, batch + 1, features)
         f0, f1, tr0 = seq.frames[0], seq.frames[1], tracks[0]
         tag = f"{w}x{h}, {features} features"
+        t_klt = None
         if have_cv2:
             t_klt = wall_ms(lambda: klt_tracks(f0, f1, max_features=features), max(3, repeat // 4))
             rep.add(f"{tag}: KLT tracking (OpenCV, CPU; not included below)", t_klt, "ms/pair",
                     cpu_name, higher_is_better=False)
+        if tracking:
+            tracking_rows(rep, seq, tag, features, batch, repeat, dev, cpu, t_klt, have_cv2,
+                          cpu_name, gpu_name)
         for method in ("interpolation", "hypotheses"):
             mtag = f"{tag}, {method}" + (", 8 labels" if method == "hypotheses" else "")
             t_cpu = None
@@ -256,8 +271,77 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
     rep.note("paper (Kim, Hwangbo & Kanade 2009, GeForce 8800 GTX, transfers included): 320x240, "
              "~150-156 KLT features: interpolation 6.2 ms, hypotheses (8 labels) 48 ms; "
              "422 features: interpolation ~14 ms, hypotheses (25 labels) ~120 ms")
-    rep.note("KLT tracking is not included in any flow figure (own row when OpenCV is present)")
+    rep.note("KLT tracking is not included in the flow figures except the rows marked 'incl. "
+             "tracking' (own row when OpenCV is present)")
     return rep.finish(out)
+
+
+def tracking_rows(rep, seq, tag, features, batch, repeat, dev, cpu, t_klt, have_cv2, cpu_name,
+                  gpu_name):
+    """Issue 25: the built-in tracker alone and dense flow with tracking included, frames on
+    the host, against OpenCV's tracking measured in the same run."""
+    from scanforest.kernels.backend import to_numpy
+    from scanforest.kernels.motion.optical_flow import dense_flow
+    from scanforest.kernels.motion.tracking import sparse_tracks
+
+    f0, f1 = seq.frames[0], seq.frames[1]
+    frames = seq.frames[:batch + 1]
+    klt = {"max_features": features}
+    reps = max(3, repeat // 4)
+    gpu = dev == "gpu"
+    base = dict(baseline="OpenCV KLT" if t_klt else None, baseline_value=t_klt,
+                higher_is_better=False)
+    devs = (["cpu"] if cpu else []) + (["gpu"] if gpu else [])
+    t_track = {}
+    for d in devs:
+        name = gpu_name if d == "gpu" else cpu_name
+        r = 1 if (d == "cpu" and f0.shape[0] * f0.shape[1] > 640 * 480) else reps
+        t = wall_ms(lambda: sparse_tracks(f0, f1, device=d, host=True, **klt), r, gpu=d == "gpu")
+        n = len(sparse_tracks(f0, f1, device=d, host=True, **klt)[0])
+        t_track[d] = t
+        rep.add(f"{tag}: tracking only, builtin {d.upper()}, host frames, 1 pair/call", t,
+                "ms/pair", name, fps=1e3 / t, tracks=n, **base)
+        tb = wall_ms(lambda: sparse_tracks(frames, device=d, host=True, **klt), r, gpu=d == "gpu")
+        rep.add(f"{tag}: tracking only, builtin {d.upper()}, host frames, {batch} pairs/call",
+                tb / batch, "ms/pair", name, fps=batch * 1e3 / tb, **base)
+    big = f0.shape[0] * f0.shape[1] > 640 * 480
+    for method in ("interpolation", "hypotheses"):
+        for d in devs:
+            if d == "cpu" and big and gpu:
+                continue        # seconds per call; the CPU flow rows above give that baseline
+            name = gpu_name if d == "gpu" else cpu_name
+            r = 1 if (d == "cpu" and big) else reps
+
+            def e2e(tracker, fr0=f0, fr1=f1, d=d):
+                res = dense_flow(fr0, fr1, None, method=method, device=d, klt=klt,
+                                 tracker=tracker)
+                return to_numpy(res.flow), to_numpy(res.valid)
+
+            t_cv = wall_ms(lambda: e2e("opencv"), r, gpu=d == "gpu") if have_cv2 else None
+            if t_cv:
+                rep.add(f"{tag}, {method}: {d.upper()} end to end incl. OpenCV tracking, host "
+                        "frames, 1 pair/call", t_cv, "ms/pair", name, fps=1e3 / t_cv,
+                        tracking_share=(t_klt / t_cv) if t_klt else None, higher_is_better=False)
+            t = wall_ms(lambda: e2e("builtin"), r, gpu=d == "gpu")
+            rep.add(f"{tag}, {method}: {d.upper()} end to end incl. builtin tracking, host frames, "
+                    "1 pair/call", t, "ms/pair", name, fps=1e3 / t,
+                    tracking_share=t_track[d] / t, baseline="same with OpenCV tracking"
+                    if t_cv else None, baseline_value=t_cv, higher_is_better=False)
+            rep.note(f"{tag}, {method}, {d.upper()}, host frames, tracking included: "
+                     f"{t:.1f} ms/pair = {1e3 / t:.1f} pairs/s, builtin tracking "
+                     f"{t_track[d]:.1f} ms ({100 * t_track[d] / t:.0f} % of it)"
+                     + (f"; with OpenCV tracking ({t_klt:.1f} ms, {t_klt / t_track[d]:.1f}x the "
+                        f"builtin's) {t_cv:.1f} ms/pair = {1e3 / t_cv:.1f} pairs/s"
+                        if t_cv and t_klt else ""))
+            if d == "cpu" and big:
+                continue                        # a CPU batch at 1080p adds nothing but minutes
+            tb = wall_ms(lambda: e2e("builtin", frames, None), r, gpu=d == "gpu")
+            tb_cv = wall_ms(lambda: e2e("opencv", frames, None), r, gpu=d == "gpu") if have_cv2 else None
+            rep.add(f"{tag}, {method}: {d.upper()} end to end incl. builtin tracking, host frames, "
+                    f"{batch} pairs/call", tb / batch, "ms/pair", name, fps=batch * 1e3 / tb,
+                    baseline=f"same with OpenCV tracking, {batch} pairs/call" if tb_cv else None,
+                    baseline_value=None if tb_cv is None else tb_cv / batch,
+                    higher_is_better=False)
 
 
 def _kernel_ms(g, ds, tracks, method, r, repeat):
@@ -338,11 +422,13 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                    "largest size ('' to skip)"),
         accuracy: bool = typer.Option(True, "--accuracy/--no-accuracy"),
         time_limit: float = typer.Option(1e9, "--time-limit"),
+        tracking: bool = typer.Option(True, "--tracking/--no-tracking", help="rows with KLT "
+                                      "tracking included (built-in tracker vs OpenCV)"),
     ):
         """Both flow methods on the GPU at the paper's size and 1080p, CPU baseline in the same run."""
         run_bench(_sizes(sizes), features=features, batch=batch, repeat=repeat, device=device,
                   out=out, cpu=cpu, label_sweep=parse_counts(labels), accuracy=accuracy,
-                  time_limit=time_limit)
+                  time_limit=time_limit, tracking=tracking)
 
 
 if __name__ == "__main__":  # standalone: python -m scanforest.deploy.bench.flow --sizes ...

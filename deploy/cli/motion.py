@@ -52,7 +52,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         seq: str = typer.Option(None, "--seq", help="sequence id (default: the folder name; "
                                                     "without --frames: every sequence)"),
         tracks: str = typer.Option(None, "--tracks", help="folder of (M, 4) .npy tracks, one per "
-                                                          "pair (default: KLT via OpenCV)"),
+                                                          "pair (default: KLT, see --tracker)"),
+        tracker: str = typer.Option("builtin", "--tracker", help="KLT for pairs without stored "
+                                    "tracks: builtin (on --device) | opencv (host reference)"),
         method: str = typer.Option("both", "--method", help="interpolation | hypotheses | both"),
         png_dir: str = typer.Option(None, "--png-dir", help="colour-wheel PNGs go to "
                                     "DIR/<seq>/<method>/<pair>.png (default: STORE.flow-png)"),
@@ -83,8 +85,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         res = run_flow(store, sequences=None if (frames or not seq) else [seq], source=frames,
                        seq_id=seq, tracks_dir=tracks, methods=methods,
                        params=_params(sigma_c, sigma_x, sigma_f, tau, no_test, max_labels),
-                       device=device, png_dir=pd, scheduler=scheduler, workers=workers,
-                       batch=batch, force=force)
+                       tracker=tracker, device=device, png_dir=pd, scheduler=scheduler,
+                       workers=workers, batch=batch, force=force)
         cov = res["mean_coverage"]
         typer.echo(f"flow: {res['sequences']} sequence(s), {res['written']} pair flows written, "
                    f"{res['skipped']} already done, methods {', '.join(res['methods'])}"
@@ -99,6 +101,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         out: str = typer.Option(..., "-o", "--out", help="output .npy: (H, W, 2) float32 flow"),
         method: str = typer.Option("hypotheses", "--method", help="interpolation | hypotheses"),
         tracks: str = typer.Option(None, "--tracks", help="(M, 4) .npy x0,y0,x1,y1 (default: KLT)"),
+        tracker: str = typer.Option("builtin", "--tracker", help="KLT without --tracks: builtin "
+                                    "(on --device, GPU or CPU) | opencv (host reference)"),
         png: str = typer.Option(None, "--png", help="colour-wheel PNG of the flow"),
         sigma_c: float = typer.Option(None, "--sigma-c"),
         sigma_x: float = typer.Option(None, "--sigma-x"),
@@ -125,7 +129,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
             a, b = cp.asarray(a), cp.asarray(b)
         p = _params(sigma_c, sigma_x, sigma_f, tau, no_test, None)
-        r = dense_flow(a, b, tr, method=method, device=dev, **p)
+        r = dense_flow(a, b, tr, method=method, device=dev, tracker=tracker, **p)
         flow, valid = to_numpy(r.flow), to_numpy(r.valid)
         np.save(out, flow)
         vpath = str(Path(out).with_suffix("")) + ".valid.npy"

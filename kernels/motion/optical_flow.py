@@ -10,8 +10,13 @@ Tracked features
     ``f_i``: position ``(x_i, y_i)`` in ``I0``, colour ``c_i = I0(x_i, y_i)`` (bilinear) and
     flow ``(u_i, v_i) = (x'_i - x_i, y'_i - y_i)``. Tracks are caller-given point pairs
     (``(M, 4)`` arrays ``x0, y0, x1, y1`` or a pair of ``(M, 2)`` arrays) or, with
-    ``tracks=None``, KLT tracks from OpenCV (:func:`klt_tracks`: ``goodFeaturesToTrack`` +
-    pyramidal ``calcOpticalFlowPyrLK`` with a forward-backward check).
+    ``tracks=None`` (or ``None`` for some pairs of a list), KLT tracks: Shi-Tomasi corners,
+    pyramidal Lucas-Kanade and a forward-backward check. ``tracker="builtin"`` (default) runs
+    :mod:`scanforest.kernels.motion.tracking` on the device of the flow - on the GPU the
+    frames are uploaded once and serve tracking and the flow kernels, and only the tracks
+    (a few KB per pair, needed on the host for the DFS bounds) come back; ``tracker="opencv"``
+    is the reference, :func:`klt_tracks` on the host (``goodFeaturesToTrack`` +
+    ``calcOpticalFlowPyrLK``). Both take the same ``klt`` options.
 
 Likelihood (eq. 1-3)
     ``L(p, f_i) = N1(alpha|r - r_i|) N1(alpha|g - g_i|) N1(alpha|b - b_i|) N1(beta|x - x_i|)
@@ -73,9 +78,12 @@ from ..errors import InputError, ScanforestError
 from ..hypotheses import masked_argmax
 
 __all__ = ["FlowResult", "MissingDependency", "interpolate_flow", "hypothesis_flow", "dense_flow",
-           "klt_tracks", "flow_labels", "METHODS", "SIGMA_C", "ALPHA_OVER_BETA", "SIGMA_F", "TAU"]
+           "klt_tracks", "flow_labels", "METHODS", "TRACKERS", "SIGMA_C", "ALPHA_OVER_BETA",
+           "SIGMA_F", "TAU"]
 
 METHODS = ("interpolation", "hypotheses")
+#: sources of tracks when none are given: our tracker on the flow's device, or OpenCV's (host)
+TRACKERS = ("builtin", "opencv")
 #: colour scale (levels of the input; 0..255 for uint8 frames), our choice
 SIGMA_C = 10.0
 #: the paper's alpha / beta = sigma_x / sigma_c
@@ -337,6 +345,10 @@ def klt_tracks(frame0, frame1, *, max_features: int = 200, quality: float = 0.01
                levels: int = 3, fb_threshold: float | None = 1.0) -> np.ndarray:
     """KLT tracks between two frames with OpenCV: ``(M, 4)`` float32 ``x0, y0, x1, y1``.
 
+    The reference for :mod:`scanforest.kernels.motion.tracking` (``tracker="opencv"`` of the
+    flow functions; :func:`~scanforest.kernels.motion.tracking.sparse_tracks` takes the same
+    options and computes the same tracks on the CPU or the GPU).
+
     Shi-Tomasi corners (``cv2.goodFeaturesToTrack``: ``max_features``, ``quality``,
     ``min_distance``, ``block_size``) tracked by pyramidal Lucas-Kanade
     (``cv2.calcOpticalFlowPyrLK``, ``win_size`` x ``win_size`` window, ``levels`` pyramid levels,
@@ -418,17 +430,59 @@ def _frames4_cpu(parts) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------
-def _prepare(frames0, frames1, tracks, device, klt):
+def _prepare(frames0, frames1, tracks, device, klt, tracker="builtin"):
     parts, pairs, single, (h, w, c) = _frames_and_pairs(frames0, frames1)
     dev = resolve_device(device, *parts)
+    if tracker not in TRACKERS:
+        raise InputError(f"tracker must be one of {TRACKERS}, got {tracker!r}")
     n_pairs = len(pairs)
     if tracks is None:
+        tl = [None] * n_pairs
+    else:
+        tl = _tracks_list(tracks, n_pairs, single)
+    todo = [b for b, t in enumerate(tl) if t is None]
+    source = "given" if not todo else (tracker if len(todo) == n_pairs else f"given+{tracker}")
+    if todo and tracker == "opencv":
         host = [to_numpy(p) for p in parts]
         stack = np.concatenate(host) if len(host) > 1 else host[0]
-        tracks = [klt_tracks(stack[i], stack[j], **(klt or {})) for i, j in pairs]
-    tl = _tracks_list(tracks, n_pairs, single)
+        for b in todo:
+            tl[b] = klt_tracks(stack[pairs[b, 0]], stack[pairs[b, 1]], **(klt or {}))
+    elif todo:
+        if dev == "gpu":
+            from ..backend import to_device
+
+            parts = [to_device(p, "gpu") for p in parts]    # one upload: tracking and flow
+        for b, t in zip(todo, _builtin_tracks(parts, pairs[todo], klt, dev)):
+            tl[b] = t
     tl = [_one_tracks(t, b, h, w) for b, t in enumerate(tl)]
-    return parts, pairs, single, (h, w, c), dev, tl
+    return parts, pairs, single, (h, w, c), dev, tl, source
+
+
+def _builtin_tracks(parts, pairs, klt, dev) -> list:
+    """Tracks of ``pairs`` (frame indices into the stacked ``parts``) by
+    :func:`scanforest.kernels.motion.tracking.track_grey` on ``dev``; host (M, 4) arrays."""
+    from . import tracking as T
+
+    opts = dict(T.TRACKER_DEFAULTS)
+    unknown = sorted(set(klt or {}) - set(opts))
+    if unknown:
+        raise InputError(f"klt: unknown option(s) {unknown}; the tracker takes {sorted(opts)}")
+    opts.update(klt or {})
+    maxf, q, md, bs = T._detect_params(opts["max_features"], opts["quality"],
+                                       opts["min_distance"], opts["block_size"])
+    win, lev, it, eps, fb, me = T._lk_params(opts["win_size"], opts["levels"], opts["iters"],
+                                             opts["eps"], opts["fb_threshold"], opts["min_eig"])
+    xp = array_module(*parts)
+    stack = parts[0] if len(parts) == 1 else xp.concatenate(parts)
+    h, w = stack.shape[1:3]
+    if min(h, w) <= max(win, bs - 1):
+        raise InputError(f"frames of {w}x{h} pixels are too small to track features with "
+                         f"win_size={win} (need more than {win} pixels a side); pass tracks= or a "
+                         "smaller klt win_size")
+    tr, keep = T.track_grey(T.grey_u8(stack), pairs, dev, maxf, q, md, bs, win, lev, it, eps, fb,
+                            me)
+    tr, keep = to_numpy(tr), to_numpy(keep)            # (B, P, 4) + (B, P): a few KB per pair
+    return [tr[b][keep[b]] for b in range(len(pairs))]
 
 
 def _scales(sigma_c, sigma_x):
@@ -437,9 +491,10 @@ def _scales(sigma_c, sigma_x):
 
 
 def _run(method, frames0, frames1, tracks, sigma_c, sigma_x, sigma_f, tau, max_labels, device,
-         klt):
+         klt, tracker="builtin"):
     sigma_c, sigma_x, tau = _params(sigma_c, sigma_x, tau)
-    parts, pairs, single, (h, w, c), dev, tl = _prepare(frames0, frames1, tracks, device, klt)
+    parts, pairs, single, (h, w, c), dev, tl, source = _prepare(frames0, frames1, tracks, device,
+                                                                klt, tracker)
     n_pairs = len(pairs)
     offs = np.zeros(n_pairs + 1, np.int32)
     offs[1:] = np.cumsum([len(t) for t in tl])
@@ -449,7 +504,8 @@ def _run(method, frames0, frames1, tracks, sigma_c, sigma_x, sigma_f, tau, max_l
     tau32 = np.float32(tau if tau is not None else np.inf)
     test = tau is not None
     params = dict(sigma_c=sigma_c, sigma_x=sigma_x, tau=tau, change_metric="max_abs_channel",
-                  sampling="bilinear" if method == "interpolation" else "nearest (integer labels)")
+                  sampling="bilinear" if method == "interpolation" else "nearest (integer labels)",
+                  tracks=source)
     lab = None
     labels = None
     if method == "hypotheses":
@@ -518,7 +574,8 @@ def _hypotheses_cpu(cpu, f4, pair, feat, labels, sx, sc, sf2, tau32, test, flow,
 
 def interpolate_flow(frames0, frames1=None, tracks=None, *, sigma_c: float = SIGMA_C,
                      sigma_x: float | None = None, tau: float | None = TAU,
-                     klt: dict | None = None, device: str = "auto") -> FlowResult:
+                     klt: dict | None = None, tracker: str = "builtin",
+                     device: str = "auto") -> FlowResult:
     """Method 1: dense flow by colour-and-position Gaussian interpolation of the tracks' flows.
 
     Parameters
@@ -530,13 +587,18 @@ def interpolate_flow(frames0, frames1=None, tracks=None, *, sigma_c: float = SIG
         Second frame(s) of each pair.
     tracks : (M, 4) array, pair of (M, 2) arrays, or a list of those (one per pair), optional
         ``x0, y0`` in frame 0 (inside the frame) and ``x1, y1`` in frame 1, pixels (x = column).
-        ``None``: KLT tracks from OpenCV (:func:`klt_tracks`, options in ``klt``).
+        ``None`` (or ``None`` entries of the list): KLT tracks by ``tracker``, options in
+        ``klt`` (those of :func:`klt_tracks`).
     sigma_c : float
         Colour standard deviation (levels of the input).
     sigma_x : float, optional
         Spatial standard deviation (pixels); default ``4 sigma_c`` (the paper's alpha/beta = 4).
     tau : float or None
         Change-test threshold (max abs channel difference); None disables the test.
+    tracker : {"builtin", "opencv"}
+        ``"builtin"``: :mod:`~scanforest.kernels.motion.tracking` on the flow's device (the GPU
+        tracker when the GPU computes); ``"opencv"``: :func:`klt_tracks` on the host (the
+        reference; needs OpenCV).
     device : {"auto", "cpu", "gpu"}
 
     Returns
@@ -544,13 +606,14 @@ def interpolate_flow(frames0, frames1=None, tracks=None, *, sigma_c: float = SIG
     FlowResult (``flow`` float32, ``valid`` bool; on the device that computed them).
     """
     return _run("interpolation", frames0, frames1, tracks, sigma_c, sigma_x, None, tau,
-                MAX_LABELS, device, klt)
+                MAX_LABELS, device, klt, tracker)
 
 
 def hypothesis_flow(frames0, frames1=None, tracks=None, *, sigma_c: float = SIGMA_C,
                     sigma_x: float | None = None, sigma_f: float = SIGMA_F,
                     tau: float | None = TAU, max_labels: int = MAX_LABELS,
-                    klt: dict | None = None, device: str = "auto") -> FlowResult:
+                    klt: dict | None = None, tracker: str = "builtin",
+                    device: str = "auto") -> FlowResult:
     """Method 2: per-pixel scoring of every label of the discretised flow space, masked argmax.
 
     Parameters as :func:`interpolate_flow`, plus
@@ -565,7 +628,7 @@ def hypothesis_flow(frames0, frames1=None, tracks=None, *, sigma_c: float = SIGM
     FlowResult with ``label`` (chosen label per pixel) and ``labels`` (the DFS of every pair).
     """
     return _run("hypotheses", frames0, frames1, tracks, sigma_c, sigma_x, sigma_f, tau,
-                max_labels, device, klt)
+                max_labels, device, klt, tracker)
 
 
 def dense_flow(frames0, frames1=None, tracks=None, *, method: str = "hypotheses",
