@@ -15,29 +15,40 @@ from prefect import flow, task
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.motion.optical_flow import METHODS
+from scanforest.kernels.motion.optical_flow import METHODS, TRACKERS
 from scanforest.tasks import flow as T
-from scanforest.tasks.prefect_tasks import RETRY_DELAYS, on_cluster
+from scanforest.tasks.prefect_tasks import RETRY_DELAYS, not_a_user_error, on_cluster
 from scanforest.tasks.store import ScanStore
 
 from ._runner import auto_batch, dask_client, ensure_prefect_api, map_units, n_workers, record_run
 
 
+def _checked(result):
+    """A unit's result; a user error it raised on its worker is raised here (one line, no
+    worker traceback; not retried: :func:`not_a_user_error`)."""
+    if isinstance(result, T.UserError):
+        result.reraise()
+    return result
+
+
 @task(name="flow-ingest", retries=2, retry_delay_seconds=RETRY_DELAYS,
-      task_run_name="ingest frames {source}")
+      retry_condition_fn=not_a_user_error, task_run_name="ingest frames {source}")
 def ingest_sequence_task(store: str, source: str, seq_id: str | None = None,
                          tracks_dir: str | None = None, force: bool = False) -> dict[str, Any]:
     """A frame folder -> a sequence of the store (skipped when unchanged)."""
-    return on_cluster(T.ingest_sequence, store, source, seq_id, tracks_dir=tracks_dir, force=force)
+    return _checked(on_cluster(T.catching_user_errors, T.ingest_sequence, store, source, seq_id,
+                               tracks_dir=tracks_dir, force=force))
 
 
 @task(name="flow-pairs", retries=2, retry_delay_seconds=RETRY_DELAYS,
+      retry_condition_fn=not_a_user_error,
       task_run_name="flow {seq_id} pairs {first}..{last} ({method})")
 def flow_pairs_task(store: str, seq_id: str, pairs: list[int], first: int, last: int,
                     method: str, options: dict) -> list[dict[str, Any]]:
     """Flow of a batch of pairs of one sequence (pairs already written are skipped)."""
-    return on_cluster(T.flow_pairs, store, seq_id, pairs, method=method, **options,
-                      key=f"flow-{seq_id}-{method}-{first}-{last}-{id(options):x}")
+    return _checked(on_cluster(T.catching_user_errors, T.flow_pairs, store, seq_id, pairs,
+                               method=method, **options,
+                               key=f"flow-{seq_id}-{method}-{first}-{last}-{id(options):x}"))
 
 
 @flow(name="scanforest-flow", task_runner=ThreadPoolTaskRunner(max_workers=32))
@@ -57,10 +68,7 @@ def motion_flow(store: str, sequences: list[str] | None = None, source: str | No
     colour-wheel images; ``batch`` pairs per task (and per kernel launch).
     """
     t0 = time.perf_counter()
-    methods = list(methods or METHODS)
-    for m in methods:
-        if m not in METHODS:
-            raise InputError(f"method must be one of {METHODS}, got {m!r}")
+    methods = check_flow(methods, tracker, source)
     with dask_client(scheduler, n_workers=workers, device=device) as client:
         nw = n_workers(client)
         ingested = None
@@ -77,6 +85,8 @@ def motion_flow(store: str, sequences: list[str] | None = None, source: str | No
                        png_dir=png_dir, force=force)
         units = []
         for sid in seqs:
+            if tracker == "builtin":
+                T.check_trackable(store, sid, klt)      # one line now, not one per batch later
             n = T.prepare_outputs(store, sid, methods)
             b = batch or max(1, min(16, auto_batch(n, nw, max_batch=16)))
             for m in methods:
@@ -101,7 +111,25 @@ def motion_flow(store: str, sequences: list[str] | None = None, source: str | No
     return summary
 
 
+def check_flow(methods=None, tracker: str = "builtin", source: str | None = None) -> list[str]:
+    """The cheap checks of a flow run's arguments, before a Prefect API or a cluster starts (a
+    frame folder's frames are read on the cluster). Returns the methods."""
+    methods = list(methods or METHODS)
+    for m in methods:
+        if m not in METHODS:
+            raise InputError(f"method must be one of {METHODS}, got {m!r}")
+    if tracker not in TRACKERS:
+        raise InputError(f"tracker must be one of {TRACKERS}, got {tracker!r}")
+    if source:
+        n = len(T.list_frames(source))
+        if n < 2:
+            raise InputError(f"{source}: a sequence needs at least 2 frames, found {n} "
+                             f"(extensions {', '.join(T.FRAME_EXTS)})")
+    return methods
+
+
 def run_flow(store, **kw) -> dict[str, Any]:
     """Start a Prefect API if none is configured and run :func:`motion_flow`."""
+    check_flow(kw.get("methods"), kw.get("tracker", "builtin"), kw.get("source"))
     ensure_prefect_api()
     return motion_flow(store=str(store), **kw)

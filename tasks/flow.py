@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from scanforest.kernels.errors import InputError, ScanReadError
+from scanforest.kernels.errors import InputError, ScanforestError, ScanReadError
 
 from .store import ScanStore, _jsonable, scan_id_for
 
@@ -89,6 +89,35 @@ def read_frame(path: str | Path) -> np.ndarray:
     if a.ndim == 3 and a.shape[2] == 1:
         a = a[..., 0]
     return a
+
+
+class UserError:
+    """A user error (:class:`ScanforestError`) raised by a unit of work on a Dask worker,
+    returned as a value by :func:`catching_user_errors` so that the worker does not log it as a
+    failed computation (with its traceback, on the command's terminal) and the caller re-raises
+    it (:meth:`reraise`) as one line. Carries the class, ``args`` and attributes, so exceptions
+    whose ``__init__`` takes other arguments than ``args`` (:class:`ScanReadError`) come back
+    whole."""
+
+    def __init__(self, exc: ScanforestError):
+        self.cls, self.args, self.state = type(exc), exc.args, dict(exc.__dict__)
+
+    def exception(self) -> ScanforestError:
+        exc = self.cls.__new__(self.cls)
+        exc.args = self.args
+        exc.__dict__.update(self.state)
+        return exc
+
+    def reraise(self):
+        raise self.exception()
+
+
+def catching_user_errors(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, or a :class:`UserError` when it raises a user error."""
+    try:
+        return fn(*args, **kwargs)
+    except ScanforestError as exc:
+        return UserError(exc)
 
 
 def _seq_root(st: ScanStore):
@@ -212,8 +241,13 @@ def _pair_name(t: int) -> str:
     return f"{t:06d}"
 
 
-def _params_key(method: str, params: dict, tracks: str) -> dict:
-    return _jsonable({"method": method, "tracks": tracks, **{k: params[k] for k in sorted(params)}})
+def _params_key(method: str, params: dict, tracks: str, klt: dict | None = None) -> dict:
+    """What a written pair was computed with; ``klt`` (tracker options, KLT pairs only) joins
+    the key only when given, so keys of runs with the default tracker options are unchanged."""
+    key = {"method": method, "tracks": tracks, **{k: params[k] for k in sorted(params)}}
+    if klt:
+        key["klt"] = {k: klt[k] for k in sorted(klt)}
+    return _jsonable(key)
 
 
 def pair_done(store: str | ScanStore, seq_id: str, t: int, method: str, key: dict | None = None) -> bool:
@@ -225,6 +259,23 @@ def pair_done(store: str | ScanStore, seq_id: str, t: int, method: str, key: dic
         return False
     a = pg.attrs
     return bool(a.get("complete", False)) and (key is None or a.get("key") == key)
+
+
+def check_trackable(store: str | ScanStore, seq_id: str, klt: dict | None = None) -> None:
+    """Raise :class:`InputError` when pairs of ``seq_id`` without stored tracks cannot be tracked
+    by the built-in tracker (frames smaller than its window, unknown ``klt`` options)."""
+    from scanforest.kernels.motion.optical_flow import check_trackable as _check
+
+    st = store if isinstance(store, ScanStore) else ScanStore(store, mode="r")
+    g = _sequence(st, seq_id)
+    n_pairs = int(g.attrs["n_frames"]) - 1
+    stored = g["tracks"] if "tracks" in g else None
+    if stored is not None and all(_pair_name(t) in stored for t in range(n_pairs)):
+        return
+    try:
+        _check(int(g.attrs["height"]), int(g.attrs["width"]), klt)
+    except InputError as exc:
+        raise InputError(f"sequence {seq_id!r}: {exc}") from None
 
 
 def prepare_outputs(store: str, seq_id: str, methods) -> int:
@@ -269,7 +320,8 @@ def flow_pairs(store: str, seq_id: str, pairs: list[int], *, method: str = "hypo
     stored = g["tracks"] if "tracks" in g else None
     src = {t: ("stored" if stored is not None and _pair_name(t) in stored else f"klt-{tracker}")
            for t in pairs}
-    keys = {t: _params_key(method, params, src[t]) for t in pairs}
+    keys = {t: _params_key(method, params, src[t], None if src[t] == "stored" else klt)
+            for t in pairs}
     todo = [int(t) for t in pairs if force or not pair_done(st, seq_id, t, method, keys[t])]
     recs = [{"seq_id": seq_id, "pair": int(t), "method": method, "status": "skipped"}
             for t in pairs if int(t) not in todo]

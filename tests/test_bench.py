@@ -222,3 +222,32 @@ def test_bench_tools_flann_baseline(tmp_path):
                           flann_baseline=str(tmp_path / "missing"), nprobes=[], ef_search=[], threads=1,
                           repeat=1, out=tmp_path / "b.json")
     assert any("failed" in n for n in bad.notes) and not any(r.figure.startswith("FLANN") for r in bad.rows)
+
+
+def test_bench_flow_accuracy_reports_tracked_epe_next_to_exact():
+    """``bench flow``'s accuracy table: per sequence and method the EPE / coverage with exact
+    tracks and with ``tracks=None`` (the built-in tracker; OpenCV's when importable), the ratio
+    and a summary line; without cv2 the OpenCV columns are dashes."""
+    from scanforest.deploy.bench import flow as bf
+
+    have_cv2 = __import__("importlib").util.find_spec("cv2") is not None
+    rows = bf.accuracy_rows("cpu", features=40, size=(96, 128))
+    assert len(rows) == 8
+    for r in rows:
+        assert r["tracks_builtin"] > 0 and 0 < r["coverage_builtin"] <= 1
+        assert np.isfinite(r["epe_builtin"]) and r["tracked_device"] == "cpu"
+        if have_cv2:
+            assert r["tracks_opencv"] > 0
+            # the built-in tracker follows OpenCV's arithmetic: the same tracks to ~1e-3 px
+            assert r["builtin_over_opencv_epe"] == pytest.approx(1.0, abs=0.02)
+    text = bf.format_accuracy(rows)
+    assert "EPE bi" in text and "bi/cv" in text and "built-in vs OpenCV tracks" in text
+    assert len(text.splitlines()) == 2 + len(rows) + 1
+    json.dumps(rows)                                     # goes to the report's params as is
+
+    bare = bf.accuracy_rows("cpu", features=40, size=(96, 128), have_cv2=False)
+    assert all("epe_opencv" not in r and "builtin_over_opencv_epe" not in r for r in bare)
+    assert "OpenCV not importable" in bf.format_accuracy(bare)
+    exact = bf.accuracy_rows("cpu", features=40, size=(96, 128), tracked=False)
+    assert "EPE bi" not in bf.format_accuracy(exact)
+    assert all("epe_builtin" not in r for r in exact)

@@ -523,3 +523,65 @@ def test_flow_cli_pair_and_run(tmp_path):
     res = runner.invoke(app, ["flow", "run", store, "--seq", "cam", "--device", "cpu",
                               "--workers", "1", "--no-png"])
     assert res.exit_code == 0 and "0 pair flows written, 4 already done" in res.output
+
+
+def test_flow_run_bad_frames_fail_in_one_line_without_retries(tmp_path_factory, tmp_path):
+    """``scanforest flow run`` as a user runs it: a folder with one frame, a non-image among the
+    frames and frames smaller than the built-in tracker's window each end in exit 2 and one
+    ``error:`` line (no worker traceback, no retries), and a bad ``--tracker`` before anything
+    starts."""
+    from PIL import Image
+
+    from _userpath import fresh_env, one_line_error, sf
+
+    env = fresh_env(tmp_path_factory)
+    rng = np.random.default_rng(0)
+    one, bad, tiny = (tmp_path / n for n in ("one", "bad", "tiny"))
+    for d in (one, bad, tiny):
+        d.mkdir()
+    Image.fromarray((rng.random((40, 48, 3)) * 255).astype(np.uint8)).save(one / "0.png")
+    for i in range(2):
+        Image.fromarray((rng.random((40, 48, 3)) * 255).astype(np.uint8)).save(bad / f"{i}.png")
+    (bad / "2.png").write_text("not an image")
+    for i in range(3):
+        Image.fromarray((rng.random((16, 20)) * 255).astype(np.uint8)).save(tiny / f"{i}.png")
+    store = str(tmp_path / "s.zarr")
+    run = ("flow", "run", store, "--device", "cpu", "--workers", "1", "--no-png")
+    one_line_error(sf(*run, "--frames", str(one), env=env, cwd=tmp_path), "at least 2 frames, found 1")
+    one_line_error(sf(*run, "--frames", str(one), "--tracker", "klt", env=env, cwd=tmp_path),
+                   "tracker must be one of")
+    res = sf(*run, "--frames", str(bad), env=env, cwd=tmp_path)
+    one_line_error(res, "2.png: not a readable image")
+    assert "Compute Failed" not in res.stderr, res.stderr
+    res = sf(*run, "--frames", str(tiny), env=env, cwd=tmp_path)
+    one_line_error(res, "sequence 'tiny'", "too small to track")
+    assert "Crash" not in res.stderr, res.stderr
+
+
+def test_flow_task_klt_options_are_part_of_the_key(tmp_path):
+    """Pairs tracked with other tracker options are recomputed, not skipped; the default
+    options keep the key they had; a user error on a worker comes back whole (ScanReadError)."""
+    import pickle
+
+    from scanforest.kernels.errors import ScanReadError
+    from scanforest.tasks.flow import UserError, catching_user_errors, flow_pairs, write_sequence
+
+    seq = sequence("layers", height=64, width=80, n_frames=2, seed=5)
+    store = str(tmp_path / "s.zarr")
+    write_sequence(store, "seq", seq.frames)
+    kw = dict(method="interpolation", device="cpu")
+    assert flow_pairs(store, "seq", [0], **kw)[0]["status"] == "written"
+    assert flow_pairs(store, "seq", [0], klt=None, **kw)[0]["status"] == "skipped"
+    r = flow_pairs(store, "seq", [0], klt={"max_features": 30}, **kw)[0]
+    assert r["status"] == "written" and r["n_features"] <= 30
+    assert flow_pairs(store, "seq", [0], klt={"max_features": 30}, **kw)[0]["status"] == "skipped"
+
+    def fail():
+        raise ScanReadError("/x/f.png", "not a readable image")
+
+    u = pickle.loads(pickle.dumps(catching_user_errors(fail)))
+    assert isinstance(u, UserError)
+    with pytest.raises(ScanReadError, match="/x/f.png: not a readable image") as ei:
+        u.reraise()
+    assert ei.value.path == "/x/f.png"
+    assert catching_user_errors(lambda a, b=0: a + b, 1, b=2) == 3

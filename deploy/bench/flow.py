@@ -29,6 +29,13 @@ adds the figures *with* tracking, frames on the host (issue 25), per size:
 
 The tracked feature count is ``--features`` (``max_features``) for both trackers. Warm-up
 calls are excluded; figures are medians over ``--repeat`` calls.
+
+``--accuracy`` (default) prints EPE / AE / coverage per synthetic 320x240 sequence and method
+with the exact tracks and, unless ``--no-accuracy-tracked``, the EPE and coverage of the same
+call with ``tracks=None`` on the bench's device: tracks from the built-in tracker and from
+OpenCV (when importable), ``--features`` each, with their EPE ratio (built-in / OpenCV) per row
+and a one-line summary (the issue's "no worse than with OpenCV's tracks"); the rows go to the
+JSON (``params.accuracy``; ``epe_builtin``, ``epe_opencv``, ``builtin_over_opencv_epe``, ...).
 """
 from __future__ import annotations
 
@@ -104,13 +111,23 @@ def _scene(h, w, n_frames, features, flows=None, seed=3):
     return seq, tracks
 
 
-def accuracy_rows(device: str, features: int = 156, size=(240, 320), cpu_check: bool = True):
-    """EPE / AE / coverage per synthetic sequence and method (exact tracks); CPU vs GPU agreement."""
+def accuracy_rows(device: str, features: int = 156, size=(240, 320), cpu_check: bool = True,
+                  tracked: bool = True, have_cv2: bool | None = None):
+    """EPE / AE / coverage per synthetic sequence and method (exact tracks); CPU vs GPU agreement.
+
+    With ``tracked`` each row also gets the EPE / coverage / track count of the same call with
+    ``tracks=None``, i.e. tracked on ``device`` by the built-in tracker (``*_builtin``) and by
+    OpenCV (``*_opencv``, when cv2 is importable; ``klt_tracks`` on the host), ``features``
+    features each, and ``builtin_over_opencv_epe`` (EPE over classified pixels, built-in /
+    OpenCV: < 1 means the built-in tracks give the lower error)."""
     from scanforest.kernels.backend import to_numpy
     from scanforest.kernels.motion.metrics import flow_errors
     from scanforest.kernels.motion.optical_flow import dense_flow
     from scanforest.kernels.synthetic.sequences import KINDS, sequence, tracks_from_flow
 
+    if have_cv2 is None:
+        have_cv2 = importlib.util.find_spec("cv2") is not None
+    trackers = (("builtin",) + (("opencv",) if have_cv2 else ())) if tracked else ()
     rows = []
     h, w = size
     for kind in KINDS:
@@ -131,29 +148,82 @@ def accuracy_rows(device: str, features: int = 156, size=(240, 320), cpu_check: 
                 row["cpu_gpu_valid_agree"] = float((valid == rc.valid).mean())
                 row["cpu_gpu_max_flow_diff_on_common_valid"] = float(
                     np.abs(flow[both] - rc.flow[both]).max()) if both.any() else 0.0
+            for tracker in trackers:      # the user path: tracks=None, tracked in the same call
+                rt = dense_flow(seq.frames[0], seq.frames[1], None, method=method, device=device,
+                                tracker=tracker, klt={"max_features": features})
+                et = flow_errors(to_numpy(rt.flow), seq.flows[0], to_numpy(rt.valid))
+                row[f"epe_{tracker}"] = et.epe
+                row[f"epe_all_{tracker}"] = et.epe_all
+                row[f"coverage_{tracker}"] = et.coverage
+                row[f"tracks_{tracker}"] = int(rt.n_features[0])
+                row[f"labels_{tracker}"] = None if rt.labels is None else len(rt.labels[0])
+            if trackers:
+                row["tracked_device"] = device
+            if "epe_opencv" in row:
+                row["builtin_over_opencv_epe"] = (row["epe_builtin"] / row["epe_opencv"]
+                                                  if row["epe_opencv"] > 0 else None)
             rows.append(row)
     return rows
 
 
+def _f(v, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}{spec}}"
+
+
 def format_accuracy(rows) -> str:
+    tracked = any("epe_builtin" in r for r in rows)
     head = (f"{'sequence':<13} {'method':<13} {'EPE':>7} {'AE deg':>7} {'EPE all':>8} {'cover':>6} "
             f"{'labels':>6}")
-    out = ["accuracy on synthetic 320x240 sequences (exact tracks; EPE/AE over classified pixels)",
-           head]
+    title = "accuracy on synthetic 320x240 sequences (exact tracks; EPE/AE over classified pixels)"
+    if tracked:
+        dev = next(r["tracked_device"] for r in rows if "tracked_device" in r)
+        head += (f" | {'EPE bi':>7} {'cov bi':>6} {'n bi':>4} | {'EPE cv':>7} {'cov cv':>6} "
+                 f"{'n cv':>4} | {'bi/cv':>6}")
+        title = ("accuracy on synthetic 320x240 sequences (EPE/AE over classified pixels); left: "
+                 f"exact tracks; right: tracks=None on {dev}, built-in tracker (bi) and OpenCV "
+                 "(cv), n = tracks used; bi/cv = EPE built-in / EPE OpenCV")
+    out = [title, head]
     for r in rows:
-        out.append(f"{r['kind']:<13} {r['method']:<13} {r['epe']:>7.3f} {r['ae']:>7.2f} "
-                   f"{r['epe_all']:>8.3f} {r['coverage']:>6.3f} {str(r['labels'] or '-'):>6}"
-                   + (f"  pole EPE {r['pole_epe_all']:.2f}" if 'pole_epe_all' in r else "")
-                   + (f"  cpu=gpu valid {r['cpu_gpu_valid_agree']:.4f}, max |dflow| "
-                      f"{r['cpu_gpu_max_flow_diff_on_common_valid']:.2e}"
-                      if 'cpu_gpu_valid_agree' in r else ""))
+        line = (f"{r['kind']:<13} {r['method']:<13} {r['epe']:>7.3f} {r['ae']:>7.2f} "
+                f"{r['epe_all']:>8.3f} {r['coverage']:>6.3f} {str(r['labels'] or '-'):>6}")
+        if tracked:
+            line += (f" | {_f(r.get('epe_builtin'), '.3f', 7)} {_f(r.get('coverage_builtin'), '.3f', 6)}"
+                     f" {_f(r.get('tracks_builtin'), 'd', 4)}"
+                     f" | {_f(r.get('epe_opencv'), '.3f', 7)} {_f(r.get('coverage_opencv'), '.3f', 6)}"
+                     f" {_f(r.get('tracks_opencv'), 'd', 4)}"
+                     f" | {_f(r.get('builtin_over_opencv_epe'), '.4f', 6)}")
+        line += (f"  pole EPE {r['pole_epe_all']:.2f}" if 'pole_epe_all' in r else "")
+        line += (f"  cpu=gpu valid {r['cpu_gpu_valid_agree']:.4f}, max |dflow| "
+                 f"{r['cpu_gpu_max_flow_diff_on_common_valid']:.2e}"
+                 if 'cpu_gpu_valid_agree' in r else "")
+        out.append(line)
+    summary = tracking_summary(rows)
+    if summary:
+        out.append(summary)
     return "\n".join(out)
+
+
+def tracking_summary(rows) -> str | None:
+    """One line: the dense flow's EPE with built-in tracks against OpenCV's tracks."""
+    if not any("epe_builtin" in r for r in rows):
+        return None
+    both = [r for r in rows if r.get("builtin_over_opencv_epe") is not None]
+    if not both:
+        return "built-in vs OpenCV tracks: OpenCV not importable, built-in tracker only"
+    worst = max(both, key=lambda r: r["builtin_over_opencv_epe"])
+    ratios = [r["builtin_over_opencv_epe"] for r in both]
+    n_worse = sum(q > 1.0 + 1e-3 for q in ratios)
+    return (f"built-in vs OpenCV tracks: EPE ratio {min(ratios):.4f}..{max(ratios):.4f} over "
+            f"{len(both)} rows, {n_worse} more than 0.1 % worse (worst: {worst['kind']} "
+            f"{worst['method']} {worst['epe_builtin']:.3f} vs {worst['epe_opencv']:.3f} px); "
+            f"coverage {min(r['coverage_builtin'] - r['coverage_opencv'] for r in both):+.4f}.."
+            f"{max(r['coverage_builtin'] - r['coverage_opencv'] for r in both):+.4f} (bi - cv)")
 
 
 def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, device: str = "auto",
               out=None, cpu: bool = True, cpu_repeat: int = 3, label_sweep=(8, 25, 64, 128, 256),
               accuracy: bool = True, merry_go_round: bool = True, time_limit: float = 1e9,
-              tracking: bool = True):
+              tracking: bool = True, accuracy_tracked: bool = True):
     """Run the benchmark; ``sizes`` is a list of (width, height). Returns the JSON path."""
     from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
     from scanforest.kernels.motion.optical_flow import dense_flow
@@ -261,13 +331,28 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
                     higher_is_better=False, fps=batch * 1e3 / tb, labels=len(r.labels[0]))
             del ds
     if accuracy:
-        rows = accuracy_rows(dev, features, cpu_check=cpu)
+        t_acc = time.perf_counter()
+        rows = accuracy_rows(dev, features, cpu_check=cpu, tracked=accuracy_tracked,
+                             have_cv2=have_cv2)
         rep.params["accuracy"] = rows
+        rep.params["accuracy_s"] = time.perf_counter() - t_acc
         print(format_accuracy(rows))
+        summary = tracking_summary(rows)
+        if summary:
+            rep.note(f"accuracy 320x240 on {dev}, {summary}")
         for r in rows:
             rep.add(f"accuracy {r['kind']} 320x240, {r['method']}: EPE (classified px)", r["epe"],
                     "px", describe_device(dev), higher_is_better=False, ae=r["ae"],
                     epe_all=r["epe_all"], coverage=r["coverage"])
+            if "epe_builtin" in r:
+                cv = "epe_opencv" in r
+                rep.add(f"accuracy {r['kind']} 320x240, {r['method']}: EPE (classified px), "
+                        "builtin tracks", r["epe_builtin"], "px", describe_device(dev),
+                        baseline="same with OpenCV tracks" if cv else None,
+                        baseline_value=r.get("epe_opencv"), higher_is_better=False,
+                        epe_all=r["epe_all_builtin"], coverage=r["coverage_builtin"],
+                        tracks=r["tracks_builtin"], coverage_opencv=r.get("coverage_opencv"),
+                        tracks_opencv=r.get("tracks_opencv"))
     rep.note("paper (Kim, Hwangbo & Kanade 2009, GeForce 8800 GTX, transfers included): 320x240, "
              "~150-156 KLT features: interpolation 6.2 ms, hypotheses (8 labels) 48 ms; "
              "422 features: interpolation ~14 ms, hypotheses (25 labels) ~120 ms")
@@ -330,7 +415,7 @@ def tracking_rows(rep, seq, tag, features, batch, repeat, dev, cpu, t_klt, have_
             rep.note(f"{tag}, {method}, {d.upper()}, host frames, tracking included: "
                      f"{t:.1f} ms/pair = {1e3 / t:.1f} pairs/s, builtin tracking "
                      f"{t_track[d]:.1f} ms ({100 * t_track[d] / t:.0f} % of it)"
-                     + (f"; with OpenCV tracking ({t_klt:.1f} ms, {t_klt / t_track[d]:.1f}x the "
+                     + (f"; with OpenCV tracking ({t_klt:.1f} ms, {t_klt / t_track[d]:.2g}x the "
                         f"builtin's) {t_cv:.1f} ms/pair = {1e3 / t_cv:.1f} pairs/s"
                         if t_cv and t_klt else ""))
             if d == "cpu" and big:
@@ -420,7 +505,11 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         cpu: bool = typer.Option(True, "--cpu/--no-cpu", help="CPU numba baseline rows"),
         labels: str = typer.Option("8,25,64,128,256", "--labels", help="label sweep at the "
                                    "largest size ('' to skip)"),
-        accuracy: bool = typer.Option(True, "--accuracy/--no-accuracy"),
+        accuracy: bool = typer.Option(True, "--accuracy/--no-accuracy", help="EPE table on "
+                                      "the synthetic 320x240 sequences"),
+        accuracy_tracked: bool = typer.Option(True, "--accuracy-tracked/--no-accuracy-tracked",
+                                              help="the EPE table also with tracks from the "
+                                              "built-in tracker and OpenCV (when importable)"),
         time_limit: float = typer.Option(1e9, "--time-limit"),
         tracking: bool = typer.Option(True, "--tracking/--no-tracking", help="rows with KLT "
                                       "tracking included (built-in tracker vs OpenCV)"),
@@ -428,7 +517,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """Both flow methods on the GPU at the paper's size and 1080p, CPU baseline in the same run."""
         run_bench(_sizes(sizes), features=features, batch=batch, repeat=repeat, device=device,
                   out=out, cpu=cpu, label_sweep=parse_counts(labels), accuracy=accuracy,
-                  time_limit=time_limit, tracking=tracking)
+                  time_limit=time_limit, tracking=tracking, accuracy_tracked=accuracy_tracked)
 
 
 if __name__ == "__main__":  # standalone: python -m scanforest.deploy.bench.flow --sizes ...

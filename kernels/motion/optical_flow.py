@@ -458,9 +458,10 @@ def _prepare(frames0, frames1, tracks, device, klt, tracker="builtin"):
     return parts, pairs, single, (h, w, c), dev, tl, source
 
 
-def _builtin_tracks(parts, pairs, klt, dev) -> list:
-    """Tracks of ``pairs`` (frame indices into the stacked ``parts``) by
-    :func:`scanforest.kernels.motion.tracking.track_grey` on ``dev``; host (M, 4) arrays."""
+def check_trackable(h: int, w: int, klt: dict | None = None):
+    """Raise :class:`InputError` unless the built-in tracker takes the options ``klt`` and can
+    track frames of ``h`` x ``w`` pixels (a cheap check, e.g. before frames are dispatched).
+    Returns the checked (detection, tracking) parameters."""
     from . import tracking as T
 
     opts = dict(T.TRACKER_DEFAULTS)
@@ -468,17 +469,27 @@ def _builtin_tracks(parts, pairs, klt, dev) -> list:
     if unknown:
         raise InputError(f"klt: unknown option(s) {unknown}; the tracker takes {sorted(opts)}")
     opts.update(klt or {})
-    maxf, q, md, bs = T._detect_params(opts["max_features"], opts["quality"],
-                                       opts["min_distance"], opts["block_size"])
-    win, lev, it, eps, fb, me = T._lk_params(opts["win_size"], opts["levels"], opts["iters"],
-                                             opts["eps"], opts["fb_threshold"], opts["min_eig"])
-    xp = array_module(*parts)
-    stack = parts[0] if len(parts) == 1 else xp.concatenate(parts)
-    h, w = stack.shape[1:3]
+    det = T._detect_params(opts["max_features"], opts["quality"], opts["min_distance"],
+                           opts["block_size"])
+    lk = T._lk_params(opts["win_size"], opts["levels"], opts["iters"], opts["eps"],
+                      opts["fb_threshold"], opts["min_eig"])
+    win, bs = lk[0], det[3]
     if min(h, w) <= max(win, bs - 1):
         raise InputError(f"frames of {w}x{h} pixels are too small to track features with "
                          f"win_size={win} (need more than {win} pixels a side); pass tracks= or a "
                          "smaller klt win_size")
+    return det, lk
+
+
+def _builtin_tracks(parts, pairs, klt, dev) -> list:
+    """Tracks of ``pairs`` (frame indices into the stacked ``parts``) by
+    :func:`scanforest.kernels.motion.tracking.track_grey` on ``dev``; host (M, 4) arrays."""
+    from . import tracking as T
+
+    xp = array_module(*parts)
+    stack = parts[0] if len(parts) == 1 else xp.concatenate(parts)
+    h, w = stack.shape[1:3]
+    (maxf, q, md, bs), (win, lev, it, eps, fb, me) = check_trackable(h, w, klt)
     tr, keep = T.track_grey(T.grey_u8(stack), pairs, dev, maxf, q, md, bs, win, lev, it, eps, fb,
                             me)
     tr, keep = to_numpy(tr), to_numpy(keep)            # (B, P, 4) + (B, P): a few KB per pair
