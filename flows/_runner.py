@@ -338,13 +338,18 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
             cluster.close()
 
 
+def _host_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _thread_env(n_workers: int, threads_per_worker: int) -> dict[str, str]:
     """Numba threads per local worker process: the host's cores shared out, so that W workers
     running parallel numba kernels do not start W x cores threads (Dask already sets the BLAS and
     OpenMP pools of its workers to one thread). ``NUMBA_NUM_THREADS`` set by the user wins."""
     if "NUMBA_NUM_THREADS" in os.environ:
         return {"NUMBA_NUM_THREADS": os.environ["NUMBA_NUM_THREADS"]}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _host_cores()
     return {"NUMBA_NUM_THREADS": str(max(1, cores // max(1, n_workers * threads_per_worker)))}
 
 
@@ -358,7 +363,7 @@ GPU_WORKERS_PER_DEVICE = 4
 def default_gpu_workers(n_gpus: int) -> int:
     """Workers for ``n_gpus`` GPUs when none is asked for: :data:`GPU_WORKERS_PER_DEVICE` per GPU,
     at most one per 2 cores of the host."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _host_cores()
     per = max(1, min(GPU_WORKERS_PER_DEVICE, cores // max(1, 2 * n_gpus)))
     return max(1, n_gpus) * per
 

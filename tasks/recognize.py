@@ -34,7 +34,7 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError
 
-from .store import ScanStore, _jsonable, stage_digest
+from .store import ScanStore, _jsonable, stage_digest, stage_matches
 
 LIBRARY_KEYS = ("model_ss", "descr_rad", "rf_rad", "normal_k", "normal_radius", "verify_leaf", "views")
 
@@ -224,7 +224,7 @@ def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str
     key = {"library": library, "content_hash": digest, "params": _jsonable(params),
            "inputs": {"describe": plan["describe"], "match": plan["match"]} if plan["fits"] else None}
     rec = meta.get("stages", {}).get("recognize")
-    if not force and rec is not None and all(rec.get(k) == _jsonable(v) for k, v in key.items()):
+    if not force and stage_matches(rec, **key):
         return {"scan_id": scan_id, "status": "skipped", "detections": len(rec.get("detections", [])),
                 "evaluation": rec.get("evaluation"), "source": rec.get("source"),
                 "seconds": time.perf_counter() - t0}

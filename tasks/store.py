@@ -320,10 +320,11 @@ class ScanStore:
         try:
             return dict(zip(names, _gather_arrays(grp, names)))
         except KeyError:
-            pass
-        for name in names:  # name the missing one as read() does
-            self.read(scan_id, name)
-        raise InputError(f"{self.path}: scan {scan_id!r}: could not read {names}")  # pragma: no cover
+            have = sorted(grp.array_keys())
+            missing = [n for n in names if n not in have]
+            if not missing:
+                raise
+        raise InputError(f"{self.path}: scan {scan_id!r} has no array {missing[0]!r} (has: {have})")
 
     def arrays(self, scan_id: str) -> list[str]:
         return sorted(self._scan(scan_id).array_keys())
@@ -378,9 +379,7 @@ class ScanStore:
             rec = self._scan(scan_id).attrs.get("stages", {}).get(stage)
         except InputError:
             return False
-        if rec is None:
-            return False
-        return all(rec.get(k) == _jsonable(v) for k, v in params.items())
+        return stage_matches(rec, **params)
 
     # ------------------------------------------------------------------ quarantine
     def quarantine(self, source: str, reason: str, sha256: str | None = None, *, key: str | None = None) -> str:
@@ -579,6 +578,12 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     return obj
+
+
+def stage_matches(record: dict[str, Any] | None, **params) -> bool:
+    """Whether a stage record exists and holds these params (:meth:`ScanStore.has_stage` on a
+    record the caller has read already)."""
+    return record is not None and all(record.get(k) == _jsonable(v) for k, v in params.items())
 
 
 def stage_digest(record: dict[str, Any] | None) -> str | None:

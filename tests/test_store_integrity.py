@@ -14,7 +14,7 @@ import pytest
 from scanforest.kernels.errors import InputError
 from scanforest.tasks.ingest import discover
 from scanforest.tasks.readers import read_cloud, write_cloud
-from scanforest.tasks.store import ScanStore
+from scanforest.tasks.store import ScanStore, stage_matches
 
 
 def _cli(*args, cwd=None):
@@ -112,6 +112,23 @@ def test_stage_with_missing_arrays_is_found_and_dropped(tmp_path, rng):
     st.repair()
     assert st.verify() == [] and not st.has_stage("a", "describe") and st.has_stage("a", "match")
     assert "kp_index" not in st.arrays("a") and "points" in st.arrays("a")
+
+
+def test_read_many_equals_read_and_names_a_missing_array(tmp_path, rng):
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    pts = rng.normal(size=(3000, 3)).astype(np.float32)
+    st.write_scan("a", {"points": pts}, {"n_points": len(pts)})
+    st.write_stage("a", "match", {"match_ids": rng.integers(-1, 9, (700, 4)),
+                                  "match_dist": rng.random((700, 4)).astype(np.float32)}, {"k": 4})
+    got = st.read_many("a", ["match_dist", "points", "match_ids"])
+    assert list(got) == ["match_dist", "points", "match_ids"]
+    for name, arr in got.items():
+        np.testing.assert_array_equal(arr, st.read("a", name))
+        assert arr.dtype == st.read("a", name).dtype
+    with pytest.raises(InputError, match="has no array 'kp_shot'"):
+        st.read_many("a", ["points", "kp_shot"])
+    assert st.stage("a", "match") is not None and stage_matches(st.stage("a", "match"), k=4)
+    assert not stage_matches(st.stage("a", "match"), k=2) and not stage_matches(None)
 
 
 def test_incomplete_and_leftover_groups_are_found(tmp_path, rng):

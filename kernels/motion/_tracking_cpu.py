@@ -270,6 +270,31 @@ def _der(der, f, off, h, w, x, y, c):
 
 
 @njit(cache=True, inline="always")
+def _bil_img(pyr, f, off, h, w, x, y, inside, w00, w01, w10, w11):
+    """The 4-tap fixed-point bilinear sum of the level image at (x, y): direct reads when the
+    window is ``inside`` the level, border-reflected ones otherwise (the same values there)."""
+    if inside:
+        a0 = off + y * w + x
+        a1 = a0 + w
+        return (np.int64(pyr[f, a0]) * w00 + np.int64(pyr[f, a0 + 1]) * w01
+                + np.int64(pyr[f, a1]) * w10 + np.int64(pyr[f, a1 + 1]) * w11)
+    return (_img(pyr, f, off, h, w, x, y) * w00 + _img(pyr, f, off, h, w, x + 1, y) * w01
+            + _img(pyr, f, off, h, w, x, y + 1) * w10 + _img(pyr, f, off, h, w, x + 1, y + 1) * w11)
+
+
+@njit(cache=True, inline="always")
+def _bil_der(der, f, off, h, w, x, y, c, inside, w00, w01, w10, w11):
+    """:func:`_bil_img` of derivative channel ``c`` (zero outside the level)."""
+    if inside:
+        a0 = off + y * w + x
+        a1 = a0 + w
+        return (np.int64(der[f, a0, c]) * w00 + np.int64(der[f, a0 + 1, c]) * w01
+                + np.int64(der[f, a1, c]) * w10 + np.int64(der[f, a1 + 1, c]) * w11)
+    return (_der(der, f, off, h, w, x, y, c) * w00 + _der(der, f, off, h, w, x + 1, y, c) * w01
+            + _der(der, f, off, h, w, x, y + 1, c) * w10 + _der(der, f, off, h, w, x + 1, y + 1, c) * w11)
+
+
+@njit(cache=True, inline="always")
 def _descale(v, n):
     return (v + (1 << (n - 1))) >> n
 
@@ -343,54 +368,21 @@ def lk(pyr, der, lv, nlev, fprev, fnext, pts, init, use_init, counts, win, iters
             s11 = np.int64(0)
             s12 = np.int64(0)
             s22 = np.int64(0)
-            if ipx >= 0 and ipy >= 0 and ipx + win < w and ipy + win < h:
-                # window and its bilinear neighbours inside the level: direct reads (same values)
-                for yy in range(win):
-                    r0 = off + (ipy + yy) * w + ipx
-                    r1 = r0 + w
-                    for xx in range(win):
-                        q = yy * win + xx
-                        a0 = r0 + xx
-                        a1 = r1 + xx
-                        ival = _descale(np.int64(pyr[fp, a0]) * w00 + np.int64(pyr[fp, a0 + 1]) * w01
-                                        + np.int64(pyr[fp, a1]) * w10
-                                        + np.int64(pyr[fp, a1 + 1]) * w11, W_BITS - 5)
-                        ixv = _descale(np.int64(der[fp, a0, 0]) * w00 + np.int64(der[fp, a0 + 1, 0]) * w01
-                                       + np.int64(der[fp, a1, 0]) * w10
-                                       + np.int64(der[fp, a1 + 1, 0]) * w11, W_BITS)
-                        iyv = _descale(np.int64(der[fp, a0, 1]) * w00 + np.int64(der[fp, a0 + 1, 1]) * w01
-                                       + np.int64(der[fp, a1, 1]) * w10
-                                       + np.int64(der[fp, a1 + 1, 1]) * w11, W_BITS)
-                        ib[q] = ival
-                        ibx[q] = ixv
-                        iby[q] = iyv
-                        s11 += ixv * ixv
-                        s12 += ixv * iyv
-                        s22 += iyv * iyv
-            else:
-                for yy in range(win):
+            inside = ipx >= 0 and ipy >= 0 and ipx + win < w and ipy + win < h
+            for yy in range(win):
+                for xx in range(win):
+                    q = yy * win + xx
+                    X = ipx + xx
                     Y = ipy + yy
-                    for xx in range(win):
-                        X = ipx + xx
-                        q = yy * win + xx
-                        ival = _descale(_img(pyr, fp, off, h, w, X, Y) * w00
-                                        + _img(pyr, fp, off, h, w, X + 1, Y) * w01
-                                        + _img(pyr, fp, off, h, w, X, Y + 1) * w10
-                                        + _img(pyr, fp, off, h, w, X + 1, Y + 1) * w11, W_BITS - 5)
-                        ixv = _descale(_der(der, fp, off, h, w, X, Y, 0) * w00
-                                       + _der(der, fp, off, h, w, X + 1, Y, 0) * w01
-                                       + _der(der, fp, off, h, w, X, Y + 1, 0) * w10
-                                       + _der(der, fp, off, h, w, X + 1, Y + 1, 0) * w11, W_BITS)
-                        iyv = _descale(_der(der, fp, off, h, w, X, Y, 1) * w00
-                                       + _der(der, fp, off, h, w, X + 1, Y, 1) * w01
-                                       + _der(der, fp, off, h, w, X, Y + 1, 1) * w10
-                                       + _der(der, fp, off, h, w, X + 1, Y + 1, 1) * w11, W_BITS)
-                        ib[q] = ival
-                        ibx[q] = ixv
-                        iby[q] = iyv
-                        s11 += ixv * ixv
-                        s12 += ixv * iyv
-                        s22 += iyv * iyv
+                    ival = _descale(_bil_img(pyr, fp, off, h, w, X, Y, inside, w00, w01, w10, w11), W_BITS - 5)
+                    ixv = _descale(_bil_der(der, fp, off, h, w, X, Y, 0, inside, w00, w01, w10, w11), W_BITS)
+                    iyv = _descale(_bil_der(der, fp, off, h, w, X, Y, 1, inside, w00, w01, w10, w11), W_BITS)
+                    ib[q] = ival
+                    ibx[q] = ixv
+                    iby[q] = iyv
+                    s11 += ixv * ixv
+                    s12 += ixv * iyv
+                    s22 += iyv * iyv
             A11 = np.float32(s11) * FLT_SCALE
             A12 = np.float32(s12) * FLT_SCALE
             A22 = np.float32(s22) * FLT_SCALE
@@ -418,33 +410,14 @@ def lk(pyr, der, lv, nlev, fprev, fnext, pts, init, use_init, counts, win, iters
                 w00, w01, w10, w11 = _weights(a, b)
                 b1 = np.int64(0)
                 b2 = np.int64(0)
-                if inx >= 0 and iny >= 0 and inx + win < w and iny + win < h:
-                    for yy in range(win):
-                        r0 = off + (iny + yy) * w + inx
-                        r1 = r0 + w
-                        for xx in range(win):
-                            q = yy * win + xx
-                            a0 = r0 + xx
-                            a1 = r1 + xx
-                            diff = _descale(np.int64(pyr[fn, a0]) * w00
-                                            + np.int64(pyr[fn, a0 + 1]) * w01
-                                            + np.int64(pyr[fn, a1]) * w10
-                                            + np.int64(pyr[fn, a1 + 1]) * w11, W_BITS - 5) - ib[q]
-                            b1 += diff * ibx[q]
-                            b2 += diff * iby[q]
-                else:
-                    for yy in range(win):
-                        Y = iny + yy
-                        for xx in range(win):
-                            X = inx + xx
-                            q = yy * win + xx
-                            diff = _descale(_img(pyr, fn, off, h, w, X, Y) * w00
-                                            + _img(pyr, fn, off, h, w, X + 1, Y) * w01
-                                            + _img(pyr, fn, off, h, w, X, Y + 1) * w10
-                                            + _img(pyr, fn, off, h, w, X + 1, Y + 1) * w11,
-                                            W_BITS - 5) - ib[q]
-                            b1 += diff * ibx[q]
-                            b2 += diff * iby[q]
+                inside = inx >= 0 and iny >= 0 and inx + win < w and iny + win < h
+                for yy in range(win):
+                    for xx in range(win):
+                        q = yy * win + xx
+                        diff = _descale(_bil_img(pyr, fn, off, h, w, inx + xx, iny + yy, inside,
+                                                 w00, w01, w10, w11), W_BITS - 5) - ib[q]
+                        b1 += diff * ibx[q]
+                        b2 += diff * iby[q]
                 fb1 = np.float32(b1) * FLT_SCALE
                 fb2 = np.float32(b2) * FLT_SCALE
                 ddx = (A12 * fb2 - A22 * fb1) * D

@@ -73,9 +73,10 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import array_module, is_cupy, resolve_device, to_numpy
+from ..backend import array_module, resolve_device, to_numpy
 from ..errors import InputError, ScanforestError
 from ..hypotheses import masked_argmax
+from ._frames import as_frames as _as_frames, check_finite as _check_finite
 
 __all__ = ["FlowResult", "MissingDependency", "interpolate_flow", "hypothesis_flow", "dense_flow",
            "klt_tracks", "flow_labels", "METHODS", "TRACKERS", "SIGMA_C", "ALPHA_OVER_BETA",
@@ -152,39 +153,6 @@ class FlowResult:
 # ---------------------------------------------------------------------------------------------
 # input checking
 # ---------------------------------------------------------------------------------------------
-
-
-def _as_frames(a, name: str):
-    """Array of frames with a channel axis: (N, H, W, C), plus whether it was a single frame."""
-    if a is None:
-        raise InputError(f"{name} is missing")
-    if not is_cupy(a):
-        a = np.asarray(a)
-    if a.dtype == bool or a.dtype.kind not in "uif":
-        raise InputError(f"{name} must be an integer or float image array, got dtype {a.dtype}")
-    if a.ndim == 2:
-        return a[None, :, :, None], True
-    if a.ndim == 3:
-        if a.shape[-1] in (1, 3):
-            return a[None], True
-        if a.shape[-1] in (2, 4):
-            raise InputError(f"{name}: frames must have 1 (grey) or 3 (RGB) channels, got "
-                             f"shape {tuple(a.shape)} (drop an alpha channel first)")
-        return a[..., None], False          # (N, H, W) grey frames
-    if a.ndim == 4:
-        if a.shape[-1] not in (1, 3):
-            raise InputError(f"{name}: frames must have 1 (grey) or 3 (RGB) channels, got "
-                             f"shape {tuple(a.shape)} (drop an alpha channel first)")
-        return a, False
-    raise InputError(f"{name} must be (H, W), (H, W, C), (N, H, W) or (N, H, W, C); got shape "
-                     f"{tuple(a.shape)}")
-
-
-def _check_finite(a, name):
-    if a.dtype.kind == "f":
-        xp = array_module(a)
-        if not bool(xp.isfinite(a).all()):
-            raise InputError(f"{name} contains NaN or infinite values")
 
 
 def _frames_and_pairs(frames0, frames1):

@@ -48,6 +48,7 @@ import numpy as np
 
 from ..backend import is_cupy, resolve_device, to_numpy
 from ..errors import InputError
+from ._frames import as_frames, check_finite
 
 __all__ = ["good_features", "lk_track", "sparse_tracks", "grey_u8", "TRACKER_DEFAULTS"]
 
@@ -96,28 +97,17 @@ def _lk_params(win_size, levels, iters, eps, fb_threshold, min_eig):
 
 
 def _frames(a, name: str, sequence: bool):
-    """``(N, H, W, C)`` frames (numpy or CuPy, as given) from (H, W[, C]) or (N, H, W[, C])."""
-    if a is None:
-        raise InputError(f"{name} is missing")
-    if not is_cupy(a):
-        a = np.asarray(a)
-    if a.dtype == bool or a.dtype.kind not in "uif":
-        raise InputError(f"{name} must be an integer or float image array, got dtype {a.dtype}")
-    if sequence and a.ndim < 3:
-        raise InputError(f"{name}: frames1 is None, so {name} must be a sequence (T, H, W[, C]) "
-                         f"of at least 2 frames; got shape {tuple(a.shape)}")
-    if a.ndim == 2 and not sequence:
-        return a[None, :, :, None]
-    if a.ndim == 3 and not sequence:
-        if a.shape[-1] in (1, 3):
-            return a[None]
-        return a[..., None]                  # (N, H, W) grey
-    if a.ndim == 3 and sequence:
-        return a[..., None]                  # (T, H, W) grey sequence
-    if a.ndim == 4 and a.shape[-1] in (1, 3):
-        return a
-    raise InputError(f"{name} must be (H, W), (H, W, C), (N, H, W) or (N, H, W, C) with C = 1 or "
-                     f"3; got shape {tuple(a.shape)}")
+    """``(N, H, W, C)`` frames (numpy or CuPy, as given) from (H, W[, C]) or (N, H, W[, C])
+    (:func:`._frames.as_frames`); for a sequence a 3-D array is always (T, H, W) grey."""
+    if sequence and a is not None:
+        if not is_cupy(a):
+            a = np.asarray(a)
+        if a.ndim < 3:
+            raise InputError(f"{name}: frames1 is None, so {name} must be a sequence (T, H, W[, C]) "
+                             f"of at least 2 frames; got shape {tuple(a.shape)}")
+        if a.ndim == 3:
+            a = a[..., None]                 # (T, H, W) grey sequence
+    return as_frames(a, name)[0]
 
 
 def _check_frames(f, name: str, min_side: int):
@@ -127,10 +117,7 @@ def _check_frames(f, name: str, min_side: int):
     if h < min_side or w < min_side:
         raise InputError(f"{name}: frames of {w}x{h} pixels are too small for this window; "
                          f"need at least {min_side}x{min_side} (win_size + 1)")
-    if f.dtype.kind == "f":
-        xp = np if not is_cupy(f) else __import__("cupy")
-        if not bool(xp.isfinite(f).all()):
-            raise InputError(f"{name} contains NaN or infinite values")
+    check_finite(f, name)
 
 
 def grey_u8(frames):

@@ -246,23 +246,23 @@ def icp_batch(sources, source_normals, inits, index, r: float, max_iterations: i
     prob_blk = np.zeros(B + 1, np.int64)
     prob_blk[1:] = np.cumsum(nblk)
     nb = int(prob_blk[-1])
-    starts = np.concatenate([[0], np.cumsum(n)[:-1]])
+    starts = np.zeros(B, np.int64)                            # first point of each problem
+    starts[1:] = np.cumsum(n)[:-1]
     blk_prob = np.repeat(np.arange(B, dtype=np.int32), nblk)
-    within = np.arange(nb) - np.repeat(prob_blk[:-1], nblk)
+    within = np.arange(nb, dtype=np.int64) - np.repeat(prob_blk[:-1], nblk)
     blk_start = np.repeat(starts, nblk) + within * CHUNK
     blk_end = np.repeat(starts + n, nblk)
     S = cp.asarray(np.ascontiguousarray(np.concatenate(sources), np.float64))
     has_sn = source_normals is not None
     SN = cp.asarray(np.ascontiguousarray(np.concatenate(source_normals), np.float64)) if has_sn else S
     poses = cp.asarray(np.ascontiguousarray(inits, np.float64).reshape(B, 16))
-    active = cp.asarray((n >= 0).astype(np.int32))
+    active = cp.ones(B, cp.int32)
     rmse = cp.full(B, np.nan, cp.float64)
     fit = cp.zeros(B, cp.float64)
     its = cp.zeros(B, cp.int32)
     conv = cp.zeros(B, cp.int32)
     partial = cp.zeros((max(nb, 1), NSTAT), cp.float64)
-    d_blk_prob, d_blk_start, d_blk_end = (cp.asarray(blk_prob), cp.asarray(blk_start.astype(np.int64)),
-                                          cp.asarray(blk_end.astype(np.int64)))
+    d_blk_prob, d_blk_start, d_blk_end = cp.asarray(blk_prob), cp.asarray(blk_start), cp.asarray(blk_end)
     d_prob_blk, d_n = cp.asarray(prob_blk), cp.asarray(n)
     acc_k, solve_k = _module().get_function("icp_accumulate"), _module().get_function("icp_solve")
     g = _grid_args(grid)
