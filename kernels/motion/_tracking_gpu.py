@@ -48,18 +48,40 @@ __device__ __forceinline__ int reflect101(int i, int n) {
     return i;
 }
 
+// thread t of a launch over n planes of h x w: plane f, offset r in it, pixel (x, y); false
+// past the end
+__device__ __forceinline__ bool pixel_of(int n, int h, int w, long long& t, int& f, long long& r,
+                                         int& y, int& x) {
+    t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long plane = (long long)h * w;
+    if (t >= (long long)n * plane) return false;
+    f = (int)(t / plane);
+    r = t - (long long)f * plane;
+    y = (int)(r / w);
+    x = (int)(r - (long long)y * w);
+    return true;
+}
+
+// the 3x3 neighbourhood of (x, y), reflect-101: a = column x-1, b = x, c = x+1; 0/1/2 = rows
+struct N3 { int a0, a1, a2, b0, b2, c0, c1, c2; };
+
+__device__ __forceinline__ N3 nbhd3(const unsigned char* __restrict__ I, int h, int w, int y, int x) {
+    const long long r0 = (long long)reflect101(y - 1, h) * w, r1 = (long long)y * w,
+                    r2 = (long long)reflect101(y + 1, h) * w;
+    const int xl = reflect101(x - 1, w), xr = reflect101(x + 1, w);
+    return N3{I[r0 + xl], I[r1 + xl], I[r2 + xl], I[r0 + x], I[r2 + x], I[r0 + xr], I[r1 + xr],
+              I[r2 + xr]};
+}
+
 __device__ __forceinline__ int w5(int i) { return i == 2 ? 6 : ((i == 1 || i == 3) ? 4 : 1); }
 
 // level d of every frame from level s: [1 4 6 4 1]/16 both ways, (sum + 128) >> 8
 extern "C" __global__ void trk_pyr_down(unsigned char* __restrict__ pyr, long long S, int n,
                                         long long soff, int sh, int sw, long long doff, int dh,
                                         int dw) {
-    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long plane = (long long)dh * dw;
-    if (t >= (long long)n * plane) return;
-    const int f = (int)(t / plane);
-    const long long r = t - (long long)f * plane;
-    const int y = (int)(r / dw), x = (int)(r - (long long)y * dw);
+    long long t, r;
+    int f, y, x;
+    if (!pixel_of(n, dh, dw, t, f, r, y, x)) return;
     const unsigned char* src = pyr + (long long)f * S + soff;
     int s = 0;
     for (int j = 0; j < 5; ++j) {
@@ -75,21 +97,13 @@ extern "C" __global__ void trk_pyr_down(unsigned char* __restrict__ pyr, long lo
 extern "C" __global__ void trk_scharr(const unsigned char* __restrict__ pyr,
                                       short2* __restrict__ der, long long S, int n,
                                       long long off, int h, int w) {
-    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long plane = (long long)h * w;
-    if (t >= (long long)n * plane) return;
-    const int f = (int)(t / plane);
-    const long long r = t - (long long)f * plane;
-    const int y = (int)(r / w), x = (int)(r - (long long)y * w);
+    long long t, r;
+    int f, y, x;
+    if (!pixel_of(n, h, w, t, f, r, y, x)) return;
     const unsigned char* I = pyr + (long long)f * S + off;
-    const long long r0 = (long long)reflect101(y - 1, h) * w, r1 = (long long)y * w,
-                    r2 = (long long)reflect101(y + 1, h) * w;
-    const int xl = reflect101(x - 1, w), xr = reflect101(x + 1, w);
-    const int a0 = I[r0 + xl], a1 = I[r1 + xl], a2 = I[r2 + xl];
-    const int b0 = I[r0 + x], b2 = I[r2 + x];
-    const int c0 = I[r0 + xr], c1 = I[r1 + xr], c2 = I[r2 + xr];
-    const int dx = 3 * (c0 + c2) + 10 * c1 - (3 * (a0 + a2) + 10 * a1);
-    const int dy = 3 * (a2 + c2) + 10 * b2 - (3 * (a0 + c0) + 10 * b0);
+    const N3 q = nbhd3(I, h, w, y, x);
+    const int dx = 3 * (q.c0 + q.c2) + 10 * q.c1 - (3 * (q.a0 + q.a2) + 10 * q.a1);
+    const int dy = 3 * (q.a2 + q.c2) + 10 * q.b2 - (3 * (q.a0 + q.c0) + 10 * q.b0);
     der[(long long)f * S + off + r] = make_short2((short)dx, (short)dy);
 }
 
@@ -97,33 +111,22 @@ extern "C" __global__ void trk_scharr(const unsigned char* __restrict__ pyr,
 extern "C" __global__ void trk_sobel(const unsigned char* __restrict__ grey, int h, int w,
                                      const long long* __restrict__ fidx, int nk,
                                      short2* __restrict__ out) {
-    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long plane = (long long)h * w;
-    if (t >= (long long)nk * plane) return;
-    const int i = (int)(t / plane);
-    const long long r = t - (long long)i * plane;
-    const int y = (int)(r / w), x = (int)(r - (long long)y * w);
-    const unsigned char* I = grey + fidx[i] * plane;
-    const long long y0 = (long long)reflect101(y - 1, h) * w, y1 = (long long)y * w,
-                    y2 = (long long)reflect101(y + 1, h) * w;
-    const int xl = reflect101(x - 1, w), xr = reflect101(x + 1, w);
-    const int a0 = I[y0 + xl], a1 = I[y1 + xl], a2 = I[y2 + xl];
-    const int b0 = I[y0 + x], b2 = I[y2 + x];
-    const int c0 = I[y0 + xr], c1 = I[y1 + xr], c2 = I[y2 + xr];
-    out[t] = make_short2((short)((c0 + 2 * c1 + c2) - (a0 + 2 * a1 + a2)),
-                         (short)((a2 + 2 * b2 + c2) - (a0 + 2 * b0 + c0)));
+    long long t, r;
+    int i, y, x;
+    if (!pixel_of(nk, h, w, t, i, r, y, x)) return;
+    const unsigned char* I = grey + fidx[i] * ((long long)h * w);
+    const N3 q = nbhd3(I, h, w, y, x);
+    out[t] = make_short2((short)((q.c0 + 2 * q.c1 + q.c2) - (q.a0 + 2 * q.a1 + q.a2)),
+                         (short)((q.a2 + 2 * q.b2 + q.c2) - (q.a0 + 2 * q.b0 + q.c0)));
 }
 
 // minimum eigenvalue of the block-summed structure tensor (exact integer sums, then float32)
 extern "C" __global__ void trk_min_eig(const short2* __restrict__ sob, int h, int w, int nk,
                                        int block, float s2, float* __restrict__ out) {
-    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long plane = (long long)h * w;
-    if (t >= (long long)nk * plane) return;
-    const int i = (int)(t / plane);
-    const long long r = t - (long long)i * plane;
-    const int y = (int)(r / w), x = (int)(r - (long long)y * w);
-    const short2* D = sob + (long long)i * plane;
+    long long t, r;
+    int i, y, x;
+    if (!pixel_of(nk, h, w, t, i, r, y, x)) return;
+    const short2* D = sob + (long long)i * ((long long)h * w);
     const int lo = block / 2;
     long long sxx = 0, sxy = 0, syy = 0;
     for (int j = 0; j < block; ++j) {
@@ -147,16 +150,13 @@ extern "C" __global__ void trk_min_eig(const short2* __restrict__ sob, int h, in
 extern "C" __global__ void trk_candidates(const float* __restrict__ resp, int h, int w, int nk,
                                           const float* __restrict__ fmax, double quality,
                                           unsigned char* __restrict__ mask) {
-    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long plane = (long long)h * w;
-    if (t >= (long long)nk * plane) return;
-    const int i = (int)(t / plane);
-    const long long r = t - (long long)i * plane;
-    const int y = (int)(r / w), x = (int)(r - (long long)y * w);
+    long long t, r;
+    int i, y, x;
+    if (!pixel_of(nk, h, w, t, i, r, y, x)) return;
     unsigned char ok = 0;
     if (y >= 1 && y < h - 1 && x >= 1 && x < w - 1) {
         const float thr = (float)((double)fmax[i] * quality);
-        const float* R = resp + (long long)i * plane;
+        const float* R = resp + (long long)i * ((long long)h * w);
         const float v = R[r];
         if (v > thr) {
             ok = 1;
@@ -208,6 +208,22 @@ __device__ __forceinline__ long long der_at(const short2* __restrict__ D, int h,
     if (x < 0 || x >= w || y < 0 || y >= h) return 0;
     const short2 v = D[(long long)y * w + x];
     return c == 0 ? (long long)v.x : (long long)v.y;
+}
+
+// bilinear samples with the fixed-point weights: the image (reflect-101) and a derivative
+// channel (zero outside)
+__device__ __forceinline__ long long img_bilinear(const unsigned char* __restrict__ I, int h, int w,
+                                                  int X, int Y, long long w00, long long w01,
+                                                  long long w10, long long w11) {
+    return img_at(I, h, w, X, Y) * w00 + img_at(I, h, w, X + 1, Y) * w01
+           + img_at(I, h, w, X, Y + 1) * w10 + img_at(I, h, w, X + 1, Y + 1) * w11;
+}
+
+__device__ __forceinline__ long long der_bilinear(const short2* __restrict__ D, int h, int w, int X,
+                                                  int Y, int c, long long w00, long long w01,
+                                                  long long w10, long long w11) {
+    return der_at(D, h, w, X, Y, c) * w00 + der_at(D, h, w, X + 1, Y, c) * w01
+           + der_at(D, h, w, X, Y + 1, c) * w10 + der_at(D, h, w, X + 1, Y + 1, c) * w11;
 }
 
 __device__ __forceinline__ long long descale(long long v, int n) {
@@ -287,15 +303,9 @@ extern "C" __global__ void trk_lk(const unsigned char* __restrict__ pyr,
         for (int q = lane; q < area; q += 32) {
             const int yy = q / win, xx = q - yy * win;
             const int X = ipx + xx, Y = ipy + yy;
-            const long long ival = descale(img_at(I, h, w, X, Y) * w00 + img_at(I, h, w, X + 1, Y) * w01
-                                           + img_at(I, h, w, X, Y + 1) * w10
-                                           + img_at(I, h, w, X + 1, Y + 1) * w11, W_BITS - 5);
-            const long long ixv = descale(der_at(DI, h, w, X, Y, 0) * w00 + der_at(DI, h, w, X + 1, Y, 0) * w01
-                                          + der_at(DI, h, w, X, Y + 1, 0) * w10
-                                          + der_at(DI, h, w, X + 1, Y + 1, 0) * w11, W_BITS);
-            const long long iyv = descale(der_at(DI, h, w, X, Y, 1) * w00 + der_at(DI, h, w, X + 1, Y, 1) * w01
-                                          + der_at(DI, h, w, X, Y + 1, 1) * w10
-                                          + der_at(DI, h, w, X + 1, Y + 1, 1) * w11, W_BITS);
+            const long long ival = descale(img_bilinear(I, h, w, X, Y, w00, w01, w10, w11), W_BITS - 5);
+            const long long ixv = descale(der_bilinear(DI, h, w, X, Y, 0, w00, w01, w10, w11), W_BITS);
+            const long long iyv = descale(der_bilinear(DI, h, w, X, Y, 1, w00, w01, w10, w11), W_BITS);
             sI[q] = (int)ival;
             sX[q] = (int)ixv;
             sY[q] = (int)iyv;
@@ -332,9 +342,7 @@ extern "C" __global__ void trk_lk(const unsigned char* __restrict__ pyr,
             for (int q = lane; q < area; q += 32) {
                 const int yy = q / win, xx = q - yy * win;
                 const int X = inx + xx, Y = iny + yy;
-                const long long diff = descale(img_at(J, h, w, X, Y) * w00 + img_at(J, h, w, X + 1, Y) * w01
-                                               + img_at(J, h, w, X, Y + 1) * w10
-                                               + img_at(J, h, w, X + 1, Y + 1) * w11, W_BITS - 5)
+                const long long diff = descale(img_bilinear(J, h, w, X, Y, w00, w01, w10, w11), W_BITS - 5)
                                        - (long long)sI[q];
                 b1 += diff * (long long)sX[q];
                 b2 += diff * (long long)sY[q];
