@@ -8,26 +8,38 @@ over the library's reference rows and the scenes are matched against it, so the 
 takes every scene's description and matches from the store instead of describing and matching
 it a second time (each scene's record says ``source: "stored"``).
 
+``pipeline="one-pass"`` (the default) runs describe -> match -> recognize as ONE pass over the
+scenes (:func:`process_flow`): a Dask task takes a batch of scenes and, for each, reads its points
+once, describes, matches against the index's shards (resident on the worker) and recognises on
+its device, writing the three stages' arrays and records in the background while the next scene
+computes. ``pipeline="staged"`` runs them as three passes (three subflows), each over every scene
+through the store: for an index too large for one worker, whose shards must be spread over
+the cluster.
+
 Every stage is resumable on its own (a scan's stage is recorded only after its arrays are
 written, an unchanged index or library is kept), so a rerun after a crash, or the next scheduled
 run after new scans arrived, does only the work that is missing."""
 from __future__ import annotations
 
 import fnmatch
+import time
 from typing import Any
 
 from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
 from scanforest.tasks.describe import DescribeParams
 from scanforest.tasks.recognize import build_library, describe_params_for, description_key, library_attrs
 from scanforest.tasks.store import ScanStore
 
-from ._runner import absolute_path
+from ._runner import RUN_HOOKS, absolute_path, auto_batch, count_redone, dask_client, map_batches, n_workers, record_run
 from .describe import describe_flow
 from .ingest import ingest_flow
 from .match import index_build_flow, match_flow
-from .recognize import check_recognize, recognize_flow
+from .recognize import check_recognize, recognize_flow, summarize
+
+PIPELINES = ("one-pass", "staged")
 
 
 @flow(name="scanforest-archive")
@@ -35,7 +47,7 @@ def archive_flow(store: str, source: str | None = None, models: str = "models__*
                  library: str = "default", describe: dict | None = None, index_params: dict | None = None,
                  shards: int | str = 1, k: int = 4, library_params: dict | None = None,
                  recognize: dict | None = None, device: str = "auto", scheduler: str | None = None,
-                 workers: int | None = None, progress: bool = True) -> dict[str, Any]:
+                 workers: int | None = None, progress: bool = True, pipeline: str = "one-pass") -> dict[str, Any]:
     """Ingest ``source`` (when given) into ``store``, build the model library ``library`` from the
     model scans (scan ids matching the glob ``models``), describe the other scans as recognition
     describes a scene, build the index ``index`` over the library, match the scenes against it
@@ -44,7 +56,10 @@ def archive_flow(store: str, source: str | None = None, models: str = "models__*
     ``recognize`` holds the recognition parameters and ``library_params`` the library's; the
     scenes' :class:`DescribeParams` follow from them. ``describe`` may only repeat them (e.g.
     ``{"normal_k": 10}``): a description recognition would not use is refused. Returns each
-    stage's summary under its name."""
+    stage's summary under its name (``process`` for the one-pass pipeline's describe + match +
+    recognize)."""
+    if pipeline not in PIPELINES:
+        raise InputError(f"pipeline must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
     out: dict[str, Any] = {}
     store = absolute_path(store)
     cluster = dict(scheduler=scheduler, workers=workers, progress=progress)
@@ -71,6 +86,12 @@ def archive_flow(store: str, source: str | None = None, models: str = "models__*
         if bad:
             raise InputError("the archive describes scenes as recognition does; describe= asks for "
                              + ", ".join(bad) + ": leave it out, or change the recognition parameters")
+    if pipeline == "one-pass":
+        out["index-build"] = index_build_flow(store=store, library=library, name=index, shards=shards,
+                                              params=index_params, k=k)
+        out["process"] = process_flow(store=store, scenes=scene_ids, library=library, index=index, k=k,
+                                      params=rec_params, device=device, **cluster)
+        return out
     out["describe"] = describe_flow(store=store, scans=scene_ids, params=params, device=device, **cluster)
     out["index-build"] = index_build_flow(store=store, library=library, name=index, shards=shards,
                                           params=index_params, k=k)
@@ -79,3 +100,41 @@ def archive_flow(store: str, source: str | None = None, models: str = "models__*
                                       library_params=library_params, params=rec_params, device=device,
                                       render=False, **cluster)
     return out
+
+
+@flow(name="scanforest-process", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)
+def process_flow(store: str, scenes: list[str], library: str, index: str, k: int = 4, params: dict | None = None,
+                 device: str = "auto", scheduler: str | None = None, workers: int | None = None,
+                 batch: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Describe, match and recognise ``scenes`` in one pass (one Dask task per batch of scenes;
+    :func:`scanforest.tasks.pipeline.process_batch`), against the model library ``library`` and
+    the index ``index`` built over it. Each scene's three stages are written as their own stages
+    would write them; a scene whose recognition is current is skipped, one whose description or
+    matches are current is recognised from them. A scene that fails is recorded with its reason
+    and the rest go on."""
+    from scanforest.tasks.prefect_tasks import process_batch_task
+    from scanforest.tasks.store import _now
+
+    t0 = time.perf_counter()
+    store = absolute_path(store)
+    st = ScanStore(store, mode="r")
+    params = dict(params or {})
+    with dask_client(scheduler, n_workers=workers, device=device) as client:
+        nw = n_workers(client)
+        since = _now()
+        t1 = time.perf_counter()
+        nb = batch or auto_batch(len(scenes), nw)
+        recs = map_batches(process_batch_task, list(scenes), item_param="scan_ids",
+                           common=dict(store=store, library=library, index=index, params=params, k=int(k),
+                                       device=device),
+                           label="process", batch=nb, progress=progress)
+        t_scenes = time.perf_counter() - t1
+    count_redone(recs, st, "recognize", since, "recognized")
+    summary = summarize(recs)
+    summary.update(scenes=len(scenes), workers=nw, batch=nb, seconds=time.perf_counter() - t0,
+                   scenes_seconds=t_scenes, task_seconds=float(sum(r.get("seconds", 0.0) for r in recs)),
+                   described=sum(bool(r.get("described")) for r in recs),
+                   matched=sum(bool(r.get("matched")) for r in recs))
+    record_run(ScanStore(store), "process", {"library": library, "index": index, "k": int(k), "params": params,
+                                             "device": device, "batch": nb}, summary, recs)
+    return summary

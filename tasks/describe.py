@@ -70,8 +70,10 @@ class DescribeParams:
         return (0.0, 0.0, 0.0) if self.viewpoint is None else tuple(self.viewpoint)
 
 
-def describe_cloud(points, params: DescribeParams, *, device: str = "auto") -> dict[str, Any]:
-    """Normals, keypoints, frames and SHOT for one cloud; returns numpy arrays and phase timings.
+def describe_cloud(points, params: DescribeParams, *, device: str = "auto", resident: bool = False) -> dict[str, Any]:
+    """Normals, keypoints, frames and SHOT for one cloud; returns numpy arrays and phase timings
+    (with ``resident``, also the description and the points as they are on the device, under
+    ``"resident"`` and ``"points"``, for work that goes on there).
 
     The description is recognition's own (:func:`scanforest.kernels.recognition.describe`):
     points without a normal (fewer than 3 neighbours) are left out of keypoints and SHOT
@@ -97,7 +99,10 @@ def describe_cloud(points, params: DescribeParams, *, device: str = "auto") -> d
            "kp_frames": to_host(d["frames"].astype(np.float32, copy=False)),
            "kp_shot": to_host(d["descriptors"].astype(np.float32, copy=False))}
     timer.lap("shot")  # the copies count with SHOT, as before
-    return {"arrays": out, "timings": dict(timer.t), "device": dev}
+    res = {"arrays": out, "timings": dict(timer.t), "device": dev}
+    if resident:
+        res.update(resident=d, points=pts)
+    return res
 
 
 def describe_scan(store_path: str, scan_id: str, params: DescribeParams, *, device: str = "auto",

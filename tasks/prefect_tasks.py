@@ -6,9 +6,6 @@ The unit-of-work functions themselves import neither Prefect nor the flows, so D
 """
 from __future__ import annotations
 
-import logging
-import time
-import traceback
 from typing import Any, Callable
 
 from prefect import task
@@ -16,11 +13,10 @@ from prefect import task
 from scanforest.kernels.errors import ScanforestError
 
 from .ingest import Source, ingest_file
+from .units import isolated
 
 #: transient failures worth a retry (network filesystems, a worker lost mid-task, ...)
 RETRY_DELAYS = [2, 10, 30]
-
-log = logging.getLogger("scanforest")
 
 
 def not_a_user_error(task, task_run, state) -> bool:
@@ -33,23 +29,6 @@ def not_a_user_error(task, task_run, state) -> bool:
         except Exception:
             return True
     return not isinstance(exc, ScanforestError)
-
-
-def isolated(fn: Callable, item: str, *args, **kwargs) -> dict[str, Any]:
-    """Run one item's unit of work; an error becomes that item's ``failed`` record (its id and
-    the reason in one line), so one bad scan does not fail the batch or the flow. The item's
-    stage is not recorded, so the next run tries it again. Unexpected errors (not a
-    :class:`ScanforestError`) keep their traceback in the log and in the record."""
-    t0 = time.perf_counter()
-    try:
-        return fn(*args, **kwargs)
-    except ScanforestError as exc:
-        return {"scan_id": item, "status": "failed", "reason": str(exc), "seconds": time.perf_counter() - t0}
-    except Exception as exc:  # noqa: BLE001 - recorded with its traceback, the batch goes on
-        tb = traceback.format_exc()
-        log.error("%s failed:\n%s", item, tb)
-        return {"scan_id": item, "status": "failed", "reason": f"{type(exc).__name__}: {exc}".splitlines()[0],
-                "traceback": tb, "seconds": time.perf_counter() - t0}
 
 
 def on_cluster(fn: Callable, *args, key: str | None = None, resources: dict | None = None, **kwargs) -> Any:
@@ -137,3 +116,15 @@ def recognize_batch_task(store: str, scan_ids: list[str], library: str, params: 
 
     return on_cluster_many(isolated, [((recognize_scan, s, store, s, library, params), {"device": device})
                                       for s in scan_ids])
+
+
+@task(name="process", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
+      task_run_name=lambda: "process " + _run_label("scan_ids"))
+def process_batch_task(store: str, scan_ids: list[str], library: str, index: str, params: dict, k: int,
+                       device: str = "auto") -> list[dict[str, Any]]:
+    """Describe, match and recognise a batch of stored scenes in ONE Dask task: one pass on one
+    worker, each scene's data resident on its device (:func:`scanforest.tasks.pipeline.process_batch`)."""
+    from .pipeline import process_batch
+
+    return on_cluster(process_batch, store, scan_ids, library=library, index=index, params=params, k=k,
+                      device=device)

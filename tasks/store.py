@@ -351,19 +351,32 @@ class ScanStore:
         shapes) is set last, after the arrays read back whole, so a half-written stage is never
         seen as done: :meth:`has_stage` is the idempotency check for tasks.
         """
+        self.write_stages(scan_id, [(stage, arrays, attrs)])
+
+    def write_stages(self, scan_id: str, items) -> dict[str, dict[str, Any]]:
+        """:meth:`write_stage` for several stages of one scan under one claim, in order:
+        ``items`` are ``(stage, arrays, attrs)``, where ``attrs`` may be a function of the
+        records written before it in this call (``{stage: record}``), e.g. to name the
+        :func:`stage_digest` of the description a match was made from. Each stage's record is
+        set only after its own arrays read back whole (a crash leaves the earlier stages done and
+        the later ones not). Returns the records written."""
         self._writable()
-        arrays = {name: np.asarray(arr) for name, arr in arrays.items()}
-        promised = {name: _spec(arr) for name, arr in arrays.items()}
+        written: dict[str, dict[str, Any]] = {}
         with self.claim(scan_id):
-            grp = self._scan(scan_id)
-            stages = dict(grp.attrs.get("stages", {}))
-            if stages.pop(stage, None) is not None:
+            for stage, arrays, attrs in items:
+                arrays = {name: np.asarray(arr) for name, arr in arrays.items()}
+                promised = {name: _spec(arr) for name, arr in arrays.items()}
+                grp = self._scan(scan_id)
+                stages = dict(grp.attrs.get("stages", {}))
+                if stages.pop(stage, None) is not None:
+                    grp.attrs["stages"] = stages
+                for name, arr in arrays.items():
+                    self._write_array(grp, name, arr)
+                _check_written(self._scan(scan_id), promised, f"{scan_id} stage {stage}")
+                a = attrs(written) if callable(attrs) else attrs
+                stages[stage] = written[stage] = {**_jsonable(a or {}), "arrays": promised, "written": _now()}
                 grp.attrs["stages"] = stages
-            for name, arr in arrays.items():
-                self._write_array(grp, name, arr)
-            _check_written(self._scan(scan_id), promised, f"{scan_id} stage {stage}")
-            stages[stage] = {**_jsonable(attrs or {}), "arrays": promised, "written": _now()}
-            grp.attrs["stages"] = stages
+        return written
 
     def stage(self, scan_id: str, stage: str) -> dict[str, Any] | None:
         """The record of ``stage`` for this scan (None when the stage was not written)."""

@@ -20,17 +20,23 @@ def test_stage_selection_is_validated_and_ordered():
         ba.parse_stages("ingest,detect")
     with pytest.raises(InputError, match="consecutive"):
         ba.parse_stages("ingest,recognize")
+    # the one pass: ingest, then describe + match + recognize as one stage
+    assert ba.parse_stages("all", "one-pass") == ["ingest", "process"]
+    with pytest.raises(InputError, match="unknown stage"):
+        ba.parse_stages("recognize", "one-pass")
+    with pytest.raises(InputError, match="--pipeline must be"):
+        ba.parse_stages("all", "fast")
 
 
 def test_a_later_stage_needs_the_earlier_ones_recorded(tmp_path):
     with pytest.raises(InputError, match=r"\['ingest', 'describe', 'match'\] were not run"):
-        ba.run(4, 1000, 2, 1, "cpu", tmp_path, None, stages_to_run=["recognize"])
+        ba.run(4, 1000, 2, 1, "cpu", tmp_path, None, stages_to_run=["recognize"], pipeline="staged")
     # a record made with another configuration does not count
     cfg = {"scans": 4, "points": 1000, "models": 2, "device": "cpu", "workers": 2}
     (tmp_path / ba.RECORD).write_text(json.dumps({"config": cfg, "stages": {"ingest": {}, "describe": {},
                                                                               "match": {}}}))
     with pytest.raises(InputError, match="were not run"):
-        ba.run(4, 1000, 2, 1, "cpu", tmp_path, None, stages_to_run=["recognize"])
+        ba.run(4, 1000, 2, 1, "cpu", tmp_path, None, stages_to_run=["recognize"], pipeline="staged")
     assert ba._load_record(tmp_path / ba.RECORD, cfg).keys() == {"ingest", "describe", "match"}
 
 

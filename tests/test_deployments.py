@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -86,15 +87,26 @@ def test_committed_prefect_yaml_is_generated_from_the_table():
         assert d["work_pool"]["name"] == "scanforest"
 
 
+def _forget(store: str, sid: str, stages) -> None:
+    """Drop stage records of a scan, as a run killed before writing them leaves it."""
+    from scanforest.tasks.store import ScanStore
+
+    grp = ScanStore(store).root["scans"][sid]
+    grp.attrs["stages"] = {k: v for k, v in grp.attrs.get("stages", {}).items() if k not in stages}
+
+
 def test_archive_flow_runs_every_stage_and_resumes(tmp_path):
     """One pipeline: the library is built first, the scenes are described as recognition describes
-    them and matched against an index over the library, and recognition takes both from the store."""
+    them and matched against an index over the library, and recognition takes both from the store.
+    The one pass (the default) and the staged passes write the same stages and detections."""
+    import shutil
+
     from scanforest.flows._runner import ensure_prefect_api
     from scanforest.flows.archive import archive_flow
     from scanforest.kernels.synthetic.scenes import recognition_presets
     from scanforest.tasks.index import index_attrs
     from scanforest.tasks.recognize import library_hash
-    from scanforest.tasks.store import ScanStore
+    from scanforest.tasks.store import ScanStore, stage_digest
     from scanforest.tasks.synth import write_archive
 
     write_archive(tmp_path / "arch", n_models=2, n_scenes=2, points_per_scene=12_000, points_per_model=3_000)
@@ -103,7 +115,7 @@ def test_archive_flow_runs_every_stage_and_resumes(tmp_path):
     kw = dict(store=store, index_params={"method": "exact"}, library_params=lib_params, recognize=rec_params,
               device="cpu", workers=1, progress=False)
     ensure_prefect_api()
-    first = archive_flow(source=str(tmp_path / "arch"), **kw)
+    first = archive_flow(source=str(tmp_path / "arch"), pipeline="staged", **kw)
     assert first["ingest"]["ingested"] == 4 and first["library"]["status"] == "built"
     assert first["describe"]["described"] == 2  # the scenes: the library describes the models
     assert first["match"]["matched"] == 2 and first["recognize"]["recognized"] == 2
@@ -111,15 +123,45 @@ def test_archive_flow_runs_every_stage_and_resumes(tmp_path):
     assert index_attrs(store, "models")["library"] == {"name": "default",
                                                        "content_hash": library_hash(store, "default")}
     st = ScanStore(store, mode="r")
-    for sid in ("scenes__scene_0000.pcd", "scenes__scene_0001.pcd"):
+    scenes = ("scenes__scene_0000.pcd", "scenes__scene_0001.pcd")
+    for sid in scenes:
         assert st.has_stage(sid, "match") and st.stage(sid, "recognize")["source"] == "stored"
         assert st.stage(sid, "describe")["keypoint_radius"] == rec_params["scene_ss"]
-    again = archive_flow(**kw)  # nothing new: every stage finds its work done
+    again = archive_flow(pipeline="staged", **kw)  # nothing new: every stage finds its work done
     assert "ingest" not in again and again["describe"]["described"] == 0
     assert again["match"]["matched"] == 0 and again["recognize"]["skipped"] == 2
+    assert archive_flow(**kw)["process"]["skipped"] == 2  # the one pass finds the staged work done
+
+    # the one pass on a fresh copy of the ingested store: the same stages, records and detections
+    one = str(tmp_path / "one.zarr")
+    shutil.copytree(store, one)
+    for sid in scenes:
+        _forget(one, sid, ("describe", "match", "recognize"))
+    res = archive_flow(**{**kw, "store": one})
+    assert set(res) == {"library", "index-build", "process"}
+    p = res["process"]
+    assert (p["recognized"], p["described"], p["matched"], p["failed"]) == (2, 2, 2, 0)
+    o = ScanStore(one, mode="r")
+    for sid in scenes:
+        for name in ("kp_index", "kp_shot", "match_ids", "match_dist", "det_model", "det_pose"):
+            np.testing.assert_array_equal(o.read(sid, name), st.read(sid, name), err_msg=f"{sid} {name}")
+        d, m, r = (o.stage(sid, x) for x in ("describe", "match", "recognize"))
+        assert m["describe"] == stage_digest(d)  # the chain of records as the stages write it
+        assert r["inputs"] == {"describe": stage_digest(d), "match": stage_digest(m)}
+        assert r["source"] == "stored" and r["detections"] == st.stage(sid, "recognize")["detections"]
+    # the staged recognize finds the one pass's work done; a scene whose recognition was lost
+    # (a killed run) is recognised again from its stored description and matches
+    assert archive_flow(**{**kw, "store": one, "pipeline": "staged"})["recognize"]["skipped"] == 2
+    _forget(one, scenes[0], ("recognize",))
+    p = archive_flow(**{**kw, "store": one})["process"]
+    assert (p["recognized"], p["skipped"], p["described"], p["matched"]) == (1, 1, 0, 0)
+    np.testing.assert_array_equal(o.read(scenes[0], "det_pose"), st.read(scenes[0], "det_pose"))
+
     with pytest.raises(InputError, match="describes scenes as recognition does; describe= asks for keypoint_radius"):
         archive_flow(**{**kw, "describe": {"keypoint_radius": 0.05}})
     with pytest.raises(InputError, match="fewer than recognition uses"):
         archive_flow(**{**kw, "k": 1})
     with pytest.raises(InputError, match="matches the models pattern"):
         archive_flow(**{**kw, "models": "nothing__*"})
+    with pytest.raises(InputError, match="pipeline must be one of"):
+        archive_flow(**{**kw, "pipeline": "fast"})

@@ -1,6 +1,10 @@
 """``scanforest bench archive``: a synthetic archive through ingest -> describe -> match ->
 recognize on the local cluster; scans/s per stage and the orchestration overhead.
 
+``--pipeline one-pass`` (the default, as the archive flow runs it): ingest, then ONE pass that
+describes, matches and recognises each scene on one worker (stage ``process``); ``staged``: the
+three as separate passes (stages ``describe``, ``match``, ``recognize``).
+
 One pipeline, as the archive flow runs it: the scenes are described with the parameters
 recognition uses, the index is built over the model library (built, untimed, before it, like the
 index), and the recognize stage takes every scene's description and matches from the store
@@ -26,22 +30,32 @@ from ._common import BenchReport, Utilization, read_record
 
 
 STAGES = ("ingest", "describe", "match", "recognize")
+ONE_PASS = ("ingest", "process")
 RECORD = "bench-stages.json"
 
 
-def parse_stages(text: str) -> list[str]:
+def stages_of(pipeline: str) -> tuple[str, ...]:
+    from scanforest.kernels.errors import InputError
+
+    if pipeline not in ("one-pass", "staged"):
+        raise InputError(f"--pipeline must be one-pass or staged, got {pipeline!r}")
+    return ONE_PASS if pipeline == "one-pass" else STAGES
+
+
+def parse_stages(text: str, pipeline: str = "staged") -> list[str]:
     """``"all"`` or a comma list of consecutive stages, returned in pipeline order."""
     from scanforest.kernels.errors import InputError
 
+    order = stages_of(pipeline)
     if text.strip() in ("", "all"):
-        return list(STAGES)
+        return list(order)
     want = {x.strip() for x in text.split(",") if x.strip()}
-    bad = sorted(want - set(STAGES))
+    bad = sorted(want - set(order))
     if bad:
-        raise InputError(f"unknown stage(s) {bad}; the stages are {', '.join(STAGES)}")
-    out = [x for x in STAGES if x in want]
-    if STAGES.index(out[-1]) - STAGES.index(out[0]) + 1 != len(out):
-        raise InputError(f"the stages must be consecutive in {' -> '.join(STAGES)}, got {', '.join(out)}")
+        raise InputError(f"unknown stage(s) {bad}; the stages are {', '.join(order)}")
+    out = [x for x in order if x in want]
+    if order.index(out[-1]) - order.index(out[0]) + 1 != len(out):
+        raise InputError(f"the stages must be consecutive in {' -> '.join(order)}, got {', '.join(out)}")
     return out
 
 
@@ -51,7 +65,7 @@ def _load_record(path: Path, config: dict) -> dict:
 
 
 def run(scans: int, points: int, models: int, workers: int | None, device: str, workdir: Path, out,
-        keep: bool = False, stages_to_run: list[str] | None = None) -> BenchReport:
+        keep: bool = False, stages_to_run: list[str] | None = None, pipeline: str = "one-pass") -> BenchReport:
     """Run the selected stages (default: all) over the archive in ``workdir``.
 
     A subset runs on the store that earlier invocations left in ``workdir`` (same configuration):
@@ -59,6 +73,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     ``workdir/bench-stages.json``, so a long archive can be measured stage by stage (for example
     within a per-command time limit) and the whole-archive figures combine the recorded stages."""
     from scanforest.flows._runner import ensure_prefect_api
+    from scanforest.flows.archive import process_flow
     from scanforest.flows.describe import run_describe
     from scanforest.flows.ingest import run_ingest
     from scanforest.flows.match import run_index_build, run_match
@@ -71,12 +86,15 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     from scanforest.tasks.synth import write_archive
 
     dev = resolve_device(device)
-    todo = list(stages_to_run or STAGES)
+    order = stages_of(pipeline)
+    todo = list(stages_to_run or order)
     config = {"scans": scans, "points": points, "models": models, "device": dev, "workers": workers}
+    if pipeline != "staged":  # records of staged runs (made before the one pass existed) stay valid
+        config["pipeline"] = pipeline
     record_path = workdir / RECORD
     store = workdir / "store.zarr"
     done = {} if todo[0] == "ingest" else _load_record(record_path, config)
-    missing = [x for x in STAGES[:STAGES.index(todo[0])] if x not in done]
+    missing = [x for x in order[:order.index(todo[0])] if x not in done]
     if missing:
         raise InputError(f"{workdir}: stage(s) {missing} were not run on this workdir with this configuration "
                          f"({config}); run them first (--stages {','.join(missing)}) or run all stages")
@@ -93,7 +111,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
         record_path.unlink(missing_ok=True)
     devname = describe_device(dev)
     # recorded stages first: their rows come from the invocation that measured them
-    for name in STAGES[:STAGES.index(todo[0])]:
+    for name in order[:order.index(todo[0])]:
         r = done[name]
         rep.note(f"{name}: measured by an earlier invocation ({r['when']}) on this workdir")
         _stage_rows(rep, name, r, devname, recorded=True)
@@ -128,14 +146,33 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
             s = run_describe(str(store), scans=scene_ids, params=params, device=dev, workers=workers, progress=False)
         stage("describe", s["seconds"], s["task_seconds"], s["workers"], s["scans"], u, s["skipped"],
               s.get("failures", ()))
-    if "match" in todo:
+    def library_and_index(shards: int) -> None:
         t0 = time.perf_counter()
         lib = build_library(str(store), model_ids, name="bench", params=lib_params, device=dev)
         rep.note(f"model library 'bench' ({lib['status']}) in {time.perf_counter() - t0:.1f} s (not counted)")
+        run_index_build(str(store), None, library="bench", name="models", shards=shards, params={"method": "exact"})
+
+    def recognition_notes(name: str, s: dict) -> dict:
+        rep.note(f"{name}: {s['from_stored']} of {s['recognized']} scenes from the stored description and "
+                 f"matches, {s['recomputed']} described and matched again"
+                 + "".join(f"; {n}: {why}" for why, n in s.get("recompute_reasons", {}).items()))
+        print(rep.notes[-1], flush=True)
+        return dict(phase_seconds_per_scene={k: v / max(1, s["recognized"]) for k, v in s.get("phase_seconds", {}).items()},
+                    precision=s.get("precision"), recall=s.get("recall"), from_stored=s["from_stored"],
+                    recomputed=s["recomputed"])
+
+    if "process" in todo:
+        # one shard: every worker holds the whole (small) index over the library on its device
+        library_and_index(1)
+        with Utilization() as u:
+            s = process_flow(str(store), scene_ids, library="bench", index="models", k=4, params=rec_params,
+                             device=dev, workers=workers, progress=False)
+        stage("process", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
+              s.get("failures", ()), **recognition_notes("process", s))
+    if "match" in todo:
         # the index over the library is small (tens of thousands of rows): one shard per GPU, or one
         # per CPU worker
-        shards = gpu_count() if dev == "gpu" else max(1, workers or 2)
-        run_index_build(str(store), None, library="bench", name="models", shards=shards, params={"method": "exact"})
+        library_and_index(gpu_count() if dev == "gpu" else max(1, workers or 2))
         with Utilization() as u:
             s = run_match(str(store), k=4, name="models", device=dev, workers=workers, progress=False)
         # match: the busy time is store I/O (in the flow process) plus the shard searches and merges
@@ -145,19 +182,13 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
         with Utilization() as u:
             s = run_recognize(str(store), model_ids, library="bench", device=dev, workers=workers,
                               progress=False, library_params=lib_params, params=rec_params)
-        per = {k: v / max(1, s["recognized"]) for k, v in s.get("phase_seconds", {}).items()}
-        rep.note(f"recognize: {s['from_stored']} of {s['recognized']} scenes from the stored description and "
-                 f"matches, {s['recomputed']} described and matched again"
-                 + "".join(f"; {n}: {why}" for why, n in s.get("recompute_reasons", {}).items()))
-        print(rep.notes[-1], flush=True)
         stage("recognize", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
-              s.get("failures", ()), phase_seconds_per_scene=per, precision=s.get("precision"), recall=s.get("recall"),
-              from_stored=s["from_stored"], recomputed=s["recomputed"])
+              s.get("failures", ()), **recognition_notes("recognize", s))
     total = time.perf_counter() - t_all
-    if all(x in done for x in STAGES):
-        _archive_rows(rep, done, scans, devname, total if todo == list(STAGES) else None)
+    if all(x in done for x in order):
+        _archive_rows(rep, done, scans, devname, total if todo == list(order) else None, order)
     rep.finish(out)
-    if not keep and "recognize" in todo:
+    if not keep and order[-1] in todo:
         shutil.rmtree(workdir, ignore_errors=True)
     return rep
 
@@ -182,20 +213,21 @@ def _stage_rows(rep: BenchReport, name: str, r: dict, devname: str, recorded: bo
             print(rep.notes[-1], flush=True)
 
 
-def _archive_rows(rep: BenchReport, done: dict, scans: int, devname: str, total: float | None) -> None:
-    """Whole-archive figures over the four stages (``total``: the wall clock of one invocation
-    that ran them all; otherwise the stages' walls are summed)."""
-    timed = [(r["wall"], r["task_seconds"], r["workers"]) for r in (done[x] for x in STAGES)
+def _archive_rows(rep: BenchReport, done: dict, scans: int, devname: str, total: float | None,
+                  order=STAGES) -> None:
+    """Whole-archive figures over the pipeline's stages (``total``: the wall clock of one
+    invocation that ran them all; otherwise the stages' walls are summed)."""
+    timed = [(r["wall"], r["task_seconds"], r["workers"]) for r in (done[x] for x in order)
              if r["task_seconds"] is not None]
     if timed:  # every stage, weighted by its wall time; busy time clamped to the stage's capacity
         busy = sum(min(w, t / nw) for w, t, nw in timed)
         span = sum(w for w, _, _ in timed)
         rep.add("whole archive (all stages): orchestration overhead", 100 * max(0.0, 1.0 - busy / span), "%",
                 devname, higher_is_better=False, wall=span, busy=busy)
-    walls = sum(done[x]["wall"] for x in STAGES)
+    walls = sum(done[x]["wall"] for x in order)
     rep.add("archive end to end: scans/s", scans / (total if total is not None else walls), "scans/s", devname,
             stages_wall=walls, total_wall=total)
-    rec = done["recognize"]
+    rec = done[order[-1]]
     if rec.get("precision") is not None:
         rep.add("recognize precision", rec["precision"], "", devname)
         rep.add("recognize recall", rec["recall"], "", devname)
@@ -215,8 +247,10 @@ def register(app, bench) -> None:
         workdir: Path = typer.Option(Path("bench-archive"), help="Scratch folder (removed afterwards)."),
         keep: bool = typer.Option(False, help="Keep the scratch folder."),
         stages: str = typer.Option("all", help="Stages to run, e.g. 'ingest,describe,match' then 'recognize' "
-                                   "in a second invocation on the same --workdir (kept until recognize has run)."),
+                                   "in a second invocation on the same --workdir (kept until the last stage has run)."),
+        pipeline: str = typer.Option("one-pass", help="one-pass (ingest, then describe + match + recognize "
+                                     "in one pass: stage 'process') or staged (three passes)."),
         out: Optional[str] = typer.Option(None, "--out"),
     ):
         """Archive throughput through every stage and the orchestration overhead per stage."""
-        run(scans, points, models, workers, device, workdir, out, keep, parse_stages(stages))
+        run(scans, points, models, workers, device, workdir, out, keep, parse_stages(stages, pipeline), pipeline)

@@ -1,0 +1,239 @@
+"""The archive's one pass: a batch of scans described, matched and recognised on one worker, the
+scan's data resident on its device from the upload of its points to its detections.
+
+The three stages write what they write when run one by one (``describe``: normals, keypoints,
+frames, SHOT; ``match``: the index's top-P per keypoint; ``recognize``: the detections), with the
+same records, so every later run, staged or not, sees them as done, and :func:`recognize_scan`
+would skip each of these scenes. What the pass saves:
+
+* the store round trips between the stages: the points are read once per scan, the description
+  and the matches are never read back;
+* the per-stage passes over the archive (one Dask task per batch instead of one per scan and
+  stage);
+* device transfers: the points go up once, the description stays on the device for matching and
+  recognition, and the index's shards and the library are loaded once per worker process.
+
+Write-back overlaps the next scan: each scan's arrays go to a writer thread (copied to host
+through pinned memory first) while the worker computes the next one; the batch returns only when
+all of its writes are done, so a finished task means durable stages.
+
+Resumable stage by stage: a scan whose recognition is current is skipped; a scan whose
+description (or matches) is current is recognised from it (it is read, not recomputed).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from scanforest.kernels.errors import InputError
+
+from .store import ScanStore, _jsonable, stage_digest, stage_matches
+
+DESCRIBE_ARRAYS = ("est_normals", "kp_index", "kp_frames", "kp_shot")
+
+
+@functools.lru_cache(maxsize=2)
+def _resident_index(store_path: str, name: str, content_hash: str, device: str):
+    """Every shard of index ``name`` loaded on this worker's device, once per process (an index
+    over a model library is small: tens of thousands of rows)."""
+    from .index import index_attrs, load_shard
+
+    n = len(index_attrs(store_path, name)["shards"])
+    return [load_shard(store_path, name, i, device) for i in range(n)]
+
+
+def search_index(shards, Q, k: int):
+    """Global top-``k`` of ``Q`` over resident ``shards``: ``(dist2, ids)`` as numpy (the match
+    stage's answer: the same shard searches and merge)."""
+    from scanforest.kernels.backend import to_numpy
+    from scanforest.kernels.knn.topk import merge_topk
+
+    parts = [(to_numpy(d), to_numpy(i)) for d, i in (s.query(Q, k) for s in shards)]
+    return parts[0] if len(parts) == 1 else merge_topk(parts, k)
+
+
+def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: str, params: dict[str, Any],
+                  k: int, device: str = "auto") -> list[dict[str, Any]]:
+    """Describe, match and recognise ``scan_ids`` in one pass on this worker (see the module).
+
+    ``params`` are the recognition parameters; the description follows from them and the
+    library's (:func:`~scanforest.tasks.recognize.describe_params_for`). One scan's failure is
+    its own ``failed`` record; the batch goes on."""
+    from scanforest.kernels.backend import resolve_device
+
+    from .index import index_attrs
+    from .units import isolated
+    from .recognize import _load_library_cached, describe_params_for, library_attrs
+
+    st = ScanStore(store_path)
+    lib_attrs = library_attrs(store_path, library)
+    iattrs = index_attrs(store_path, index)
+    src = iattrs.get("library") or {}
+    if src.get("name") != library or src.get("content_hash") != lib_attrs.get("content_hash"):
+        raise InputError(f"index {index!r} is not built over library {library!r} as it is now "
+                         "(build it with `scanforest index build --library`)")
+    dev = resolve_device(device)
+    ctx = {
+        "st": st, "lib": _load_library_cached(store_path, library, lib_attrs["content_hash"]),
+        "lib_attrs": lib_attrs, "library": library, "index": index, "index_hash": iattrs["content_hash"],
+        "shards": _resident_index(store_path, index, iattrs["content_hash"], dev),
+        "dparams": describe_params_for(params, lib_attrs.get("params")), "params": dict(params or {}),
+        "k": int(k), "dev": dev,
+    }
+    out: list[dict[str, Any]] = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sf-writeback") as writer:
+        pending = []
+        for sid in scan_ids:
+            res = isolated(_process_scan, sid, ctx, sid, writer)
+            out.append(res)
+            if "write" in res:
+                pending.append(res)
+        for res in pending:  # the batch is done when its writes are
+            fut = res.pop("write")
+            try:
+                res["seconds"] += fut.result()
+            except Exception as exc:  # noqa: BLE001 - the scan's own failure, the others stand
+                res.clear()
+                res.update(isolated(_raise, res.get("scan_id", "?"), exc))
+    for res, sid in zip(out, scan_ids):
+        res.setdefault("scan_id", sid)
+    return out
+
+
+def _raise(exc: BaseException):
+    raise exc
+
+
+def _process_scan(ctx: dict[str, Any], sid: str, writer) -> dict[str, Any]:
+    from .recognize import _evaluate, _recognize_stored, stored_inputs
+
+    t0 = time.perf_counter()
+    st, lib, dev, params, dparams = ctx["st"], ctx["lib"], ctx["dev"], ctx["params"], ctx["dparams"]
+    meta = st.attrs(sid)
+    stages = meta.get("stages", {})
+    plan = stored_inputs(st, sid, ctx["library"], ctx["lib_attrs"], params, scan_attrs=meta)
+    key = {"library": ctx["library"], "content_hash": ctx["lib_attrs"]["content_hash"],
+           "params": _jsonable(params), "inputs": None}
+    if plan["fits"]:
+        key["inputs"] = {"describe": plan["describe"], "match": plan["match"]}
+        rec = stages.get("recognize")
+        if stage_matches(rec, **key):
+            return {"scan_id": sid, "status": "skipped", "detections": len(rec.get("detections", [])),
+                    "evaluation": rec.get("evaluation"), "seconds": time.perf_counter() - t0}
+    # what is current stays: the description, and the matches made from it with this index
+    drec = stages.get("describe")
+    have_desc = stage_matches(drec, **dparams.as_dict())
+    d_digest = stage_digest(drec) if have_desc else None
+    mrec = stages.get("match")
+    have_match = have_desc and stage_matches(mrec, index=ctx["index"], content_hash=ctx["index_hash"],
+                                             k=ctx["k"], describe=d_digest)
+    names = ["points"] + (list(DESCRIBE_ARRAYS) if have_desc else []) + (
+        ["match_ids", "match_dist"] if have_match else [])
+    a = st.read_many(sid, names)
+    timings: dict[str, float] = {"io": time.perf_counter() - t0}
+    writes = []
+    desc = _describe(a, dparams, dev, timings, have_desc)
+    if not have_desc:
+        writes.append(("describe", desc["host"], {**dparams.as_dict(), "device": dev,
+                                                  "keypoints": int(len(desc["host"]["kp_index"])),
+                                                  "valid_descriptors": desc["valid"],
+                                                  "timings": dict(desc["timings"])}))
+    if have_match:
+        ids, dist = a["match_ids"], a["match_dist"]
+    else:
+        ids, dist, n_q = _match(desc, ctx["shards"], ctx["k"], dev, timings)
+        writes.append(("match", {"match_ids": ids, "match_dist": dist},
+                       lambda w, n_q=n_q: {"index": ctx["index"], "content_hash": ctx["index_hash"], "k": ctx["k"],
+                                           "queries": n_q,
+                                           "describe": stage_digest(w["describe"]) if "describe" in w else d_digest}))
+    scene = _scene(desc, ids, dist, lib, params)
+    dets = _recognize_stored(scene, lib, params, dev)
+    for ph, v in (getattr(dets, "timings", {}) or {}).items():
+        timings[ph] = timings.get(ph, 0.0) + v
+    timings["matching"] = timings.get("matching", 0.0) + scene["seconds"]
+    evaluation = _evaluate(dets, meta.get("ground_truth"), lib)
+    n = len(dets)
+    det_arrays = {"det_model": np.array([d.model_id for d in dets], np.int32),
+                  "det_pose": np.array([d.pose for d in dets], np.float64).reshape(n, 4, 4),
+                  "det_score": np.array([d.score for d in dets], np.float32),
+                  "det_inliers": np.array([d.inliers for d in dets], np.int32)}
+    compute = time.perf_counter() - t0
+
+    def rec_attrs(w):
+        dg = stage_digest(w["describe"]) if "describe" in w else d_digest
+        mg = stage_digest(w["match"]) if "match" in w else stage_digest(mrec)
+        return {**key, "inputs": {"describe": dg, "match": mg}, "source": "stored", "reason": None,
+                "pipeline": "one pass", "detections": [d.as_dict() | {"model_name": d.model} for d in dets],
+                "timings": timings, "evaluation": evaluation, "device": dev, "seconds": compute}
+
+    writes.append(("recognize", det_arrays, rec_attrs))
+
+    def write() -> float:
+        t = time.perf_counter()
+        st.write_stages(sid, writes)
+        return time.perf_counter() - t
+
+    return {"scan_id": sid, "status": "recognized", "detections": n, "evaluation": evaluation, "source": "stored",
+            "described": not have_desc, "matched": not have_match, "timings": timings, "seconds": compute,
+            "write": writer.submit(write)}
+
+
+def _describe(a: dict[str, np.ndarray], dparams, dev: str, timings: dict, have: bool) -> dict[str, Any]:
+    """The scan's description on ``dev``: computed from the points, or the stored one uploaded."""
+    from scanforest.kernels.recognition.library import _on
+
+    from .describe import describe_cloud
+
+    if have:
+        t = time.perf_counter()
+        dv = {n: _on(a[n], dev) for n in DESCRIBE_ARRAYS}
+        pts = _on(np.ascontiguousarray(a["points"], np.float32), dev)
+        out = {"points": pts, "normals": dv["est_normals"], "keypoints": dv["kp_index"], "frames": dv["kp_frames"],
+               "descriptors": dv["kp_shot"], "timings": {}}
+        timings["io"] += time.perf_counter() - t
+        return out
+    res = describe_cloud(a["points"], dparams, device=dev, resident=True)
+    d = res["resident"]
+    host = res["arrays"]
+    for ph, v in res["timings"].items():
+        timings[ph] = timings.get(ph, 0.0) + v
+    valid = int(np.isfinite(host["kp_shot"][:, 0]).sum()) if len(host["kp_shot"]) else 0
+    return {"points": res["points"], "normals": d["normals"], "keypoints": d["keypoints"], "frames": d["frames"],
+            "descriptors": d["descriptors"], "host": host, "valid": valid, "timings": res["timings"]}
+
+
+def _match(desc: dict[str, Any], shards, k: int, dev: str, timings: dict):
+    """The match stage's top-``k`` of every keypoint with a descriptor (rows without one stay
+    ``(inf, -1)``), searched on the resident shards."""
+    from scanforest.kernels.backend import to_numpy, xp_for
+
+    t = time.perf_counter()
+    D = desc["descriptors"]
+    xp = xp_for(dev)
+    ok = xp.isfinite(D).all(axis=1)
+    rows = xp.flatnonzero(ok)
+    n_q = int(rows.shape[0])
+    m = int(D.shape[0])
+    dist = np.full((m, k), np.inf, np.float32)
+    ids = np.full((m, k), -1, np.int64)
+    if n_q:
+        d2, i2 = search_index(shards, xp.ascontiguousarray(D[rows]), k)
+        r = to_numpy(rows)
+        dist[r], ids[r] = d2, i2
+    timings["matching"] = timings.get("matching", 0.0) + time.perf_counter() - t
+    return ids, dist, n_q
+
+
+def _scene(desc: dict[str, Any], ids, dist, lib, params: dict[str, Any]) -> dict[str, Any]:
+    """The scene as :func:`~scanforest.tasks.recognize._recognize_stored` takes it."""
+    from scanforest.kernels.recognition import RecognizeParams, from_neighbours
+
+    p = RecognizeParams().replace(**(params or {}))
+    t = time.perf_counter()
+    corr = from_neighbours(np.arange(len(ids)), dist, ids, lib, k=p.match_k, max_dist2=p.max_dist2, ratio=p.ratio)
+    return {"points": desc["points"], "normals": desc["normals"], "keypoints": desc["keypoints"],
+            "frames": desc["frames"], "correspondences": corr, "seconds": time.perf_counter() - t}
