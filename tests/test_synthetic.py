@@ -74,8 +74,8 @@ def test_recognition_presets_follow_scene_density():
     lp, rp = synthetic.recognition_presets("gpu", 20_000)
     assert (lp, rp) == (synthetic.SYNTHETIC_LIBRARY_LIGHT, synthetic.SYNTHETIC_RECOGNIZE_SPARSE)
     assert synthetic.recognition_presets("cpu", 20_000) == (lp, rp)
-    assert synthetic.recognition_presets("gpu", 300_000) == (synthetic.SYNTHETIC_LIBRARY, synthetic.SYNTHETIC_RECOGNIZE)
-    assert synthetic.recognition_presets("gpu") == (synthetic.SYNTHETIC_LIBRARY, synthetic.SYNTHETIC_RECOGNIZE)
+    assert synthetic.recognition_presets("gpu", 300_000) == (synthetic.SYNTHETIC_LIBRARY_LIGHT, synthetic.SYNTHETIC_RECOGNIZE)
+    assert synthetic.recognition_presets("gpu") == (synthetic.SYNTHETIC_LIBRARY_LIGHT, synthetic.SYNTHETIC_RECOGNIZE)
     assert synthetic.recognition_presets("cpu") == (synthetic.SYNTHETIC_LIBRARY_LIGHT,
                                                     synthetic.SYNTHETIC_RECOGNIZE_LIGHT)
     # a sparse scene covers less of each model: denser keypoints, a lower inlier fraction

@@ -332,7 +332,7 @@ def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers
                 else:
                     os.environ[v] = val
         t0 = time.perf_counter()
-        lib_params, rec_params = S.recognition_presets(dev)
+        lib_params, rec_params = S.recognition_presets(dev, n_points)
         lib = ModelLibrary.build([m.points for m in models], [m.name for m in models],
                                  models_normals=[m.normals for m in models], device=dev, **lib_params)
         rep.note(f"archive library: {lib!r} built in {time.perf_counter() - t0:.1f} s on {dev}")

@@ -284,11 +284,33 @@ extern "C" __global__ void select_topk(const float* __restrict__ D, long long ld
     }
     const float* Drow = D + (long long)row * ldd;
     float qv = mode ? qn[row] : 0.0f;
-    for (int c = lane; c < ncols; c += 32) {
-        float g = Drow[c];
-        float d = mode ? (qv + bn[c]) - 2.0f * g : g;
-        unsigned long long key = make_key(d, col_offset + c);
-        if (cnt < kp || key < list[kp - 1]) lane_push(list, cnt, kp, key);
+    // thr: the smallest of the lanes' kp-th best keys. That lane holds kp keys <= thr, so a key
+    // above it is not among the row's kp best (keys are distinct: they carry the column): most
+    // of the row is rejected against it instead of against the lane's own, weaker, kp-th best.
+    // Each lane's 8 columns of a chunk are loaded before any is used (8 loads in flight).
+    unsigned long long thr = KEY_NONE;
+    for (int c0 = 0; c0 < ncols; c0 += 32 * 8) {
+        float gv[8], bv[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            int c = c0 + 32 * u + lane;
+            gv[u] = c < ncols ? Drow[c] : 0.0f;
+            bv[u] = (mode && c < ncols) ? bn[c] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            int c = c0 + 32 * u + lane;
+            if (c >= ncols) break;
+            float d = mode ? (qv + bv[u]) - 2.0f * gv[u] : gv[u];
+            unsigned long long key = make_key(d, col_offset + c);
+            if (key < thr && (cnt < kp || key < list[kp - 1])) lane_push(list, cnt, kp, key);
+        }
+        unsigned long long mine = cnt == kp ? list[kp - 1] : KEY_NONE;
+        for (int off = 16; off > 0; off >>= 1) {
+            unsigned long long o = __shfl_xor_sync(0xffffffffu, mine, off);
+            mine = o < mine ? o : mine;
+        }
+        thr = mine;
     }
     int h = 0;
     for (int r = 0; r < kp; ++r) {

@@ -313,9 +313,14 @@ def recognition_presets(device: str, scene_points: int | None = None) -> tuple[d
     """(library params, recognize params) for a resolved device and, when known, the points per
     scene: scenes under :data:`SPARSE_SCENE_POINTS` get the sparse preset on any device; otherwise
     the CPU backend gets the lighter library and coarser scene sampling (demo, CI), the GPU the
-    full one (tuned on 300k-point scenes)."""
+    lighter library with the full scene sampling (tuned on 300k-point scenes).
+
+    The GPU's library was :data:`SYNTHETIC_LIBRARY` (148k reference rows) until 2026-11-26: on 60
+    scenes of 300k points (noise 0.2, one H200, the same run) the light one (56k rows) gives
+    tp/fp/fn 177/0/3 against 179/0/1 (recall 0.983 vs 0.994, precision 1.0 both) in 84 ms per
+    scene instead of 118 (matching 47 -> 24 ms)."""
     if scene_points is not None and scene_points < SPARSE_SCENE_POINTS:
         return SYNTHETIC_LIBRARY_LIGHT, SYNTHETIC_RECOGNIZE_SPARSE
     if device == "cpu":
         return SYNTHETIC_LIBRARY_LIGHT, SYNTHETIC_RECOGNIZE_LIGHT
-    return SYNTHETIC_LIBRARY, SYNTHETIC_RECOGNIZE
+    return SYNTHETIC_LIBRARY_LIGHT, SYNTHETIC_RECOGNIZE
