@@ -13,9 +13,13 @@ would skip each of these scenes. What the pass saves:
 * device transfers: the points go up once, the description stays on the device for matching and
   recognition, and the index's shards and the library are loaded once per worker process.
 
-Write-back overlaps the next scan: each scan's arrays go to a writer thread (copied to host
-through pinned memory first) while the worker computes the next one; the batch returns only when
-all of its writes are done, so a finished task means durable stages.
+The scans go through in chunks of :data:`GROUP_BATCH`: each scan is read, described and
+matched, then the chunk is recognised together (:func:`~scanforest.kernels.recognition.
+recognize_described_many`: on a GPU the geometric-consistency sweeps of all its scenes run in one
+launch, where one scene's few (scene, model) groups would leave most of the device idle), then
+each scan's arrays go to a writer thread (copied to host through pinned memory first) while the
+worker computes the next chunk; the batch returns only when all of its writes are done, so a
+finished task means durable stages.
 
 Resumable stage by stage: a scan whose recognition is current is skipped; a scan whose
 description (or matches) is current is recognised from it (it is read, not recomputed).
@@ -32,6 +36,7 @@ import numpy as np
 from scanforest.kernels.errors import InputError
 
 from .store import ScanStore, _jsonable, stage_digest, stage_matches
+from .units import isolated
 
 DESCRIBE_ARRAYS = ("est_normals", "kp_index", "kp_frames", "kp_shot")
 
@@ -66,7 +71,6 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
     from scanforest.kernels.backend import resolve_device
 
     from .index import index_attrs
-    from .units import isolated
     from .recognize import _load_library_cached, describe_params_for, library_attrs
 
     st = ScanStore(store_path)
@@ -84,35 +88,50 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
         "dparams": describe_params_for(params, lib_attrs.get("params")), "params": dict(params or {}),
         "k": int(k), "dev": dev,
     }
-    out: list[dict[str, Any]] = []
+    out: dict[str, dict[str, Any]] = {}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sf-writeback") as writer:
         pending = []
-        for sid in scan_ids:
-            res = isolated(_process_scan, sid, ctx, sid, writer)
-            out.append(res)
-            if "write" in res:
-                pending.append(res)
+        for c in range(0, len(scan_ids), GROUP_BATCH):
+            # each scan described and matched, then the chunk's recognition (its grouping in one
+            # go), then each scan's writes handed to the writer while the next chunk computes
+            ready = []
+            for sid in scan_ids[c:c + GROUP_BATCH]:
+                res = isolated(_prepare_scan, sid, ctx, sid)
+                if "scene" in res:
+                    ready.append(res)
+                else:
+                    out[sid] = res
+            for res, dets in zip(ready, _recognize_chunk(ready, ctx)):
+                sid = res["scan_id"]
+                out[sid] = dets if isinstance(dets, dict) else isolated(_finish_scan, sid, ctx, res, dets, writer)
+                if "write" in out[sid]:
+                    pending.append(out[sid])
         for res in pending:  # the batch is done when its writes are
             fut = res.pop("write")
             try:
                 res["seconds"] += fut.result()
             except Exception as exc:  # noqa: BLE001 - the scan's own failure, the others stand
+                sid = res["scan_id"]
                 res.clear()
-                res.update(isolated(_raise, res.get("scan_id", "?"), exc))
-    for res, sid in zip(out, scan_ids):
-        res.setdefault("scan_id", sid)
-    return out
+                res.update(isolated(_raise, sid, exc))
+    return [out[s] for s in scan_ids]
+
+
+#: scenes recognised together (their geometric-consistency sweeps in one launch on a GPU)
+GROUP_BATCH = 16
 
 
 def _raise(exc: BaseException):
     raise exc
 
 
-def _process_scan(ctx: dict[str, Any], sid: str, writer) -> dict[str, Any]:
-    from .recognize import _evaluate, _recognize_stored, stored_inputs
+def _prepare_scan(ctx: dict[str, Any], sid: str) -> dict[str, Any]:
+    """A scan read, described and matched (what is current is read, not recomputed), or its
+    ``skipped`` record when its recognition is current."""
+    from .recognize import stored_inputs
 
     t0 = time.perf_counter()
-    st, lib, dev, params, dparams = ctx["st"], ctx["lib"], ctx["dev"], ctx["params"], ctx["dparams"]
+    st, dev, params, dparams = ctx["st"], ctx["dev"], ctx["params"], ctx["dparams"]
     meta = st.attrs(sid)
     stages = meta.get("stages", {})
     plan = stored_inputs(st, sid, ctx["library"], ctx["lib_attrs"], params, scan_attrs=meta)
@@ -150,35 +169,71 @@ def _process_scan(ctx: dict[str, Any], sid: str, writer) -> dict[str, Any]:
                        lambda w, n_q=n_q: {"index": ctx["index"], "content_hash": ctx["index_hash"], "k": ctx["k"],
                                            "queries": n_q,
                                            "describe": stage_digest(w["describe"]) if "describe" in w else d_digest}))
-    scene = _scene(desc, ids, dist, lib, params)
-    dets = _recognize_stored(scene, lib, params, dev)
-    for ph, v in (getattr(dets, "timings", {}) or {}).items():
-        timings[ph] = timings.get(ph, 0.0) + v
+    scene = _scene(desc, ids, dist, ctx["lib"], params)
     timings["matching"] = timings.get("matching", 0.0) + scene["seconds"]
-    evaluation = _evaluate(dets, meta.get("ground_truth"), lib)
+    return {"scan_id": sid, "scene": scene, "writes": writes, "key": key, "meta": meta, "timings": timings,
+            "digests": (d_digest, stage_digest(mrec) if have_match else None),
+            "described": not have_desc, "matched": not have_match, "seconds": time.perf_counter() - t0}
+
+
+def _recognize_chunk(ready: list[dict[str, Any]], ctx: dict[str, Any]) -> list:
+    """The detections of the prepared scans, together (one grouping launch on a GPU); when that
+    fails, scan by scan, so that a failure is the failing scan's own record."""
+    from .recognize import _recognize_stored, _recognize_stored_many
+
+    if not ready:
+        return []
+    lib, params, dev = ctx["lib"], ctx["params"], ctx["dev"]
+    t = time.perf_counter()
+    try:
+        dets = _recognize_stored_many([r["scene"] for r in ready], lib, params, dev)
+        share = (time.perf_counter() - t) / len(ready)
+        for r in ready:
+            r["seconds"] += share
+        return dets
+    except Exception:  # noqa: BLE001 - found again below, on the scan it belongs to
+        pass
+    out = []
+    for r in ready:
+        t = time.perf_counter()
+        out.append(isolated(_recognize_stored, r["scan_id"], r["scene"], lib, params, dev))
+        r["seconds"] += time.perf_counter() - t
+    return out
+
+
+def _finish_scan(ctx: dict[str, Any], res: dict[str, Any], dets, writer) -> dict[str, Any]:
+    """The scan's recognize record, and its stages handed to the writer thread."""
+    from .recognize import _evaluate
+
+    sid, timings, lib, dev = res["scan_id"], res["timings"], ctx["lib"], ctx["dev"]
+    for ph, v in (getattr(dets, "timings", {}) or {}).items():
+        if ph != "total":
+            timings[ph] = timings.get(ph, 0.0) + v
+    evaluation = _evaluate(dets, res["meta"].get("ground_truth"), lib)
     n = len(dets)
     det_arrays = {"det_model": np.array([d.model_id for d in dets], np.int32),
                   "det_pose": np.array([d.pose for d in dets], np.float64).reshape(n, 4, 4),
                   "det_score": np.array([d.score for d in dets], np.float32),
                   "det_inliers": np.array([d.inliers for d in dets], np.int32)}
-    compute = time.perf_counter() - t0
+    compute = res["seconds"]
+    d_digest, m_digest = res["digests"]
 
     def rec_attrs(w):
         dg = stage_digest(w["describe"]) if "describe" in w else d_digest
-        mg = stage_digest(w["match"]) if "match" in w else stage_digest(mrec)
-        return {**key, "inputs": {"describe": dg, "match": mg}, "source": "stored", "reason": None,
+        mg = stage_digest(w["match"]) if "match" in w else m_digest
+        return {**res["key"], "inputs": {"describe": dg, "match": mg}, "source": "stored", "reason": None,
                 "pipeline": "one pass", "detections": [d.as_dict() | {"model_name": d.model} for d in dets],
                 "timings": timings, "evaluation": evaluation, "device": dev, "seconds": compute}
 
-    writes.append(("recognize", det_arrays, rec_attrs))
+    writes = res["writes"] + [("recognize", det_arrays, rec_attrs)]
 
     def write() -> float:
         t = time.perf_counter()
-        st.write_stages(sid, writes)
+        ctx["st"].write_stages(sid, writes)
         return time.perf_counter() - t
 
     return {"scan_id": sid, "status": "recognized", "detections": n, "evaluation": evaluation, "source": "stored",
-            "described": not have_desc, "matched": not have_match, "timings": timings, "seconds": compute,
+            "described": res["described"], "matched": res["matched"], "timings": timings, "seconds": compute,
             "write": writer.submit(write)}
 
 

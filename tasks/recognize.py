@@ -285,14 +285,29 @@ def _stored_scene(st: ScanStore, scan_id: str, lib, params: dict[str, Any]) -> d
 def _recognize_stored(scene: dict[str, Any], lib, params: dict[str, Any], dev: str):
     """Grouping, verification and refinement of a stored scene (``recognize_described``); Hough's
     frames are the stored SHOT frames when its radius is SHOT's (as ``recognize`` takes them)."""
-    from scanforest.kernels.recognition import RecognizeParams, recognize_described
+    from scanforest.kernels.recognition import recognize_described
+
+    a = _described_args(scene, lib, params)
+    return recognize_described(a.pop("scene_points"), lib, device=dev, **a, **params)
+
+
+def _recognize_stored_many(scenes: list[dict[str, Any]], lib, params: dict[str, Any], dev: str) -> list:
+    """:func:`_recognize_stored` of many scenes (``recognize_described_many``: their grouping in
+    one go on the GPU), the same detections."""
+    from scanforest.kernels.recognition import recognize_described_many
+
+    return recognize_described_many([_described_args(s, lib, params) for s in scenes], lib, device=dev, **params)
+
+
+def _described_args(scene: dict[str, Any], lib, params: dict[str, Any]) -> dict[str, Any]:
+    from scanforest.kernels.recognition import RecognizeParams
 
     p = RecognizeParams().replace(**(params or {}))
     descr_rad = float(p.descr_rad) if p.descr_rad is not None else _library_descr_rad(lib.params)
     rf_rad = float(lib.params.get("rf_rad", 0.015) if p.rf_rad is None else p.rf_rad)
     rf = scene["frames"] if p.method == "hough" and abs(rf_rad - descr_rad) < 1e-12 else None
-    return recognize_described(scene["points"], lib, normals=scene["normals"], keypoints=scene["keypoints"],
-                               rf=rf, correspondences=scene["correspondences"], device=dev, **params)
+    return {"scene_points": scene["points"], "normals": scene["normals"], "keypoints": scene["keypoints"],
+            "rf": rf, "correspondences": scene["correspondences"]}
 
 
 def _evaluate(dets, gt, lib) -> dict[str, Any] | None:

@@ -110,3 +110,71 @@ def test_gpu_group_gc_equals_cpu_on_unambiguous_groups(rng):
     for a, b in zip(h_cpu.groups, h_gpu.groups):
         np.testing.assert_array_equal(np.sort(a), np.sort(b))
     np.testing.assert_allclose(h_cpu.poses, h_gpu.poses, atol=1e-9)
+
+
+def test_gpu_batched_grouping_equals_one_scene_at_a_time(rng):
+    """group_gc_many over scenes of many models (one of them without correspondences): the
+    hypotheses of each scene grouped alone - sets, RANSAC inliers and poses bit for bit (every
+    set draws its scene-alone samples)."""
+    import cupy as cp
+
+    from scanforest.kernels.recognition import Correspondences, group_gc
+    from scanforest.kernels.recognition.grouping import group_gc_many
+
+    class Lib:
+        pass
+
+    lib = Lib()
+    lib.kp_coords = rng.uniform(-0.1, 0.1, (400, 3))
+    corrs, kps = [], []
+    for n, models in ((900, 4), (0, 1), (1500, 5), (300, 2)):
+        skp = rng.uniform(-0.3, 0.3, (max(n, 1), 3))
+        ref_row = rng.integers(0, 400, n)
+        k = n // 3  # a rigid instance among random pairs: kept sets and RANSAC inliers
+        T = S.pose_matrix(S.random_rotation(rng), np.array([0.1, 0, 0]))
+        skp[:k] = lib.kp_coords[ref_row[:k]] @ T[:3, :3].T + T[:3, 3]
+        corrs.append(Correspondences(np.arange(n, dtype=np.int64), ref_row.astype(np.int64),
+                                     rng.integers(0, models, n).astype(np.int32), ref_row.astype(np.int32),
+                                     rng.random(n).astype(np.float32)))
+        kps.append(cp.asarray(skp))
+    many = group_gc_many(corrs, lib, kps, gc_size=0.01, gc_threshold=3, seed=7, device="gpu")
+    assert len(many) == 4 and len(many[1]) == 0 and sum(len(h) for h in many) > 3
+    for c, k, h in zip(corrs, kps, many):
+        one = group_gc(c, lib, k, gc_size=0.01, gc_threshold=3, seed=7, device="gpu")
+        assert len(one) == len(h)
+        np.testing.assert_array_equal(one.model_id, h.model_id)
+        np.testing.assert_array_equal(one.n_corr, h.n_corr)
+        np.testing.assert_array_equal(one.poses, h.poses)
+        for a, b in zip(one.groups, h.groups):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_gpu_recognize_described_many_equals_one_scene_at_a_time():
+    """A batch of described and matched synthetic scenes: the detections of each recognised alone."""
+    import cupy as cp
+
+    from scanforest.kernels.recognition import (ModelLibrary, describe, match, recognize_described,
+                                                recognize_described_many)
+
+    models = S.model_library(3, 4_000, seed=3)
+    lp, rp = S.recognition_presets("gpu", 20_000)
+    lib = ModelLibrary.build([m.points for m in models], [m.name for m in models],
+                             models_normals=[m.normals for m in models], device="gpu", **lp)
+    scenes = []
+    for seed in range(4):
+        sc = S.make_scene(models, n_instances=2, n_points=20_000, noise=0.2, clutter=2, seed=900 + seed)
+        pts = cp.asarray(sc.points)
+        d = describe(pts, normal_radius=rp["normal_radius"], keypoint_radius=rp["scene_ss"],
+                     descr_rad=lp["descr_rad"], device="gpu")
+        corr = match(d["descriptors"], lib, k=rp["match_k"], device="gpu")
+        scenes.append(dict(scene_points=pts, normals=d["normals"], keypoints=d["keypoints"], correspondences=corr))
+    many = recognize_described_many(scenes, lib, device="gpu", **rp)
+    assert sum(len(x) for x in many) >= 4
+    for s, got in zip(scenes, many):
+        s = dict(s)
+        want = recognize_described(s.pop("scene_points"), lib, device="gpu", **s, **rp)
+        assert [d.model_id for d in got] == [d.model_id for d in want]
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a.pose, b.pose, atol=1e-9)
+            assert (a.score, a.inliers) == (b.score, b.inliers)
+        assert got.timings["total"] == pytest.approx(sum(v for k, v in got.timings.items() if k != "total"))

@@ -321,11 +321,15 @@ __device__ int mark(const double* T, const double* S, const double* D, int n, do
 extern "C" __global__ void ransac_groups(const double* __restrict__ S_all, const double* __restrict__ D_all,
                                          const long long* __restrict__ offs, int G, double thr2,
                                          int max_iter, int cap_small, double prob, unsigned long long seed,
+                                         const int* __restrict__ hash_ids,
                                          unsigned char* mask_all, unsigned char* tmp_all,
                                          double* poses, int* counts) {
     int gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (gw >= G) return;
+    // the group's number in the samples' hash: its own index, or the one given (a group of a
+    // batch of scenes draws the samples it draws in its scene alone)
+    const unsigned long long hg = hash_ids ? (unsigned long long)hash_ids[gw] : (unsigned long long)gw;
     long long o = offs[gw];
     int n = (int)(offs[gw + 1] - o);
     const double* S = S_all + 3 * o;
@@ -342,7 +346,7 @@ extern "C" __global__ void ransac_groups(const double* __restrict__ S_all, const
         int cnt = -1;
         double T[12];
         if (my < max_iter) {
-            unsigned long long h = mix64(seed ^ mix64(((unsigned long long)gw << 32) | (unsigned)my));
+            unsigned long long h = mix64(seed ^ mix64((hg << 32) | (unsigned)my));
             int a = (int)(h % n), b, c;
             h = mix64(h); b = (int)(h % (n - 1)); if (b >= a) b++;
             h = mix64(h); c = (int)(h % (n - 2));
@@ -414,7 +418,7 @@ def _ransac_kernel():
 
 
 def ransac_groups(S, D, offsets, *, threshold: float, max_iterations: int = 10000,
-                  probability: float = 0.99, seed: int = 0, cap_small: int = 1024):
+                  probability: float = 0.99, seed: int = 0, cap_small: int = 1024, hash_ids=None):
     """RANSAC rigid fits ``D ~ R S + t`` of many groups in one launch (one warp per group).
 
     ``S``, ``D`` (N, 3) float64 CuPy arrays, groups back to back at ``offsets`` (G + 1). As
@@ -423,6 +427,9 @@ def ransac_groups(S, D, offsets, *, threshold: float, max_iterations: int = 1000
     ``|R s + t - d|^2 < threshold^2``, adaptive count for ``probability`` capped at
     ``max_iterations``; the best model refitted on its inliers (Horn's least-squares rotation)
     and the inliers recomputed once, kept when not fewer.
+
+    ``hash_ids`` (G,) int32: the number each group's samples are hashed with (default: its
+    index), so that a group fitted in a batch of scenes draws the samples it draws alone.
 
     Returns ``poses`` (G, 4, 4) float64, ``inliers`` (N,) bool, ``counts`` (G,) int32 (0 for
     groups of fewer than 3 pairs), all CuPy.
@@ -444,7 +451,9 @@ def ransac_groups(S, D, offsets, *, threshold: float, max_iterations: int = 1000
         _ransac_kernel()((blocks,), (threads,), (S, D, offs, np.int32(G), np.float64(float(threshold) ** 2),
                                                  np.int32(max_iterations), np.int32(cap_small),
                                                  np.float64(probability),
-                                                 np.uint64(seed & 0xFFFFFFFFFFFFFFFF), mask, tmp, P, counts))
+                                                 np.uint64(seed & 0xFFFFFFFFFFFFFFFF),
+                                                 None if hash_ids is None else cp.asarray(hash_ids, dtype=cp.int32),
+                                                 mask, tmp, P, counts))
     poses = cp.zeros((max(G, 0), 4, 4), cp.float64)
     poses[:, :3, :] = P.reshape(-1, 3, 4)
     poses[:, 3, 3] = 1.0
@@ -462,44 +471,73 @@ def gc_hypotheses(model_id, scene_kp, ref_row, dist2, scene_kp_coords, model_kp_
     (the RANSAC inliers of each hypothesis, in ascending descriptor distance), in the CPU's
     order: by model, then by acceptance.
     """
+    return gc_hypotheses_many([(model_id, scene_kp, ref_row, dist2, scene_kp_coords)], model_kp_coords,
+                              gc_size=gc_size, gc_threshold=gc_threshold, max_iterations=max_iterations,
+                              seed=seed)[0]
+
+
+def gc_hypotheses_many(scenes, model_kp_coords, *, gc_size: float, gc_threshold: int,
+                       max_iterations: int = 10000, seed: int = 0) -> list:
+    """:func:`gc_hypotheses` of many scenes at once: every (scene, model) group swept in one
+    launch, every kept set of every scene fitted in one RANSAC launch (each set hashed with its
+    number in its own scene, so it draws the samples it draws alone), and one set of host
+    transfers for the batch. ``scenes``: ``(model_id, scene_kp, ref_row, dist2,
+    scene_kp_coords)`` per scene. Returns :func:`gc_hypotheses`'s tuple per scene, equal to it."""
     import cupy as cp
 
-    mid = cp.asarray(model_id).astype(cp.int64)
-    n = int(mid.shape[0])
+    B = len(scenes)
     empty = (np.zeros(0, np.int32), np.zeros((0, 4, 4)), np.zeros(0, np.int32), [])
-    if n == 0:
-        return empty
-    d2 = cp.asarray(dist2)
-    order = cp.lexsort(cp.stack([d2, mid.astype(d2.dtype)]))  # by model, then distance (stable)
-    ms = mid[order]
-    models, counts = cp.unique(ms, return_counts=True)
-    offs = cp.concatenate([cp.zeros(1, cp.int64), cp.cumsum(counts)])
-    skp = cp.asarray(scene_kp_coords)
+    ns = [int(len(s[0])) for s in scenes]
+    coffs = np.concatenate([[0], np.cumsum(ns)]).astype(np.int64)  # each scene's correspondences
+    if B == 0 or coffs[-1] == 0:
+        return [empty] * B
+    kps = [cp.asarray(s[4]) for s in scenes]
+    koffs = np.concatenate([[0], np.cumsum([int(k.shape[0]) for k in kps])]).astype(np.int64)
+    skp = cp.concatenate(kps) if B > 1 else kps[0]
     mkp = cp.asarray(model_kp_coords)
-    sk = cp.asarray(scene_kp)[order]
-    rr = cp.asarray(ref_row)[order]
-    labels, nsets = gc_sets_batch(skp[sk].astype(cp.float32), mkp[rr].astype(cp.float32), offs,
-                                  gc_size, gc_threshold)
-    # global set id: sets of earlier models first, then acceptance order within the model
-    grp_of_row = cp.repeat(cp.arange(len(models)), counts.get().tolist())
+    mid = cp.concatenate([cp.asarray(s[0]).astype(cp.int64) for s in scenes])
+    nm = int(mid.max()) + 1
+    scn = cp.repeat(cp.arange(B, dtype=cp.int64), ns)
+    key = scn * nm + mid  # a group: one model in one scene
+    sk_all = cp.concatenate([cp.asarray(s[1]).astype(cp.int64) + int(koffs[b]) for b, s in enumerate(scenes)])
+    rr_all = cp.concatenate([cp.asarray(s[2]).astype(cp.int64) for s in scenes])
+    d2 = cp.concatenate([cp.asarray(s[3]) for s in scenes])
+    order = cp.lexsort(cp.stack([d2, key.astype(d2.dtype)]))  # by group, then distance (stable)
+    groups_key, counts = cp.unique(key[order], return_counts=True)
+    offs = cp.concatenate([cp.zeros(1, cp.int64), cp.cumsum(counts)])
+    labels, nsets = gc_sets_batch(skp[sk_all[order]].astype(cp.float32), mkp[rr_all[order]].astype(cp.float32),
+                                  offs, gc_size, gc_threshold)
+    # global set id: sets of earlier groups first, then acceptance order within the group
+    counts_h, nsets_h = counts.get().tolist(), nsets.get().tolist()
+    grp_of_row = cp.repeat(cp.arange(len(counts_h)), counts_h)
     set_base = cp.concatenate([cp.zeros(1, cp.int64), cp.cumsum(nsets.astype(cp.int64))])
     kept = cp.flatnonzero(labels >= 0)
     if int(kept.shape[0]) == 0:
-        return empty
+        return [empty] * B
     gid = set_base[grp_of_row[kept]] + labels[kept]
     by_set = cp.lexsort(cp.stack([kept, gid]))  # by set, then position (ascending distance)
     k2, gid = kept[by_set], gid[by_set]
-    H = int(set_base[-1])
+    H = int(sum(nsets_h))
     sizes = cp.bincount(gid, minlength=H)
     goffs = cp.concatenate([cp.zeros(1, cp.int64), cp.cumsum(sizes)])
-    rows = order[k2]  # correspondence indices, grouped, ascending distance within a group
-    src = mkp[cp.asarray(ref_row)[rows]].astype(cp.float64)
-    dst = skp[cp.asarray(scene_kp)[rows]].astype(cp.float64)
+    rows = order[k2]  # correspondence indices (of the batch), grouped, ascending distance within a group
+    src = mkp[rr_all[rows]].astype(cp.float64)
+    dst = skp[sk_all[rows]].astype(cp.float64)
+    set_key = groups_key[cp.repeat(cp.arange(len(nsets_h)), nsets_h)]
+    set_scene = set_key // nm  # sets are ordered by group, so by scene
+    first = cp.searchsorted(set_scene, cp.arange(B, dtype=cp.int64))
+    hid = (cp.arange(H, dtype=cp.int64) - first[set_scene]).astype(cp.int32)
     poses, inl, cnt = ransac_groups(src, dst, goffs, threshold=gc_size, max_iterations=max_iterations,
-                                    seed=seed)
-    ok = cnt >= 3
-    set_model = models[cp.repeat(cp.arange(len(models)), nsets.get().tolist())]
-    rows_h, inl_h, goffs_h, ok_h = rows.get(), inl.get(), goffs.get(), ok.get()
-    groups = [rows_h[a:b][inl_h[a:b]] for a, b, k in zip(goffs_h[:-1], goffs_h[1:], ok_h) if k]
-    return set_model[ok].get().astype(np.int32), poses[ok].get(), cnt[ok].get().astype(np.int32), groups
-
+                                    seed=seed, hash_ids=hid)
+    rows_h, inl_h, goffs_h = rows.get(), inl.get(), goffs.get()
+    ok_h, scene_h, model_h = (cnt >= 3).get(), set_scene.get(), (set_key % nm).get()
+    poses_h, cnt_h = poses.get(), cnt.get()
+    out = []
+    for b in range(B):
+        sel = np.flatnonzero(ok_h & (scene_h == b))
+        if not len(sel):
+            out.append(empty)
+            continue
+        groups = [rows_h[goffs_h[h]:goffs_h[h + 1]][inl_h[goffs_h[h]:goffs_h[h + 1]]] - coffs[b] for h in sel]
+        out.append((model_h[sel].astype(np.int32), poses_h[sel], cnt_h[sel].astype(np.int32), groups))
+    return out

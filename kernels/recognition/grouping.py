@@ -255,6 +255,30 @@ def group_gc(corr: Correspondences, library: ModelLibrary, scene_kp_coords, *,
     return _fit_groups(corr, library, skp, out, ransac, gc_size, max_iterations, seed)
 
 
+def group_gc_many(corrs, library: ModelLibrary, scene_kp_coords, *, gc_size: float = 0.01,
+                  gc_threshold: int = 5, ransac: bool = True, max_iterations: int = 10000, seed: int = 0,
+                  device: str = "auto") -> list:
+    """:func:`group_gc` of many scenes (``corrs`` and ``scene_kp_coords``, one per scene): the
+    same hypotheses as one call per scene. On the GPU every scene's sweeps run in one launch and
+    every kept set's RANSAC in another (``_grouping_gpu.gc_hypotheses_many``): a sweep is
+    sequential within its (scene, model) group, so a batch keeps the device's SMs busy where
+    one scene's few groups cannot."""
+    if not len(corrs):
+        return []
+    dev = resolve_device(device, scene_kp_coords[0])
+    if dev == "gpu" and ransac:
+        from ._grouping_gpu import gc_hypotheses_many
+
+        res = gc_hypotheses_many([(c.model_id, c.scene_kp, c.ref_row, c.dist2, k)
+                                  for c, k in zip(corrs, scene_kp_coords)], library.kp_coords,
+                                 gc_size=gc_size, gc_threshold=int(gc_threshold),
+                                 max_iterations=max_iterations, seed=seed)
+        return [Hypotheses(*r) if len(r[0]) else Hypotheses.empty() for r in res]
+    return [group_gc(c, library, k, gc_size=gc_size, gc_threshold=gc_threshold, ransac=ransac,
+                     max_iterations=max_iterations, seed=seed, device=dev)
+            for c, k in zip(corrs, scene_kp_coords)]
+
+
 def _numba_threads() -> int:
     import numba
 

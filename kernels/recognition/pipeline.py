@@ -38,7 +38,8 @@ from .library import ModelLibrary, _on, _Timer, describe
 from .refinement import refine_hypotheses
 from .verification import verify
 
-__all__ = ["RecognizeParams", "Detection", "Detections", "recognize", "recognize_described"]
+__all__ = ["RecognizeParams", "Detection", "Detections", "recognize", "recognize_described",
+           "recognize_described_many"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +267,7 @@ def recognize(scene_points, library: ModelLibrary, params: RecognizeParams | Non
                  rf_rad=rf_rad if p.method == "hough" else None, viewpoint=vp, device=dev, timer=timer)
     corr = match(d["descriptors"], library, k=p.match_k, max_dist2=p.max_dist2, ratio=p.ratio, device=dev)
     timer.lap("matching")
-    return _recognize_matched(pts, d, corr, library, p, dev, timer, t0, inlier_dist, vp)
+    return _recognize_matched(_Matched(pts, d, corr, p, dev, timer, t0, inlier_dist, vp), library)
 
 
 def recognize_described(scene_points, library: ModelLibrary, params: RecognizeParams | None = None, *,
@@ -299,6 +300,15 @@ def recognize_described(scene_points, library: ModelLibrary, params: RecognizePa
     params, device, **overrides :
         As :func:`recognize` (the description parameters among them are not used).
     """
+    m = _prepare_described(scene_points, library, params, normals=normals, keypoints=keypoints,
+                           descriptors=descriptors, rf=rf, correspondences=correspondences, device=device,
+                           **overrides)
+    return _recognize_matched(m, library)
+
+
+def _prepare_described(scene_points, library, params, *, normals, keypoints, descriptors, rf, correspondences,
+                       device, **overrides) -> "_Matched":
+    """:func:`recognize_described` up to its correspondences."""
     dev = resolve_device(device, scene_points)
     p = _params(params, overrides)
     if not isinstance(library, ModelLibrary):
@@ -331,7 +341,47 @@ def recognize_described(scene_points, library: ModelLibrary, params: RecognizePa
         correspondences = match(_on(descriptors, dev), library, k=p.match_k, max_dist2=p.max_dist2,
                                 ratio=p.ratio, device=dev)
     timer.lap("matching")
-    return _recognize_matched(pts, d, correspondences, library, p, dev, timer, t0, inlier_dist, vp)
+    return _Matched(pts, d, correspondences, p, dev, timer, t0, inlier_dist, vp)
+
+
+def recognize_described_many(scenes, library: ModelLibrary, params: RecognizeParams | None = None, *,
+                             device: str = "auto", **overrides) -> list:
+    """:func:`recognize_described` of many scenes, with the same detections: ``scenes`` are
+    dicts of its arguments (``scene_points``, ``normals``, ``keypoints`` and ``descriptors``
+    or ``correspondences``, optionally ``rf``). Geometric-consistency grouping on the GPU runs
+    for all of them at once (:func:`~.grouping.group_gc_many`: a sweep is sequential within a
+    (scene, model) group, so one scene leaves most of the device idle); the other phases run
+    scene by scene. Each result's ``grouping`` time is its share of the batch's, and ``total``
+    the sum of its phases."""
+    from .grouping import group_gc_many
+
+    ms = [_prepare_described(s["scene_points"], library, params, normals=s["normals"], keypoints=s["keypoints"],
+                             descriptors=s.get("descriptors"), rf=s.get("rf"),
+                             correspondences=s.get("correspondences"), device=device, **overrides)
+          for s in scenes]
+    if not ms:
+        return []
+    for m in ms:  # a scene's total: the sum of its phases (its wall time holds the others')
+        m.t0 = None
+    p, dev = ms[0].p, ms[0].dev
+    if p.method == "gc" and dev == "gpu" and p.ransac and len(ms) > 1:
+        t = time.perf_counter()
+        hyps = group_gc_many([m.corr for m in ms], library, [m.d["kp_coords"] for m in ms], gc_size=p.cg_size,
+                             gc_threshold=int(p.cg_thresh), ransac=p.ransac, seed=p.seed, device=dev)
+        share = (time.perf_counter() - t) / len(ms)
+        for m in ms:
+            m.timer.t["grouping"] = m.timer.t.get("grouping", 0.0) + share
+    else:
+        hyps = []
+        for m in ms:
+            m.timer._last = time.perf_counter()
+            hyps.append(_group(m.corr, m.d, library, m.p, m.dev))
+            m.timer.lap("grouping")
+    out = []
+    for m, h in zip(ms, hyps):
+        m.timer._last = time.perf_counter()
+        out.append(_verified(m, h, library))
+    return out
 
 
 def _params(params, overrides) -> RecognizeParams:
@@ -343,17 +393,41 @@ def _params(params, overrides) -> RecognizeParams:
     return params.replace(**overrides)
 
 
-def _recognize_matched(pts, d, corr, library, p, dev, timer, t0, inlier_dist, vp) -> Detections:
+@dataclass
+class _Matched:
+    """A described and matched scene, ready for grouping (with its timer running)."""
+
+    pts: object
+    d: dict
+    corr: object
+    p: RecognizeParams
+    dev: str
+    timer: _Timer
+    t0: float | None
+    inlier_dist: float
+    vp: np.ndarray
+
+
+def _recognize_matched(m: _Matched, library) -> Detections:
     """Grouping, verification and refinement of a described and matched scene."""
-    skp = to_numpy(d["kp_coords"])
+    hyps = _group(m.corr, m.d, library, m.p, m.dev)
+    m.timer.lap("grouping")
+    return _verified(m, hyps, library)
+
+
+def _group(corr, d, library, p, dev):
     if p.method == "hough":
-        hyps = group_hough(corr, library, skp, to_numpy(d["rf"]), bin_size=p.cg_size,
+        return group_hough(corr, library, to_numpy(d["kp_coords"]), to_numpy(d["rf"]), bin_size=p.cg_size,
                            threshold=p.cg_thresh, use_interpolation=p.use_interpolation,
                            ransac=p.ransac, seed=p.seed)
-    else:
-        hyps = group_gc(corr, library, d["kp_coords"], gc_size=p.cg_size, gc_threshold=int(p.cg_thresh),
-                        ransac=p.ransac, seed=p.seed, device=dev)
-    timer.lap("grouping")
+    return group_gc(corr, library, d["kp_coords"], gc_size=p.cg_size, gc_threshold=int(p.cg_thresh),
+                    ransac=p.ransac, seed=p.seed, device=dev)
+
+
+def _verified(m: _Matched, hyps, library) -> Detections:
+    """Verification and refinement of a scene's hypotheses (the timer goes on from grouping)."""
+    pts, d, corr, p, dev, timer, inlier_dist, vp = m.pts, m.d, m.corr, m.p, m.dev, m.timer, m.inlier_dist, m.vp
+    skp = to_numpy(d["kp_coords"])
     out = Detections()
     first_scores = None
     if not p.verify or not len(hyps):
@@ -390,7 +464,8 @@ def _recognize_matched(pts, d, corr, library, p, dev, timer, t0, inlier_dist, vp
                                  float(first_scores[hi]),
                                  None if np.isnan(rmse[hi]) else float(rmse[hi])))
         timer.lap("verification")
-    timer.t["total"] = time.perf_counter() - t0
+    # one scene alone: wall time; one of a batch: the sum of its phases
+    timer.t["total"] = time.perf_counter() - m.t0 if m.t0 is not None else sum(timer.t.values())
     out.timings = dict(timer.t)
     out.info = {"scene_points": int(pts.shape[0]), "scene_keypoints": int(len(skp)),
                 "correspondences": len(corr), "hypotheses": len(hyps), "device": dev,
