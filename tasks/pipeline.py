@@ -54,11 +54,10 @@ def _resident_index(store_path: str, name: str, content_hash: str, device: str):
 def search_index(shards, Q, k: int):
     """Global top-``k`` of ``Q`` over resident ``shards``: ``(dist2, ids)`` as numpy (the match
     stage's answer: the same shard searches and merge)."""
-    from scanforest.kernels.backend import to_numpy
-    from scanforest.kernels.knn.topk import merge_topk
+    from .index import merge_parts, search_shard
 
-    parts = [(to_numpy(d), to_numpy(i)) for d, i in (s.query(Q, k) for s in shards)]
-    return parts[0] if len(parts) == 1 else merge_topk(parts, k)
+    parts = [search_shard(s, Q, k) for s in shards]
+    return parts[0] if len(parts) == 1 else merge_parts(*parts, k=k)
 
 
 def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: str, params: dict[str, Any],
@@ -128,7 +127,7 @@ def _raise(exc: BaseException):
 def _prepare_scan(ctx: dict[str, Any], sid: str) -> dict[str, Any]:
     """A scan read, described and matched (what is current is read, not recomputed), or its
     ``skipped`` record when its recognition is current."""
-    from .recognize import stored_inputs
+    from .recognize import scene_from_matches, stored_inputs
 
     t0 = time.perf_counter()
     st, dev, params, dparams = ctx["st"], ctx["dev"], ctx["params"], ctx["dparams"]
@@ -169,7 +168,8 @@ def _prepare_scan(ctx: dict[str, Any], sid: str) -> dict[str, Any]:
                        lambda w, n_q=n_q: {"index": ctx["index"], "content_hash": ctx["index_hash"], "k": ctx["k"],
                                            "queries": n_q,
                                            "describe": stage_digest(w["describe"]) if "describe" in w else d_digest}))
-    scene = _scene(desc, ids, dist, ctx["lib"], params)
+    scene = scene_from_matches(desc["points"], desc["normals"], desc["keypoints"], desc["frames"], ids, dist,
+                               ctx["lib"], params)
     timings["matching"] = timings.get("matching", 0.0) + scene["seconds"]
     return {"scan_id": sid, "scene": scene, "writes": writes, "key": key, "meta": meta, "timings": timings,
             "digests": (d_digest, stage_digest(mrec) if have_match else None),
@@ -281,14 +281,3 @@ def _match(desc: dict[str, Any], shards, k: int, dev: str, timings: dict):
         dist[r], ids[r] = d2, i2
     timings["matching"] = timings.get("matching", 0.0) + time.perf_counter() - t
     return ids, dist, n_q
-
-
-def _scene(desc: dict[str, Any], ids, dist, lib, params: dict[str, Any]) -> dict[str, Any]:
-    """The scene as :func:`~scanforest.tasks.recognize._recognize_stored` takes it."""
-    from scanforest.kernels.recognition import RecognizeParams, from_neighbours
-
-    p = RecognizeParams().replace(**(params or {}))
-    t = time.perf_counter()
-    corr = from_neighbours(np.arange(len(ids)), dist, ids, lib, k=p.match_k, max_dist2=p.max_dist2, ratio=p.ratio)
-    return {"points": desc["points"], "normals": desc["normals"], "keypoints": desc["keypoints"],
-            "frames": desc["frames"], "correspondences": corr, "seconds": time.perf_counter() - t}

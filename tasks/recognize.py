@@ -260,26 +260,31 @@ def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str
 
 
 def _stored_scene(st: ScanStore, scan_id: str, lib, params: dict[str, Any]) -> dict[str, Any]:
-    """The scene as the describe and match stages stored it, and its correspondences from the
-    stored top-P (``from_neighbours``: the filters of ``match``). The points are the stored ones,
-    as float32: exactly what the describe stage described."""
-    from scanforest.kernels.recognition import RecognizeParams, from_neighbours
+    """The scene as the describe and match stages stored it (:func:`scene_from_matches`). The
+    points are the stored ones, as float32: exactly what the describe stage described."""
+    from scanforest.kernels.recognition import RecognizeParams
 
     p = RecognizeParams().replace(**(params or {}))
     names = ["points", "est_normals", "kp_index", "match_ids", "match_dist"]
     if p.method == "hough":
         names.append("kp_frames")
     a = st.read_many(scan_id, names)
-    pts = np.ascontiguousarray(a["points"], dtype=np.float32)
-    out = {"points": pts, "normals": a["est_normals"], "keypoints": a["kp_index"], "frames": a.get("kp_frames")}
-    ids, dist = a["match_ids"], a["match_dist"]
+    return scene_from_matches(np.ascontiguousarray(a["points"], dtype=np.float32), a["est_normals"], a["kp_index"],
+                              a.get("kp_frames"), a["match_ids"], a["match_dist"], lib, params)
+
+
+def scene_from_matches(points, normals, keypoints, frames, ids, dist, lib, params: dict[str, Any]) -> dict[str, Any]:
+    """A described scene and its correspondences from the match stage's top-P of every keypoint
+    (``from_neighbours``: the filters of ``match``), as :func:`_recognize_stored` takes it;
+    ``seconds``: the time of the filtering. Rows the match stage did not search (a NaN
+    descriptor) have id -1, which ``from_neighbours`` skips, so the descriptors are not needed."""
+    from scanforest.kernels.recognition import RecognizeParams, from_neighbours
+
+    p = RecognizeParams().replace(**(params or {}))
     t = time.perf_counter()
-    # every keypoint's row; the match stage left the rows it did not search (a NaN descriptor)
-    # at id -1, which from_neighbours skips, so the descriptors themselves are not read
-    out["correspondences"] = from_neighbours(np.arange(len(ids)), dist, ids, lib, k=p.match_k,
-                                             max_dist2=p.max_dist2, ratio=p.ratio)
-    out["seconds"] = time.perf_counter() - t
-    return out
+    corr = from_neighbours(np.arange(len(ids)), dist, ids, lib, k=p.match_k, max_dist2=p.max_dist2, ratio=p.ratio)
+    return {"points": points, "normals": normals, "keypoints": keypoints, "frames": frames,
+            "correspondences": corr, "seconds": time.perf_counter() - t}
 
 
 def _recognize_stored(scene: dict[str, Any], lib, params: dict[str, Any], dev: str):

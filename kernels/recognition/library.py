@@ -39,6 +39,10 @@ class _Timer:
 
             cp.cuda.Stream.null.synchronize()
 
+    def restart(self):
+        """Start the next phase now (time spent elsewhere since the last lap is not counted)."""
+        self._last = time.perf_counter()
+
     def lap(self, name: str):
         self._sync()
         now = time.perf_counter()

@@ -364,7 +364,7 @@ def recognize_described_many(scenes, library: ModelLibrary, params: RecognizePar
     for m in ms:  # a scene's total: the sum of its phases (its wall time holds the others')
         m.t0 = None
     p, dev = ms[0].p, ms[0].dev
-    if p.method == "gc" and dev == "gpu" and p.ransac and len(ms) > 1:
+    if p.method == "gc":  # each scene's grouping time: its share of the batch's
         t = time.perf_counter()
         hyps = group_gc_many([m.corr for m in ms], library, [m.d["kp_coords"] for m in ms], gc_size=p.cg_size,
                              gc_threshold=int(p.cg_thresh), ransac=p.ransac, seed=p.seed, device=dev)
@@ -374,12 +374,12 @@ def recognize_described_many(scenes, library: ModelLibrary, params: RecognizePar
     else:
         hyps = []
         for m in ms:
-            m.timer._last = time.perf_counter()
+            m.timer.restart()
             hyps.append(_group(m.corr, m.d, library, m.p, m.dev))
             m.timer.lap("grouping")
     out = []
     for m, h in zip(ms, hyps):
-        m.timer._last = time.perf_counter()
+        m.timer.restart()
         out.append(_verified(m, h, library))
     return out
 
