@@ -11,14 +11,15 @@ from pathlib import Path
 SCANFOREST = str(Path(sys.executable).with_name("scanforest"))
 
 
-def fresh_env(tmp_path_factory) -> dict[str, str]:
+def fresh_env(tmp_path_factory, *, cold: bool = True) -> dict[str, str]:
     """The environment of a fresh machine: an empty numba cache, no Prefect API set, no thread
-    settings of ours, nothing but what a user's shell has."""
-    cache = tmp_path_factory.mktemp("numba-cache-cold")
+    settings of ours, nothing but what a user's shell has. ``cold=False``: the numba cache of the
+    test run instead (a user's second run; the kernels compiled once serve every such test)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PREFECT_API_URL", "NUMBA_NUM_THREADS", "SCANFOREST_"))}
-    env.update(NUMBA_CACHE_DIR=str(cache), PREFECT_HOME=str(tmp_path_factory.mktemp("prefect-home")),
-               PYTHONUNBUFFERED="1", COLUMNS="120")
+    if cold:
+        env["NUMBA_CACHE_DIR"] = str(tmp_path_factory.mktemp("numba-cache-cold"))
+    env.update(PREFECT_HOME=str(tmp_path_factory.mktemp("prefect-home")), PYTHONUNBUFFERED="1", COLUMNS="120")
     return env
 
 

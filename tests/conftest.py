@@ -27,7 +27,16 @@ def _gpu() -> bool:
     return gpu_available()
 
 
+#: the files that take longest on CI's 2 cores (subprocesses as a user runs them), longest first:
+#: ``-n 2 --dist loadfile`` hands files to the workers in collection order, so these start first
+#: and the short files fill in behind them instead of one long file running alone at the end
+SLOW_FILES = ("test_user_paths.py", "test_archive_resume.py", "test_store_integrity.py", "test_user_errors.py",
+              "test_flow.py", "test_prefect_server.py", "test_deployments.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(SLOW_FILES)))  # stable: in-file order kept
     if _gpu():
         return
     skip = pytest.mark.skip(reason="needs CuPy and a CUDA GPU")

@@ -534,7 +534,7 @@ def test_flow_run_bad_frames_fail_in_one_line_without_retries(tmp_path_factory, 
 
     from _userpath import fresh_env, one_line_error, sf
 
-    env = fresh_env(tmp_path_factory)
+    env = fresh_env(tmp_path_factory, cold=False)
     rng = np.random.default_rng(0)
     one, bad, tiny = (tmp_path / n for n in ("one", "bad", "tiny"))
     for d in (one, bad, tiny):

@@ -1,7 +1,8 @@
 """User errors, as a user makes them: the installed command in a subprocess, with a fresh
-environment. Each prints one line naming the problem and exits 2, at once (before any cluster or
-server starts, where the problem can be known then), never retried, with nothing written or
-created; and the operator's cases that are not errors (an empty drop folder) are not."""
+environment (but the test run's numba cache: the cold cache is the README demo's test). Each
+prints one line naming the problem and exits 2, at once (before any cluster or server starts,
+where the problem can be known then), never retried, with nothing written or created; and the
+operator's cases that are not errors (an empty drop folder) are not."""
 from __future__ import annotations
 
 import subprocess
@@ -14,8 +15,8 @@ from _userpath import fresh_env, ok as _ok, one_line_error as _one_line_error, s
 
 
 @pytest.fixture(scope="module")
-def cold_env(tmp_path_factory) -> dict[str, str]:
-    return fresh_env(tmp_path_factory)
+def user_env(tmp_path_factory) -> dict[str, str]:
+    return fresh_env(tmp_path_factory, cold=False)
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +55,14 @@ def _tree(path: Path) -> set[str]:
     (("recognize", "{store}", "-m", "s0.pcd", "--cg-size", "-1"), ("--cg-size",)),
     (("recognize", "{store}", "-m", "nomodel*"), ("nomodel*",)),
 ], ids=["shot-radius", "normal-k", "scan", "k", "queries", "index", "reference", "shards", "cg-size", "models"])
-def test_bad_parameters_fail_in_one_line_at_once(small_store, cold_env, tmp_path, args, needles):
+def test_bad_parameters_fail_in_one_line_at_once(small_store, user_env, tmp_path, args, needles):
     """A deterministic user error is never retried and prints one line: no traceback, no 12-18 s
     of retries, nothing written into the store."""
     import time
 
     before = _tree(small_store)
     t0 = time.perf_counter()
-    proc = sf(*[a.format(store=small_store) for a in args], env=cold_env, cwd=tmp_path, timeout=120)
+    proc = sf(*[a.format(store=small_store) for a in args], env=user_env, cwd=tmp_path, timeout=120)
     _one_line_error(proc, *needles)
     assert time.perf_counter() - t0 < 15  # refused before any cluster or server starts
     assert _tree(small_store) == before
@@ -69,20 +70,20 @@ def test_bad_parameters_fail_in_one_line_at_once(small_store, cold_env, tmp_path
 
 @pytest.mark.parametrize("command", ["describe S", "match S", "info S", "recognize S -m x", "index build S -r x",
                                      "align-store S --pair a:b", "check S", "report S"])
-def test_commands_on_a_missing_store_create_nothing(cold_env, tmp_path, command):
+def test_commands_on_a_missing_store_create_nothing(user_env, tmp_path, command):
     args = [("missing.zarr" if a == "S" else a) for a in command.split()]
-    proc = sf(*args, env=cold_env, cwd=tmp_path, timeout=120)
+    proc = sf(*args, env=user_env, cwd=tmp_path, timeout=120)
     _one_line_error(proc, "missing.zarr")
     assert not (tmp_path / "missing.zarr").exists() and list(tmp_path.iterdir()) == []
 
 
-def test_ingest_of_a_missing_source_creates_no_store(cold_env, tmp_path):
-    proc = sf("ingest", "no-such-folder", "new.zarr", env=cold_env, cwd=tmp_path, timeout=120)
+def test_ingest_of_a_missing_source_creates_no_store(user_env, tmp_path):
+    proc = sf("ingest", "no-such-folder", "new.zarr", env=user_env, cwd=tmp_path, timeout=120)
     _one_line_error(proc, "no-such-folder")
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_empty_drop_folder_into_an_existing_store_is_not_an_error(small_store, cold_env, tmp_path):
+def test_an_empty_drop_folder_into_an_existing_store_is_not_an_error(small_store, user_env, tmp_path):
     """A scheduled ingest of a drop folder between deliveries finds nothing: exit 0, nothing
     ingested, the store unchanged but for the run record; into a new store it is an error that
     creates nothing (a mistyped source)."""
@@ -91,13 +92,13 @@ def test_an_empty_drop_folder_into_an_existing_store_is_not_an_error(small_store
     (drop / "README.md").write_text("scans arrive here")
     import json
 
-    out = json.loads(_ok(sf("ingest", str(drop), str(small_store), "--json", env=cold_env, cwd=tmp_path)))
+    out = json.loads(_ok(sf("ingest", str(drop), str(small_store), "--json", env=user_env, cwd=tmp_path)))
     assert out["files"] == 0 and out["ingested"] == 0 and out["ignored"] == 1
-    _one_line_error(sf("ingest", str(drop), "new.zarr", env=cold_env, cwd=tmp_path), str(drop))
+    _one_line_error(sf("ingest", str(drop), "new.zarr", env=user_env, cwd=tmp_path), str(drop))
     assert not (tmp_path / "new.zarr").exists()
 
 
-def test_unreachable_scheduler_and_api_are_one_line(small_store, cold_env, tmp_path):
+def test_unreachable_scheduler_and_api_are_one_line(small_store, user_env, tmp_path):
     import socket
 
     with socket.socket() as s:  # a port nobody listens on
@@ -106,23 +107,23 @@ def test_unreachable_scheduler_and_api_are_one_line(small_store, cold_env, tmp_p
     import time
 
     t0 = time.perf_counter()
-    proc = sf("describe", str(small_store), "--scheduler", f"tcp://127.0.0.1:{port}", env=cold_env, cwd=tmp_path,
+    proc = sf("describe", str(small_store), "--scheduler", f"tcp://127.0.0.1:{port}", env=user_env, cwd=tmp_path,
               timeout=180)
     _one_line_error(proc, f"tcp://127.0.0.1:{port}", "Dask scheduler")
     assert time.perf_counter() - t0 < 15  # refused before Prefect or Dask start
-    env = {**cold_env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    env = {**user_env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
     proc = sf("describe", str(small_store), env=env, cwd=tmp_path, timeout=120)
     _one_line_error(proc, "PREFECT_API_URL", str(port))
 
 
-def test_relative_store_with_an_external_scheduler(cold_env, tmp_path):
+def test_relative_store_with_an_external_scheduler(user_env, tmp_path):
     """``--scheduler``: a relative store path names the user's store, not one in the workers'
     working folder (they were started elsewhere)."""
     from scanforest.tasks.readers import write_cloud
 
     workdir = tmp_path / "workers-cwd"
     workdir.mkdir()
-    sched = subprocess.Popen([sys.executable, "-c", _CLUSTER], cwd=workdir, env=cold_env, stdout=subprocess.PIPE,
+    sched = subprocess.Popen([sys.executable, "-c", _CLUSTER], cwd=workdir, env=user_env, stdout=subprocess.PIPE,
                              text=True)
     try:
         address = sched.stdout.readline().strip()
@@ -130,7 +131,7 @@ def test_relative_store_with_an_external_scheduler(cold_env, tmp_path):
         src = tmp_path / "in"
         src.mkdir()
         write_cloud(src / "a.pcd", np.random.default_rng(1).random((500, 3)).astype(np.float32))
-        out = _ok(sf("ingest", "in", "rel.zarr", "--scheduler", address, "--json", env=cold_env, cwd=tmp_path))
+        out = _ok(sf("ingest", "in", "rel.zarr", "--scheduler", address, "--json", env=user_env, cwd=tmp_path))
         assert '"ingested": 1' in out
         from scanforest.tasks.store import ScanStore
 
