@@ -369,6 +369,41 @@ def test_verify_gpu_matches_cpu(small_world):
     np.testing.assert_allclose(rg.first_scores, rc.first_scores, atol=2e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("limit", [0, 2, None])
+def test_acceptance_rounds_on_the_device_equal_the_host_rounds(limit):
+    """The device's acceptance rounds (every round in one launch, a batch of scenes one block
+    each) against the host's, bit for bit: random voxel lookups with many shared voxels, tied
+    fractions, hypotheses with no visible point, thresholds that reject some, empty scenes."""
+    import cupy as cp
+
+    from scanforest.kernels.recognition import _verification_gpu as g
+    from scanforest.kernels.recognition.verification import _accept_rounds
+
+    rng = np.random.default_rng(3)
+    sizes, voxes, n_vox, want = [], [], [], []
+    for h in (0, 1, 40, 300, 2500, 7):
+        nv = int(rng.integers(5, 300))
+        z = rng.integers(0, 60, h)
+        z[: h // 10] = 0  # no points at all
+        hyp = np.repeat(np.arange(h), z)
+        vox = rng.integers(-2, nv, len(hyp)).astype(np.int32)
+        sizes.append(z)
+        voxes.append(vox)
+        n_vox.append(nv)
+        want.append(_accept_rounds(vox, hyp, h, nv, 0.3, 3, h if limit is None else limit))
+    got = g.accept_greedy(cp.asarray(np.concatenate(voxes)), sizes, n_vox, min_fraction=0.3, min_inliers=3,
+                          limit=10**9 if limit is None else limit)
+    n_acc = sum(len(w.accepted) for w in want)
+    assert n_acc == 0 if limit == 0 else n_acc > 5
+    for (acc, sc, inl, vis, first), w in zip(got, want):
+        np.testing.assert_array_equal(acc, w.accepted)
+        np.testing.assert_array_equal(sc, w.scores)
+        np.testing.assert_array_equal(inl, w.inliers)
+        np.testing.assert_array_equal(vis, w.visible)
+        np.testing.assert_array_equal(first, w.first_scores)
+
+
 # --------------------------------------------------------------------------- ICP
 @pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_icp_recovers_perturbation(small_world, device):

@@ -10,11 +10,12 @@ hypothesis that overlaps an accepted one loses the inliers it shares with it) an
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import resolve_device, to_numpy, xp_for
+from ..backend import resolve_device, xp_for
 from ..errors import InputError
 from ..hypotheses import masked_argmax
 from ..validation import points
@@ -106,33 +107,43 @@ def verify(hypotheses: Hypotheses, library: ModelLibrary, scene, *, inlier_dist:
         idx = _SceneIndex(points(scene, "scene", finite=False, dtype=None), None, inlier_dist, dev)
     h = len(hypotheses)
     if h == 0:
-        z = np.zeros(0)
-        return VerifyResult(np.zeros(0, np.int64), z, np.zeros(0, np.int64), np.zeros(0, np.int64), z)
+        return _accept_rounds(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, 0, 0.0, 0, 0)
     xp = xp_for(dev)
     vp = np.asarray(viewpoint, np.float64).reshape(3)
     mid = np.asarray(hypotheses.model_id, np.int64)
     hyp, src, sizes = _hyp_points(library, mid, hypotheses.poses, xp)
-    if dev == "gpu":
+    limit = h if max_detections is None else int(max_detections)
+    if dev == "gpu":  # every round of _accept_rounds in one launch, on the device
         from . import _verification_gpu as g
 
         vox = g.verify_nearest(idx, library, hyp, src, hypotheses.poses, inlier_dist, vp)
-    else:
-        vox = _verify_nearest_cpu(idx, library, hyp, src, hypotheses.poses, inlier_dist, vp)
+        return VerifyResult(*g.accept_greedy(vox, [sizes], [idx.n_vox], min_fraction=float(min_inlier_fraction),
+                                             min_inliers=math.ceil(float(min_inliers)), limit=limit)[0])
+    vox = _verify_nearest_cpu(idx, library, hyp, src, hypotheses.poses, inlier_dist, vp)
+    return _accept_rounds(vox, hyp, h, idx.n_vox, min_inlier_fraction, min_inliers, limit)
+
+
+def _accept_rounds(vox, hyp, h: int, n_vox: int, min_inlier_fraction: float, min_inliers: float,
+                   limit: int) -> VerifyResult:
+    """The acceptance rounds on the host (the device runs them in one launch,
+    ``_verification_gpu.accept_greedy``): ``vox`` per (hypothesis, point) as ``verify_nearest``
+    gives it, ``hyp`` the hypothesis of each entry."""
+    if h == 0:
+        z = np.zeros(0)
+        return VerifyResult(np.zeros(0, np.int64), z, np.zeros(0, np.int64), np.zeros(0, np.int64), z)
     # per point: -2 invisible, -1 visible but no scene point, >= 0 voxel rank of the nearest
-    hyp_x = xp.asarray(hyp)
-    vis_count = xp.bincount(hyp_x, weights=(vox >= -1).astype(xp.float64), minlength=h)
-    claimed = xp.zeros(max(idx.n_vox, 1), dtype=bool)
-    active = xp.ones(h, dtype=bool)
+    vis_count = np.bincount(hyp, weights=(vox >= -1).astype(np.float64), minlength=h)
+    claimed = np.zeros(max(n_vox, 1), dtype=bool)
+    active = np.ones(h, dtype=bool)
     acc, scores, inls, viss = [], [], [], []
     first = None
-    limit = h if max_detections is None else int(max_detections)
     while True:
         inl = (vox >= 0)
-        inl &= ~claimed[xp.maximum(vox, 0)]
-        cnt = xp.bincount(hyp_x, weights=inl.astype(xp.float64), minlength=h)
-        frac = cnt / xp.maximum(vis_count, 1.0)
+        inl &= ~claimed[np.maximum(vox, 0)]
+        cnt = np.bincount(hyp, weights=inl.astype(np.float64), minlength=h)
+        frac = cnt / np.maximum(vis_count, 1.0)
         if first is None:
-            first = to_numpy(frac)
+            first = frac
         if len(acc) >= limit:
             break
         ok = active & (frac >= min_inlier_fraction) & (cnt >= min_inliers)
@@ -144,7 +155,7 @@ def verify(hypotheses: Hypotheses, library: ModelLibrary, scene, *, inlier_dist:
         inls.append(int(cnt[best]))
         viss.append(int(vis_count[best]))
         active[best] = False
-        mine = (hyp_x == best) & inl
+        mine = (hyp == best) & inl
         claimed[vox[mine]] = True
     return VerifyResult(np.asarray(acc, np.int64), np.asarray(scores), np.asarray(inls, np.int64),
                         np.asarray(viss, np.int64), first if first is not None else np.zeros(h))
