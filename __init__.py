@@ -41,6 +41,7 @@ _API = {
     "ModelLibrary": ("scanforest.kernels.recognition", "ModelLibrary"),
     "recognize": ("scanforest.kernels.recognition", "recognize"),
     "RecognizeParams": ("scanforest.kernels.recognition", "RecognizeParams"),
+    "recognize_many": ("scanforest.kernels.recognition", "recognize_many"),
     "recognize_described": ("scanforest.kernels.recognition", "recognize_described"),
     "align": ("scanforest.kernels.align.pcha", "align"),
     "align_batch": ("scanforest.kernels.align.pcha", "align_batch"),

@@ -750,3 +750,29 @@ def test_recognize_described_refuses_bad_input(small_world):
     with pytest.raises(InputError, match="index"):
         recognize_described(scene.points, lib, normals=np.zeros((n, 3)), keypoints=np.array([n]),
                             descriptors=np.zeros((1, 352)))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_recognize_many_equals_recognize_one_scene_at_a_time(device):
+    """Raw scenes recognised together (each described and matched alone, grouped as a batch):
+    the detections of ``recognize`` on each scene."""
+    from scanforest.kernels.backend import xp_for
+    from scanforest.kernels.recognition import ModelLibrary, recognize, recognize_many
+
+    xp = xp_for(device)
+    models = S.model_library(3, 3_000, seed=3)
+    lp, rp = S.recognition_presets(device, 10_000)
+    lib = ModelLibrary.build([m.points for m in models], [m.name for m in models],
+                             models_normals=[m.normals for m in models], device=device, **lp)
+    scenes = [xp.asarray(S.make_scene(models, n_instances=2, n_points=10_000, noise=0.2, clutter=2,
+                                      seed=910 + seed).points) for seed in range(3)]
+    many = recognize_many(scenes, lib, device=device, **rp)
+    assert len(many) == 3 and sum(len(x) for x in many) >= 2
+    for pts, got in zip(scenes, many):
+        want = recognize(pts, lib, device=device, **rp)
+        assert [d.model_id for d in got] == [d.model_id for d in want]
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a.pose, b.pose, atol=1e-9)
+            assert (a.score, a.inliers) == (b.score, b.inliers)
+        assert got.timings["total"] == pytest.approx(sum(v for k, v in got.timings.items() if k != "total"))
+    assert recognize_many([], lib, device=device) == []

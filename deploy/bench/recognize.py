@@ -125,6 +125,8 @@ def bench_recognize(
     archive_start: int = typer.Option(0, help="First archive scene number (split a long archive over runs)."),
     archive_seconds: float = typer.Option(0, help="Stop the archive after this many seconds (0: no limit); "
                                                   "the figures then cover the scenes done."),
+    batch: int = typer.Option(1, help="Archive scenes recognised together (recognize_many, as the archive's one "
+                                      "pass batches them; each scene's grouping is its share of the batch's)."),
     pcl_baseline: Path = typer.Option(None, help="PCL baseline binary (build deploy/baselines/"
                                       "pcl_recognize_bench.cpp): PCL's correspondence-grouping tutorial "
                                       "timed on the same scene in the same run."),
@@ -141,7 +143,11 @@ def bench_recognize(
                                     "method": method, "tutorial": TUTORIAL,
                                     "tutorial_library": TUTORIAL_LIB, "refine": refine,
                                     "archive": archive, "archive_points": archive_points,
-                                    "archive_start": archive_start})
+                                    "archive_start": archive_start, "batch": batch})
+    if batch < 1:
+        from scanforest.kernels.errors import InputError
+
+        raise InputError(f"--batch must be at least 1, got {batch}")
     gpu = gpu_available()
     if real:
         pdir = Path(pcl_dir) if pcl_dir else pcl_data_dir()
@@ -211,7 +217,7 @@ def bench_recognize(
         try:
             _archive(rep, archive, archive_points, archive_noise, syn_method, syn_device,
                      "icp" if refine == "both" else refine, gen_workers, archive_start,
-                     archive_seconds or None)
+                     archive_seconds or None, batch)
         except Exception as exc:
             import traceback
 
@@ -222,7 +228,7 @@ def bench_recognize(
 
 def _synthetic(rep, noises, n_scenes, n_points, method, device, refine="icp"):
     from scanforest.kernels.backend import describe_device, resolve_device
-    from scanforest.kernels.recognition import ModelLibrary, evaluate, recognize
+    from scanforest.kernels.recognition import ModelLibrary, evaluate, recognize, recognize_many
     from scanforest.kernels.synthetic import scenes as S
 
     dev = resolve_device(device)
@@ -292,15 +298,17 @@ def _archive_scene(args):
     return S.make_scene(models, n_instances=3, n_points=n_points, noise=noise, clutter=3, seed=seed)
 
 
-def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers, start=0, max_seconds=None):
-    """``n_scenes`` synthetic scenes through the whole recognition pipeline on one device."""
+def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers, start=0, max_seconds=None,
+             batch=1):
+    """``n_scenes`` synthetic scenes through the whole recognition pipeline on one device,
+    ``batch`` at a time (``recognize_many``)."""
     import multiprocessing as mp
     import os
     from collections import deque
     from concurrent.futures import ProcessPoolExecutor
 
     from scanforest.kernels.backend import describe_device, resolve_device
-    from scanforest.kernels.recognition import ModelLibrary, evaluate, recognize
+    from scanforest.kernels.recognition import ModelLibrary, evaluate, recognize, recognize_many
     from scanforest.kernels.synthetic import scenes as S
 
     dev = resolve_device(device)
@@ -340,27 +348,35 @@ def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers
         # warm-up scene (kernels compiled), not counted
         warm = pending[0].result()
         recognize(warm.points, lib, device=dev, **kw)
+        if batch > 1:
+            recognize_many([warm.points] * 2, lib, device=dev, **kw)
         tp = fp = fn = 0
         secs, phases, waits = [], [], 0.0
         t_all = time.perf_counter()
-        for i in range(n_scenes):
+        i = 0
+        while i < n_scenes:
             if max_seconds and time.perf_counter() - t_all > max_seconds:
                 rep.note(f"archive stopped by --archive-seconds after {i} of {n_scenes} scenes")
                 n_scenes = i
                 break
             tw = time.perf_counter()
-            sc = pending.popleft().result()
+            scs = []
+            while len(scs) < batch and i + len(scs) < n_scenes:
+                scs.append(pending.popleft().result())
+                fill()
             waits += time.perf_counter() - tw
-            fill()
-            pts = sc.points
-            dets = recognize(pts, lib, device=dev, **kw)  # starts on the host: transfer included
-            secs.append(dets.timings["total"])
-            phases.append(dets.timings)
-            ev = evaluate(dets, sc.ground_truth, max_translation=10 * sc.resolution)
-            tp, fp, fn = tp + ev["tp"], fp + ev["fp"], fn + ev["fn"]
-            if (i + 1) % max(1, n_scenes // 10) == 0:
+            # each scene starts on the host: its transfer is included
+            many = ([recognize(scs[0].points, lib, device=dev, **kw)] if batch == 1 else
+                    recognize_many([sc.points for sc in scs], lib, device=dev, **kw))
+            for sc, dets in zip(scs, many):
+                secs.append(dets.timings["total"])
+                phases.append(dets.timings)
+                ev = evaluate(dets, sc.ground_truth, max_translation=10 * sc.resolution)
+                tp, fp, fn = tp + ev["tp"], fp + ev["fp"], fn + ev["fn"]
+            i += len(scs)
+            if i % max(1, n_scenes // 10) < len(scs):
                 ph = ", ".join(f"{p} {statistics.median(t.get(p, 0.0) for t in phases):.3f}" for p in PHASES[:-1])
-                print(f"archive: {i + 1}/{n_scenes} scenes, median {statistics.median(secs):.3f} s/scene ({ph}), "
+                print(f"archive: {i}/{n_scenes} scenes, median {statistics.median(secs):.3f} s/scene ({ph}), "
                       f"tp {tp} fp {fp} fn {fn}, {time.perf_counter() - t_all:.0f} s", flush=True)
         wall = time.perf_counter() - t_all
     finally:
@@ -370,6 +386,8 @@ def _archive(rep, n_scenes, n_points, noise, method, device, refine, gen_workers
         rep.note("archive: no scene finished")
         return
     tag = f"archive {n_scenes} scenes x {n_points // 1000}k pts, noise {noise}"
+    if batch > 1:
+        tag += f", batches of {batch}"
     if start:
         tag += f", scenes {start}..{start + n_scenes - 1}"
     rep.add(f"{tag}: seconds per scene end to end (median)", statistics.median(secs), "s", d,

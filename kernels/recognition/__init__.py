@@ -17,7 +17,8 @@ from .evaluation import evaluate, pose_errors
 from .grouping import Hypotheses, group_gc, group_hough
 from .icp import IcpResult, icp_point_to_plane, icp_point_to_plane_batch
 from .library import ModelLibrary, describe, render_view, resolution
-from .pipeline import Detection, Detections, RecognizeParams, recognize, recognize_described, recognize_described_many
+from .pipeline import (Detection, Detections, RecognizeParams, recognize, recognize_described,
+                       recognize_described_many, recognize_many)
 from .rigid import ransac_rigid, rigid_transform
 from .verification import verify
 
@@ -42,6 +43,7 @@ __all__ = [
     "recognize",
     "recognize_described",
     "recognize_described_many",
+    "recognize_many",
     "render_view",
     "resolution",
     "rigid_transform",

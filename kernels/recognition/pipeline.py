@@ -38,7 +38,7 @@ from .library import ModelLibrary, _on, _Timer, describe
 from .refinement import refine_hypotheses
 from .verification import verify
 
-__all__ = ["RecognizeParams", "Detection", "Detections", "recognize", "recognize_described",
+__all__ = ["RecognizeParams", "Detection", "Detections", "recognize", "recognize_many", "recognize_described",
            "recognize_described_many"]
 
 
@@ -243,6 +243,27 @@ def recognize(scene_points, library: ModelLibrary, params: RecognizeParams | Non
     p = _params(params, overrides)
     if not isinstance(library, ModelLibrary):
         raise InputError(f"library must be a ModelLibrary, got {type(library).__name__}")
+    return _recognize_matched(_prepare(scene_points, scene_normals, library, p, dev), library)
+
+
+def recognize_many(scenes, library: ModelLibrary, params: RecognizeParams | None = None, *,
+                   device: str = "auto", **overrides) -> list:
+    """:func:`recognize` of many scenes (a list of point arrays), with the same detections: each
+    scene is described and matched alone, then they are grouped together
+    (:func:`recognize_described_many`: the archive's batches). Each result's ``grouping`` time
+    is its share of the batch's, and ``total`` the sum of its phases."""
+    scenes = list(scenes)
+    if not scenes:
+        return []
+    dev = resolve_device(device, scenes[0])
+    p = _params(params, overrides)
+    if not isinstance(library, ModelLibrary):
+        raise InputError(f"library must be a ModelLibrary, got {type(library).__name__}")
+    return _recognize_batch([_prepare(s, None, library, p, dev) for s in scenes], library)
+
+
+def _prepare(scene_points, scene_normals, library, p: RecognizeParams, dev: str) -> "_Matched":
+    """:func:`recognize` up to its correspondences (the timer running)."""
     xp = xp_for(dev)
     t0 = time.perf_counter()
     timer = _Timer(dev == "gpu")
@@ -267,7 +288,7 @@ def recognize(scene_points, library: ModelLibrary, params: RecognizeParams | Non
                  rf_rad=rf_rad if p.method == "hough" else None, viewpoint=vp, device=dev, timer=timer)
     corr = match(d["descriptors"], library, k=p.match_k, max_dist2=p.max_dist2, ratio=p.ratio, device=dev)
     timer.lap("matching")
-    return _recognize_matched(_Matched(pts, d, corr, p, dev, timer, t0, inlier_dist, vp), library)
+    return _Matched(pts, d, corr, p, dev, timer, t0, inlier_dist, vp)
 
 
 def recognize_described(scene_points, library: ModelLibrary, params: RecognizeParams | None = None, *,
@@ -353,12 +374,18 @@ def recognize_described_many(scenes, library: ModelLibrary, params: RecognizePar
     (scene, model) group, so one scene leaves most of the device idle); the other phases run
     scene by scene. Each result's ``grouping`` time is its share of the batch's, and ``total``
     the sum of its phases."""
-    from .grouping import group_gc_many
-
     ms = [_prepare_described(s["scene_points"], library, params, normals=s["normals"], keypoints=s["keypoints"],
                              descriptors=s.get("descriptors"), rf=s.get("rf"),
                              correspondences=s.get("correspondences"), device=device, **overrides)
           for s in scenes]
+    return _recognize_batch(ms, library)
+
+
+def _recognize_batch(ms: list, library) -> list:
+    """Grouping (all scenes at once where the method allows), verification and refinement of
+    described and matched scenes."""
+    from .grouping import group_gc_many
+
     if not ms:
         return []
     for m in ms:  # a scene's total: the sum of its phases (its wall time holds the others')
