@@ -10,7 +10,9 @@ brute force), and on it every tool's recall@P / queries-per-second curve:
   ``--flann-baseline``, with ``--flann-trees`` trees (default: the same) and ``--flann-checks``
   points per query;
 * FAISS (``faiss-cpu`` when installed): ``IndexFlatL2`` (exact), ``IndexIVFFlat`` over
-  ``--nprobe`` lists and ``IndexHNSWFlat`` over ``--ef-search``.
+  ``--nprobe`` lists and ``IndexHNSWFlat`` over ``--ef-search``;
+* with ``--device gpu`` and a ``faiss-gpu`` build: ``GpuIndexFlatL2``, ``GpuIndexIVFFlat`` over
+  ``--gpu-nprobe`` and ``GpuIndexCagra`` (cuVS) over ``--itopk``, on the same GPU in the same run.
 
 CPU tools run on ``--threads`` threads (numba, OpenMP). Recall counts a returned neighbour when
 its canonical distance (:func:`scanforest.kernels.knn.bruteforce.pair_distances`, the brute force's
@@ -110,6 +112,96 @@ def _faiss_curves(faiss, rep, X, Q, k, ed, cdev, *, nlist, nprobes, hnsw_m, ef_c
     return curves
 
 
+def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degree, itopk, repeat, base):
+    """FAISS on the GPU (``faiss-gpu``, with cuVS where it was built with it): GpuIndexFlatL2
+    (exhaustive), GpuIndexIVFFlat over ``nprobes`` and GpuIndexCagra over ``itopk``. The queries
+    stay on the device when PyTorch is there to hand them over (``faiss.contrib.torch_utils``,
+    DLPack from CuPy), as the forest's do; otherwise they go from the host (noted). Rows, and
+    ``{tool: [(q/s, recall, setting)]}``."""
+    try:
+        import faiss
+    except ImportError:
+        rep.note("FAISS GPU rows skipped: faiss is not installed")
+        return {}
+    if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() < 1:
+        rep.note(f"FAISS GPU rows skipped: this faiss {faiss.__version__} has no GPU support (faiss-gpu)")
+        return {}
+    from scanforest.kernels.backend import to_numpy
+
+    n, d = X.shape
+    m = len(Q)
+    Xh, Qh = np.ascontiguousarray(to_numpy(X)), np.ascontiguousarray(to_numpy(Q))
+    qin, where = Qh, "host arrays, transfers included"
+    try:
+        import faiss.contrib.torch_utils  # noqa: F401  (GPU indexes then take CUDA tensors)
+        import torch
+
+        qin, where = torch.from_dlpack(Q), "device arrays (PyTorch via DLPack)"
+    except Exception:
+        pass
+    cuvs = "CUVS" in faiss.get_compile_options()
+    rep.note(f"FAISS {faiss.__version__} GPU ({'with' if cuvs else 'without'} cuVS): queries from {where}")
+    res = faiss.StandardGpuResources()
+    curves = {}
+
+    def search(index, label, setting, build_s, params=None):
+        q = qin if params is None else Qh  # torch_utils' search takes no params: CAGRA from the host
+        if q is not qin:
+            setting += ", host queries"
+
+        def go():  # torch_utils keeps the array search as search_numpy
+            if params is None:
+                return index.search(q, k)
+            return getattr(index, "search_numpy", index.search)(q, k, params=params)
+
+        t, (_, ids) = _timeit(go, sync, repeat)
+        ids = ids.cpu().numpy() if hasattr(ids, "cpu") else np.asarray(ids)
+        r = _recall_of(Xh, Qh, ids.astype(np.int64), ed, k)
+        rep.add(f"FAISS GPU {label} queries/s, {setting}", m / t, "queries/s", gdev, baseline=base[0],
+                baseline_value=base[1], recall=r, build_s=build_s, faiss=faiss.__version__)
+        rep.add(f"FAISS GPU {label} recall@{k}, {setting}", r, "", gdev)
+        curves.setdefault(f"FAISS GPU {label}", []).append((m / t, r, setting))
+
+    t0 = time.perf_counter()
+    flat = faiss.GpuIndexFlatL2(res, d)
+    flat.add(Xh)
+    search(flat, "GpuIndexFlatL2", "exhaustive", time.perf_counter() - t0)
+    del flat
+    if nprobes:
+        nl = nlist or max(1, min(n // 39, int(4 * np.sqrt(n))))
+        t0 = time.perf_counter()
+        cfg = faiss.GpuIndexIVFFlatConfig()
+        ivf = faiss.GpuIndexIVFFlat(res, d, nl, faiss.METRIC_L2, cfg)
+        rng = np.random.default_rng(0)
+        ivf.train(Xh[rng.choice(n, min(n, 64 * nl), replace=False)] if n > 64 * nl else Xh)
+        ivf.add(Xh)
+        sync()
+        build = time.perf_counter() - t0
+        rep.add(f"FAISS GPU IVFFlat build (nlist={nl})", build, "s", gdev, higher_is_better=False)
+        for p in nprobes:
+            ivf.nprobe = int(p)
+            search(ivf, f"IVFFlat nlist={nl}", f"nprobe={p}", build)
+        del ivf
+    if itopk and hasattr(faiss, "GpuIndexCagra"):
+        t0 = time.perf_counter()
+        cfg = faiss.GpuIndexCagraConfig()
+        cfg.graph_degree = int(cagra_degree)
+        cfg.intermediate_graph_degree = 2 * int(cagra_degree)
+        cagra = faiss.GpuIndexCagra(res, d, faiss.METRIC_L2, cfg)
+        cagra.train(Xh)
+        sync()
+        build = time.perf_counter() - t0
+        rep.add(f"FAISS GPU CAGRA build (degree {cagra_degree})", build, "s", gdev, higher_is_better=False)
+        for it in itopk:
+            sp = faiss.SearchParametersCagra()
+            sp.itopk_size = max(int(it), k)
+            search(cagra, f"CAGRA degree {cagra_degree}", f"itopk={sp.itopk_size}", build, sp)
+        del cagra
+    elif itopk:
+        rep.note("FAISS GPU CAGRA rows skipped: this faiss has no GpuIndexCagra (built without cuVS)")
+    return curves
+
+
 def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, base):
     """FLANN's KDTreeIndex through ``deploy/baselines/flann_knn_bench``: rows and its curve."""
     from ._common import baseline_lines
@@ -140,7 +232,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         flann_baseline: str | None = None, flann_checks=None, flann_trees: int | None = None,
         nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32, ef_construction: int = 80, ef_search=(16, 64, 256),
         threads: int = 0, clusters: int = 1000, real: str | None = None, targets=(0.9, 0.95, 0.98),
-        repeat: int = 3, out=None):
+        repeat: int = 3, gpu_nprobes=(4, 8, 16, 32), cagra_degree: int = 32, itopk=(32, 64, 128, 256), out=None):
     """Measure every tool on one data set and print the table (see the module docstring)."""
     from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
     from scanforest.kernels.knn.bruteforce import knn_bruteforce, recall
@@ -216,8 +308,15 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                                   base))
     else:
         rep.note("FLANN rows skipped: no --flann-baseline program (build deploy/baselines/flann_knn_bench.cpp)")
-    curves.update(_faiss_rows(rep, Xh, Qh, k, ed, threads, cdev, nlist=nlist, nprobes=list(nprobes), hnsw_m=hnsw_m,
-                              ef_construction=ef_construction, ef_search=list(ef_search), repeat=repeat, base=base))
+    if dev == "gpu":
+        curves.update(_faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, nlist=nlist, nprobes=list(gpu_nprobes),
+                                      cagra_degree=cagra_degree, itopk=list(itopk), repeat=repeat, base=base))
+    if nprobes or ef_search:
+        curves.update(_faiss_rows(rep, Xh, Qh, k, ed, threads, cdev, nlist=nlist, nprobes=list(nprobes),
+                                  hnsw_m=hnsw_m, ef_construction=ef_construction, ef_search=list(ef_search),
+                                  repeat=repeat, base=base))
+    else:
+        rep.note("FAISS host rows skipped: --nprobe and --ef-search are empty")
     for target in targets:
         ours = _best_at(mine, target)
         for tool, pts in curves.items():
@@ -225,8 +324,9 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
             if theirs is None:
                 rep.note(f"at recall@{k} >= {target}: {tool} has no measured point (widen its settings)")
                 continue
+            where = gdev if tool.startswith("FAISS GPU") else cdev
             rep.add(f"scanforest ({ours[2]}, recall {ours[1]:.3f}) vs {tool} ({theirs[2]}, recall {theirs[1]:.3f}) "
-                    f"at recall@{k} >= {target}", ours[0], "queries/s", gdev, baseline=f"{tool} ({cdev})",
+                    f"at recall@{k} >= {target}", ours[0], "queries/s", gdev, baseline=f"{tool} ({where})",
                     baseline_value=theirs[0])
     rep.note(f"recall@{k}: a returned neighbour counts when its canonical distance is <= the exact {k}-th distance "
              "(ties count), the same rule for every tool; queries/s: median of "
@@ -272,12 +372,19 @@ def register(app, bench) -> None:
         target: str = typer.Option("0.9,0.95,0.98", "--target", help="recall@P values of the matched-recall "
                                    "comparison (comma list)"),
         repeat: int = typer.Option(3, "--repeat"),
+        gpu_nprobe: str = typer.Option("4,8,16,32", "--gpu-nprobe", help="FAISS GPU IVF-Flat probes (--device gpu; "
+                                       "comma list; empty: none)"),
+        cagra_degree: int = typer.Option(32, "--cagra-degree", help="FAISS GPU CAGRA graph degree"),
+        itopk: str = typer.Option("32,64,128,256", "--itopk", help="FAISS GPU CAGRA itopk_size (comma list; empty: "
+                                  "no CAGRA)"),
         out: str = typer.Option(None, "--out", help="JSON file or folder"),
     ):
-        """scanforest's KD-forest against FLANN's KD-forest and FAISS (Flat, IVF-Flat, HNSW), one data set."""
+        """scanforest's KD-forest against FLANN's KD-forest and FAISS (Flat, IVF-Flat, HNSW; on the GPU also
+        IVF-Flat and CAGRA), one data set."""
         run(parse_counts(n)[0], m, d, k, device=device, trees=trees, leaf_size=leaf_size,
             budgets=parse_counts(budgets), method=method, split=split, flann_baseline=flann_baseline,
             flann_checks=parse_counts(flann_checks), flann_trees=flann_trees, nlist=nlist,
             nprobes=parse_counts(nprobe), hnsw_m=hnsw_m,
             ef_construction=ef_construction, ef_search=parse_counts(ef_search), threads=threads, clusters=clusters,
-            real=real, targets=[float(t) for t in target.split(",") if t.strip()], repeat=repeat, out=out)
+            real=real, targets=[float(t) for t in target.split(",") if t.strip()], repeat=repeat,
+            gpu_nprobes=parse_counts(gpu_nprobe), cagra_degree=cagra_degree, itopk=parse_counts(itopk), out=out)
