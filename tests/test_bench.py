@@ -257,3 +257,14 @@ def test_bench_flow_accuracy_reports_tracked_epe_next_to_exact():
     exact = bf.accuracy_rows("cpu", features=40, size=(96, 128), tracked=False)
     assert "EPE bi" not in bf.format_accuracy(exact)
     assert all("epe_builtin" not in r for r in exact)
+
+
+def test_count_lists_of_the_bench_options_refuse_what_is_not_a_count():
+    """``--budgets 8,x`` and the like: one clear error naming the text (exit 2 at the command)."""
+    from scanforest.deploy.bench._common import parse_counts
+    from scanforest.kernels.errors import InputError
+
+    assert parse_counts("100900, 1m,10k,,1_000") == [100900, 1_000_000, 10_000, 1000]
+    for bad in ("4,x", "1q", "inf", "nan"):
+        with pytest.raises(InputError, match="is not a count"):
+            parse_counts(bad)

@@ -7,6 +7,7 @@ writes the whole record (rows, environment, parameters) as JSON.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
@@ -127,10 +128,13 @@ class BenchReport:
 
 
 def parse_counts(text: str) -> list[int]:
-    """``"100900,1m,10k"`` -> ``[100900, 1000000, 10000]`` (k/m suffixes, underscores allowed)."""
+    """``"100900,1m,10k"`` -> ``[100900, 1000000, 10000]`` (k/m suffixes, underscores allowed);
+    anything else is an :class:`~scanforest.kernels.errors.InputError` naming the text."""
+    from scanforest.kernels.errors import InputError
+
     out = []
-    for part in str(text).split(","):
-        part = part.strip().lower().replace("_", "")
+    for raw in str(text).split(","):
+        part = raw.strip().lower().replace("_", "")
         if not part:
             continue
         mult = 1
@@ -138,7 +142,14 @@ def parse_counts(text: str) -> list[int]:
             mult, part = 1000, part[:-1]
         elif part.endswith("m"):
             mult, part = 1_000_000, part[:-1]
-        out.append(int(float(part) * mult))
+        try:
+            v = float(part) * mult
+        except ValueError:
+            raise InputError(f"{raw.strip()!r} in {text!r} is not a count (a number, optionally with k or m)") \
+                from None
+        if not math.isfinite(v):
+            raise InputError(f"{raw.strip()!r} in {text!r} is not a count (a number, optionally with k or m)")
+        out.append(int(v))
     return out
 
 
