@@ -48,6 +48,58 @@ def _recall_of(X, Q, ids, ed, k):
     return recall(pair_distances(X, Q, ids, device="cpu"), ed, k)
 
 
+def _recorder(rep, faiss, X, Q, k, ed, where, prefix, sync, repeat, base, curves):
+    """``record(go, label, setting, build_s)``: time ``go()`` (a search of all of ``Q``), score
+    its ids, add the rows and the point of the tool's curve (FAISS on the host and on the GPU)."""
+    m = len(Q)
+
+    def record(go, label, setting, build_s):
+        t, (_, ids) = _timeit(go, sync, repeat)
+        ids = ids.cpu().numpy() if hasattr(ids, "cpu") else np.asarray(ids)
+        r = _recall_of(X, Q, ids.astype(np.int64), ed, k)
+        rep.add(f"{prefix} {label} queries/s, {setting}", m / t, "queries/s", where, baseline=base[0],
+                baseline_value=base[1], recall=r, build_s=build_s, faiss=faiss.__version__)
+        rep.add(f"{prefix} {label} recall@{k}, {setting}", r, "", where)
+        curves.setdefault(f"{prefix} {label}", []).append((m / t, r, setting))
+
+    return record
+
+
+def _ivf_lists(n: int, nlist: int) -> int:
+    """IVF lists: ``nlist``, or 4 sqrt(N) with at least 39 training rows per list."""
+    return nlist or max(1, min(n // 39, int(4 * np.sqrt(n))))
+
+
+def _ivf_train_rows(X, nl: int):
+    """The rows k-means trains the IVF lists on: 64 per list at most, the same for every IVF."""
+    n = len(X)
+    return X[np.random.default_rng(0).choice(n, 64 * nl, replace=False)] if n > 64 * nl else X
+
+
+def _flat_and_ivf(rep, search, X, where, prefix, names, make_flat, make_ivf, nlist, nprobes, sync):
+    """The exhaustive index, then IVF-Flat over ``nprobes`` (FAISS on the host and on the GPU
+    alike): ``names`` are the two indexes' labels, ``make_ivf(nlist)`` builds an empty IVF."""
+    t0 = time.perf_counter()
+    flat = make_flat()
+    flat.add(X)
+    sync()
+    search(flat, names[0], "exhaustive", time.perf_counter() - t0)
+    del flat
+    if not nprobes:
+        return
+    nl = _ivf_lists(len(X), nlist)
+    t0 = time.perf_counter()
+    ivf = make_ivf(nl)
+    ivf.train(_ivf_train_rows(X, nl))
+    ivf.add(X)
+    sync()
+    build = time.perf_counter() - t0
+    rep.add(f"{prefix} {names[1]} build (nlist={nl})", build, "s", where, higher_is_better=False)
+    for p in nprobes:
+        ivf.nprobe = int(p)
+        search(ivf, f"{names[1]} nlist={nl}", f"nprobe={p}", build)
+
+
 def _faiss_rows(rep, X, Q, k, ed, threads, cdev, **kw):
     """FAISS Flat, IVF-Flat and HNSW on the host on ``threads`` threads: rows, and
     ``{tool: [(q/s, recall, setting)]}``. FAISS's thread count is restored afterwards."""
@@ -66,37 +118,15 @@ def _faiss_rows(rep, X, Q, k, ed, threads, cdev, **kw):
 
 def _faiss_curves(faiss, rep, X, Q, k, ed, cdev, *, nlist, nprobes, hnsw_m, ef_construction, ef_search, repeat,
                   base):
-    n, d = X.shape
-    m = len(Q)
+    d = X.shape[1]
     curves = {}
+    record = _recorder(rep, faiss, X, Q, k, ed, cdev, "FAISS", lambda: None, repeat, base, curves)
 
     def search(index, label, setting, build_s):
-        t, (_, ids) = _timeit(lambda: index.search(Q, k), lambda: None, repeat)
-        r = _recall_of(X, Q, ids, ed, k)
-        rep.add(f"FAISS {label} queries/s, {setting}", m / t, "queries/s", cdev, baseline=base[0],
-                baseline_value=base[1], recall=r, build_s=build_s, faiss=faiss.__version__)
-        rep.add(f"FAISS {label} recall@{k}, {setting}", r, "", cdev)
-        curves.setdefault(f"FAISS {label}", []).append((m / t, r, setting))
+        record(lambda: index.search(Q, k), label, setting, build_s)
 
-    t0 = time.perf_counter()
-    flat = faiss.IndexFlatL2(d)
-    flat.add(X)
-    search(flat, "IndexFlatL2 (exact)", "exhaustive", time.perf_counter() - t0)
-    del flat
-    if nprobes:
-        nl = nlist or max(1, min(n // 39, int(4 * np.sqrt(n))))
-        t0 = time.perf_counter()
-        ivf = faiss.IndexIVFFlat(faiss.IndexFlatL2(d), d, nl)
-        rng = np.random.default_rng(0)
-        train = X[rng.choice(n, min(n, 64 * nl), replace=False)] if n > 64 * nl else X
-        ivf.train(train)
-        ivf.add(X)
-        build = time.perf_counter() - t0
-        rep.add(f"FAISS IndexIVFFlat build (nlist={nl})", build, "s", cdev, higher_is_better=False)
-        for p in nprobes:
-            ivf.nprobe = int(p)
-            search(ivf, f"IndexIVFFlat nlist={nl}", f"nprobe={p}", build)
-        del ivf
+    _flat_and_ivf(rep, search, X, cdev, "FAISS", ("IndexFlatL2 (exact)", "IndexIVFFlat"), lambda: faiss.IndexFlatL2(d),
+                  lambda nl: faiss.IndexIVFFlat(faiss.IndexFlatL2(d), d, nl), nlist, nprobes, lambda: None)
     if ef_search:
         t0 = time.perf_counter()
         hnsw = faiss.IndexHNSWFlat(d, hnsw_m)
@@ -128,8 +158,7 @@ def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degre
         return {}
     from scanforest.kernels.backend import to_numpy
 
-    n, d = X.shape
-    m = len(Q)
+    d = X.shape[1]
     Xh, Qh = np.ascontiguousarray(to_numpy(X)), np.ascontiguousarray(to_numpy(Q))
     qin, where = Qh, "host arrays, transfers included"
     try:
@@ -143,45 +172,19 @@ def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degre
     rep.note(f"FAISS {faiss.__version__} GPU ({'with' if cuvs else 'without'} cuVS): queries from {where}")
     res = faiss.StandardGpuResources()
     curves = {}
+    record = _recorder(rep, faiss, Xh, Qh, k, ed, gdev, "FAISS GPU", sync, repeat, base, curves)
 
     def search(index, label, setting, build_s, params=None):
-        q = qin if params is None else Qh  # torch_utils' search takes no params: CAGRA from the host
-        if q is not qin:
-            setting += ", host queries"
+        if params is None:
+            record(lambda: index.search(qin, k), label, setting, build_s)
+        else:  # torch_utils' search takes no params (it keeps the array search as search_numpy)
+            go = getattr(index, "search_numpy", index.search)
+            record(lambda: go(Qh, k, params=params), label, setting + ", host queries", build_s)
 
-        def go():  # torch_utils keeps the array search as search_numpy
-            if params is None:
-                return index.search(q, k)
-            return getattr(index, "search_numpy", index.search)(q, k, params=params)
-
-        t, (_, ids) = _timeit(go, sync, repeat)
-        ids = ids.cpu().numpy() if hasattr(ids, "cpu") else np.asarray(ids)
-        r = _recall_of(Xh, Qh, ids.astype(np.int64), ed, k)
-        rep.add(f"FAISS GPU {label} queries/s, {setting}", m / t, "queries/s", gdev, baseline=base[0],
-                baseline_value=base[1], recall=r, build_s=build_s, faiss=faiss.__version__)
-        rep.add(f"FAISS GPU {label} recall@{k}, {setting}", r, "", gdev)
-        curves.setdefault(f"FAISS GPU {label}", []).append((m / t, r, setting))
-
-    t0 = time.perf_counter()
-    flat = faiss.GpuIndexFlatL2(res, d)
-    flat.add(Xh)
-    search(flat, "GpuIndexFlatL2", "exhaustive", time.perf_counter() - t0)
-    del flat
-    if nprobes:
-        nl = nlist or max(1, min(n // 39, int(4 * np.sqrt(n))))
-        t0 = time.perf_counter()
-        cfg = faiss.GpuIndexIVFFlatConfig()
-        ivf = faiss.GpuIndexIVFFlat(res, d, nl, faiss.METRIC_L2, cfg)
-        rng = np.random.default_rng(0)
-        ivf.train(Xh[rng.choice(n, min(n, 64 * nl), replace=False)] if n > 64 * nl else Xh)
-        ivf.add(Xh)
-        sync()
-        build = time.perf_counter() - t0
-        rep.add(f"FAISS GPU IVFFlat build (nlist={nl})", build, "s", gdev, higher_is_better=False)
-        for p in nprobes:
-            ivf.nprobe = int(p)
-            search(ivf, f"IVFFlat nlist={nl}", f"nprobe={p}", build)
-        del ivf
+    _flat_and_ivf(rep, search, Xh, gdev, "FAISS GPU", ("GpuIndexFlatL2", "IVFFlat"),
+                  lambda: faiss.GpuIndexFlatL2(res, d),
+                  lambda nl: faiss.GpuIndexIVFFlat(res, d, nl, faiss.METRIC_L2, faiss.GpuIndexIVFFlatConfig()),
+                  nlist, nprobes, sync)
     if itopk and hasattr(faiss, "GpuIndexCagra"):
         t0 = time.perf_counter()
         cfg = faiss.GpuIndexCagraConfig()
