@@ -239,10 +239,7 @@ def recognize(scene_points, library: ModelLibrary, params: RecognizeParams | Non
         List of :class:`Detection` (acceptance order), with ``.timings`` (seconds per phase:
         normals, keypoints, shot, matching, grouping, verification, icp, total) and ``.info``.
     """
-    dev = resolve_device(device, scene_points)
-    p = _params(params, overrides)
-    if not isinstance(library, ModelLibrary):
-        raise InputError(f"library must be a ModelLibrary, got {type(library).__name__}")
+    dev, p = _setup(scene_points, library, params, overrides, device)
     return _recognize_matched(_prepare(scene_points, scene_normals, library, p, dev), library)
 
 
@@ -255,10 +252,7 @@ def recognize_many(scenes, library: ModelLibrary, params: RecognizeParams | None
     scenes = list(scenes)
     if not scenes:
         return []
-    dev = resolve_device(device, scenes[0])
-    p = _params(params, overrides)
-    if not isinstance(library, ModelLibrary):
-        raise InputError(f"library must be a ModelLibrary, got {type(library).__name__}")
+    dev, p = _setup(scenes[0], library, params, overrides, device)
     return _recognize_batch([_prepare(s, None, library, p, dev) for s in scenes], library)
 
 
@@ -330,10 +324,7 @@ def recognize_described(scene_points, library: ModelLibrary, params: RecognizePa
 def _prepare_described(scene_points, library, params, *, normals, keypoints, descriptors, rf, correspondences,
                        device, **overrides) -> "_Matched":
     """:func:`recognize_described` up to its correspondences."""
-    dev = resolve_device(device, scene_points)
-    p = _params(params, overrides)
-    if not isinstance(library, ModelLibrary):
-        raise InputError(f"library must be a ModelLibrary, got {type(library).__name__}")
+    dev, p = _setup(scene_points, library, params, overrides, device)
     if descriptors is None and correspondences is None:
         raise InputError("recognize_described needs the keypoints' descriptors or their correspondences")
     xp = xp_for(dev)
@@ -409,6 +400,16 @@ def _recognize_batch(ms: list, library) -> list:
         m.timer.restart()
         out.append(_verified(m, h, library))
     return out
+
+
+def _setup(scene_points, library, params, overrides, device: str) -> tuple[str, RecognizeParams]:
+    """The device (``auto`` follows ``scene_points``) and the parameters of a recognition call,
+    its library checked (in this order)."""
+    dev = resolve_device(device, scene_points)
+    p = _params(params, overrides)
+    if not isinstance(library, ModelLibrary):
+        raise InputError(f"library must be a ModelLibrary, got {type(library).__name__}")
+    return dev, p
 
 
 def _params(params, overrides) -> RecognizeParams:

@@ -34,6 +34,12 @@ class VerifyResult:
     visible: np.ndarray        # (A,) visible verification points
     first_scores: np.ndarray   # (H,) inlier fraction of every hypothesis before any claim
 
+    @classmethod
+    def empty(cls) -> "VerifyResult":
+        """No hypotheses: nothing accepted, nothing scored."""
+        z = np.zeros(0)
+        return cls(np.zeros(0, np.int64), z, np.zeros(0, np.int64), np.zeros(0, np.int64), z)
+
 
 def _verify_nearest_cpu(idx, library, hyp, src, poses, r: float, vp):
     """CPU twin of ``_verification_gpu.verify_nearest``: one parallel numba pass, float32 like
@@ -107,7 +113,7 @@ def verify(hypotheses: Hypotheses, library: ModelLibrary, scene, *, inlier_dist:
         idx = _SceneIndex(points(scene, "scene", finite=False, dtype=None), None, inlier_dist, dev)
     h = len(hypotheses)
     if h == 0:
-        return _accept_rounds(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, 0, 0.0, 0, 0)
+        return VerifyResult.empty()
     xp = xp_for(dev)
     vp = np.asarray(viewpoint, np.float64).reshape(3)
     mid = np.asarray(hypotheses.model_id, np.int64)
@@ -129,8 +135,7 @@ def _accept_rounds(vox, hyp, h: int, n_vox: int, min_inlier_fraction: float, min
     ``_verification_gpu.accept_greedy``): ``vox`` per (hypothesis, point) as ``verify_nearest``
     gives it, ``hyp`` the hypothesis of each entry."""
     if h == 0:
-        z = np.zeros(0)
-        return VerifyResult(np.zeros(0, np.int64), z, np.zeros(0, np.int64), np.zeros(0, np.int64), z)
+        return VerifyResult.empty()
     # per point: -2 invisible, -1 visible but no scene point, >= 0 voxel rank of the nearest
     vis_count = np.bincount(hyp, weights=(vox >= -1).astype(np.float64), minlength=h)
     claimed = np.zeros(max(n_vox, 1), dtype=bool)
