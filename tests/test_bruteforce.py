@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.knn.bruteforce import exact_scan_cpu, knn_bruteforce, recall
+from scanforest.kernels.knn.bruteforce import ExactSearch, exact_scan_cpu, knn_bruteforce, recall
 
 
 def oracle(base, queries, k):
@@ -162,6 +162,56 @@ def test_ids_map_permuted_rows_to_the_input_order_answer(rng, monkeypatch, share
         knn_bruteforce(base, queries, 4, device="cpu", ids=perm - 1)
 
 
+def _search_cases(rng):
+    """(base, queries, k, ids) of several query batches over one base: duplicates and ties."""
+    base, perm, queries = _permuted_case(rng)
+    return base, [(queries, 40, None), (queries[:7], 3, None), (rng.standard_normal((33, 6)).astype(np.float32), 12,
+                                                                 None), (queries, 9, perm)]
+
+
+@pytest.mark.parametrize("keep", [None, 0.0])
+def test_exact_search_answers_as_knn_bruteforce(rng, monkeypatch, keep):
+    """An ExactSearch prepared once answers every batch as knn_bruteforce does, bit for bit,
+    with its centred copy kept or centred tile by tile (``keep=0``), blocks and ids too; bad
+    queries are refused as knn_bruteforce refuses them."""
+    import scanforest.kernels.knn.bruteforce as bf
+
+    if keep is not None:
+        monkeypatch.setitem(bf._KEEP_SHARE, "cpu", keep)
+    base, batches = _search_cases(rng)
+    es = ExactSearch(base, device="cpu")
+    assert (es._stats.tiles.bc is None) == (keep == 0.0)
+    for q, k, ids in batches:
+        for block in (None, (5, 700)):
+            want = knn_bruteforce(base, q, k, device="cpu", block=block, ids=ids)
+            got = es.search(q, k, block=block, ids=ids)
+            np.testing.assert_array_equal(got[1], want[1])
+            np.testing.assert_array_equal(got[0], want[0])
+    with pytest.raises(InputError, match="queries"):
+        es.search(np.zeros((3, 5), np.float32), 2)
+    with pytest.raises(InputError, match="k"):
+        es.search(batches[0][0], 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keep", [None, 0.0])
+def test_gpu_exact_search_equals_cpu(rng, monkeypatch, keep):
+    import cupy as cp
+
+    import scanforest.kernels.knn.bruteforce as bf
+
+    if keep is not None:
+        monkeypatch.setitem(bf._KEEP_SHARE, "gpu", keep)
+    base, batches = _search_cases(rng)
+    es = ExactSearch(cp.asarray(base))
+    assert es.device == "gpu"
+    for q, k, ids in batches:
+        cd, ci = knn_bruteforce(base, q, k, device="cpu", ids=ids)
+        gd, gi = es.search(cp.asarray(q), k, ids=None if ids is None else cp.asarray(ids))
+        np.testing.assert_array_equal(gi.get(), ci)
+        np.testing.assert_array_equal(gd.get(), cd)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("share", [None, 0.0])
 def test_gpu_ids_map_and_tile_centring(rng, monkeypatch, share):
@@ -273,3 +323,31 @@ def test_gpu_pair_distances_equal_the_cpu_ones(rng):
     half = pair_distances(cp.asarray(base.astype(np.float16)), cp.asarray(queries), cp.asarray(ids))
     np.testing.assert_array_equal(half.get(), pair_distances(base.astype(np.float16).astype(np.float32), queries,
                                                              ids, device="cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kp", [1, 5, 20, 64])
+def test_gpu_select_keeps_each_rows_smallest_keys(rng, kp):
+    """The coarse warp select returns each row's kp smallest (value, column) keys, ascending,
+    for rows shorter and longer than its merge period, with many equal values (ties broken by
+    the column), and merged with the keys of an earlier column block (``prev``)."""
+    import cupy as cp
+
+    from scanforest.kernels.knn.bruteforce import _select_gpu, decode_keys
+
+    for ncols in (3, 300, 5000):
+        D = rng.integers(0, 40, (37, ncols)).astype(np.float32)  # dense ties
+        D[5] = np.arange(ncols)[::-1]  # the best keys arrive last
+        keys = _select_gpu(cp.asarray(D), min(kp, ncols))
+        d, i = (cp.asnumpy(a) for a in decode_keys(keys))
+        want = np.lexsort((np.broadcast_to(np.arange(ncols), D.shape), D), axis=1)[:, :min(kp, ncols)]
+        np.testing.assert_array_equal(i, want)
+        np.testing.assert_array_equal(d, np.take_along_axis(D, want, 1))
+        if ncols >= kp:  # a second block of columns, merged through prev
+            E = rng.integers(0, 40, (37, 700)).astype(np.float32)
+            both = np.concatenate([D, E], axis=1)
+            d2, i2 = (cp.asnumpy(a) for a in decode_keys(_select_gpu(cp.asarray(E), kp, col_offset=ncols,
+                                                                         prev=keys)))
+            want = np.lexsort((np.broadcast_to(np.arange(both.shape[1]), both.shape), both), axis=1)[:, :kp]
+            np.testing.assert_array_equal(i2, want)
+            np.testing.assert_array_equal(d2, np.take_along_axis(both, want, 1))

@@ -101,3 +101,42 @@ def test_gpu_matches_cpu(rng):
     ig, dg = knn(cp.asarray(pts), cp.asarray(qs), k=10)
     np.testing.assert_array_equal(cp.asnumpy(ig), ic)
     np.testing.assert_array_equal(cp.asnumpy(dg), dc)
+
+
+@pytest.mark.gpu
+def test_gpu_grid_bounds_and_cell_starts_equal_numpy(rng):
+    """The grid's bounding box (one launch) is numpy's min / max, and its cell starts are the
+    bincount + scan of the cell ids, for clouds with large empty gaps, negative coordinates, a
+    single point and one where every point shares a cell; the keypoints and the verification
+    voxel ranks built on them equal the CPU's."""
+    import cupy as cp
+
+    from scanforest.kernels.descriptors.keypoints import keypoints
+    from scanforest.kernels.neighbors._search_gpu import bounds, build_grid
+    from scanforest.kernels.recognition._scene_index import _voxel_ranks_cpu
+    from scanforest.kernels.recognition._verification_gpu import voxel_ranks
+
+    far = np.concatenate([rng.random((3000, 3)) * 0.2 - 5.0, rng.random((2000, 3)) * 0.2 + [3.0, -2.0, 7.5]])
+    clouds = [far.astype(np.float32), (rng.random((4000, 3)) * [2.0, 1.0, 0.5] - 1.0).astype(np.float32),
+              np.array([[0.25, -1.5, 3.0]], np.float32), np.full((50, 3), 0.125, np.float32)]
+    for pts in clouds:
+        lo, hi = bounds(cp.asarray(pts))
+        np.testing.assert_array_equal(lo, pts.min(axis=0).astype(np.float64))
+        np.testing.assert_array_equal(hi, pts.max(axis=0).astype(np.float64))
+        for cell in (0.01, 0.05):
+            g = build_grid(cp.asarray(pts), cell)
+            gp = cp.asnumpy(g.points)
+            ncell = int(np.prod(g.dims))
+            cid = [np.clip(np.floor((gp[:, a] - np.float32(g.origin[a])) * np.float32(g.inv_h)).astype(np.int64),
+                           0, g.dims[a] - 1) for a in range(3)]
+            cid = (cid[2] * g.dims[1] + cid[1]) * g.dims[0] + cid[0]
+            assert np.all(np.diff(cid) >= 0)  # sorted by cell
+            want = np.concatenate([[0], np.cumsum(np.bincount(cid, minlength=ncell))])
+            np.testing.assert_array_equal(cp.asnumpy(g.cell_start), want)
+            np.testing.assert_array_equal(gp, pts[cp.asnumpy(g.order)])
+            np.testing.assert_array_equal(cp.asnumpy(voxel_ranks(cp.asarray(pts), cell)),
+                                          _voxel_ranks_cpu(pts, cell))
+            np.testing.assert_array_equal(cp.asnumpy(keypoints(cp.asarray(pts), radius=cell)),
+                                          keypoints(pts, radius=cell, device="cpu"))
+    empty_lo, empty_hi = bounds(cp.zeros((0, 3), cp.float32))
+    assert np.all(np.isinf(empty_lo)) and np.all(np.isinf(empty_hi))

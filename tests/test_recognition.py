@@ -293,6 +293,27 @@ def test_library_roundtrip(small_world):
         ModelLibrary.from_arrays({}, attrs)
 
 
+def test_library_match_search_is_prepared_once_and_not_pickled(small_world):
+    """The library's exact search is built on the first match and reused; a pickled library (a
+    Dask worker's copy) carries its arrays without it, and matches the same."""
+    import pickle
+
+    from scanforest.kernels.recognition.correspondences import match
+
+    _, lib, scene = small_world
+    desc = lib.descriptors[lib.valid_rows][::7] + np.float32(0.01)
+    a = match(desc, lib, k=2)
+    es = lib._exact_search("cpu")
+    assert lib._exact_search("cpu") is es
+    b = match(desc, lib, k=2)
+    lib2 = pickle.loads(pickle.dumps(lib))
+    assert "_search_cache" not in lib2.__dict__
+    c = match(desc, lib2, k=2)
+    for x, y in ((a, b), (a, c)):
+        for f in ("scene_kp", "ref_row", "model_id", "dist2"):
+            np.testing.assert_array_equal(getattr(x, f), getattr(y, f))
+
+
 def test_library_rejects_bad_models():
     with pytest.raises(InputError):
         ModelLibrary.build([], device="cpu")
@@ -776,3 +797,26 @@ def test_recognize_many_equals_recognize_one_scene_at_a_time(device):
             assert (a.score, a.inliers) == (b.score, b.inliers)
         assert got.timings["total"] == pytest.approx(sum(v for k, v in got.timings.items() if k != "total"))
     assert recognize_many([], lib, device=device) == []
+
+
+def test_group_list_reads_as_a_list_of_groups():
+    """GroupList (the GPU grouping's flat groups) reads, takes and concatenates as the list of
+    arrays it stands for."""
+    from scanforest.kernels.recognition.grouping import GroupList, Hypotheses, take_groups
+
+    lists = [np.array([4, 1, 7]), np.array([], np.int64), np.array([2]), np.array([9, 3])]
+    gl = GroupList(np.concatenate(lists), np.array([0, 3, 3, 4, 6]))
+    assert len(gl) == 4 and bool(gl) and not GroupList(np.zeros(0, np.int64), np.zeros(1, np.int64))
+    for a, b in zip(gl, lists):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(gl[-1], lists[-1])
+    assert [x.tolist() for x in gl[1:3]] == [[], [2]]
+    with pytest.raises(IndexError):
+        gl[4]
+    keep = np.array([True, False, True, True])
+    for got in (take_groups(gl, keep), take_groups(lists, keep)):
+        assert [x.tolist() for x in got] == [[4, 1, 7], [2], [9, 3]]
+    h = Hypotheses(np.zeros(4, np.int32), np.zeros((4, 4, 4)), np.zeros(4, np.int32), gl)
+    both = Hypotheses.concat([h, Hypotheses(np.ones(1, np.int32), np.zeros((1, 4, 4)), np.ones(1, np.int32),
+                                            [np.array([5])])])
+    assert [x.tolist() for x in both.groups] == [[4, 1, 7], [], [2], [9, 3], [5]]

@@ -79,9 +79,15 @@ def _uniform_sampling(pts, r, xp):
     f32 = xp.float32
     inv = np.float32(np.float32(1.0) / np.float32(r))
     ijk = xp.floor(pts * inv).astype(xp.int64)  # float32 product, as PCL
-    lo = ijk.min(axis=0)
+    if xp is np:
+        lo = ijk.min(axis=0)
+        dims = ijk.max(axis=0) - lo + 1
+    else:  # the corners' voxels (the float32 product and floor are monotone): no column reductions
+        from ..neighbors._search_gpu import bounds
+
+        c = np.floor(np.stack([v.astype(np.float32) for v in bounds(pts)]) * inv).astype(np.int64)
+        lo, dims = xp.asarray(c[0]), [int(v) for v in c[1] - c[0] + 1]
     rel = ijk - lo
-    dims = rel.max(axis=0) + 1
     key = rel[:, 0] + dims[0] * (rel[:, 1] + dims[1] * rel[:, 2])
     centre = (ijk.astype(f32) + f32(0.5)) * f32(r)
     diff = pts - centre

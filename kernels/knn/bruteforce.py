@@ -28,13 +28,15 @@ from .. import validation
 from ..backend import free_memory, is_cupy, resolve_device, to_numpy
 from ..errors import InputError
 
-__all__ = ["knn_bruteforce", "pair_distances", "recall", "check_points", "MAX_K"]
+__all__ = ["knn_bruteforce", "ExactSearch", "pair_distances", "recall", "check_points", "MAX_K"]
 
 MAX_K = 256
 _U = 2.0 ** -24
 # a centred copy of the base is made when it takes at most this share of the free memory
 # (available host memory, free GPU memory); otherwise tiles are centred as they are used
 _COPY_SHARE = {"cpu": 0.25, "gpu": 0.5}
+# an ExactSearch keeps its centred copy for its lifetime: only when it takes at most this share
+_KEEP_SHARE = {"cpu": 0.05, "gpu": 0.1}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,12 +286,16 @@ extern "C" __global__ void select_topk(const float* __restrict__ D, long long ld
     }
     const float* Drow = D + (long long)row * ldd;
     float qv = mode ? qn[row] : 0.0f;
-    // thr: the smallest of the lanes' kp-th best keys. That lane holds kp keys <= thr, so a key
-    // above it is not among the row's kp best (keys are distinct: they carry the column): most
-    // of the row is rejected against it instead of against the lane's own, weaker, kp-th best.
+    // thr: the kp-th best key of the union of the lane lists (keys are distinct: they carry the
+    // column), so a key at or above it is not among the row's kp best and most of the row is
+    // rejected against it. It is merged exactly (kp rounds of a warp-wide min over the sorted
+    // lists) after each of the first 8 chunks, then after every 8th: between merges it is stale
+    // but still an upper bound. A lane-local threshold (its own kp-th best) lets about 32 kp
+    // keys per row through and each costs an insertion; the exact one lets about kp ln(n / kp).
     // Each lane's 8 columns of a chunk are loaded before any is used (8 loads in flight).
     unsigned long long thr = KEY_NONE;
-    for (int c0 = 0; c0 < ncols; c0 += 32 * 8) {
+    int chunk = 0;
+    for (int c0 = 0; c0 < ncols; c0 += 32 * 8, ++chunk) {
         float gv[8], bv[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
@@ -305,12 +311,22 @@ extern "C" __global__ void select_topk(const float* __restrict__ D, long long ld
             unsigned long long key = make_key(d, col_offset + c);
             if (key < thr && (cnt < kp || key < list[kp - 1])) lane_push(list, cnt, kp, key);
         }
-        unsigned long long mine = cnt == kp ? list[kp - 1] : KEY_NONE;
-        for (int off = 16; off > 0; off >>= 1) {
-            unsigned long long o = __shfl_xor_sync(0xffffffffu, mine, off);
-            mine = o < mine ? o : mine;
+        if (chunk < 8 || (chunk & 7) == 7) {
+            int h = 0, r = 0;
+            unsigned long long kth = KEY_NONE;
+            for (; r < kp; ++r) {
+                unsigned long long mine = h < cnt ? list[h] : KEY_NONE;
+                unsigned long long best = mine;
+                for (int off = 16; off > 0; off >>= 1) {
+                    unsigned long long o = __shfl_xor_sync(0xffffffffu, best, off);
+                    best = o < best ? o : best;
+                }
+                if (best == KEY_NONE) break;  // fewer than kp keys so far
+                if (mine == best) ++h;
+                kth = best;
+            }
+            if (r == kp) thr = kth;
         }
-        thr = mine;
     }
     int h = 0;
     for (int r = 0; r < kp; ++r) {
@@ -493,17 +509,96 @@ def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None, i
     """
     dev, xp, conv, base, queries = _placed(base, queries, device)
     k = check_k(k, base.shape[0])
-    if ids is not None:
-        ids = conv(ids)
-        if ids.shape != (base.shape[0],) or ids.dtype.kind not in "iu":
-            raise InputError(f"ids must be ({base.shape[0]},) integers (one per base row), got "
-                             f"{tuple(ids.shape)} {ids.dtype}")
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= 2 ** 32):
-            raise InputError("ids must lie in [0, 2**32)")
-        ids = xp.ascontiguousarray(ids, dtype=xp.int64)
-    if dev == "gpu":
-        return _bf_gpu(base, queries, k, block, ids)
-    return _bf_cpu(base, queries, k, block, ids)
+    ids = _checked_ids(ids, base.shape[0], xp, conv)
+    return _search(_BaseStats(base, dev, _COPY_SHARE), queries, k, block, ids)
+
+
+class ExactSearch:
+    """:func:`knn_bruteforce` over fixed rows, prepared once for many query batches.
+
+    The coarse pass needs the base's mean, its mean-centred copy and its row norms; a search
+    that queries the same rows again and again (a model library matched scene after scene)
+    computes them once here instead of at every call. ``search`` gives what
+    :func:`knn_bruteforce` gives for the same base, bit for bit. The centred copy is kept only
+    while it takes a small share of the free memory (10% on a GPU, 5% of the host's); a larger
+    base is centred tile by tile at each search, as :func:`knn_bruteforce` does when short of
+    memory.
+
+    Parameters
+    ----------
+    base : (N, d) array_like
+        As :func:`knn_bruteforce`'s (its device, unless ``device`` names one).
+    device : {"auto", "cpu", "gpu"}, keyword-only
+    """
+
+    def __init__(self, base, *, device: str = "auto"):
+        dev = resolve_device(device, base)
+        xp = np
+        if dev == "gpu":
+            import cupy as xp
+        conv = to_numpy if dev == "cpu" else xp.asarray
+        self.device = dev
+        self.base = check_points(conv(base), "base", xp=xp, keep_half=dev == "gpu")
+        self._conv, self._xp = conv, xp
+        self._stats = _BaseStats(self.base, dev, _KEEP_SHARE)
+
+    def search(self, queries, k: int, *, block=None, ids=None):
+        """Exact ``k`` nearest rows of every query: ``(dist2 (M, k) float32, ids (M, k) int64)``,
+        as :func:`knn_bruteforce` (``block`` and ``ids`` too)."""
+        queries = check_points(self._conv(queries), "queries", dim=self.base.shape[1], xp=self._xp)
+        k = check_k(k, self.base.shape[0])
+        ids = _checked_ids(ids, self.base.shape[0], self._xp, self._conv)
+        return _search(self._stats, queries, k, block, ids)
+
+
+def _checked_ids(ids, n: int, xp, conv):
+    if ids is None:
+        return None
+    ids = conv(ids)
+    if ids.shape != (n,) or ids.dtype.kind not in "iu":
+        raise InputError(f"ids must be ({n},) integers (one per base row), got {tuple(ids.shape)} {ids.dtype}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= 2 ** 32):
+        raise InputError("ids must lie in [0, 2**32)")
+    return xp.ascontiguousarray(ids, dtype=xp.int64)
+
+
+def _search(st: "_BaseStats", queries, k, block, ids):
+    return (_bf_gpu if st.device == "gpu" else _bf_cpu)(st, queries, k, block, ids)
+
+
+class _BaseStats:
+    """What the coarse pass needs of the base, computed once: its mean ``mu``, the centred
+    tiles, the centred rows' squared norms ``bn`` and their maximum (the error bound's)."""
+
+    def __init__(self, base, device: str, share: dict):
+        self.base, self.device = base, device
+        n, d = base.shape
+        if device == "gpu":
+            import cupy as cp
+
+            self.mu = base.mean(axis=0, dtype=cp.float64).astype(cp.float32)
+            free = cp.cuda.Device().mem_info[0]
+            # the centred copy is float32 whatever the base (half rows are widened exactly by the subtraction)
+            self.tiles = _Tiles(base, self.mu, copy=n * d * 4 <= free * share["gpu"])  # else tile by tile
+            self.bn = cp.empty(n, cp.float32)
+            step = min(n, 1 << 18)
+        else:
+            self.mu = base.mean(axis=0, dtype=np.float64).astype(np.float32)
+            self.tiles = _Tiles(base, self.mu, copy=base.nbytes <= free_memory("cpu")[0] * share["cpu"])
+            self.bn = np.empty(n, np.float32)
+            step = _blocks(1, n, d, 512 << 20, None)[1]
+        for b0 in range(0, n, max(step, 1)):
+            t = self.tiles(b0, step)
+            self.bn[b0:b0 + step] = _sqnorms(t)
+        self.bnmax = float(self.bn.max()) if n else 0.0
+
+
+def _sqnorms(a):
+    """Row squared norms, float32 (``einsum`` on the host; a row reduction on the device, where
+    CuPy's ``einsum`` takes a slow path)."""
+    if is_cupy(a):
+        return (a * a).sum(axis=1, dtype=a.dtype)
+    return np.einsum("ij,ij->i", a, a, dtype=np.float32)
 
 
 class _Tiles:
@@ -524,19 +619,13 @@ def _candidates(k: int, n: int) -> int:
     return min(n, 2 * k + 16)
 
 
-def _bf_cpu(base, queries, k, block, ids=None):
+def _bf_cpu(st: _BaseStats, queries, k, block, ids=None):
+    base, mu, tiles, bn, bnmax = st.base, st.mu, st.tiles, st.bn, st.bnmax
     n, d = base.shape
     m = queries.shape[0]
     kc = _candidates(k, n)
     idm = np.empty(0, np.int64) if ids is None else ids
-    mu = base.mean(axis=0, dtype=np.float64).astype(np.float32)
     qb, bb = _blocks(m, n, d, 512 << 20, block)
-    tiles = _Tiles(base, mu, copy=base.nbytes <= free_memory("cpu")[0] * _COPY_SHARE["cpu"])
-    bn = np.empty(n, np.float32)
-    for b0 in range(0, n, bb):
-        t = tiles(b0, bb)
-        bn[b0:b0 + bb] = np.einsum("ij,ij->i", t, t, dtype=np.float32)
-    bnmax = float(bn.max())
     out_d = np.empty((m, k), np.float32)
     out_i = np.empty((m, k), np.int64)
     g = _gamma(d)
@@ -587,30 +676,23 @@ def _fix_cpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, idm):
     ri[bad] = fi
 
 
-def _bf_gpu(base, queries, k, block, ids=None):
+def _bf_gpu(st: _BaseStats, queries, k, block, ids=None):
     import cupy as cp
 
+    base, mu, tiles, bn, bnmax = st.base, st.mu, st.tiles, st.bn, st.bnmax
     n, d = base.shape
     m = queries.shape[0]
     kc = _candidates(k, n)
-    mu = base.mean(axis=0, dtype=cp.float64).astype(cp.float32)
     free = cp.cuda.Device().mem_info[0]
     budget = int(min(2 << 30, max(64 << 20, free // 4)))
     qb, bb = _blocks(m, n, d, budget, block)
-    # the centred copy is float32 whatever the base (half rows are widened exactly by the subtraction)
-    tiles = _Tiles(base, mu, copy=n * d * 4 <= free * _COPY_SHARE["gpu"])  # else centred tile by tile
-    bn = cp.empty(n, cp.float32)
-    for b0 in range(0, n, bb):
-        t = tiles(b0, bb)
-        bn[b0:b0 + bb] = cp.einsum("ij,ij->i", t, t)
-    bnmax = float(bn.max())
     out_d = cp.empty((m, k), cp.float32)
     out_i = cp.empty((m, k), cp.int64)
     g = _gamma(d)
     for q0 in range(0, m, qb):
         qs = queries[q0:q0 + qb]
         qc = qs - mu
-        qn = cp.einsum("ij,ij->i", qc, qc)
+        qn = _sqnorms(qc)
         keys = None
         for b0 in range(0, n, bb):
             G = qc @ tiles(b0, bb).T
@@ -649,7 +731,7 @@ def _fix_gpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, ids=None):
 
     qsub = cp.ascontiguousarray(qs[bad])
     qc = qsub - mu
-    qn = cp.einsum("ij,ij->i", qc, qc)
+    qn = _sqnorms(qc)
     rows, cols = [], []
     for b0 in range(0, base.shape[0], bb):
         D = (qn[:, None] + bn[None, b0:b0 + bb]) - 2.0 * (qc @ tiles(b0, bb).T)

@@ -5,7 +5,7 @@ import numpy as np
 
 from ..backend import is_cupy, resolve_device
 from ..errors import InputError
-from .bruteforce import check_k, check_points, knn_bruteforce
+from .bruteforce import ExactSearch, check_k, check_points
 from .kdtree import (_bound_limit, _check_budget, _check_build_params, _check_n_trees, build_kdforest, check_split,
                      check_bounds, heap_capacity, query_kdtree)
 
@@ -155,6 +155,7 @@ class KDForest:
                              f"d={d} makes every tree identical)")
         self.n_samples_fit_, self.n_features_in_ = int(X.shape[0]), d
         self._fit_X = X if keep_rows else None
+        self.__dict__.pop("_exact", None)
         self.tree_ = None
         self.random_dims_ = rand_f or None
         if self.method != "exact":
@@ -213,7 +214,7 @@ class KDForest:
             if self.device_ == "gpu":
                 import cupy as xp
             b = check_bounds(bounds, int(Q.shape[0]), xp=xp)
-            dist, ids = knn_bruteforce(self._fit_X, Q, k, device=self.device_)
+            dist, ids = self._exact_search().search(Q, k)
             if b is not None:
                 drop = dist > _bound_limit(b, int(Q.shape[0]), xp=xp)[:, None]
                 dist[drop] = np.inf
@@ -229,6 +230,14 @@ class KDForest:
                                         heap_cap=self.heap_cap)
         self.stats_ = dict(stats, method=self.method)
         return dist, ids
+
+    def _exact_search(self) -> ExactSearch:
+        """The exact search over the kept rows, prepared once (their mean, centred copy and
+        norms), and again only when the rows change."""
+        c = self.__dict__.get("_exact")
+        if c is None or c[0] is not self._fit_X:
+            c = self.__dict__["_exact"] = (self._fit_X, ExactSearch(self._fit_X, device=self.device_))
+        return c[1]
 
     def kneighbors(self, Q, n_neighbors: int = 1):
         """scikit-learn naming: (distances, indices) with *Euclidean* distances."""

@@ -1,7 +1,7 @@
 """CuPy backend of the neighbour search: a uniform grid (cell list).
 
-The surface is counting-sorted into cubic cells of edge ``h >= radius`` (a radix sort of the
-cell ids, then a bincount + scan for the cell starts); queries scan the 3x3x3 block of cells
+The surface is sorted into cubic cells of edge ``h >= radius`` (a radix sort of the cell ids,
+then a binary search per cell for the cell starts; the bounding box in one launch); queries scan the 3x3x3 block of cells
 around their own, whose x-runs are contiguous in the sorted order (9 ranges per query).
 Neighbour lists are built in two passes (count, exclusive scan, fill) and refer to positions in
 the cell-sorted surface; :func:`radius_search` maps them back to input indices.
@@ -142,6 +142,47 @@ extern "C" __global__ void knn_kernel(const float* __restrict__ Q, int nq, const
 
 // Approximate mode: keep the m nearest entries (by squared distance, then original index) of
 // every list; one warp per list, binary search on the float bits of the threshold.
+// order-preserving uint32 code of a float (a < b <=> code(a) < code(b)), for atomic min / max
+__device__ __forceinline__ unsigned int fcode(float f) {
+    unsigned int u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// bounding box of (n, 3) points: out[0..2] = min codes, out[3..5] = max codes (preset to
+// 0xffffffff / 0); a grid-stride loop, then a warp min / max and one atomic per warp and axis.
+extern "C" __global__ void bounds3(const float* __restrict__ P, long long n, unsigned int* __restrict__ out) {
+    float lo0 = __int_as_float(0x7f800000), lo1 = lo0, lo2 = lo0;
+    float hi0 = -lo0, hi1 = -lo0, hi2 = -lo0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float x = P[3 * i], y = P[3 * i + 1], z = P[3 * i + 2];
+        lo0 = fminf(lo0, x); lo1 = fminf(lo1, y); lo2 = fminf(lo2, z);
+        hi0 = fmaxf(hi0, x); hi1 = fmaxf(hi1, y); hi2 = fmaxf(hi2, z);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        lo0 = fminf(lo0, __shfl_xor_sync(FULL_MASK, lo0, o)); hi0 = fmaxf(hi0, __shfl_xor_sync(FULL_MASK, hi0, o));
+        lo1 = fminf(lo1, __shfl_xor_sync(FULL_MASK, lo1, o)); hi1 = fmaxf(hi1, __shfl_xor_sync(FULL_MASK, hi1, o));
+        lo2 = fminf(lo2, __shfl_xor_sync(FULL_MASK, lo2, o)); hi2 = fmaxf(hi2, __shfl_xor_sync(FULL_MASK, hi2, o));
+    }
+    if ((threadIdx.x & 31) == 0) {
+        atomicMin(out, fcode(lo0)); atomicMin(out + 1, fcode(lo1)); atomicMin(out + 2, fcode(lo2));
+        atomicMax(out + 3, fcode(hi0)); atomicMax(out + 4, fcode(hi1)); atomicMax(out + 5, fcode(hi2));
+    }
+}
+
+// cs[c] = the first position of the sorted cell ids sc (n of them) whose cell is >= c, for
+// c = 0..ncell (a binary search per cell: no atomics, no host sync, any gaps between cells)
+extern "C" __global__ void cell_starts(const int* __restrict__ sc, int n, int ncell, int* __restrict__ cs) {
+    long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (c > ncell) return;
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        int mid = (lo + hi) >> 1;
+        if (sc[mid] < c) lo = mid + 1; else hi = mid;
+    }
+    cs[c] = lo;
+}
+
 extern "C" __global__ void cap_select(const long long* __restrict__ off, const int* __restrict__ nidx,
                                       const float* __restrict__ nd2, const int* __restrict__ order,
                                       int nq, int m, const long long* __restrict__ out_off,
@@ -225,13 +266,33 @@ class Grid:
         return tuple(np.int32(d) for d in self.dims)
 
 
+def bounds(pts) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo, hi)``: the per-axis minimum and maximum of (M, 3) float32 device points, as float64
+    host arrays holding the float32 values (one launch and one small copy; CuPy's ``min(axis=0)``
+    reduces each of the 3 columns in a single block). Empty points: ``(+inf, -inf)``."""
+    import cupy as cp
+
+    n = int(pts.shape[0])
+    out = cp.empty(6, cp.uint32)
+    out[:3] = 0xFFFFFFFF
+    out[3:] = 0
+    if n:
+        blocks = min((n + 255) // 256, 1024)
+        kernel("bounds3")((blocks,), (256,), (cp.ascontiguousarray(pts, dtype=cp.float32), np.int64(n), out))
+    u = out.get()
+    if not n:
+        return np.full(3, np.inf), np.full(3, -np.inf)
+    bits = np.where(u & 0x80000000, u & 0x7FFFFFFF, ~u).astype(np.uint32)
+    v = bits.view(np.float32).astype(np.float64)
+    return v[:3], v[3:]
+
+
 def build_grid(pts, cell: float, *, max_cells: int = MAX_CELLS) -> Grid:
     """Counting-sort ``pts`` (CuPy (M, 3) float32) into cells of edge >= ``cell``."""
     import cupy as cp
 
     n = pts.shape[0]
-    lohi = cp.concatenate([pts.min(axis=0), pts.max(axis=0)]).get().astype(np.float64)
-    lo, hi = lohi[:3], lohi[3:]
+    lo, hi = bounds(pts)
     h = float(cell) * 1.001
     ext = np.maximum(hi - lo, 0.0)
     while True:
@@ -250,9 +311,8 @@ def build_grid(pts, cell: float, *, max_cells: int = MAX_CELLS) -> Grid:
                             np.float32(origin[2]), inv_h, np.int32(dims[0]), np.int32(dims[1]),
                             np.int32(dims[2]), cid))
     order = cp.argsort(cid).astype(cp.int32)
-    counts = cp.bincount(cid, minlength=ncell)
-    cs = cp.zeros(ncell + 1, cp.int32)
-    cs[1:] = cp.cumsum(counts).astype(cp.int32)
+    cs = cp.empty(ncell + 1, cp.int32)
+    kernel("cell_starts")(((ncell + 256) // 256,), (256,), (cid[order], np.int32(n), np.int32(ncell), cs))
     return Grid(cp.ascontiguousarray(pts[order]), order, cs, origin, float(inv_h), h, dims)
 
 
@@ -267,8 +327,8 @@ def build_grid_knn(pts, k: int) -> Grid:
     import cupy as cp
 
     n = max(pts.shape[0], 1)
-    lohi = cp.concatenate([pts.min(axis=0), pts.max(axis=0)]).get().astype(np.float64)
-    ext = np.maximum(lohi[3:] - lohi[:3], 1e-9)
+    lo, hi = bounds(pts)
+    ext = np.maximum(hi - lo, 1e-9)
     ext = np.maximum(ext, ext.max() * 1e-3)
     h0 = (float(np.prod(ext)) / n * 64) ** (1 / 3)
     g0 = build_grid(pts, h0)

@@ -532,12 +532,20 @@ def gc_hypotheses_many(scenes, model_kp_coords, *, gc_size: float, gc_threshold:
     rows_h, inl_h, goffs_h = rows.get(), inl.get(), goffs.get()
     ok_h, scene_h, model_h = (cnt >= 3).get(), set_scene.get(), (set_key % nm).get()
     poses_h, cnt_h = poses.get(), cnt.get()
+    from .grouping import GroupList
+
+    # each kept hypothesis' RANSAC inliers, flat: a set's members are contiguous and sets are in
+    # (scene, acceptance) order, so one mask gives every scene's groups in hypothesis order
+    set_of = np.repeat(np.arange(H), np.diff(goffs_h))
+    member = inl_h & ok_h[set_of]
     out = []
     for b in range(B):
         sel = np.flatnonzero(ok_h & (scene_h == b))
         if not len(sel):
             out.append(empty)
             continue
-        groups = [rows_h[goffs_h[h]:goffs_h[h + 1]][inl_h[goffs_h[h]:goffs_h[h + 1]]] - coffs[b] for h in sel]
+        m = member & (scene_h[set_of] == b)
+        sizes = np.bincount(set_of[m], minlength=H)[sel]
+        groups = GroupList(rows_h[m] - coffs[b], np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
         out.append((model_h[sel].astype(np.int32), poses_h[sel], cnt_h[sel].astype(np.int32), groups))
     return out

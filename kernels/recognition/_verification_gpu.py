@@ -229,13 +229,17 @@ def voxel_ranks(points, cell: float):
     """Dense rank of each point's voxel (edge ``cell``, origin at the min corner), int32."""
     import cupy as cp
 
+    from ..neighbors._search_gpu import bounds
+
     if points.shape[0] == 0:
         return cp.zeros(0, cp.int32)
-    lo = points.min(axis=0)
+    lo, hi = (v.astype(np.float32) for v in bounds(points))
     inv = np.float32(1.0 / cell)
-    ijk = cp.floor((points - lo) * inv).astype(cp.int64)
-    dims = ijk.max(axis=0) + 1
-    key = ijk[:, 0] + dims[0] * (ijk[:, 1] + dims[1] * ijk[:, 2])
+    ijk = cp.floor((points - cp.asarray(lo)) * inv).astype(cp.int64)
+    # the largest voxel index per axis is the top corner's: float32 subtraction, product and
+    # floor are monotone, so this is ijk.max(axis=0) without a column reduction
+    dims = np.floor((hi - lo) * inv).astype(np.int64) + 1
+    key = ijk[:, 0] + int(dims[0]) * (ijk[:, 1] + int(dims[1]) * ijk[:, 2])
     _, rank = cp.unique(key, return_inverse=True)
     return rank.astype(cp.int32).reshape(-1)
 

@@ -63,8 +63,6 @@ def match(scene_descriptors, library: ModelLibrary, *, k: int = 1, max_dist2: fl
     Correspondences
         Ordered by scene keypoint, then neighbour rank.
     """
-    from ..knn.bruteforce import knn_bruteforce
-
     dev = resolve_device(device, scene_descriptors)
     k = int(k)
     if k < 1:
@@ -86,8 +84,7 @@ def match(scene_descriptors, library: ModelLibrary, *, k: int = 1, max_dist2: fl
         return empty
     kq = k + (1 if ratio is not None else 0)
     kq = min(kq, len(rows))
-    base = library._device_array("ref_descriptors", lambda: library.descriptors[rows], dev)
-    d2, ids = knn_bruteforce(base, sd[sval], kq, device=dev)
+    d2, ids = library._exact_search(dev).search(sd[sval], kq)
     d2 = to_numpy(d2).astype(np.float32)
     ids = to_numpy(ids)
     sval = to_numpy(sval)

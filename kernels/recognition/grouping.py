@@ -14,6 +14,8 @@ threshold = bin size / ``gc_size``, up to 10,000 iterations) and its pose is the
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +26,42 @@ from .correspondences import Correspondences
 from .library import ModelLibrary
 from .rigid import ransac_rigid, ransac_rigid_groups, rigid_transform
 
-__all__ = ["Hypotheses", "hough_maxima", "group_hough", "group_gc"]
+__all__ = ["Hypotheses", "GroupList", "hough_maxima", "group_hough", "group_gc"]
+
+
+class GroupList(Sequence):
+    """Per-hypothesis correspondence indices held as one flat array and offsets: group ``h`` is
+    ``flat[offsets[h]:offsets[h + 1]]``. The GPU grouping's form (a list of arrays costs a slice
+    per hypothesis, thousands per batch of scenes); it reads as a sequence of arrays."""
+
+    def __init__(self, flat: np.ndarray, offsets: np.ndarray):
+        self.flat, self.offsets = flat, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = operator.index(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"group {i} of {len(self)}")
+        return self.flat[self.offsets[i]:self.offsets[i + 1]]
+
+    def take(self, keep: np.ndarray) -> "GroupList":
+        """The groups where the boolean ``keep`` holds, in order."""
+        sizes = np.diff(self.offsets)
+        return GroupList(self.flat[np.repeat(keep, sizes)],
+                         np.concatenate([[0], np.cumsum(sizes[keep])]).astype(np.int64))
+
+
+def take_groups(groups, keep: np.ndarray):
+    """``[g for g, k in zip(groups, keep) if k]`` for a list or a :class:`GroupList`."""
+    if isinstance(groups, GroupList):
+        return groups.take(np.asarray(keep, bool))
+    return [g for g, k in zip(groups, keep) if k]
 
 
 @dataclass
@@ -34,7 +71,8 @@ class Hypotheses:
     model_id: np.ndarray                 # (H,) int32
     poses: np.ndarray                    # (H, 4, 4) float64
     n_corr: np.ndarray                   # (H,) int32: correspondences kept (RANSAC inliers)
-    groups: list = field(default_factory=list)  # per hypothesis: correspondence indices
+    groups: Sequence = field(default_factory=list)  # per hypothesis: correspondence indices (a list
+    # of arrays, or a GroupList)
 
     def __len__(self) -> int:
         return len(self.model_id)
@@ -49,7 +87,7 @@ class Hypotheses:
         if not hs:
             return cls.empty()
         return cls(np.concatenate([h.model_id for h in hs]), np.concatenate([h.poses for h in hs]),
-                   np.concatenate([h.n_corr for h in hs]), sum((h.groups for h in hs), []))
+                   np.concatenate([h.n_corr for h in hs]), [g for h in hs for g in h.groups])
 
 
 def hough_maxima(votes, *, bin_size: float, threshold: float, use_interpolation: bool = True,

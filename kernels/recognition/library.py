@@ -411,16 +411,23 @@ class ModelLibrary:
         return (f"ModelLibrary({self.n_models} models, {len(self.kp_id)} reference descriptors "
                 f"({len(self.valid_rows)} valid), params={self.params})")
 
-    def _device_array(self, key, make, dev):
-        """A memoised device copy of a derived array (the matched reference descriptors)."""
-        if dev != "gpu":
-            return make()
-        cache = self.__dict__.setdefault("_gpu_cache", {})
-        if key not in cache:
-            import cupy as cp
+    def _exact_search(self, dev: str):
+        """The exact search over the matched reference descriptors (``descriptors[valid_rows]``)
+        on ``dev``, prepared once per device (:class:`~scanforest.kernels.knn.bruteforce.ExactSearch`:
+        on a GPU the rows stay resident between scenes)."""
+        from ..knn.bruteforce import ExactSearch
 
-            cache[key] = cp.asarray(make())
-        return cache[key]
+        cache = self.__dict__.setdefault("_search_cache", {})
+        memo = cache.get(dev)
+        if memo is None or memo[0] is not self.descriptors:
+            memo = cache[dev] = (self.descriptors, ExactSearch(self.reference(), device=dev))
+        return memo[1]
+
+    def __getstate__(self):
+        # a pickled library (sent to a Dask worker) carries its arrays, not the searches built on them
+        state = dict(self.__dict__)
+        state.pop("_search_cache", None)
+        return state
 
     # ------------------------------------------------------------------ persistence
     _ARRAYS = ("point_offsets", "points", "normals", "kp_offsets", "kp_index", "kp_coords",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import to_numpy, xp_for
-from .grouping import Hypotheses
+from .grouping import Hypotheses, take_groups
 from .icp import icp_point_to_plane_batch
 
 __all__ = ["refine_hypotheses"]
@@ -55,8 +55,7 @@ def refine_hypotheses(hyps: Hypotheses, first_scores, library, sidx, *, method: 
         _refine_icp(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations)
     keep = np.zeros(len(hyps), bool)
     keep[cand] = True
-    work = Hypotheses(hyps.model_id[keep], poses[keep], hyps.n_corr[keep],
-                      [g for g, k in zip(hyps.groups, keep) if k] if hyps.groups else [])
+    work = Hypotheses(hyps.model_id[keep], poses[keep], hyps.n_corr[keep], take_groups(hyps.groups, keep))
     return work, np.flatnonzero(keep), rmse
 
 
