@@ -802,7 +802,8 @@ def test_recognize_many_equals_recognize_one_scene_at_a_time(device):
 def test_group_list_reads_as_a_list_of_groups():
     """GroupList (the GPU grouping's flat groups) reads, takes and concatenates as the list of
     arrays it stands for."""
-    from scanforest.kernels.recognition.grouping import GroupList, Hypotheses, take_groups
+    from scanforest.kernels.recognition._groups import take_groups
+    from scanforest.kernels.recognition.grouping import GroupList, Hypotheses
 
     lists = [np.array([4, 1, 7]), np.array([], np.int64), np.array([2]), np.array([9, 3])]
     gl = GroupList(np.concatenate(lists), np.array([0, 3, 3, 4, 6]))

@@ -532,7 +532,7 @@ def gc_hypotheses_many(scenes, model_kp_coords, *, gc_size: float, gc_threshold:
     rows_h, inl_h, goffs_h = rows.get(), inl.get(), goffs.get()
     ok_h, scene_h, model_h = (cnt >= 3).get(), set_scene.get(), (set_key % nm).get()
     poses_h, cnt_h = poses.get(), cnt.get()
-    from .grouping import GroupList
+    from ._groups import GroupList
 
     # each kept hypothesis' RANSAC inliers, flat: a set's members are contiguous and sets are in
     # (scene, acceptance) order, so one mask gives every scene's groups in hypothesis order

@@ -14,7 +14,6 @@ threshold = bin size / ``gc_size``, up to 10,000 iterations) and its pose is the
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,46 +21,12 @@ import numpy as np
 from numba import njit, prange
 
 from ..backend import resolve_device, to_numpy
+from ._groups import GroupList  # noqa: F401 - part of this module's API (Hypotheses.groups)
 from .correspondences import Correspondences
 from .library import ModelLibrary
 from .rigid import ransac_rigid, ransac_rigid_groups, rigid_transform
 
 __all__ = ["Hypotheses", "GroupList", "hough_maxima", "group_hough", "group_gc"]
-
-
-class GroupList(Sequence):
-    """Per-hypothesis correspondence indices held as one flat array and offsets: group ``h`` is
-    ``flat[offsets[h]:offsets[h + 1]]``. The GPU grouping's form (a list of arrays costs a slice
-    per hypothesis, thousands per batch of scenes); it reads as a sequence of arrays."""
-
-    def __init__(self, flat: np.ndarray, offsets: np.ndarray):
-        self.flat, self.offsets = flat, offsets
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        i = operator.index(i)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"group {i} of {len(self)}")
-        return self.flat[self.offsets[i]:self.offsets[i + 1]]
-
-    def take(self, keep: np.ndarray) -> "GroupList":
-        """The groups where the boolean ``keep`` holds, in order."""
-        sizes = np.diff(self.offsets)
-        return GroupList(self.flat[np.repeat(keep, sizes)],
-                         np.concatenate([[0], np.cumsum(sizes[keep])]).astype(np.int64))
-
-
-def take_groups(groups, keep: np.ndarray):
-    """``[g for g, k in zip(groups, keep) if k]`` for a list or a :class:`GroupList`."""
-    if isinstance(groups, GroupList):
-        return groups.take(np.asarray(keep, bool))
-    return [g for g, k in zip(groups, keep) if k]
 
 
 @dataclass

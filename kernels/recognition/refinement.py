@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import to_numpy, xp_for
-from .grouping import Hypotheses, take_groups
+from ._groups import take_groups
+from .grouping import Hypotheses
 from .icp import icp_point_to_plane_batch
 
 __all__ = ["refine_hypotheses"]
