@@ -354,10 +354,13 @@ def _thread_env(n_workers: int, threads_per_worker: int) -> dict[str, str]:
 
 
 #: default worker processes per GPU (fewer where the host has under 2 cores per worker). The
-#: archive's GPU stages are partly host-bound (Zarr I/O, launches, host syncs): on one H100 with 16
-#: cores, `bench archive --scans 300 --device gpu` ran 1.60 scans/s end to end with 1 worker,
-#: 2.92 with 4 and 1.89 with 8 (processes on one GPU time-slice it; 8 contend more than they overlap)
-GPU_WORKERS_PER_DEVICE = 4
+#: archive's GPU stages are partly host-bound (Zarr I/O, launches, host syncs). On one H200 with 16
+#: cores, `bench archive --scans 1000 --device gpu` ran its one pass at 17.05 / 20.71 scans/s with
+#: 4 / 8 workers (2026-11-26, early) and 17.75 / 22.98 after the device matching and grouping got
+#: faster (the same day, later): once recognition stopped being host-bound, 8 processes overlap
+#: their host work with one another's kernels. (On 2026-11-25's host-bound code, an H100 ran
+#: 2.92 scans/s with 4 workers and 1.89 with 8.)
+GPU_WORKERS_PER_DEVICE = 8
 
 
 def default_gpu_workers(n_gpus: int) -> int:
@@ -456,13 +459,29 @@ def auto_batch(n_items: int, workers: int, *, max_batch: int = 32) -> int:
 
 
 def map_batches(task, items: list, *, item_param: str, common: dict, label: str, batch: int,
-                progress: bool = True) -> list:
+                progress: bool = True, workers: int | None = None) -> list:
     """Run ``task(**common, item_param=batch_of_items)`` over batches; each task returns one
-    record per item. Returns the flat list of records in input order."""
-    batches = [items[i:i + batch] for i in range(0, len(items), max(1, batch))]
+    record per item. Returns the flat list of records in input order.
+
+    ``workers`` (given with an automatic ``batch``): the last two rounds of tasks take batches
+    of a quarter of the size (:func:`batch_slices`), so the workers run out of work together
+    instead of most of them waiting on the last full batches."""
+    batches = [items[a:b] for a, b in batch_slices(len(items), batch, workers)]
     out = map_units(task, [{**common, item_param: b} for b in batches], label=label, progress=progress,
                     weights=[len(b) for b in batches])
     return [rec for recs in out for rec in recs]
+
+
+def batch_slices(n: int, batch: int, workers: int | None = None) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the batches of ``n`` items: ``batch`` items each, the last
+    ``2 x workers`` of them (when ``workers`` is given and a batch holds 4 items or more) a
+    quarter of ``batch``, in order."""
+    batch = max(1, int(batch))
+    small = batch // 4
+    tail = min(n, 2 * int(workers) * small) if workers and small else 0
+    head = n - tail
+    return ([(a, min(a + batch, head)) for a in range(0, head, batch)]
+            + [(a, min(a + small, n)) for a in range(head, n, small or 1)])
 
 
 def map_units(task, kwargs_list: list[dict], *, label: str, progress: bool = True, weights=None) -> list:
