@@ -10,7 +10,7 @@ they still receive the flow's API URL (a worker plugin sets ``PREFECT_API_URL``)
 call made there talks to the flow's server instead of starting a temporary one.
 
 The embedded default needs no infrastructure: a ``LocalCluster`` of processes (or
-GPU workers, 4 per GPU by default, when dask-cuda is installed and GPUs are visible) and
+GPU workers, 8 per GPU by default, when dask-cuda is installed and GPUs are visible) and
 Prefect's temporary local API, started once per process. ``scheduler=ADDRESS`` uses an existing
 Dask cluster instead; ``PREFECT_API_URL`` set in the environment uses that Prefect server.
 """
@@ -300,7 +300,7 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
         Address of an existing scheduler (``tcp://host:8786``). Its workers are used as they are.
     n_workers : int, optional
         Local workers (default: one per core, at most 8; on GPUs :func:`default_gpu_workers`,
-        4 per GPU where the host has the cores; more workers than GPUs share the GPUs, see
+        8 per GPU where the host has the cores; more workers than GPUs share the GPUs, see
         :func:`_gpu_cluster`).
     device : {"auto", "cpu", "gpu"}
         ``gpu``/``auto`` with dask-cuda and a visible GPU start ``LocalCUDACluster``.
@@ -459,29 +459,13 @@ def auto_batch(n_items: int, workers: int, *, max_batch: int = 32) -> int:
 
 
 def map_batches(task, items: list, *, item_param: str, common: dict, label: str, batch: int,
-                progress: bool = True, workers: int | None = None) -> list:
+                progress: bool = True) -> list:
     """Run ``task(**common, item_param=batch_of_items)`` over batches; each task returns one
-    record per item. Returns the flat list of records in input order.
-
-    ``workers`` (given with an automatic ``batch``): the last two rounds of tasks take batches
-    of a quarter of the size (:func:`batch_slices`), so the workers run out of work together
-    instead of most of them waiting on the last full batches."""
-    batches = [items[a:b] for a, b in batch_slices(len(items), batch, workers)]
+    record per item. Returns the flat list of records in input order."""
+    batches = [items[i:i + batch] for i in range(0, len(items), max(1, batch))]
     out = map_units(task, [{**common, item_param: b} for b in batches], label=label, progress=progress,
                     weights=[len(b) for b in batches])
     return [rec for recs in out for rec in recs]
-
-
-def batch_slices(n: int, batch: int, workers: int | None = None) -> list[tuple[int, int]]:
-    """``(start, stop)`` of the batches of ``n`` items: ``batch`` items each, the last
-    ``2 x workers`` of them (when ``workers`` is given and a batch holds 4 items or more) a
-    quarter of ``batch``, in order."""
-    batch = max(1, int(batch))
-    small = batch // 4
-    tail = min(n, 2 * int(workers) * small) if workers and small else 0
-    head = n - tail
-    return ([(a, min(a + batch, head)) for a in range(0, head, batch)]
-            + [(a, min(a + small, n)) for a in range(head, n, small or 1)])
 
 
 def map_units(task, kwargs_list: list[dict], *, label: str, progress: bool = True, weights=None) -> list:

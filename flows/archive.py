@@ -127,7 +127,7 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
         recs = map_batches(process_batch_task, list(scenes), item_param="scan_ids",
                            common=dict(store=store, library=library, index=index, params=params, k=int(k),
                                        device=device),
-                           label="process", batch=nb, progress=progress, workers=None if batch else nw)
+                           label="process", batch=nb, progress=progress)
         t_scenes = time.perf_counter() - t1
     count_redone(recs, st, "recognize", since, "recognized")
     summary = summarize(recs)

@@ -557,24 +557,6 @@ def test_local_workers_share_the_cores_for_numba(monkeypatch):
     assert _thread_env(2, 1) == {"NUMBA_NUM_THREADS": "3"}  # the user's choice wins
 
 
-def test_batches_cover_every_item_once_with_a_quarter_size_tail():
-    """The automatic batches: every item once, in order; the last two rounds of tasks a quarter
-    of the size; without workers (or with batches under 4 items) all of one size."""
-    from scanforest.flows._runner import batch_slices, default_gpu_workers
-
-    for n, b, w in ((1000, 15, 8), (1000, 15, 4), (37, 16, 2), (5, 16, 8), (0, 8, 8), (100, 3, 8), (100, 7, None)):
-        sl = batch_slices(n, b, w)
-        assert [i for a, z in sl for i in range(a, z)] == list(range(n)), (n, b, w)
-        sizes = [z - a for a, z in sl]
-        assert all(0 < s <= b for s in sizes)
-        if w and b >= 4 and n >= 2 * w * (b // 4):
-            assert sizes[-2 * w:] == [b // 4] * (2 * w)
-        elif not w or b < 4:
-            assert all(s == b for s in sizes[:-1])
-    assert batch_slices(1000, 15, 8)[:3] == [(0, 15), (15, 30), (30, 45)]
-    assert default_gpu_workers(1) >= 1 and default_gpu_workers(2) % 2 == 0
-
-
 _THREADS_MAIN = """
 import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
