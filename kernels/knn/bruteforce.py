@@ -461,13 +461,19 @@ def _placed(base, queries, device):
     """``(device, array module, converter, base, queries)``: both validated on the device the
     inputs or ``device`` choose (a float16 base stays float16 on a GPU)."""
     dev = resolve_device(device, base, queries)
+    xp, conv, base = _placed_base(base, dev)
+    queries = check_points(conv(queries), "queries", dim=base.shape[1], xp=xp)
+    return dev, xp, conv, base, queries
+
+
+def _placed_base(base, dev: str):
+    """``(array module, converter, base)``: the base validated on ``dev`` (a float16 base stays
+    float16 on a GPU)."""
     xp = np
     if dev == "gpu":
         import cupy as xp
     conv = to_numpy if dev == "cpu" else xp.asarray
-    base = check_points(conv(base), "base", xp=xp, keep_half=dev == "gpu")
-    queries = check_points(conv(queries), "queries", dim=base.shape[1], xp=xp)
-    return dev, xp, conv, base, queries
+    return xp, conv, check_points(conv(base), "base", xp=xp, keep_half=dev == "gpu")
 
 
 def knn_bruteforce(base, queries, k: int, *, device: str = "auto", block=None, ids=None):
@@ -533,13 +539,8 @@ class ExactSearch:
 
     def __init__(self, base, *, device: str = "auto"):
         dev = resolve_device(device, base)
-        xp = np
-        if dev == "gpu":
-            import cupy as xp
-        conv = to_numpy if dev == "cpu" else xp.asarray
         self.device = dev
-        self.base = check_points(conv(base), "base", xp=xp, keep_half=dev == "gpu")
-        self._conv, self._xp = conv, xp
+        self._xp, self._conv, self.base = _placed_base(base, dev)
         self._stats = _BaseStats(self.base, dev, _KEEP_SHARE)
 
     def search(self, queries, k: int, *, block=None, ids=None):
