@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit, prange
 
 from .. import validation
-from ..backend import free_memory, is_cupy, resolve_device, to_numpy
+from ..backend import free_memory, is_cupy, resolve_device, to_numpy, xp_for
 from ..errors import InputError
 
 __all__ = ["knn_bruteforce", "ExactSearch", "pair_distances", "recall", "check_points", "MAX_K"]
@@ -573,24 +573,16 @@ class _BaseStats:
 
     def __init__(self, base, device: str, share: dict):
         self.base, self.device = base, device
+        xp = xp_for(device)
         n, d = base.shape
-        if device == "gpu":
-            import cupy as cp
-
-            self.mu = base.mean(axis=0, dtype=cp.float64).astype(cp.float32)
-            free = cp.cuda.Device().mem_info[0]
-            # the centred copy is float32 whatever the base (half rows are widened exactly by the subtraction)
-            self.tiles = _Tiles(base, self.mu, copy=n * d * 4 <= free * share["gpu"])  # else tile by tile
-            self.bn = cp.empty(n, cp.float32)
-            step = min(n, 1 << 18)
-        else:
-            self.mu = base.mean(axis=0, dtype=np.float64).astype(np.float32)
-            self.tiles = _Tiles(base, self.mu, copy=base.nbytes <= free_memory("cpu")[0] * share["cpu"])
-            self.bn = np.empty(n, np.float32)
-            step = _blocks(1, n, d, 512 << 20, None)[1]
-        for b0 in range(0, n, max(step, 1)):
-            t = self.tiles(b0, step)
-            self.bn[b0:b0 + step] = _sqnorms(t)
+        self.mu = base.mean(axis=0, dtype=xp.float64).astype(xp.float32)
+        # the centred copy is float32 whatever the base (half rows are widened exactly by the
+        # subtraction); without it each tile is centred as it is used
+        self.tiles = _Tiles(base, self.mu, copy=n * d * 4 <= free_memory(device)[0] * share[device])
+        self.bn = xp.empty(n, xp.float32)
+        step = max(1, min(n, 1 << 18))
+        for b0 in range(0, n, step):
+            self.bn[b0:b0 + step] = _sqnorms(self.tiles(b0, step))
         self.bnmax = float(self.bn.max()) if n else 0.0
 
 

@@ -538,13 +538,14 @@ def gc_hypotheses_many(scenes, model_kp_coords, *, gc_size: float, gc_threshold:
     # (scene, acceptance) order, so one mask gives every scene's groups in hypothesis order
     set_of = np.repeat(np.arange(H), np.diff(goffs_h))
     member = inl_h & ok_h[set_of]
+    member_scene = scene_h[set_of]
     out = []
     for b in range(B):
         sel = np.flatnonzero(ok_h & (scene_h == b))
         if not len(sel):
             out.append(empty)
             continue
-        m = member & (scene_h[set_of] == b)
+        m = member & (member_scene == b)
         sizes = np.bincount(set_of[m], minlength=H)[sel]
         groups = GroupList(rows_h[m] - coffs[b], np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
         out.append((model_h[sel].astype(np.int32), poses_h[sel], cnt_h[sel].astype(np.int32), groups))
