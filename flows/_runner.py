@@ -288,11 +288,50 @@ def _want_gpu_cluster(device: str) -> bool:
     return importlib.util.find_spec("dask_cuda") is not None
 
 
+#: the local cluster kept by an open :func:`cluster_scope` (None: no scope is open)
+_scope: dict | None = None
+
+
+@contextlib.contextmanager
+def cluster_scope(*, device: str = "auto", workers: int | None = None) -> Iterator[None]:
+    """Keep one local cluster for every stage run inside: the first :func:`dask_client` call
+    without a scheduler starts it (on ``device``, with ``workers`` workers: the scope's, whatever
+    the call asks, so an archive's ingest runs on the workers its recognition will use), the
+    later ones reuse it with its workers' loaded libraries and indexes, and it closes when the
+    scope does. A run of several stages (the archive flow, the demo, ``bench archive``) starts
+    its workers once instead of once per stage. Nested scopes use the outermost one."""
+    global _scope
+    if _scope is not None:
+        yield
+        return
+    _scope = {"device": device, "workers": workers}
+    try:
+        yield
+    finally:
+        kept, _scope = _scope, None
+        for obj in (kept.get("client"), kept.get("cluster")):
+            if obj is not None:
+                with contextlib.suppress(Exception):
+                    obj.close()
+
+
+def _local_cluster(n_workers: int | None, threads_per_worker: int, device: str, memory_limit):
+    if _want_gpu_cluster(device):
+        return _gpu_cluster(n_workers, threads_per_worker)
+    from distributed import LocalCluster
+
+    n = n_workers or max(1, min(8, os.cpu_count() or 1))
+    return LocalCluster(n_workers=n, threads_per_worker=threads_per_worker, processes=True,
+                        dashboard_address=None, memory_limit=memory_limit, silence_logs=logging.ERROR,
+                        env=_thread_env(n, threads_per_worker))
+
+
 @contextlib.contextmanager
 def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
                 threads_per_worker: int = 1, device: str = "auto",
                 memory_limit: str | None = "auto") -> Iterator:
-    """A Dask client: connect to ``scheduler`` or start a local cluster for the duration.
+    """A Dask client: connect to ``scheduler`` or start a local cluster for the duration (inside
+    a :func:`cluster_scope`: the scope's cluster, started once).
 
     Parameters
     ----------
@@ -317,16 +356,17 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
             raise InputError(f"cannot reach the Dask scheduler at {scheduler} "
                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         cluster = None
-    elif _want_gpu_cluster(device):
-        cluster = _gpu_cluster(n_workers, threads_per_worker)
-        client = Client(cluster)
+    elif _scope is not None:
+        if "client" not in _scope:
+            cluster = _local_cluster(_scope["workers"] or n_workers, threads_per_worker, _scope["device"],
+                                     memory_limit)
+            _scope["cluster"], _scope["client"] = cluster, Client(cluster)
+            quiet_prefect_logs()
+            _scope["client"].register_plugin(_worker_plugin(env, local=True), name="scanforest-worker-setup")
+        yield _scope["client"]  # closed by the scope
+        return
     else:
-        from distributed import LocalCluster
-
-        n = n_workers or max(1, min(8, os.cpu_count() or 1))
-        cluster = LocalCluster(n_workers=n, threads_per_worker=threads_per_worker, processes=True,
-                               dashboard_address=None, memory_limit=memory_limit, silence_logs=logging.ERROR,
-                               env=_thread_env(n, threads_per_worker))
+        cluster = _local_cluster(n_workers, threads_per_worker, device, memory_limit)
         client = Client(cluster)
     quiet_prefect_logs()
     try:
@@ -458,11 +498,32 @@ def auto_batch(n_items: int, workers: int, *, max_batch: int = 32) -> int:
     return max(1, min(max_batch, n_items // max(1, 8 * workers)))
 
 
+def split_batches(items: list, batch: int, workers: int = 1) -> list[list]:
+    """``items`` in consecutive batches of at most ``batch``, sized evenly (they differ by at most
+    one item), and as many of them as a multiple of ``workers`` where there are enough items:
+    equal tasks dealt out to the workers finish together, where a remainder batch (or one
+    task more than a round) leaves all but a few workers idle for the run's last task."""
+    n = len(items)
+    if not n:
+        return []
+    t = -(-n // max(1, batch))
+    if workers > 1 and t > 1:
+        t = min(n, -(-t // workers) * workers)
+    q, r = divmod(n, t)
+    out, i = [], 0
+    for j in range(t):
+        size = q + (j < r)
+        out.append(items[i:i + size])
+        i += size
+    return out
+
+
 def map_batches(task, items: list, *, item_param: str, common: dict, label: str, batch: int,
-                progress: bool = True) -> list:
-    """Run ``task(**common, item_param=batch_of_items)`` over batches; each task returns one
-    record per item. Returns the flat list of records in input order."""
-    batches = [items[i:i + batch] for i in range(0, len(items), max(1, batch))]
+                progress: bool = True, workers: int = 1) -> list:
+    """Run ``task(**common, item_param=batch_of_items)`` over batches of at most ``batch`` items
+    (:func:`split_batches` over ``workers``); each task returns one record per item. Returns the
+    flat list of records in input order."""
+    batches = split_batches(list(items), batch, workers)
     out = map_units(task, [{**common, item_param: b} for b in batches], label=label, progress=progress,
                     weights=[len(b) for b in batches])
     return [rec for recs in out for rec in recs]

@@ -33,7 +33,8 @@ from scanforest.tasks.describe import DescribeParams
 from scanforest.tasks.recognize import build_library, describe_params_for, description_key, library_attrs
 from scanforest.tasks.store import ScanStore
 
-from ._runner import RUN_HOOKS, absolute_path, auto_batch, count_redone, dask_client, map_batches, n_workers, record_run
+from ._runner import (RUN_HOOKS, absolute_path, auto_batch, cluster_scope, count_redone, dask_client, map_batches,
+                      n_workers, record_run)
 from .describe import describe_flow
 from .ingest import ingest_flow
 from .match import index_build_flow, match_flow
@@ -60,46 +61,50 @@ def archive_flow(store: str, source: str | None = None, models: str = "models__*
     recognize)."""
     if pipeline not in PIPELINES:
         raise InputError(f"pipeline must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
-    out: dict[str, Any] = {}
-    store = absolute_path(store)
-    cluster = dict(scheduler=scheduler, workers=workers, progress=progress)
-    if source is not None:
-        out["ingest"] = ingest_flow(source=source, store=store, **cluster)
-    ids = ScanStore(store, mode="r").scans()
-    model_ids = [s for s in ids if fnmatch.fnmatchcase(s, models)]
-    if not model_ids:  # the library needs the models: say so before describing anything
-        raise InputError(f"no scan of {store} matches the models pattern {models!r} "
-                         f"(scan ids look like {ids[:3]})")
-    scene_ids = [s for s in ids if s not in set(model_ids)]
-    rec_params = dict(recognize or {})
-    check_recognize(store, model_ids, scene_ids, library_params, rec_params)
-    need = int(rec_params.get("match_k", 1)) + (1 if rec_params.get("ratio") is not None else 0)
-    if int(k) < need:
-        raise InputError(f"k={k} neighbours are fewer than recognition uses ({need}: match_k"
-                         f"{' + 1 for the ratio test' if need > int(rec_params.get('match_k', 1)) else ''})")
-    out["library"] = build_library(store, model_ids, name=library, params=library_params or {}, device=device)
-    params = describe_params_for(rec_params, library_attrs(store, library).get("params"))
-    if describe:
-        asked = DescribeParams(**{**params.__dict__, **describe})
-        want, got = description_key(params.as_dict()), description_key(asked.as_dict())
-        bad = [f"{key} {got[key]} (recognition describes with {want[key]})" for key in want if got[key] != want[key]]
-        if bad:
-            raise InputError("the archive describes scenes as recognition does; describe= asks for "
-                             + ", ".join(bad) + ": leave it out, or change the recognition parameters")
-    if pipeline == "one-pass":
+    # one local cluster for every stage (its workers start once, and keep the library and the
+    # index they load); with a scheduler, the stages use its workers
+    with cluster_scope(device=device, workers=workers):
+        out: dict[str, Any] = {}
+        store = absolute_path(store)
+        cluster = dict(scheduler=scheduler, workers=workers, progress=progress)
+        if source is not None:
+            out["ingest"] = ingest_flow(source=source, store=store, **cluster)
+        ids = ScanStore(store, mode="r").scans()
+        model_ids = [s for s in ids if fnmatch.fnmatchcase(s, models)]
+        if not model_ids:  # the library needs the models: say so before describing anything
+            raise InputError(f"no scan of {store} matches the models pattern {models!r} "
+                             f"(scan ids look like {ids[:3]})")
+        scene_ids = [s for s in ids if s not in set(model_ids)]
+        rec_params = dict(recognize or {})
+        check_recognize(store, model_ids, scene_ids, library_params, rec_params)
+        need = int(rec_params.get("match_k", 1)) + (1 if rec_params.get("ratio") is not None else 0)
+        if int(k) < need:
+            raise InputError(f"k={k} neighbours are fewer than recognition uses ({need}: match_k"
+                             f"{' + 1 for the ratio test' if need > int(rec_params.get('match_k', 1)) else ''})")
+        out["library"] = build_library(store, model_ids, name=library, params=library_params or {}, device=device)
+        params = describe_params_for(rec_params, library_attrs(store, library).get("params"))
+        if describe:
+            asked = DescribeParams(**{**params.__dict__, **describe})
+            want, got = description_key(params.as_dict()), description_key(asked.as_dict())
+            bad = [f"{key} {got[key]} (recognition describes with {want[key]})"
+                   for key in want if got[key] != want[key]]
+            if bad:
+                raise InputError("the archive describes scenes as recognition does; describe= asks for "
+                                 + ", ".join(bad) + ": leave it out, or change the recognition parameters")
+        if pipeline == "one-pass":
+            out["index-build"] = index_build_flow(store=store, library=library, name=index, shards=shards,
+                                                  params=index_params, k=k)
+            out["process"] = process_flow(store=store, scenes=scene_ids, library=library, index=index, k=k,
+                                          params=rec_params, device=device, **cluster)
+            return out
+        out["describe"] = describe_flow(store=store, scans=scene_ids, params=params, device=device, **cluster)
         out["index-build"] = index_build_flow(store=store, library=library, name=index, shards=shards,
                                               params=index_params, k=k)
-        out["process"] = process_flow(store=store, scenes=scene_ids, library=library, index=index, k=k,
-                                      params=rec_params, device=device, **cluster)
+        out["match"] = match_flow(store=store, k=k, name=index, device=device, **cluster)
+        out["recognize"] = recognize_flow(store=store, models=model_ids, library=library,
+                                          library_params=library_params, params=rec_params, device=device,
+                                          render=False, **cluster)
         return out
-    out["describe"] = describe_flow(store=store, scans=scene_ids, params=params, device=device, **cluster)
-    out["index-build"] = index_build_flow(store=store, library=library, name=index, shards=shards,
-                                          params=index_params, k=k)
-    out["match"] = match_flow(store=store, k=k, name=index, device=device, **cluster)
-    out["recognize"] = recognize_flow(store=store, models=model_ids, library=library,
-                                      library_params=library_params, params=rec_params, device=device,
-                                      render=False, **cluster)
-    return out
 
 
 @flow(name="scanforest-process", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)
@@ -127,12 +132,13 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
         recs = map_batches(process_batch_task, list(scenes), item_param="scan_ids",
                            common=dict(store=store, library=library, index=index, params=params, k=int(k),
                                        device=device),
-                           label="process", batch=nb, progress=progress)
+                           label="process", batch=nb, progress=progress, workers=nw)
         t_scenes = time.perf_counter() - t1
     count_redone(recs, st, "recognize", since, "recognized")
     summary = summarize(recs)
     summary.update(scenes=len(scenes), workers=nw, batch=nb, seconds=time.perf_counter() - t0,
-                   scenes_seconds=t_scenes, task_seconds=float(sum(r.get("seconds", 0.0) for r in recs)),
+                   scenes_seconds=t_scenes,
+                   task_seconds=float(sum(r.get("task_seconds", r.get("seconds", 0.0)) for r in recs)),
                    described=sum(bool(r.get("described")) for r in recs),
                    matched=sum(bool(r.get("matched")) for r in recs))
     record_run(ScanStore(store), "process", {"library": library, "index": index, "k": int(k), "params": params,

@@ -39,7 +39,7 @@ def _describe(store, scans, params, device, progress, batch, nw) -> dict[str, An
     since = _now()
     recs = map_batches(describe_scan_task, ids, item_param="scan_ids",
                        common=dict(store=store, params=params, device=device), label="describe",
-                       batch=batch or auto_batch(len(ids), nw), progress=progress)
+                       batch=batch or auto_batch(len(ids), nw), progress=progress, workers=nw)
     count_redone(recs, st, "describe", since, "described")
     done = [r for r in recs if r["status"] == "described"]
     failed = failures(recs)

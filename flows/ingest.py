@@ -63,7 +63,7 @@ def _ingest(source: str, store: str, units: str, progress: bool, batch: int | No
         run = uuid.uuid4().hex  # marks the scans this run writes (see ingest_file)
         records = map_batches(ingest_scan, sources, item_param="sources",
                               common=dict(store=store, units=units, run=run),
-                              label="ingest", batch=batch or auto_batch(len(sources), nw), progress=progress)
+                              label="ingest", batch=batch or auto_batch(len(sources), nw), progress=progress, workers=nw)
         summary = summarize(records, time.perf_counter() - t0)
         summary["quarantined"] += len(problems)
         summary["quarantine_reasons"] += [{"source": p["source"], "reason": p["reason"]} for p in problems]

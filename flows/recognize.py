@@ -40,7 +40,7 @@ def recognize_flow(store: str, models: list[str], scenes: list[str] | None = Non
         since = _now()
         recs = map_batches(recognize_batch_task, ids, item_param="scan_ids",
                            common=dict(store=store, library=library, params=params, device=device),
-                           label="recognize", batch=batch or auto_batch(len(ids), nw), progress=progress)
+                           label="recognize", batch=batch or auto_batch(len(ids), nw), progress=progress, workers=nw)
         t_scenes = time.perf_counter() - t1
     count_redone(recs, st, "recognize", since, "recognized")
     summary = summarize(recs)

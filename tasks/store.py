@@ -297,7 +297,7 @@ class ScanStore:
 
     @staticmethod
     def _write_array(grp, name: str, arr: np.ndarray, chunk_rows: int = CHUNK_ROWS):
-        chunks = (min(chunk_rows, max(1, arr.shape[0])),) + tuple(arr.shape[1:]) if arr.ndim else ()
+        chunks = _chunks_for(arr, chunk_rows)
         # every chunk is stored, even one equal to the fill value, so a missing chunk file is damage
         z = grp.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=chunks, overwrite=True,
                              config={"write_empty_chunks": True})
@@ -354,28 +354,38 @@ class ScanStore:
         self.write_stages(scan_id, [(stage, arrays, attrs)])
 
     def write_stages(self, scan_id: str, items) -> dict[str, dict[str, Any]]:
-        """:meth:`write_stage` for several stages of one scan under one claim, in order:
-        ``items`` are ``(stage, arrays, attrs)``, where ``attrs`` may be a function of the
-        records written before it in this call (``{stage: record}``), e.g. to name the
-        :func:`stage_digest` of the description a match was made from. Each stage's record is
-        set only after its own arrays read back whole (a crash leaves the earlier stages done and
-        the later ones not). Returns the records written."""
+        """:meth:`write_stage` for several stages of one scan under one claim: ``items`` are
+        ``(stage, arrays, attrs)``, where ``attrs`` may be a function of the records made before
+        it in this call (``{stage: record}``), e.g. to name the :func:`stage_digest` of the
+        description a match was made from.
+
+        The records of the stages being replaced go first; then every array of every stage is
+        written and read back in one round through Zarr's event loop (:func:`_write_arrays`);
+        then all the records are set at once. A crash in between leaves none of these stages
+        recorded, never one whose arrays are half written. Returns the records written."""
         self._writable()
+        items = [(stage, {name: np.asarray(arr) for name, arr in arrays.items()}, attrs)
+                 for stage, arrays, attrs in items]
+        names = [name for _, arrays, _ in items for name in arrays]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{scan_id}: two stages of one write_stages call name the same array")
         written: dict[str, dict[str, Any]] = {}
         with self.claim(scan_id):
-            for stage, arrays, attrs in items:
-                arrays = {name: np.asarray(arr) for name, arr in arrays.items()}
-                promised = {name: _spec(arr) for name, arr in arrays.items()}
-                grp = self._scan(scan_id)
-                stages = dict(grp.attrs.get("stages", {}))
-                if stages.pop(stage, None) is not None:
-                    grp.attrs["stages"] = stages
-                for name, arr in arrays.items():
-                    self._write_array(grp, name, arr)
-                _check_written(self._scan(scan_id), promised, f"{scan_id} stage {stage}")
-                a = attrs(written) if callable(attrs) else attrs
-                stages[stage] = written[stage] = {**_jsonable(a or {}), "arrays": promised, "written": _now()}
+            grp = self._scan(scan_id)
+            stages = dict(grp.attrs.get("stages", {}))
+            dropped = [stage for stage, _, _ in items if stages.pop(stage, None) is not None]
+            if dropped:
                 grp.attrs["stages"] = stages
+            all_arrays = {name: arr for _, arrays, _ in items for name, arr in arrays.items()}
+            found = _write_arrays(grp, all_arrays)
+            if found:
+                raise OSError(errno.EIO, f"{scan_id} stages {[s for s, _, _ in items]}: written arrays did not "
+                                         f"read back: {'; '.join(found)}")
+            for stage, arrays, attrs in items:
+                a = attrs(written) if callable(attrs) else attrs
+                written[stage] = {**_jsonable(a or {}), "arrays": {n: _spec(x) for n, x in arrays.items()},
+                                  "written": _now()}
+            grp.attrs["stages"] = {**stages, **written}
         return written
 
     def stage(self, scan_id: str, stage: str) -> dict[str, Any] | None:
@@ -629,3 +639,113 @@ def _gather_arrays(grp, names: list[str]) -> list[np.ndarray]:
         return await asyncio.gather(*(a.getitem(Ellipsis) for a in arrs))
 
     return [np.asarray(a) for a in sync(_all())]
+
+
+def _chunks_for(arr: np.ndarray, chunk_rows: int = CHUNK_ROWS) -> tuple[int, ...]:
+    return (min(chunk_rows, max(1, arr.shape[0])),) + tuple(arr.shape[1:]) if arr.ndim else ()
+
+
+def _write_arrays(grp, arrays: dict[str, np.ndarray]) -> list[str]:
+    """Write ``arrays`` into the group (each replaced, every chunk stored) and read them back:
+    the problems found (:func:`_array_problems`), none when all are whole. The creates, the chunk
+    writes and the read-back are issued together on Zarr's event loop: one round trip from this
+    thread, where writing them one by one costs about seven."""
+    import asyncio
+
+    promised = {name: _spec(arr) for name, arr in arrays.items()}
+    try:
+        from zarr.core.sync import sync
+        agrp = grp._async_group
+    except (ImportError, AttributeError):  # another Zarr layout: one by one
+        for name, arr in arrays.items():
+            ScanStore._write_array(grp, name, arr)
+        return _array_problems(grp, promised)
+
+    async def stored_chunks(z) -> int:
+        # one existence check per chunk key: Zarr's nchunks_initialized lists the array's folder
+        # recursively, which costs more than writing a small array
+        import itertools
+
+        keys = [f"{z.store_path.path}/{z.metadata.encode_chunk_key(c)}".lstrip("/")
+                for c in itertools.product(*(range(n) for n in z.cdata_shape))]
+        found = await asyncio.gather(*(z.store_path.store.exists(k) for k in keys))
+        return sum(found)
+
+    async def stored_spec(z) -> dict[str, Any]:
+        # the metadata document as stored (read and parsed as JSON: cheaper than opening the array)
+        import json
+
+        from zarr.core.buffer import default_buffer_prototype
+
+        key = f"{z.store_path.path}/zarr.json".lstrip("/")
+        buf = await z.store_path.store.get(key, prototype=default_buffer_prototype())
+        doc = json.loads(buf.to_bytes()) if buf is not None else {}
+        return {"shape": doc.get("shape"), "dtype": str(doc.get("data_type"))}
+
+    async def create(name: str, arr: np.ndarray, meta):
+        if meta is None:
+            return await agrp.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=_chunks_for(arr),
+                                           overwrite=True, config=_ARRAY_CONFIG)
+        # the metadata document Zarr would write, written as Zarr's own create does, less its
+        # check-and-create of every parent group (the scan's group exists: its claim is held)
+        from zarr.core.array import AsyncArray
+        from zarr.core.buffer import default_buffer_prototype
+
+        sp = agrp.store_path / name
+        await sp.delete_dir()
+        docs = meta.to_buffer_dict(default_buffer_prototype())
+        await asyncio.gather(*((sp / key).set(buf) for key, buf in docs.items()))
+        return AsyncArray(metadata=meta, store_path=sp, config=_ARRAY_CONFIG)
+
+    metas = {name: _array_metadata(arr) for name, arr in arrays.items()}
+
+    async def one(name: str, arr: np.ndarray):
+        z = await create(name, arr, metas[name])
+        if arr.size:
+            await z.setitem(Ellipsis, arr)
+        back = await stored_spec(z)
+        if back != promised[name]:  # another dtype spelling, or a real difference: Zarr's own reading
+            opened = await agrp.getitem(name)
+            back = {"shape": list(opened.shape), "dtype": str(opened.dtype)}
+        return back, z.nchunks, await stored_chunks(z)
+
+    async def _all():
+        return await asyncio.gather(*(one(n, a) for n, a in arrays.items()))
+
+    out = []
+    for (name, spec), (back, nchunks, have) in zip(promised.items(), sync(_all())):
+        if back != spec:
+            out.append(f"array {name!r} is {back['shape']} {back['dtype']}, "
+                       f"attrs promise {spec['shape']} {spec['dtype']}")
+        elif have < nchunks:
+            out.append(f"array {name!r} lacks {nchunks - have} of {nchunks} chunks")
+    return out
+
+
+#: every chunk is stored, even one equal to the fill value, so a missing chunk file is damage
+_ARRAY_CONFIG = {"write_empty_chunks": True}
+_TEMPLATES: dict[tuple[str, int], dict] = {}
+
+
+def _array_metadata(arr: np.ndarray):
+    """The Zarr v3 metadata :meth:`ScanStore._write_array` would create for ``arr`` (its chunks
+    from :func:`_chunks_for`), built from a document Zarr made once per dtype and rank with its
+    own defaults (codecs, fill value); None where this Zarr does not allow that (its own create
+    is used then)."""
+    try:
+        import zarr
+        from zarr.core.metadata.v3 import ArrayV3Metadata
+        from zarr.storage import MemoryStore
+
+        key = (arr.dtype.str, arr.ndim)
+        if key not in _TEMPLATES:
+            z = zarr.create_array(MemoryStore(), shape=(1,) * arr.ndim, dtype=arr.dtype, chunks=(1,) * arr.ndim,
+                                  config=_ARRAY_CONFIG)
+            _TEMPLATES[key] = z.metadata.to_dict()
+        doc = json.loads(json.dumps(_TEMPLATES[key]))
+        doc["shape"] = list(arr.shape)
+        doc["chunk_grid"]["configuration"]["chunk_shape"] = list(_chunks_for(arr))
+        return ArrayV3Metadata.from_dict(doc)
+    except Exception:  # noqa: BLE001 - another Zarr layout: its create_array
+        return None
+

@@ -216,3 +216,18 @@ def test_ingest_on_external_cluster_counts_each_scan_once_after_a_worker_kill(tm
     st = ScanStore(store, mode="r")
     for name, pts in clouds.items():
         np.testing.assert_array_equal(st.read(name, "points"), pts)
+
+
+@pytest.mark.parametrize("n,batch,workers", [(1000, 15, 8), (10, 4, 3), (7, 32, 8), (100, 1, 8), (5, 2, 8), (0, 3, 2)])
+def test_split_batches_are_even_and_a_multiple_of_the_workers(n, batch, workers):
+    from scanforest.flows._runner import split_batches
+
+    items = list(range(n))
+    out = split_batches(items, batch, workers)
+    assert [x for b in out for x in b] == items
+    if not n:
+        return
+    sizes = [len(b) for b in out]
+    assert max(sizes) <= batch and max(sizes) - min(sizes) <= 1
+    if -(-n // batch) > 1:  # more than one task: a whole number of rounds, or one item per task
+        assert len(out) % workers == 0 or len(out) == n

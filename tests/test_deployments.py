@@ -95,12 +95,14 @@ def _forget(store: str, sid: str, stages) -> None:
     grp.attrs["stages"] = {k: v for k, v in grp.attrs.get("stages", {}).items() if k not in stages}
 
 
-def test_archive_flow_runs_every_stage_and_resumes(tmp_path):
+def test_archive_flow_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     """One pipeline: the library is built first, the scenes are described as recognition describes
     them and matched against an index over the library, and recognition takes both from the store.
-    The one pass (the default) and the staged passes write the same stages and detections."""
+    The one pass (the default) and the staged passes write the same stages and detections. Every
+    stage of one run uses the same local cluster, started once."""
     import shutil
 
+    import scanforest.flows._runner as runner
     from scanforest.flows._runner import ensure_prefect_api
     from scanforest.flows.archive import archive_flow
     from scanforest.kernels.synthetic.scenes import recognition_presets
@@ -115,7 +117,11 @@ def test_archive_flow_runs_every_stage_and_resumes(tmp_path):
     kw = dict(store=store, index_params={"method": "exact"}, library_params=lib_params, recognize=rec_params,
               device="cpu", workers=1, progress=False)
     ensure_prefect_api()
+    started = []
+    real_cluster = runner._local_cluster
+    monkeypatch.setattr(runner, "_local_cluster", lambda *a, **k: started.append(a) or real_cluster(*a, **k))
     first = archive_flow(source=str(tmp_path / "arch"), pipeline="staged", **kw)
+    assert len(started) == 1 and runner._scope is None  # four stages, one cluster, closed at the end
     assert first["ingest"]["ingested"] == 4 and first["library"]["status"] == "built"
     assert first["describe"]["described"] == 2  # the scenes: the library describes the models
     assert first["match"]["matched"] == 2 and first["recognize"]["recognized"] == 2
@@ -140,6 +146,8 @@ def test_archive_flow_runs_every_stage_and_resumes(tmp_path):
     assert set(res) == {"library", "index-build", "process"}
     p = res["process"]
     assert (p["recognized"], p["described"], p["matched"], p["failed"]) == (2, 2, 2, 0)
+    # the busy time is the tasks' wall time on the workers: never more than the workers had
+    assert 0 < p["task_seconds"] <= p["scenes_seconds"] * p["workers"]
     o = ScanStore(one, mode="r")
     for sid in scenes:
         for name in ("kp_index", "kp_shot", "match_ids", "match_dist", "det_model", "det_pose"):

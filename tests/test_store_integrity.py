@@ -238,3 +238,68 @@ def test_direct_file_with_unknown_extension_is_one_line_error(tmp_path):
     code, out, err = _run("ingest", tmp_path / "scan.doc", tmp_path / "s.zarr", "--workers", "1")
     assert code == 2 and err.startswith("error: ") and "unknown format '.doc'" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "s.zarr").exists()
+
+
+def test_write_stages_writes_every_stage_in_one_round_and_reads_back(tmp_path, rng, monkeypatch):
+    import scanforest.tasks.store as store_mod
+
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    st.write_scan("a", {"points": rng.normal(size=(300, 3)).astype(np.float32)}, {"n_points": 300})
+    desc = {"kp_index": np.arange(7), "kp_shot": rng.random((7, 352)).astype(np.float32),
+            "kp_frames": np.zeros((0, 9), np.float32)}
+    match = {"match_ids": rng.integers(-1, 9, (7, 4)), "match_dist": rng.random((7, 4)).astype(np.float32)}
+    rec = st.write_stages("a", [("describe", desc, {"k": 1}),
+                                ("match", match, lambda w: {"describe": sorted(w), "k": 4})])
+    assert rec["match"]["describe"] == ["describe"] and st.verify() == []
+    for name, arr in {**desc, **match}.items():
+        back = st.read("a", name)
+        np.testing.assert_array_equal(back, arr)
+        assert back.dtype == arr.dtype and back.shape == arr.shape
+    assert st.stage("a", "describe")["arrays"]["kp_frames"] == {"shape": [0, 9], "dtype": "float32"}
+    assert stage_matches(st.stage("a", "match"), k=4)
+    # a write that does not read back whole: an error, and neither stage is left recorded
+    monkeypatch.setattr(store_mod, "_write_arrays", lambda grp, arrays: ["array 'kp_shot' lacks 1 of 1 chunks"])
+    with pytest.raises(OSError, match="did not read back"):
+        st.write_stages("a", [("describe", desc, {"k": 2}), ("match", match, {"k": 4})])
+    assert st.stage("a", "describe") is None and st.stage("a", "match") is None
+    with pytest.raises(ValueError, match="same array"):
+        st.write_stages("a", [("describe", desc, {}), ("again", {"kp_index": np.arange(2)}, {})])
+
+
+def test_write_arrays_finds_chunks_that_were_not_stored(tmp_path, monkeypatch):
+    import zarr.core.array
+
+    from scanforest.tasks.store import _write_arrays
+
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    st.write_scan("a", {"points": np.zeros((4, 3), np.float32)}, {"n_points": 4})
+    grp = st._scan("a")
+    arrays = {"x": np.ones((5, 3), np.float32), "y": np.float32(2.0), "z": np.zeros((0, 9), np.float32)}
+    assert _write_arrays(grp, arrays) == []
+
+    async def lost(self, selection, value, prototype=None):  # a write that never reaches the disk
+        return None
+
+    monkeypatch.setattr(zarr.core.array.AsyncArray, "setitem", lost)
+    assert _write_arrays(grp, arrays) == ["array 'x' lacks 1 of 1 chunks", "array 'y' lacks 1 of 1 chunks"]
+
+
+def test_write_arrays_stores_what_zarrs_own_create_stores(tmp_path):
+    from scanforest.tasks.store import _array_metadata, _write_arrays
+
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    for sid in ("fast", "zarr"):
+        st.write_scan(sid, {"points": np.zeros((4, 3), np.float32)}, {"n_points": 4})
+    arrays = {"f32": np.arange(12, dtype=np.float32).reshape(4, 3), "i64": np.arange(5, dtype=np.int64),
+              "f64": np.ones((2, 4, 4)), "i32": np.int32(7), "empty": np.zeros((0, 352), np.float32),
+              "u8": np.arange(300_000, dtype=np.uint8), "b": np.array([True, False])}
+    assert all(_array_metadata(np.asarray(a)) is not None for a in arrays.values())  # the direct path is taken
+    assert _write_arrays(st._scan("fast"), arrays) == []
+    for name, arr in arrays.items():
+        ScanStore._write_array(st._scan("zarr"), name, arr)
+    assert _write_arrays(st._scan("fast"), arrays) == []  # written again over itself
+    for name, arr in arrays.items():
+        fast, own = st._scan("fast")[name], st._scan("zarr")[name]
+        assert fast.metadata.to_dict() == own.metadata.to_dict(), name
+        np.testing.assert_array_equal(fast[...], arr)
+        assert fast.nchunks_initialized == own.nchunks_initialized == fast.nchunks

@@ -72,7 +72,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     each stage is always a complete run over the whole archive, and its figures are recorded in
     ``workdir/bench-stages.json``, so a long archive can be measured stage by stage (for example
     within a per-command time limit) and the whole-archive figures combine the recorded stages."""
-    from scanforest.flows._runner import ensure_prefect_api
+    from scanforest.flows._runner import cluster_scope, ensure_prefect_api
     from scanforest.flows.archive import process_flow
     from scanforest.flows.describe import run_describe
     from scanforest.flows.ingest import run_ingest
@@ -131,61 +131,65 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
 
     lib_params, rec_params = recognition_presets(dev, points)
     t_all = time.perf_counter()
-    if "ingest" in todo:
-        with Utilization() as u:
-            s = run_ingest(str(archive), str(store), workers=workers, progress=False)
-        stage("ingest", s["seconds"], s["task_seconds"], s["workers"], s["files"], u, s["skipped"])
-    if todo != ["ingest"]:
-        ids = ScanStore(str(store), mode="r").scans()
-        model_ids = [x for x in ids if x.startswith("models__")]
-        scene_ids = [x for x in ids if not x.startswith("models__")]
-    if "describe" in todo:
-        # the scenes, as recognition describes them (the library describes the models)
-        params = describe_params_for(rec_params, lib_params)
-        with Utilization() as u:
-            s = run_describe(str(store), scans=scene_ids, params=params, device=dev, workers=workers, progress=False)
-        stage("describe", s["seconds"], s["task_seconds"], s["workers"], s["scans"], u, s["skipped"],
-              s.get("failures", ()))
-    def library_and_index(shards: int) -> None:
-        t0 = time.perf_counter()
-        lib = build_library(str(store), model_ids, name="bench", params=lib_params, device=dev)
-        t1 = time.perf_counter()
-        run_index_build(str(store), None, library="bench", name="models", shards=shards, params={"method": "exact"})
-        rep.note(f"model library 'bench' ({lib['status']}) in {t1 - t0:.1f} s, its index in "
-                 f"{time.perf_counter() - t1:.1f} s (in the end-to-end time, not in a stage's)")
+    # the stages share one local cluster, as the archive flow's do
+    with cluster_scope(device=dev, workers=workers):
+        if "ingest" in todo:
+            with Utilization() as u:
+                s = run_ingest(str(archive), str(store), workers=workers, progress=False)
+            stage("ingest", s["seconds"], s["task_seconds"], s["workers"], s["files"], u, s["skipped"])
+        if todo != ["ingest"]:
+            ids = ScanStore(str(store), mode="r").scans()
+            model_ids = [x for x in ids if x.startswith("models__")]
+            scene_ids = [x for x in ids if not x.startswith("models__")]
+        if "describe" in todo:
+            # the scenes, as recognition describes them (the library describes the models)
+            params = describe_params_for(rec_params, lib_params)
+            with Utilization() as u:
+                s = run_describe(str(store), scans=scene_ids, params=params, device=dev, workers=workers,
+                                 progress=False)
+            stage("describe", s["seconds"], s["task_seconds"], s["workers"], s["scans"], u, s["skipped"],
+                  s.get("failures", ()))
+        def library_and_index(shards: int) -> None:
+            t0 = time.perf_counter()
+            lib = build_library(str(store), model_ids, name="bench", params=lib_params, device=dev)
+            t1 = time.perf_counter()
+            run_index_build(str(store), None, library="bench", name="models", shards=shards, params={"method": "exact"})
+            rep.note(f"model library 'bench' ({lib['status']}) in {t1 - t0:.1f} s, its index in "
+                     f"{time.perf_counter() - t1:.1f} s (in the end-to-end time, not in a stage's)")
 
-    def recognition_notes(name: str, s: dict) -> dict:
-        rep.note(f"{name}: {s['from_stored']} of {s['recognized']} scenes from the stored description and "
-                 f"matches, {s['recomputed']} described and matched again"
-                 + "".join(f"; {n}: {why}" for why, n in s.get("recompute_reasons", {}).items()))
-        print(rep.notes[-1], flush=True)
-        return dict(phase_seconds_per_scene={k: v / max(1, s["recognized"]) for k, v in s.get("phase_seconds", {}).items()},
-                    precision=s.get("precision"), recall=s.get("recall"), from_stored=s["from_stored"],
-                    recomputed=s["recomputed"])
+        def recognition_notes(name: str, s: dict) -> dict:
+            rep.note(f"{name}: {s['from_stored']} of {s['recognized']} scenes from the stored description and "
+                     f"matches, {s['recomputed']} described and matched again"
+                     + "".join(f"; {n}: {why}" for why, n in s.get("recompute_reasons", {}).items()))
+            print(rep.notes[-1], flush=True)
+            per_scene = {k: v / max(1, s["recognized"]) for k, v in s.get("phase_seconds", {}).items()}
+            return dict(phase_seconds_per_scene=per_scene,
+                        precision=s.get("precision"), recall=s.get("recall"), from_stored=s["from_stored"],
+                        recomputed=s["recomputed"])
 
-    if "process" in todo:
-        # one shard: every worker holds the whole (small) index over the library on its device
-        library_and_index(1)
-        with Utilization() as u:
-            s = process_flow(str(store), scene_ids, library="bench", index="models", k=4, params=rec_params,
-                             device=dev, workers=workers, progress=False)
-        stage("process", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
-              s.get("failures", ()), **recognition_notes("process", s))
-    if "match" in todo:
-        # the index over the library is small (tens of thousands of rows): one shard per GPU, or one
-        # per CPU worker
-        library_and_index(gpu_count() if dev == "gpu" else max(1, workers or 2))
-        with Utilization() as u:
-            s = run_match(str(store), k=4, name="models", device=dev, workers=workers, progress=False)
-        # match: the busy time is store I/O (in the flow process) plus the shard searches and merges
-        # (on the workers); its capacity is the wall time x the workers that hold shards
-        stage("match", s["scans_seconds"], s["task_seconds"], s["lanes"], s["scans"], u, s["scans"] - s["matched"])
-    if "recognize" in todo:
-        with Utilization() as u:
-            s = run_recognize(str(store), model_ids, library="bench", device=dev, workers=workers,
-                              progress=False, library_params=lib_params, params=rec_params)
-        stage("recognize", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
-              s.get("failures", ()), **recognition_notes("recognize", s))
+        if "process" in todo:
+            # one shard: every worker holds the whole (small) index over the library on its device
+            library_and_index(1)
+            with Utilization() as u:
+                s = process_flow(str(store), scene_ids, library="bench", index="models", k=4, params=rec_params,
+                                 device=dev, workers=workers, progress=False)
+            stage("process", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
+                  s.get("failures", ()), **recognition_notes("process", s))
+        if "match" in todo:
+            # the index over the library is small (tens of thousands of rows): one shard per GPU, or one
+            # per CPU worker
+            library_and_index(gpu_count() if dev == "gpu" else max(1, workers or 2))
+            with Utilization() as u:
+                s = run_match(str(store), k=4, name="models", device=dev, workers=workers, progress=False)
+            # match: the busy time is store I/O (in the flow process) plus the shard searches and merges
+            # (on the workers); its capacity is the wall time x the workers that hold shards
+            stage("match", s["scans_seconds"], s["task_seconds"], s["lanes"], s["scans"], u, s["scans"] - s["matched"])
+        if "recognize" in todo:
+            with Utilization() as u:
+                s = run_recognize(str(store), model_ids, library="bench", device=dev, workers=workers,
+                                  progress=False, library_params=lib_params, params=rec_params)
+            stage("recognize", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
+                  s.get("failures", ()), **recognition_notes("recognize", s))
     total = time.perf_counter() - t_all
     if all(x in done for x in order):
         _archive_rows(rep, done, scans, devname, total if todo == list(order) else None, order)

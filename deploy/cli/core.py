@@ -132,6 +132,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     ):
         """End to end on synthetic data: an archive (with one corrupt file) -> ingest -> describe -> index -> match
         -> recognize, with precision and recall against the ground truth."""
+        from scanforest.flows._runner import cluster_scope
         from scanforest.flows.ingest import run_ingest
         from scanforest.tasks.synth import corrupt_copy, write_archive
 
@@ -143,15 +144,17 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         typer.echo(f"synthetic archive: {len(made['models'])} models, {len(made['scenes'])} scenes "
                    f"(+1 corrupt file) in {archive} ({time.perf_counter() - t0:.1f} s)")
         store = workdir / "store.zarr"
-        summary = run_ingest(str(archive), str(store), scheduler=scheduler, workers=workers)
-        print_summary(f"ingest {archive} -> {store}", summary)
-        _demo_stages(store, dev)
+        with cluster_scope(device=dev, workers=workers):  # the stages share one local cluster
+            summary = run_ingest(str(archive), str(store), scheduler=scheduler, workers=workers)
+            print_summary(f"ingest {archive} -> {store}", summary)
+            _demo_stages(store, dev, scheduler, workers)
 
 
-def _demo_stages(store: Path, device: str) -> None:
+def _demo_stages(store: Path, device: str, scheduler: str | None = None, workers: int | None = None) -> None:
     """Later stages of the demo on the ingested store: one pipeline, as the archive flow runs it
     (the library first, the scenes described as recognition describes them and matched against an
-    index over the library, recognition from those stored outputs)."""
+    index over the library, recognition from those stored outputs), on ``scheduler``'s cluster or
+    a local one of ``workers`` workers."""
     from scanforest.flows.describe import run_describe
     from scanforest.flows.match import run_index_build, run_match
     from scanforest.flows.recognize import run_recognize
@@ -172,18 +175,20 @@ def _demo_stages(store: Path, device: str) -> None:
     typer.echo(f"library 'demo': {len(models)} models described through rendered views "
                f"({lib['status']}, {time.perf_counter() - t0:.1f} s)")
     # the scenes, with the parameters recognition describes them with (synthetic models are ~0.15-0.25 m across)
-    d = run_describe(str(store), scans=scenes, params=describe_params_for(rec_params, lib_params), device=device)
+    cluster = dict(scheduler=scheduler, workers=workers)
+    d = run_describe(str(store), scans=scenes, params=describe_params_for(rec_params, lib_params), device=device,
+                     **cluster)
     typer.echo(f"describe: {d['described']} scenes described ({d['skipped']} already done), "
                f"{d['keypoints']:,} keypoints with SHOT352 in {d['seconds']:.1f} s on {d['workers']} workers")
     b = run_index_build(str(store), None, library="demo", name="models", shards=2,
                         params={"method": "exact"})  # a few thousand rows: brute force wins
     typer.echo(f"index 'models': {b['n']:,} reference descriptors of the library 'demo', "
                f"{b.get('shards', 2)} shards ({b['status']})")
-    m = run_match(str(store), k=4, name="models", device=device, progress=True)
+    m = run_match(str(store), k=4, name="models", device=device, progress=True, **cluster)
     typer.echo(f"match: {m['queries']:,} scene descriptors x top-{m['k']} over {m['shards']} shards "
                f"on {m['workers']} workers in {m['seconds']:.1f} s")
     r = run_recognize(str(store), models, library="demo", device=device, progress=True, render=False,
-                      library_params=lib_params, params=rec_params)
+                      library_params=lib_params, params=rec_params, **cluster)
     pr = (f"precision {r['precision']:.2f}, recall {r['recall']:.2f} against the ground truth"
           if "precision" in r else "no ground truth")
     typer.echo(f"recognize: {r['scenes']} scenes, {r.get('detections', 0)} detections of {len(models)} models "
