@@ -72,7 +72,7 @@ def test_scene_size_range(lib):
 
 def test_recognition_presets_follow_scene_density():
     lp, rp = synthetic.recognition_presets("gpu", 20_000)
-    assert (lp, rp) == (synthetic.SYNTHETIC_LIBRARY_LIGHT, synthetic.SYNTHETIC_RECOGNIZE_SPARSE)
+    assert (lp, rp) == (synthetic.SYNTHETIC_LIBRARY_SPARSE, synthetic.SYNTHETIC_RECOGNIZE_SPARSE)
     assert synthetic.recognition_presets("cpu", 20_000) == (lp, rp)
     assert synthetic.recognition_presets("gpu", 300_000) == (synthetic.SYNTHETIC_LIBRARY_LIGHT, synthetic.SYNTHETIC_RECOGNIZE)
     assert synthetic.recognition_presets("gpu") == (synthetic.SYNTHETIC_LIBRARY_LIGHT, synthetic.SYNTHETIC_RECOGNIZE)
