@@ -165,6 +165,16 @@ def _check_api(url: str, timeout: float = 5.0) -> None:
                          "local one") from None
 
 
+def check_workers(workers: int | None) -> int | None:
+    """A worker count below 1 is a user error, said in one line (the commands' ``--workers``
+    callback; None is the default count)."""
+    if workers is not None and int(workers) < 1:
+        from scanforest.kernels.errors import InputError
+
+        raise InputError(f"--workers must be at least 1, got {workers}")
+    return workers
+
+
 def check_scheduler(address: str | None, timeout: float = 5.0) -> None:
     """An unreachable ``--scheduler`` is a user error, said in one line before anything starts
     (a refused connection would otherwise be retried for the whole connect timeout)."""

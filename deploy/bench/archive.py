@@ -243,12 +243,14 @@ def register(app, bench) -> None:
     """Add this bench to ``scanforest bench`` (found by :mod:`scanforest.deploy.cli`)."""
     import typer
 
+    from scanforest.flows._runner import check_workers
+
     @bench.command("archive")
     def bench_archive(
         scans: int = typer.Option(1000, help="Synthetic scenes in the archive."),
         points: int = typer.Option(20_000, help="Points per scene."),
         models: int = typer.Option(4, help="Library models."),
-        workers: Optional[int] = typer.Option(None, "--workers", "-w"),
+        workers: Optional[int] = typer.Option(None, "--workers", "-w", callback=check_workers),
         device: str = typer.Option("auto"),
         workdir: Path = typer.Option(Path("bench-archive"), help="Scratch folder (removed afterwards)."),
         keep: bool = typer.Option(False, help="Keep the scratch folder."),

@@ -12,13 +12,15 @@ from typing import Optional
 
 import typer
 
+from scanforest.flows._runner import check_workers
+
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     @bench.command("ingest")
     def bench_ingest(
         scans: int = typer.Option(100, help="Synthetic scans in the archive."),
         points: int = typer.Option(300_000, help="Points per scan."),
-        workers: Optional[int] = typer.Option(None, "--workers", "-w",
+        workers: Optional[int] = typer.Option(None, "--workers", "-w", callback=check_workers,
                                               help="Local Dask workers (default: one per core, max 8)."),
         scheduler: Optional[str] = typer.Option(None, "--scheduler", help="Address of an existing Dask scheduler "
                                                 "(tcp://host:8786); default: a local cluster started for this "

@@ -8,9 +8,12 @@ from typing import Optional
 
 import typer
 
+from scanforest.flows._runner import check_workers
+
 SchedulerOpt = typer.Option(None, "--scheduler", help="Address of an existing Dask scheduler "
                             "(tcp://host:8786); default: a local cluster started for this command.")
-WorkersOpt = typer.Option(None, "--workers", "-w", help="Local Dask workers (default: one per core, max 8).")
+WorkersOpt = typer.Option(None, "--workers", "-w", callback=check_workers,
+                          help="Local Dask workers (default: one per core, at most 8; on a GPU host 8 per GPU).")
 DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | gpu: auto uses the GPU when one is visible.")
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import typer
 
+from scanforest.flows._runner import check_workers
+
 
 def _params(sigma_c, sigma_x, sigma_f, tau, no_test, max_labels) -> dict:
     p = {}
@@ -68,7 +70,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         batch: int = typer.Option(None, "--batch", help="pairs per task and kernel launch"),
         device: str = typer.Option("auto", "--device", help="auto | cpu | gpu"),
         scheduler: str = typer.Option(None, "--scheduler", help="existing Dask scheduler"),
-        workers: int = typer.Option(None, "--workers"),
+        workers: int = typer.Option(None, "--workers", callback=check_workers),
         force: bool = typer.Option(False, "--force", help="recompute pairs already written"),
     ):
         """Flow of every consecutive frame pair of the store's sequences (idempotent)."""
