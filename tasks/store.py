@@ -300,7 +300,7 @@ class ScanStore:
         chunks = _chunks_for(arr, chunk_rows)
         # every chunk is stored, even one equal to the fill value, so a missing chunk file is damage
         z = grp.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=chunks, overwrite=True,
-                             config={"write_empty_chunks": True})
+                             config=_ARRAY_CONFIG)
         if arr.size:
             z[...] = arr
         return z
@@ -550,11 +550,19 @@ def _array_problems(grp, promised: dict[str, Any]) -> list[str]:
             out.append(f"array {name!r} is missing")
             continue
         z = grp[name]
-        if list(z.shape) != list(spec["shape"]) or str(z.dtype) != spec["dtype"]:
-            out.append(f"array {name!r} is {list(z.shape)} {z.dtype}, attrs promise {spec['shape']} {spec['dtype']}")
-        elif z.nchunks_initialized < z.nchunks:
-            out.append(f"array {name!r} lacks {z.nchunks - z.nchunks_initialized} of {z.nchunks} chunks")
+        problem = _spec_problem(name, spec, list(z.shape), str(z.dtype), z.nchunks, z.nchunks_initialized)
+        if problem:
+            out.append(problem)
     return out
+
+
+def _spec_problem(name: str, spec: dict[str, Any], shape: list, dtype: str, nchunks: int, have: int) -> str | None:
+    """How one stored array differs from its promise (``{shape, dtype}``), or None."""
+    if list(shape) != list(spec["shape"]) or dtype != spec["dtype"]:
+        return f"array {name!r} is {list(shape)} {dtype}, attrs promise {spec['shape']} {spec['dtype']}"
+    if have < nchunks:
+        return f"array {name!r} lacks {nchunks - have} of {nchunks} chunks"
+    return None
 
 
 def _scan_problems(grp) -> list[str]:
@@ -712,14 +720,9 @@ def _write_arrays(grp, arrays: dict[str, np.ndarray]) -> list[str]:
     async def _all():
         return await asyncio.gather(*(one(n, a) for n, a in arrays.items()))
 
-    out = []
-    for (name, spec), (back, nchunks, have) in zip(promised.items(), sync(_all())):
-        if back != spec:
-            out.append(f"array {name!r} is {back['shape']} {back['dtype']}, "
-                       f"attrs promise {spec['shape']} {spec['dtype']}")
-        elif have < nchunks:
-            out.append(f"array {name!r} lacks {nchunks - have} of {nchunks} chunks")
-    return out
+    found = (_spec_problem(name, spec, back["shape"], back["dtype"], nchunks, have)
+             for (name, spec), (back, nchunks, have) in zip(promised.items(), sync(_all())))
+    return [p for p in found if p]
 
 
 #: every chunk is stored, even one equal to the fill value, so a missing chunk file is damage
