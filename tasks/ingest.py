@@ -1,8 +1,8 @@
 """Ingest: one scan file -> one complete scan group in the store (idempotent).
 
-:func:`ingest_file` is the unit of work that runs on a Dask worker. It hashes the file, skips it
-when the store already holds a complete scan from the same bytes, otherwise reads it, writes all
-arrays and marks the scan complete; an unreadable file is recorded in the store's quarantine with
+:func:`ingest_file` is the unit of work (:func:`ingest_files` runs a batch of them as one Dask
+task). It hashes the file, skips it when the store already holds a complete scan from the same
+bytes, otherwise reads it, writes all arrays and marks the scan complete; an unreadable file is recorded in the store's quarantine with
 the reason and the batch goes on. :data:`ingest_scan` is the Prefect task around it.
 """
 from __future__ import annotations
@@ -62,8 +62,20 @@ def ingest_file(store_path: str, source: Source, *, units: str = "m", run: str |
     Returns a record: ``status`` (``ingested`` | ``skipped`` | ``quarantined``), ``scan_id``,
     ``source``, ``points``, ``bytes``, ``seconds`` and ``reason`` for quarantined files.
     """
-    t0 = time.perf_counter()
+    return _ingest_one(ScanStore(store_path), source, units=units, run=run, t0=time.perf_counter())
+
+
+def ingest_files(store_path: str, sources: list[Source], *, units: str = "m",
+                 run: str | None = None) -> list[dict[str, Any]]:
+    """:func:`ingest_file` for a batch of files in one unit of work (one Dask task): the store is
+    opened once, and the worker goes from one file to the next without a scheduler round trip
+    (one Dask task per file left a worker idle 1-2 ms between files of ~40 ms). Each file keeps
+    its own claim and complete flag, so a batch cut off midway is resumed file by file."""
     store = ScanStore(store_path)
+    return [_ingest_one(store, s, units=units, run=run, t0=time.perf_counter()) for s in sources]
+
+
+def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None, t0: float) -> dict[str, Any]:
     rec: dict[str, Any] = {"source": source.path, "scan_id": source.scan_id, "points": 0, "bytes": 0}
 
     def done(status: str, **fields) -> dict[str, Any]:

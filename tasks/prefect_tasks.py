@@ -12,7 +12,7 @@ from prefect import task
 
 from scanforest.kernels.errors import ScanforestError
 
-from .ingest import Source, ingest_file
+from .ingest import Source, ingest_files
 from .units import isolated
 
 #: transient failures worth a retry (network filesystems, a worker lost mid-task, ...)
@@ -75,8 +75,10 @@ def batch_name(items: list, attr: str | None = None) -> str:
 @task(name="ingest", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
       task_run_name=lambda: "ingest " + _run_label("sources", "scan_id"))
 def ingest_scan(store: str, sources: list[Source], units: str = "m", run: str | None = None) -> list[dict[str, Any]]:
-    """Ingest scan files, one Dask task per file (skip when unchanged, quarantine when unreadable)."""
-    return on_cluster_many(ingest_file, [((store, s), {"units": units, "run": run}) for s in sources])
+    """Ingest a batch of scan files in one Dask task (each skipped when unchanged, quarantined when
+    unreadable); a worker lost midway has the batch rescheduled, and the files it finished are
+    found current."""
+    return on_cluster(ingest_files, store, list(sources), units=units, run=run)
 
 
 @task(name="describe", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,

@@ -22,6 +22,10 @@ import numpy as np
 
 from scanforest.kernels.errors import ScanReadError
 
+#: the format libraries, imported where a format is read (a missing optional one fails only its
+#: format); Dask workers import them as they start (``flows._runner.WORKER_PRELOAD``)
+FORMAT_LIBRARIES = ("pypcd4", "plyfile", "laspy")
+
 #: file suffix -> format name
 FORMATS = {
     ".pcd": "pcd",

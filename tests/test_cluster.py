@@ -231,3 +231,19 @@ def test_split_batches_are_even_and_a_multiple_of_the_workers(n, batch, workers)
     assert max(sizes) <= batch and max(sizes) - min(sizes) <= 1
     if -(-n // batch) > 1:  # more than one task: a whole number of rounds, or one item per task
         assert len(out) % workers == 0 or len(out) == n
+
+
+def test_local_workers_import_the_store_and_readers_as_they_start():
+    """Each worker imports Zarr, the store and the format readers at its start (the worker
+    plugin), not in the first task of the first stage."""
+    from scanforest.flows._runner import WORKER_PRELOAD, dask_client
+
+    def loaded(names):
+        import sys as _sys
+
+        return [n for n in names if n in _sys.modules]
+
+    with dask_client(None, n_workers=1, device="cpu") as client:
+        found = client.run(loaded, list(WORKER_PRELOAD))
+    assert found and all(v == list(WORKER_PRELOAD) for v in found.values()), found
+    assert {"zarr", "scanforest.tasks.ingest", "pypcd4"} <= set(WORKER_PRELOAD)

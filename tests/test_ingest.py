@@ -16,7 +16,7 @@ import pytest
 
 from scanforest.flows.ingest import run_ingest
 from scanforest.kernels.synthetic import scenes as synthetic
-from scanforest.tasks.ingest import Source, discover, ingest_file
+from scanforest.tasks.ingest import Source, discover, ingest_file, ingest_files
 from scanforest.tasks.readers import read_cloud, write_cloud
 from scanforest.tasks.store import ScanStore
 from scanforest.tasks.synth import corrupt_copy, write_archive
@@ -112,6 +112,27 @@ def test_incomplete_scan_is_invisible_and_replaced(tmp_path, rng):
     rec = ingest_file(str(tmp_path / "s.zarr"), Source(str(p), "a.npy"))
     assert rec["status"] == "ingested"
     assert store.scans() == ["a.npy"] and store.read("a.npy").shape == (100, 3)
+
+
+def test_a_batch_of_files_is_one_unit_that_goes_on_past_a_bad_file(tmp_path, archive):
+    """ingest_files (one Dask task per batch): one record per file in order, a corrupt file
+    quarantined while the rest are written, and a rerun of the batch finds them current."""
+    root, made = archive
+    bad = tmp_path / "broken.pcd"
+    corrupt_copy(made["scenes"][0], bad, 0.3)
+    srcs = [Source(str(made["scenes"][0]), "a"), Source(str(bad), "bad"), Source(str(made["scenes"][1]), "b")]
+    store = tmp_path / "s.zarr"
+    ScanStore(store, create=True)
+    recs = ingest_files(str(store), srcs, run="r1")
+    assert [r["scan_id"] for r in recs] == ["a", "bad", "b"]
+    assert [r["status"] for r in recs] == ["ingested", "quarantined", "ingested"]
+    st = ScanStore(store, mode="r")
+    assert st.scans() == ["a", "b"]
+    assert st.read("b").shape == read_cloud(made["scenes"][1]).points.shape
+    again = ingest_files(str(store), srcs, run="r2")  # another run: the good ones are current
+    assert [r["status"] for r in again] == ["skipped", "quarantined", "skipped"]
+    # the same run again (Dask rescheduled the batch of a lost worker): its files count as its own
+    assert [r["status"] for r in ingest_files(str(store), srcs[:1], run="r1")] == ["ingested"]
 
 
 def test_ingest_killed_midway_and_rerun(tmp_path):

@@ -19,6 +19,7 @@ the whole-archive figure, never as credit against the other stages).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -72,7 +73,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     each stage is always a complete run over the whole archive, and its figures are recorded in
     ``workdir/bench-stages.json``, so a long archive can be measured stage by stage (for example
     within a per-command time limit) and the whole-archive figures combine the recorded stages."""
-    from scanforest.flows._runner import cluster_scope, ensure_prefect_api
+    from scanforest.flows._runner import cluster_scope, dask_client, ensure_prefect_api
     from scanforest.flows.archive import process_flow
     from scanforest.flows.describe import run_describe
     from scanforest.flows.ingest import run_ingest
@@ -132,11 +133,13 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     lib_params, rec_params = recognition_presets(dev, points)
     t_all = time.perf_counter()
     # the stages share one local cluster, as the archive flow's do
-    with cluster_scope(device=dev, workers=workers):
+    with cluster_scope(device=dev, workers=workers), dask_client(None, n_workers=workers, device=dev) as client:
+        timeline = _Timeline(client)
         if "ingest" in todo:
-            with Utilization() as u:
+            with Utilization() as u, timeline("ingest"):
                 s = run_ingest(str(archive), str(store), workers=workers, progress=False)
-            stage("ingest", s["seconds"], s["task_seconds"], s["workers"], s["files"], u, s["skipped"])
+            stage("ingest", s["seconds"], s["task_seconds"], s["workers"], s["files"], u, s["skipped"],
+                  **timeline.figures)
         if todo != ["ingest"]:
             ids = ScanStore(str(store), mode="r").scans()
             model_ids = [x for x in ids if x.startswith("models__")]
@@ -144,11 +147,11 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
         if "describe" in todo:
             # the scenes, as recognition describes them (the library describes the models)
             params = describe_params_for(rec_params, lib_params)
-            with Utilization() as u:
+            with Utilization() as u, timeline("describe"):
                 s = run_describe(str(store), scans=scene_ids, params=params, device=dev, workers=workers,
                                  progress=False)
             stage("describe", s["seconds"], s["task_seconds"], s["workers"], s["scans"], u, s["skipped"],
-                  s.get("failures", ()))
+                  s.get("failures", ()), **timeline.figures)
         def library_and_index(shards: int) -> None:
             t0 = time.perf_counter()
             lib = build_library(str(store), model_ids, name="bench", params=lib_params, device=dev)
@@ -170,26 +173,27 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
         if "process" in todo:
             # one shard: every worker holds the whole (small) index over the library on its device
             library_and_index(1)
-            with Utilization() as u:
+            with Utilization() as u, timeline("process"):
                 s = process_flow(str(store), scene_ids, library="bench", index="models", k=4, params=rec_params,
                                  device=dev, workers=workers, progress=False)
             stage("process", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
-                  s.get("failures", ()), **recognition_notes("process", s))
+                  s.get("failures", ()), **recognition_notes("process", s), **timeline.figures)
         if "match" in todo:
             # the index over the library is small (tens of thousands of rows): one shard per GPU, or one
             # per CPU worker
             library_and_index(gpu_count() if dev == "gpu" else max(1, workers or 2))
-            with Utilization() as u:
+            with Utilization() as u, timeline("match"):
                 s = run_match(str(store), k=4, name="models", device=dev, workers=workers, progress=False)
             # match: the busy time is store I/O (in the flow process) plus the shard searches and merges
             # (on the workers); its capacity is the wall time x the workers that hold shards
-            stage("match", s["scans_seconds"], s["task_seconds"], s["lanes"], s["scans"], u, s["scans"] - s["matched"])
+            stage("match", s["scans_seconds"], s["task_seconds"], s["lanes"], s["scans"], u, s["scans"] - s["matched"],
+                  **timeline.figures)
         if "recognize" in todo:
-            with Utilization() as u:
+            with Utilization() as u, timeline("recognize"):
                 s = run_recognize(str(store), model_ids, library="bench", device=dev, workers=workers,
                                   progress=False, library_params=lib_params, params=rec_params)
             stage("recognize", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
-                  s.get("failures", ()), **recognition_notes("recognize", s))
+                  s.get("failures", ()), **recognition_notes("recognize", s), **timeline.figures)
     total = time.perf_counter() - t_all
     if all(x in done for x in order):
         _archive_rows(rep, done, scans, devname, total if todo == list(order) else None, order)
@@ -197,6 +201,34 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     if not keep and order[-1] in todo:
         shutil.rmtree(workdir, ignore_errors=True)
     return rep
+
+
+class _Timeline:
+    """Where a stage's time goes on the workers, from Dask's task stream: how long after the
+    stage's call its first task started, how long before the call returned its last one ended,
+    and the workers' busy seconds as Dask counts them (for the overhead's breakdown:
+    start-up, tail, and the gaps between tasks)."""
+
+    def __init__(self, client):
+        self.client = client
+        self.figures: dict = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        from distributed import get_task_stream
+
+        self.figures = {}
+        t0 = time.time()
+        with get_task_stream(self.client) as ts:
+            yield
+        t1 = time.time()
+        spans = [ss for d in ts.data for ss in d.get("startstops", ()) if ss.get("action") == "compute"]
+        if spans:
+            first, last = min(x["start"] for x in spans), max(x["stop"] for x in spans)
+            self.figures = {"timeline": {"call_seconds": t1 - t0, "first_task_after": first - t0,
+                                         "after_last_task": t1 - last,
+                                         "dask_busy_seconds": sum(x["stop"] - x["start"] for x in spans),
+                                         "dask_tasks": len(ts.data)}}
 
 
 def _stage_rows(rep: BenchReport, name: str, r: dict, devname: str, recorded: bool = False) -> None:
@@ -212,6 +244,13 @@ def _stage_rows(rep: BenchReport, name: str, r: dict, devname: str, recorded: bo
         overhead = max(0.0, 1.0 - r["task_seconds"] / (wall * nw))
         rep.add(f"{name}: orchestration overhead", 100 * overhead, "%", what, higher_is_better=False,
                 wall=wall, task_seconds=r["task_seconds"], **extra)
+    tl = r.get("timeline")
+    if tl and not recorded:  # where the overhead goes
+        rep.note(f"{name}: {tl['dask_tasks']} Dask tasks; the first started {tl['first_task_after']:.2f} s into "
+                 f"the stage's {tl['call_seconds']:.2f} s call (flow start included), the last ended "
+                 f"{tl['after_last_task']:.2f} s before it returned; workers busy {tl['dask_busy_seconds']:.1f} s "
+                 f"by Dask's count")
+        print(rep.notes[-1], flush=True)
     if r.get("phase_seconds_per_scene"):  # where the recognize stage's time goes
         rep.note(f"{name}, seconds per scene by phase: "
                  + ", ".join(f"{k} {v:.3f}" for k, v in r["phase_seconds_per_scene"].items()))
