@@ -1,6 +1,8 @@
 """Randomized KD-forests (n_trees > 1, one shared queue) and bounded search (global top-P sync)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -51,11 +53,12 @@ def test_forest_layout(rng):
 # ---------------------------------------------------------------------------------------- exactness
 @pytest.mark.parametrize("kind", ["random", "duplicates"])
 @pytest.mark.parametrize("n_trees,k,d", [(2, 1, 5), (3, 4, 12), (4, 17, 3)])
-def test_forest_unlimited_budget_is_exact(rng, kind, n_trees, k, d):
+@pytest.mark.parametrize("descent", ["box", "path"])
+def test_forest_unlimited_budget_is_exact(rng, kind, n_trees, k, d, descent):
     X, Q = _data(rng, kind, 3000, 300, d)
     bd, bi = knn_bruteforce(X, Q, k, device="cpu")
     for method in ("anns", "banns"):
-        f = KDForest(n_trees=n_trees, leaf_size=16, method=method, device="cpu").fit(X)
+        f = KDForest(n_trees=n_trees, leaf_size=16, method=method, device="cpu", descent=descent).fit(X)
         d2, ids = f.query(Q, k)
         np.testing.assert_array_equal(ids, bi, err_msg=method)
         np.testing.assert_array_equal(d2, bd, err_msg=method)
@@ -114,11 +117,13 @@ def test_forest_validation(rng):
 # ---------------------------------------------------------------------------------------- bounds
 @pytest.mark.parametrize("n_trees", [1, 2])
 @pytest.mark.parametrize("kind", ["random", "duplicates"])
-def test_bounded_search_is_exact_and_visits_fewer_leaves(rng, n_trees, kind):
+@pytest.mark.parametrize("descent", ["box", "path"])
+def test_bounded_search_is_exact_and_visits_fewer_leaves(rng, n_trees, kind, descent):
+    q = functools.partial(query_kdtree, descent=descent)
     X, Q = _data(rng, kind, 5000, 400, 10)
     k = 4
     bd, bi = knn_bruteforce(X, Q, k, device="cpu")
-    f = KDForest(n_trees=n_trees, leaf_size=16, method="anns", device="cpu").fit(X)
+    f = KDForest(n_trees=n_trees, leaf_size=16, method="anns", device="cpu", descent=descent).fit(X)
     f.query(Q, k)
     free = f.stats_["leaves_visited"].copy()
     d2, ids = f.query(Q, k, bounds=_above(bd[:, -1]))
@@ -127,7 +132,7 @@ def test_bounded_search_is_exact_and_visits_fewer_leaves(rng, n_trees, kind):
     bounded = f.stats_["leaves_visited"]
     assert bounded.sum() < free.sum()
     # the tree-level entry point gives the same
-    d3, i3, st = query_kdtree(f.tree_, Q, k, bounds=_above(bd[:, -1]), return_stats=True)
+    d3, i3, st = q(f.tree_, Q, k, bounds=_above(bd[:, -1]), return_stats=True)
     np.testing.assert_array_equal(i3, bi)
     np.testing.assert_array_equal(st["leaves_visited"], bounded)
 
@@ -197,7 +202,9 @@ def test_merge_topk_unique():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["random", "duplicates"])
 @pytest.mark.parametrize("n_trees,k,d,leaf", [(2, 1, 5, 32), (3, 4, 64, 32), (4, 33, 40, 200)])
-def test_gpu_forest_unlimited_budget_is_exact(rng, monkeypatch, kind, n_trees, k, d, leaf):
+@pytest.mark.parametrize("descent", ["box", "path"])
+def test_gpu_forest_unlimited_budget_is_exact(rng, monkeypatch, kind, n_trees, k, d, leaf, descent):
+    q = functools.partial(query_kdtree, descent=descent)
     import cupy as cp
 
     from scanforest.kernels.knn import _kdtree_gpu
@@ -211,26 +218,28 @@ def test_gpu_forest_unlimited_budget_is_exact(rng, monkeypatch, kind, n_trees, k
     for method, sw, kern in (("anns", True, "rotate"), ("banns", True, "rotate"), ("banns", True, "tile"),
                              ("banns", False, "rotate")):
         monkeypatch.setattr(_kdtree_gpu, "WINDOW_KERNEL", kern)
-        d2, ids = query_kdtree(forest, cp.asarray(Q), k, method=method, sliding_window=sw)
+        d2, ids = q(forest, cp.asarray(Q), k, method=method, sliding_window=sw)
         np.testing.assert_array_equal(ids.get(), bi, err_msg=f"{method} sw={sw} {kern}")
         np.testing.assert_array_equal(d2.get(), bd, err_msg=f"{method} sw={sw} {kern}")
 
 
 @pytest.mark.gpu
-def test_gpu_forest_limited_budget_matches_cpu(rng):
+@pytest.mark.parametrize("descent", ["box", "path"])
+def test_gpu_forest_limited_budget_matches_cpu(rng, descent):
+    q = functools.partial(query_kdtree, descent=descent)
     import cupy as cp
 
     X, Q = _data(rng, "random", 20000, 1000, 16)
     ct = build_kdforest(X, n_trees=3, leaf_size=32, random_dims=5, device="cpu")
     gt = build_kdforest(cp.asarray(X), n_trees=3, leaf_size=32, random_dims=5)
     for b in (1, 5, 20):
-        cd, ci, cs = query_kdtree(ct, Q, 4, backtracks=b, return_stats=True)
-        ad, ai, gs = query_kdtree(gt, cp.asarray(Q), 4, backtracks=b, method="anns", return_stats=True)
+        cd, ci, cs = q(ct, Q, 4, backtracks=b, return_stats=True)
+        ad, ai, gs = q(gt, cp.asarray(Q), 4, backtracks=b, method="anns", return_stats=True)
         np.testing.assert_array_equal(ai.get(), ci)
         np.testing.assert_array_equal(gs["leaves_visited"], cs["leaves_visited"])
         _assert_rows_unique(ci)
         for sw in (True, False):
-            bd, bi, bs = query_kdtree(gt, cp.asarray(Q), 4, backtracks=b, method="banns", sliding_window=sw,
+            bd, bi, bs = q(gt, cp.asarray(Q), 4, backtracks=b, method="banns", sliding_window=sw,
                                       finish_below=0, return_stats=True)
             np.testing.assert_array_equal(bi.get(), ci)
             np.testing.assert_array_equal(bd.get(), cd)
@@ -239,7 +248,9 @@ def test_gpu_forest_limited_budget_matches_cpu(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_trees", [1, 3])
-def test_gpu_bounded_search(rng, n_trees):
+@pytest.mark.parametrize("descent", ["box", "path"])
+def test_gpu_bounded_search(rng, n_trees, descent):
+    q = functools.partial(query_kdtree, descent=descent)
     import cupy as cp
 
     X, Q = _data(rng, "random", 20000, 1000, 16)
@@ -249,14 +260,14 @@ def test_gpu_bounded_search(rng, n_trees):
     gt = build_kdforest(cp.asarray(X), n_trees=n_trees, leaf_size=32, random_dims=5)
     Qg = cp.asarray(Q)
     for b, budget in ((_above(bd[:, -1]), None), (bd[:, 1].copy(), None), (_above(bd[:, -1]), 3)):
-        cd, ci, cs = query_kdtree(ct, Q, k, backtracks=budget, bounds=b, return_stats=True)
+        cd, ci, cs = q(ct, Q, k, backtracks=budget, bounds=b, return_stats=True)
         if budget is None:
             keep = bd < b[:, None]
             np.testing.assert_array_equal(ci, np.where(keep, bi, -1))
-        _, _, free = query_kdtree(gt, Qg, k, backtracks=budget, method="anns", return_stats=True)
+        _, _, free = q(gt, Qg, k, backtracks=budget, method="anns", return_stats=True)
         for method in ("anns", "banns"):
             kw = {"finish_below": 0} if method == "banns" else {}
-            gd, gi, gs = query_kdtree(gt, Qg, k, backtracks=budget, method=method, bounds=cp.asarray(b),
+            gd, gi, gs = q(gt, Qg, k, backtracks=budget, method=method, bounds=cp.asarray(b),
                                       return_stats=True, **kw)
             np.testing.assert_array_equal(gi.get(), ci, err_msg=method)
             np.testing.assert_array_equal(gd.get(), cd, err_msg=method)
@@ -265,9 +276,9 @@ def test_gpu_bounded_search(rng, n_trees):
         if budget is None:
             assert cs["leaves_visited"].sum() < free["leaves_visited"].sum()
     # default finish (residual queries by brute force) stays exact with bounds
-    gd, gi = query_kdtree(gt, Qg, k, method="banns", bounds=cp.asarray(_above(bd[:, -1])))
+    gd, gi = q(gt, Qg, k, method="banns", bounds=cp.asarray(_above(bd[:, -1])))
     np.testing.assert_array_equal(gi.get(), bi)
-    gd, gi = query_kdtree(gt, Qg, k, method="banns", bounds=cp.zeros(len(Q), cp.float32))
+    gd, gi = q(gt, Qg, k, method="banns", bounds=cp.zeros(len(Q), cp.float32))
     assert bool((gi == -1).all())
 
 

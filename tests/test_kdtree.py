@@ -1,6 +1,8 @@
 """Array KD-tree: construction invariants, exact search == brute force, CPU/GPU parity, KDForest."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -213,7 +215,9 @@ def test_max_depth(rng):
 
 @pytest.mark.parametrize("kind", ["random", "duplicates"])
 @pytest.mark.parametrize("k", [1, 7, 50])
-def test_unlimited_budget_is_exact(rng, kind, k):
+@pytest.mark.parametrize("descent", ["box", "path"])
+def test_unlimited_budget_is_exact(rng, kind, k, descent):
+    q = functools.partial(query_kdtree, descent=descent)
     if kind == "random":
         X = rng.standard_normal((2000, 6)).astype(np.float32)
         Q = rng.standard_normal((80, 6)).astype(np.float32)
@@ -223,7 +227,7 @@ def test_unlimited_budget_is_exact(rng, kind, k):
     bd, bi = knn_bruteforce(X, Q, k, device="cpu")
     for method in ("anns", "banns"):
         tree = build_kdtree(X, leaf_size=16, device="cpu")
-        d, i = query_kdtree(tree, Q, k, method=method)
+        d, i = q(tree, Q, k, method=method)
         np.testing.assert_array_equal(i, bi)
         np.testing.assert_array_equal(d, bd)
 
@@ -245,12 +249,14 @@ def test_limited_budget(rng):
     np.testing.assert_allclose(d, ((Q[:, None, :].astype(np.float64) - X[i]) ** 2).sum(-1), rtol=1e-5)
 
 
-def test_heap_overflow_falls_back_exactly(rng):
+@pytest.mark.parametrize("descent", ["box", "path"])
+def test_heap_overflow_falls_back_exactly(rng, descent):
+    q = functools.partial(query_kdtree, descent=descent)
     # leaf_size 1, 8-D and a large k leave more pending boxes than the queue holds
     X = rng.standard_normal((3000, 8)).astype(np.float32)
     Q = rng.standard_normal((20, 8)).astype(np.float32)
     tree = build_kdtree(X, leaf_size=1, device="cpu")
-    d, i, stats = query_kdtree(tree, Q, 256, return_stats=True, heap_cap=256)
+    d, i, stats = q(tree, Q, 256, return_stats=True, heap_cap=256)
     assert stats["heap_overflow"] > 0
     bd, bi = knn_bruteforce(X, Q, 256, device="cpu")
     np.testing.assert_array_equal(i, bi)
@@ -273,11 +279,12 @@ def test_queue_grows_with_the_budget(rng):
     Q = rng.standard_normal((200, 24)).astype(np.float32)
     tree = build_kdtree(X, leaf_size=4, device="cpu")
     bd, _ = knn_bruteforce(X, Q, 8, device="cpu")
-    d0, _, s0 = query_kdtree(tree, Q, 8, backtracks=2000, heap_cap=256, return_stats=True)
-    d1, _, s1 = query_kdtree(tree, Q, 8, backtracks=2000, return_stats=True)
-    assert s0["leaves_visited"].mean() < 1900 and s1["leaves_visited"].mean() == 2000
-    assert s1["heap_overflow"] < s0["heap_overflow"]
-    assert recall(d1, bd, 8) > recall(d0, bd, 8) + 0.1
+    for descent, gain in (("box", 0.1), ("path", 0.05)):  # box: 0.76 -> 0.97; path: 0.87 -> 0.97
+        d0, _, s0 = query_kdtree(tree, Q, 8, backtracks=2000, heap_cap=256, return_stats=True, descent=descent)
+        d1, _, s1 = query_kdtree(tree, Q, 8, backtracks=2000, return_stats=True, descent=descent)
+        assert s0["leaves_visited"].mean() < 1900 and s1["leaves_visited"].mean() == 2000
+        assert s1["heap_overflow"] < s0["heap_overflow"]
+        assert recall(d1, bd, 8) > recall(d0, bd, 8) + gain
     with pytest.raises(InputError, match="heap_cap"):
         KDForest(heap_cap=3).fit(X)
 
@@ -396,7 +403,9 @@ def test_gpu_build_large_invariants():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["random", "duplicates"])
 @pytest.mark.parametrize("k,d,leaf", [(1, 5, 32), (4, 64, 32), (33, 130, 200), (256, 3, 32), (4, 40, 300)])
-def test_gpu_unlimited_budget_is_exact(rng, monkeypatch, kind, k, d, leaf):
+@pytest.mark.parametrize("descent", ["box", "path"])
+def test_gpu_unlimited_budget_is_exact(rng, monkeypatch, kind, k, d, leaf, descent):
+    q = functools.partial(query_kdtree, descent=descent)
     import cupy as cp
 
     from scanforest.kernels.knn import _kdtree_gpu
@@ -412,14 +421,16 @@ def test_gpu_unlimited_budget_is_exact(rng, monkeypatch, kind, k, d, leaf):
     for method, sw, kern in (("anns", True, "rotate"), ("banns", True, "stream"), ("banns", True, "rotate"),
                              ("banns", True, "tile"), ("banns", False, "rotate")):
         monkeypatch.setattr(_kdtree_gpu, "WINDOW_KERNEL", kern)
-        d2, ids = query_kdtree(tree, cp.asarray(Q), k, method=method, sliding_window=sw)
+        d2, ids = q(tree, cp.asarray(Q), k, method=method, sliding_window=sw)
         np.testing.assert_array_equal(ids.get(), bi, err_msg=f"{method} sw={sw} {kern}")
         np.testing.assert_array_equal(d2.get(), bd, err_msg=f"{method} sw={sw} {kern}")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [16, 13])  # float4 and scalar paths of the box and leaf kernels
-def test_gpu_limited_budget_matches_cpu(rng, d):
+@pytest.mark.parametrize("descent", ["box", "path"])
+def test_gpu_limited_budget_matches_cpu(rng, d, descent):
+    q = functools.partial(query_kdtree, descent=descent)
     import cupy as cp
 
     X = rng.standard_normal((20000, d)).astype(np.float32)
@@ -427,11 +438,11 @@ def test_gpu_limited_budget_matches_cpu(rng, d):
     ct = build_kdtree(X, leaf_size=32, device="cpu")
     gt = build_kdtree(cp.asarray(X), leaf_size=32)
     for b in (1, 5, 20):
-        cd, ci = query_kdtree(ct, Q, 4, backtracks=b)
-        ad, ai = query_kdtree(gt, cp.asarray(Q), 4, backtracks=b, method="anns")
+        cd, ci = q(ct, Q, 4, backtracks=b)
+        ad, ai = q(gt, cp.asarray(Q), 4, backtracks=b, method="anns")
         np.testing.assert_array_equal(ai.get(), ci)
         for sw in (True, False):
-            bd, bi = query_kdtree(gt, cp.asarray(Q), 4, backtracks=b, method="banns", sliding_window=sw,
+            bd, bi = q(gt, cp.asarray(Q), 4, backtracks=b, method="banns", sliding_window=sw,
                                   finish_below=0)
             np.testing.assert_array_equal(bi.get(), ci)
             np.testing.assert_array_equal(bd.get(), cd)
@@ -440,8 +451,8 @@ def test_gpu_limited_budget_matches_cpu(rng, d):
     # many boxes pending (k = 256, leaf 1): the bounded queue evicts identically on both devices
     ct = build_kdtree(X[:3000, :8], leaf_size=1, device="cpu")
     gt = build_kdtree(cp.asarray(X[:3000, :8]), leaf_size=1)
-    cd, ci, cs = query_kdtree(ct, Q[:200, :8], 256, backtracks=300, return_stats=True, heap_cap=256)
-    ad, ai, gs = query_kdtree(gt, cp.asarray(Q[:200, :8]), 256, backtracks=300, method="anns", return_stats=True,
+    cd, ci, cs = q(ct, Q[:200, :8], 256, backtracks=300, return_stats=True, heap_cap=256)
+    ad, ai, gs = q(gt, cp.asarray(Q[:200, :8]), 256, backtracks=300, method="anns", return_stats=True,
                               heap_cap=256)
     assert cs["heap_overflow"] > 0 and cs["heap_overflow"] == gs["heap_overflow"]
     np.testing.assert_array_equal(ai.get(), ci)
@@ -486,9 +497,11 @@ def test_pcl_shot_dataset_holds_out_queries(pcl_dir, tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_heap_overflow_exact_on_a_one_copy_tree(rng):
+@pytest.mark.parametrize("descent", ["box", "path"])
+def test_gpu_heap_overflow_exact_on_a_one_copy_tree(rng, descent):
     """A tree without its input-order rows (a shard loaded with one copy) finishes overflowing
     queries by brute force on its leaf-ordered rows through ``perm``: the same exact answer."""
+    q = functools.partial(query_kdtree, descent=descent)
     import dataclasses
 
     import cupy as cp
@@ -498,7 +511,7 @@ def test_gpu_heap_overflow_exact_on_a_one_copy_tree(rng):
     gt = build_kdtree(cp.asarray(X), leaf_size=1)
     bd, bi = knn_bruteforce(X, Q, 256, device="cpu")
     for tree in (gt, dataclasses.replace(gt, data=None)):
-        d, i, stats = query_kdtree(tree, cp.asarray(Q), 256, return_stats=True, method="anns", heap_cap=256)
+        d, i, stats = q(tree, cp.asarray(Q), 256, return_stats=True, method="anns", heap_cap=256)
         assert stats["heap_overflow"] > 0
         np.testing.assert_array_equal(i.get(), bi)
         np.testing.assert_array_equal(d.get(), bd)
@@ -555,9 +568,11 @@ def test_gpu_half_rows_answer_as_their_float32_widening(rng, monkeypatch, d):
 
 
 @pytest.mark.gpu
-def test_gpu_budget_sized_queue_matches_cpu(rng, monkeypatch):
+@pytest.mark.parametrize("descent", ["box", "path"])
+def test_gpu_budget_sized_queue_matches_cpu(rng, monkeypatch, descent):
     """The queue capacity that grows with the budget (512 and 2,048 boxes here) is the same on
     both devices: P-ANNS and every P-BANNS leaf kernel return the CPU answer bit for bit."""
+    q = functools.partial(query_kdtree, descent=descent)
     import cupy as cp
 
     from scanforest.kernels.knn import _kdtree_gpu
@@ -567,13 +582,13 @@ def test_gpu_budget_sized_queue_matches_cpu(rng, monkeypatch):
     ct = build_kdtree(X, leaf_size=4, device="cpu")
     gt = build_kdtree(cp.asarray(X), leaf_size=4)
     for b in (300, 2000):
-        cd, ci, cs = query_kdtree(ct, Q, 8, backtracks=b, return_stats=True)
-        ad, ai, gs = query_kdtree(gt, cp.asarray(Q), 8, backtracks=b, method="anns", return_stats=True)
+        cd, ci, cs = q(ct, Q, 8, backtracks=b, return_stats=True)
+        ad, ai, gs = q(gt, cp.asarray(Q), 8, backtracks=b, method="anns", return_stats=True)
         np.testing.assert_array_equal(ai.get(), ci)
         np.testing.assert_array_equal(gs["leaves_visited"], cs["leaves_visited"])
         for kern in ("stream", "rotate"):
             monkeypatch.setattr(_kdtree_gpu, "WINDOW_KERNEL", kern)
-            bd, bi = query_kdtree(gt, cp.asarray(Q), 8, backtracks=b, method="banns", finish_below=0)
+            bd, bi = q(gt, cp.asarray(Q), 8, backtracks=b, method="banns", finish_below=0)
             np.testing.assert_array_equal(bi.get(), ci)
             np.testing.assert_array_equal(bd.get(), cd)
 
@@ -626,3 +641,22 @@ def test_bounded_queue_keeps_the_closest_boxes():
                     ref_pops.append(min(kept))
                     kept.remove(min(kept))
             assert list(pops[:a]) == ref_pops and list(evs[:b]) == ref_evs
+
+
+def test_descent_is_checked_and_both_bounds_search_alike(rng):
+    """``descent`` names one of the two bounds; an unknown one is an InputError (one line), and
+    on the same tree and budget both bounds reach a similar recall (the looser O(1) bound only
+    changes the order in which near-equal boxes are taken)."""
+    X = rng.standard_normal((5000, 16)).astype(np.float32)
+    Q = rng.standard_normal((200, 16)).astype(np.float32)
+    tree = build_kdtree(X, leaf_size=8, device="cpu")
+    with pytest.raises(InputError, match="descent must be one of auto, box, path"):
+        query_kdtree(tree, Q, 4, descent="tight")
+    with pytest.raises(InputError, match="descent"):
+        KDForest(descent="fast").fit(X)
+    ed, _ = knn_bruteforce(X, Q, 4, device="cpu")
+    rb = recall(query_kdtree(tree, Q, 4, backtracks=64, descent="box")[0], ed)
+    rp = recall(query_kdtree(tree, Q, 4, backtracks=64, descent="path")[0], ed)
+    assert 0.5 < rb < 1 and abs(rp - rb) < 0.05
+    np.testing.assert_array_equal(query_kdtree(tree, Q, 4, backtracks=64)[1],
+                                  query_kdtree(tree, Q, 4, backtracks=64, descent="path")[1])  # auto = path

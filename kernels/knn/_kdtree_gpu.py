@@ -393,16 +393,40 @@ __device__ __forceinline__ float heap_push_bounded(float* hd, int* hn, int& size
     size = heap_push(hd, hn, size, dv, nv);
     return ev;
 }
-// descend from `node` to a leaf, pushing far siblings; returns the leaf, or -1 when check_near
-// (bounded search) finds the near child's box farther than `worst` (nothing to scan there)
+// the O(1) descent bound, as kdtree._path_bound (same operation order): P's box distance dp with
+// its term on the split dimension (P's interval [a, b]) replaced by the far side of the cut at v
+#define PATH_SAFE 0.999996185302734375f
+__device__ __forceinline__ float path_bound(float dp, float qs, float a, float b, float v, bool near_left) {
+    float c = 0.0f, t;
+    if (qs < a) { t = __fsub_rn(a, qs); c = __fmul_rn(t, t); }
+    else if (qs > b) { t = __fsub_rn(qs, b); c = __fmul_rn(t, t); }
+    if (near_left) { float e = v > a ? v : a; t = __fsub_rn(e, qs); }
+    else { float e = v < b ? v : b; t = __fsub_rn(qs, e); }
+    return __fmul_rn(__fadd_rn(__fsub_rn(dp, c), __fmul_rn(t, t)), PATH_SAFE);
+}
+// descend from the popped `node` to a leaf, pushing far siblings with their box distance (`path`
+// 0) or with the O(1) bound from the popped box's distance (`path` 1: kdtree's PATH descent);
+// returns the leaf, or -1 when the popped box's distance exceeds `worst` (path) or check_near
+// (bounded search) finds the near child's box farther than `worst`
 __device__ __forceinline__ int descend(int node, const float* __restrict__ q, int d, const int* __restrict__ child,
         const int* __restrict__ sdim, const float* __restrict__ sval, const float* __restrict__ lo,
-        const float* __restrict__ hi, float worst, float* hd, int* hn, int& hs, int& ovf, bool check_near) {
+        const float* __restrict__ hi, float worst, float* hd, int* hn, int& hs, int& ovf, bool check_near,
+        int path) {
+    const float* pl = lo + (long long)node * d;
+    const float* ph = hi + (long long)node * d;
+    float dp = 0.0f;
+    if (path) {
+        dp = box_dist(q, pl, ph, d);
+        if (dp > worst) return -1;
+    }
     while (child[node] >= 0) {
         int c = child[node];
         int near_, far_;
-        if (q[sdim[node]] <= sval[node]) { near_ = c; far_ = c + 1; } else { near_ = c + 1; far_ = c; }
-        float bd = box_dist(q, lo + (long long)far_ * d, hi + (long long)far_ * d, d);
+        const int s = sdim[node];
+        const bool left = q[s] <= sval[node];
+        if (left) { near_ = c; far_ = c + 1; } else { near_ = c + 1; far_ = c; }
+        float bd = path ? path_bound(dp, q[s], pl[s], ph[s], sval[node], left)
+                        : box_dist(q, lo + (long long)far_ * d, hi + (long long)far_ * d, d);
         if (bd <= worst) {
             float ev = heap_push_bounded(hd, hn, hs, bd, far_);
             if (ev >= 0.0f && ev <= worst) ovf = 1;
@@ -432,7 +456,8 @@ extern "C" __global__ void anns(const PT* __restrict__ points, const long long* 
         const long long* __restrict__ start, const long long* __restrict__ end, const float* __restrict__ lo,
         const float* __restrict__ hi, int d, const float* __restrict__ Q, int m, int k, int budget,
         const int* __restrict__ roots, int nroots, const float* __restrict__ lim,
-        unsigned long long* __restrict__ out, int* __restrict__ overflow, int* __restrict__ visits_out) {
+        unsigned long long* __restrict__ out, int* __restrict__ overflow, int* __restrict__ visits_out,
+        int path) {
     int qi = blockIdx.x * blockDim.x + threadIdx.x;
     if (qi >= m) return;
     const float* q = Q + (long long)qi * d;
@@ -455,7 +480,7 @@ extern "C" __global__ void anns(const PT* __restrict__ points, const long long* 
         worst = fminf(worst, bl);
         node = pop_within(hd, hn, hs, worst);
         if (node < 0) break;
-        node = descend(node, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, check_near);
+        node = descend(node, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, check_near, path);
         if (node < 0) continue;
         for (long long p = start[node]; p < end[node]; ++p) {
             unsigned long long key = make_key(canon_dist_p(q, points + p * d, d), perm[p]);
@@ -475,7 +500,7 @@ extern "C" __global__ void banns_descend(const int* __restrict__ active, int na,
         const float* __restrict__ lo, const float* __restrict__ hi, int k,
         const unsigned long long* __restrict__ top, const int* __restrict__ target,
         const float* __restrict__ lim, float* __restrict__ HD, int* __restrict__ HN, int* __restrict__ HS,
-        int* __restrict__ OVF, int* __restrict__ leaf_of) {
+        int* __restrict__ OVF, int* __restrict__ leaf_of, int path) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= na) return;
     int qi = active[i];
@@ -485,11 +510,11 @@ extern "C" __global__ void banns_descend(const int* __restrict__ active, int na,
     int hs = HS[qi], ovf = OVF[qi];
     float* hd = HD + (long long)qi * HCAP;
     int* hn = HN + (long long)qi * HCAP;
-    int leaf = descend(target[qi], q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, bl < F_INF);
-    while (leaf < 0) {  // bounded search pruned the descent: take the next box (-1: query done)
+    int leaf = descend(target[qi], q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, bl < F_INF, path);
+    while (leaf < 0) {  // the descent was pruned: take the next box (-1: query done)
         int nd = pop_within(hd, hn, hs, worst);
         if (nd < 0) break;
-        leaf = descend(nd, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, true);
+        leaf = descend(nd, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, bl < F_INF, path);
     }
     HS[qi] = hs; OVF[qi] = ovf;
     leaf_of[i] = leaf;
@@ -972,11 +997,12 @@ def _exact_redo(tree, queries, idx, k, out_d, out_i):
     out_i[idx] = i2
 
 
-def anns(tree, queries, k, budget, *, roots=None, lim=None, hcap=HCAP):
+def anns(tree, queries, k, budget, *, roots=None, lim=None, hcap=HCAP, descent="path"):
     """P-ANNS: one thread per query, private heap and top-k in local memory.
 
     ``roots``: (T,) int32 roots of a packed forest (default: one tree, root 0); ``lim``: (M,)
-    float32 per-query pruning limit (default +inf). Returns (dist2, ids, stats).
+    float32 per-query pruning limit (default +inf); ``descent``: kdtree.DESCENTS. Returns
+    (dist2, ids, stats).
     """
     import cupy as cp
 
@@ -996,7 +1022,7 @@ def anns(tree, queries, k, budget, *, roots=None, lim=None, hcap=HCAP):
     fn(((m + threads - 1) // threads,), (threads,), (
         tree.points, tree.perm, tree.child, tree.split_dim, tree.split_val, tree.start, tree.end,
         tree.lo, tree.hi, np.int32(d), queries, np.int32(m), np.int32(k), np.int32(budget),
-        roots, np.int32(roots.size), lim, out, ovf, visits))
+        roots, np.int32(roots.size), lim, out, ovf, visits, np.int32(descent == "path")))
     out_d, out_i = decode_keys(out)
     n_ovf = int(ovf.sum())
     if n_ovf and budget == 0:
@@ -1004,11 +1030,12 @@ def anns(tree, queries, k, budget, *, roots=None, lim=None, hcap=HCAP):
     return out_d, out_i, {"heap_overflow": n_ovf, "leaves_visited": cp.asnumpy(visits)}
 
 
-def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None, lim=None, hcap=HCAP):
+def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None, lim=None, hcap=HCAP,
+          descent="path"):
     """P-BANNS: rounds of descend -> bucket by leaf -> one block per leaf chunk -> advance.
 
     ``roots``: (T,) int32 roots of a packed forest (one queue per query over all trees);
-    ``lim``: (M,) float32 per-query pruning limit (default +inf).
+    ``lim``: (M,) float32 per-query pruning limit (default +inf); ``descent``: kdtree.DESCENTS.
     """
     import cupy as cp
 
@@ -1056,7 +1083,7 @@ def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None,
         leaf_of = cp.empty(na, cp.int32)
         f_desc(_grid(na, 128), (128,), (active, np.int32(na), queries, np.int32(d), tree.child, tree.split_dim,
                                        tree.split_val, tree.lo, tree.hi, np.int32(k), top, target, lim, HD, HN,
-                                       HS, OVF, leaf_of))
+                                       HS, OVF, leaf_of, np.int32(descent == "path")))
         e1 = E(); e1.record()
         order = cp.argsort(leaf_of)
         sorted_q = active[order]

@@ -7,7 +7,7 @@ from ..backend import is_cupy, resolve_device
 from ..errors import InputError
 from .bruteforce import ExactSearch, check_k, check_points
 from .kdtree import (_bound_limit, _check_budget, _check_build_params, _check_n_trees, build_kdforest, check_split,
-                     check_bounds, heap_capacity, query_kdtree)
+                     check_bounds, heap_capacity, query_kdtree, resolve_descent)
 
 __all__ = ["KDForest", "merge_topk_unique"]
 
@@ -57,6 +57,10 @@ class KDForest:
     heap_cap : int or None, default None
         Pending boxes each query's queue keeps (a full queue drops its farthest box). ``None``
         grows it with the budget (:func:`scanforest.kernels.knn.kdtree.heap_capacity`).
+    descent : {"auto", "box", "path"}, default "auto"
+        How a descent bounds the far children it queues: their box distance, or an O(1) bound
+        from the popped box (:func:`scanforest.kernels.knn.kdtree.query_kdtree`); ``auto`` is
+        ``path``. Both devices answer alike for the same value.
 
     Attributes
     ----------
@@ -84,7 +88,7 @@ class KDForest:
     def __init__(self, *, n_trees: int = 1, leaf_size: int = 64, backtracks: int | None = None,
                  method: str = "banns", random_dims: int | None = None, seed: int = 0,
                  device: str = "auto", max_depth: int | None = None, sliding_window: bool = True,
-                 split: str = "variance", heap_cap: int | None = None):
+                 split: str = "variance", heap_cap: int | None = None, descent: str = "auto"):
         self.n_trees = n_trees
         self.leaf_size = leaf_size
         self.backtracks = backtracks
@@ -96,11 +100,12 @@ class KDForest:
         self.sliding_window = sliding_window
         self.split = split
         self.heap_cap = heap_cap
+        self.descent = descent
 
     def get_params(self, deep: bool = True) -> dict:
         return {k: getattr(self, k) for k in ("n_trees", "leaf_size", "backtracks", "method", "random_dims",
                                               "seed", "device", "max_depth", "sliding_window", "split",
-                                              "heap_cap")}
+                                              "heap_cap", "descent")}
 
     def set_params(self, **params) -> "KDForest":
         for k, v in params.items():
@@ -124,6 +129,7 @@ class KDForest:
         _check_budget(self.backtracks)
         heap_capacity(1, self.heap_cap)
         check_split(self.split)
+        resolve_descent(self.descent)
         return _check_build_params(self.leaf_size, self.max_depth, self.random_dims, self.seed)
 
     def fit(self, X, y=None, *, keep_rows: bool = True) -> "KDForest":
@@ -227,7 +233,7 @@ class KDForest:
         _check_budget(budget)
         dist, ids, stats = query_kdtree(self.tree_, Q, k, method=self.method, backtracks=budget,
                                         sliding_window=self.sliding_window, bounds=bounds, return_stats=True,
-                                        heap_cap=self.heap_cap)
+                                        heap_cap=self.heap_cap, descent=self.descent)
         self.stats_ = dict(stats, method=self.method)
         return dist, ids
 
