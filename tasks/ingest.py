@@ -2,8 +2,9 @@
 
 :func:`ingest_file` is the unit of work (:func:`ingest_files` runs a batch of them as one Dask
 task). It hashes the file, skips it when the store already holds a complete scan from the same
-bytes, otherwise reads it, writes all arrays and marks the scan complete; an unreadable file is recorded in the store's quarantine with
-the reason and the batch goes on. :data:`ingest_scan` is the Prefect task around it.
+bytes, otherwise reads it, writes all arrays and marks the scan complete; an unreadable file is
+recorded in the store's quarantine with the reason and the batch goes on.
+:data:`ingest_scan` is the Prefect task around it.
 """
 from __future__ import annotations
 

@@ -225,7 +225,7 @@ class _Timeline:
         spans = [ss for d in ts.data for ss in d.get("startstops", ()) if ss.get("action") == "compute"]
         if spans:
             first, last = min(x["start"] for x in spans), max(x["stop"] for x in spans)
-            self.figures = {"timeline": {"call_seconds": t1 - t0, "first_task_after": first - t0,
+            self.figures = {"timeline": {"stage": name, "call_seconds": t1 - t0, "first_task_after": first - t0,
                                          "after_last_task": t1 - last,
                                          "dask_busy_seconds": sum(x["stop"] - x["start"] for x in spans),
                                          "dask_tasks": len(ts.data)}}
@@ -243,7 +243,8 @@ def _stage_rows(rep: BenchReport, name: str, r: dict, devname: str, recorded: bo
     if r["task_seconds"] is not None:
         overhead = max(0.0, 1.0 - r["task_seconds"] / (wall * nw))
         rep.add(f"{name}: orchestration overhead", 100 * overhead, "%", what, higher_is_better=False,
-                wall=wall, task_seconds=r["task_seconds"], **extra)
+                wall=wall, task_seconds=r["task_seconds"], **extra,
+                **({"timeline": r["timeline"]} if r.get("timeline") else {}))
     tl = r.get("timeline")
     if tl and not recorded:  # where the overhead goes
         rep.note(f"{name}: {tl['dask_tasks']} Dask tasks; the first started {tl['first_task_after']:.2f} s into "
