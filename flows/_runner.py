@@ -267,7 +267,7 @@ class _LocalShutdownNoise(logging.Filter):
 #: modules every stage's unit of work uses, imported by each worker as it starts (Dask's
 #: "preload"): imported by the first task instead, they cost a worker about 0.3 s alone and
 #: 1-1.5 s with 8 workers importing at once on 16 cores, inside the first stage's wall time
-WORKER_PRELOAD = ("zarr", "scanforest.tasks.store", "scanforest.tasks.ingest") + FORMAT_LIBRARIES
+WORKER_PRELOAD = ("zarr", "scanforest.tasks.ingest") + FORMAT_LIBRARIES  # tasks.ingest imports the store
 
 
 def _worker_plugin(env: dict[str, str], local: bool = False):
