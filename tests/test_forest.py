@@ -53,7 +53,7 @@ def test_forest_layout(rng):
 # ---------------------------------------------------------------------------------------- exactness
 @pytest.mark.parametrize("kind", ["random", "duplicates"])
 @pytest.mark.parametrize("n_trees,k,d", [(2, 1, 5), (3, 4, 12), (4, 17, 3)])
-@pytest.mark.parametrize("descent", ["box", "path"])
+@pytest.mark.parametrize("descent", ["box", "path", "incremental"])
 def test_forest_unlimited_budget_is_exact(rng, kind, n_trees, k, d, descent):
     X, Q = _data(rng, kind, 3000, 300, d)
     bd, bi = knn_bruteforce(X, Q, k, device="cpu")
@@ -114,10 +114,59 @@ def test_forest_validation(rng):
     assert f.stats_["leaves_visited"].max() == 1 and f.backtracks is None
 
 
+@pytest.mark.parametrize("kind", ["random", "duplicates"])
+def test_banns_rounds_of_several_leaves(rng, kind):
+    """P-BANNS's batched rounds (leaves_per_round L: L leaves chosen against the pruning distance
+    of the round's start, then scanned) on the CPU: exact with an unlimited budget for any L, the
+    same as P-ANNS for L = 1, and within the budget (each returned distance the canonical one of
+    its id) for larger L."""
+    from scanforest.kernels.knn.bruteforce import pair_distances
+
+    X, Q = _data(rng, kind, 4000, 300, 10)
+    k = 5
+    bd, bi = knn_bruteforce(X, Q, k, device="cpu")
+    forest = build_kdforest(X, n_trees=3, leaf_size=16, random_dims=5, device="cpu")
+    for per_round in (1, 3, 32):
+        d2, ids, st = query_kdtree(forest, Q, k, method="banns", leaves_per_round=per_round, return_stats=True)
+        np.testing.assert_array_equal(ids, bi, err_msg=f"L={per_round}")
+        np.testing.assert_array_equal(d2, bd, err_msg=f"L={per_round}")
+    for b in (1, 6, 40):
+        ad, ai, ast = query_kdtree(forest, Q, k, backtracks=b, return_stats=True)
+        d1, i1, s1 = query_kdtree(forest, Q, k, backtracks=b, method="banns", leaves_per_round=1, return_stats=True)
+        np.testing.assert_array_equal(i1, ai)
+        np.testing.assert_array_equal(d1, ad)
+        np.testing.assert_array_equal(s1["leaves_visited"], ast["leaves_visited"])
+        for per_round in (2, b):
+            dl, il, sl = query_kdtree(forest, Q, k, backtracks=b, method="banns", leaves_per_round=per_round,
+                                      return_stats=True)
+            assert int(sl["leaves_visited"].max()) <= b
+            _assert_rows_unique(il)
+            np.testing.assert_array_equal(dl, pair_distances(X, Q, il, device="cpu"))
+            # stale pruning within a round can only add scans: the list is at least as good as P-ANNS's
+            # with the same leaves when the budget was not reached
+            short = sl["leaves_visited"] < b
+            np.testing.assert_array_equal(il[short], bi[short])
+    # the default: LEAVES_PER_ROUND, at most the budget; the same call on the other method is refused
+    from scanforest.kernels.knn.kdtree import LEAVES_PER_ROUND, resolve_leaves_per_round
+
+    assert resolve_leaves_per_round(None, "banns", 0, True, 352) == LEAVES_PER_ROUND
+    assert resolve_leaves_per_round(None, "banns", 5, True, 352) == 5
+    assert resolve_leaves_per_round(None, "banns", 0, False, 352) == 1
+    assert resolve_leaves_per_round(None, "banns", 0, True, 3000) == 1
+    assert resolve_leaves_per_round(None, "anns", 64, True, 352) == 1
+    for bad, kw, msg in [(0, {}, "integer >= 1"), (2.5, {}, "integer >= 1"), (True, {}, "integer >= 1"),
+                         (4, {"method": "anns"}, "method='banns'"),
+                         (4, {"sliding_window": "rotate"}, "stream leaf kernel")]:
+        with pytest.raises(InputError, match=msg):
+            query_kdtree(forest, Q[:2], k, **{"method": "banns", **kw, "leaves_per_round": bad})
+    with pytest.raises(InputError, match="integer >= 1"):
+        KDForest(leaves_per_round=0, device="cpu").fit(X).query(Q[:2], 2)
+
+
 # ---------------------------------------------------------------------------------------- bounds
 @pytest.mark.parametrize("n_trees", [1, 2])
 @pytest.mark.parametrize("kind", ["random", "duplicates"])
-@pytest.mark.parametrize("descent", ["box", "path"])
+@pytest.mark.parametrize("descent", ["box", "path", "incremental"])
 def test_bounded_search_is_exact_and_visits_fewer_leaves(rng, n_trees, kind, descent):
     q = functools.partial(query_kdtree, descent=descent)
     X, Q = _data(rng, kind, 5000, 400, 10)
@@ -202,7 +251,7 @@ def test_merge_topk_unique():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["random", "duplicates"])
 @pytest.mark.parametrize("n_trees,k,d,leaf", [(2, 1, 5, 32), (3, 4, 64, 32), (4, 33, 40, 200)])
-@pytest.mark.parametrize("descent", ["box", "path"])
+@pytest.mark.parametrize("descent", ["box", "path", "incremental"])
 def test_gpu_forest_unlimited_budget_is_exact(rng, monkeypatch, kind, n_trees, k, d, leaf, descent):
     q = functools.partial(query_kdtree, descent=descent)
     import cupy as cp
@@ -224,7 +273,7 @@ def test_gpu_forest_unlimited_budget_is_exact(rng, monkeypatch, kind, n_trees, k
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("descent", ["box", "path"])
+@pytest.mark.parametrize("descent", ["box", "path", "incremental"])
 def test_gpu_forest_limited_budget_matches_cpu(rng, descent):
     q = functools.partial(query_kdtree, descent=descent)
     import cupy as cp
@@ -238,17 +287,19 @@ def test_gpu_forest_limited_budget_matches_cpu(rng, descent):
         np.testing.assert_array_equal(ai.get(), ci)
         np.testing.assert_array_equal(gs["leaves_visited"], cs["leaves_visited"])
         _assert_rows_unique(ci)
-        for sw in (True, False):
-            bd, bi, bs = q(gt, cp.asarray(Q), 4, backtracks=b, method="banns", sliding_window=sw,
-                                      finish_below=0, return_stats=True)
-            np.testing.assert_array_equal(bi.get(), ci)
-            np.testing.assert_array_equal(bd.get(), cd)
-            np.testing.assert_array_equal(bs["leaves_visited"], cs["leaves_visited"])
+        for sw, per_round in ((True, None), (True, 1), (True, 4), (False, None)):
+            kw = {"method": "banns", "sliding_window": sw, "leaves_per_round": per_round}
+            cbd, cbi, cbs = q(ct, Q, 4, backtracks=b, return_stats=True, **kw)
+            bd, bi, bs = q(gt, cp.asarray(Q), 4, backtracks=b, finish_below=0, return_stats=True, **kw)
+            np.testing.assert_array_equal(bi.get(), cbi, err_msg=f"sw={sw} L={per_round}")
+            np.testing.assert_array_equal(bd.get(), cbd, err_msg=f"sw={sw} L={per_round}")
+            np.testing.assert_array_equal(bs["leaves_visited"], cbs["leaves_visited"])
+            _assert_rows_unique(cbi)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_trees", [1, 3])
-@pytest.mark.parametrize("descent", ["box", "path"])
+@pytest.mark.parametrize("descent", ["box", "path", "incremental"])
 def test_gpu_bounded_search(rng, n_trees, descent):
     q = functools.partial(query_kdtree, descent=descent)
     import cupy as cp
@@ -267,11 +318,14 @@ def test_gpu_bounded_search(rng, n_trees, descent):
         _, _, free = q(gt, Qg, k, backtracks=budget, method="anns", return_stats=True)
         for method in ("anns", "banns"):
             kw = {"finish_below": 0} if method == "banns" else {}
+            md, mi, ms = q(ct, Q, k, backtracks=budget, bounds=b, return_stats=True, method=method)
+            if budget is None:
+                np.testing.assert_array_equal(mi, np.where(keep, bi, -1), err_msg=method)
             gd, gi, gs = q(gt, Qg, k, backtracks=budget, method=method, bounds=cp.asarray(b),
                                       return_stats=True, **kw)
-            np.testing.assert_array_equal(gi.get(), ci, err_msg=method)
-            np.testing.assert_array_equal(gd.get(), cd, err_msg=method)
-            np.testing.assert_array_equal(gs["leaves_visited"], cs["leaves_visited"], err_msg=method)
+            np.testing.assert_array_equal(gi.get(), mi, err_msg=method)
+            np.testing.assert_array_equal(gd.get(), md, err_msg=method)
+            np.testing.assert_array_equal(gs["leaves_visited"], ms["leaves_visited"], err_msg=method)
         assert cs["leaves_visited"].sum() <= free["leaves_visited"].sum()
         if budget is None:
             assert cs["leaves_visited"].sum() < free["leaves_visited"].sum()

@@ -230,6 +230,13 @@ def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, 
     return {f"FLANN KDTreeIndex ({trees} trees)": curve}
 
 
+#: the CLI's defaults by device: on a GPU the forest that is fastest at every matched recall on
+#: the PCL SHOT352 (one tree, P-BANNS in batched rounds; docs/benchmarks.md), every real row (n = 0;
+#: synthetic data: the CPU's n) and 20k queries; on a CPU FLANN's four trees
+DEFAULTS = {"gpu": {"n": 0, "m": 20000, "trees": 1, "budgets": (64, 128, 256, 512, 768)},
+            "cpu": {"n": 100_000, "m": 2000, "trees": 4, "budgets": (8, 32, 128)}}
+
+
 def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4, leaf_size: int = 32,
         budgets=(8, 32, 128), method: str | None = None, split: str = "variance",
         flann_baseline: str | None = None, flann_checks=None, flann_trees: int | None = None,
@@ -269,7 +276,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     if real:
         from ._data import pcl_shot_dataset
 
-        X, Q, clouds = pcl_shot_dataset(real, device=dev, max_queries=m)
+        X, Q, clouds = pcl_shot_dataset(real, device=dev, max_queries=m)  # n = 0: every row
         if n and len(X) > n:  # a random subset of the reference, the same for every tool
             X = X[xp.asarray(np.sort(np.random.default_rng(3).choice(len(X), n, replace=False)))]
         rep.note("data: SHOT352 at every point of " + ", ".join(c[0] for c in clouds)
@@ -346,14 +353,17 @@ def register(app, bench) -> None:
 
     @bench.command("tools")
     def bench_tools(
-        n: str = typer.Option("100k", "--n", help="reference rows (k/m suffixes ok; with --real: at most this many)"),
-        m: int = typer.Option(2000, "--m", help="queries"),
+        n: str = typer.Option("", "--n", help="reference rows (k/m suffixes ok; with --real: at most this many, 0 "
+                              "every row; default: 100k on a CPU, every real row on a GPU)"),
+        m: int = typer.Option(0, "--m", help="queries (default: 2,000 on a CPU, 20,000 on a GPU)"),
         d: int = typer.Option(352, "--d", help="dimensions (synthetic data)"),
         k: int = typer.Option(4, "-k", help="neighbours per query (P)"),
         device: str = typer.Option("auto", "--device", help="where scanforest runs: auto | cpu | gpu"),
-        trees: int = typer.Option(4, "--trees", help="randomized trees (scanforest and FLANN alike)"),
+        trees: int = typer.Option(0, "--trees", help="randomized trees (scanforest and FLANN alike; default: 4 on a "
+                                  "CPU, 1 on a GPU)"),
         leaf_size: int = typer.Option(32, "--leaf-size"),
-        budgets: str = typer.Option("8,32,128", "--budgets", help="scanforest leaves per query (comma list)"),
+        budgets: str = typer.Option("", "--budgets", help="scanforest leaves per query (comma list; default: 8,32,128 "
+                                    "on a CPU, 64,128,256,512,768 on a GPU)"),
         method: str = typer.Option(None, "--method", help="scanforest search: banns | anns (default: banns on "
                                    "GPUs, anns on CPUs)"),
         split: str = typer.Option("variance", "--split", help="scanforest split rule: variance | median | midpoint"),
@@ -384,8 +394,12 @@ def register(app, bench) -> None:
     ):
         """scanforest's KD-forest against FLANN's KD-forest and FAISS (Flat, IVF-Flat, HNSW; on the GPU also
         IVF-Flat and CAGRA), one data set."""
-        run(parse_counts(n)[0], m, d, k, device=device, trees=trees, leaf_size=leaf_size,
-            budgets=parse_counts(budgets), method=method, split=split, flann_baseline=flann_baseline,
+        from scanforest.kernels.backend import resolve_device
+
+        dflt = DEFAULTS[resolve_device(device)]
+        n_rows = parse_counts(n)[0] if n.strip() else dflt["n"] if real else DEFAULTS["cpu"]["n"]
+        run(n_rows, m or dflt["m"], d, k, device=device, trees=trees or dflt["trees"], leaf_size=leaf_size,
+            budgets=parse_counts(budgets) or list(dflt["budgets"]), method=method, split=split, flann_baseline=flann_baseline,
             flann_checks=parse_counts(flann_checks), flann_trees=flann_trees, nlist=nlist,
             nprobes=parse_counts(nprobe), hnsw_m=hnsw_m,
             ef_construction=ef_construction, ef_search=parse_counts(ef_search), threads=threads, clusters=clusters,

@@ -11,6 +11,9 @@ from typing import Any
 
 from ..backend import to_numpy
 
+#: the number each search kernel (numba and CUDA) takes for a descent bound (kdtree.DESCENTS)
+DESCENT_IDS = {"box": 0, "path": 1, "incremental": 2}
+
 __all__ = ["KDTree"]
 
 

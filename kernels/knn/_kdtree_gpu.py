@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from .bruteforce import _CUDA_COMMON, _half_rows, decode_keys, knn_bruteforce
+from ._kdtree_common import DESCENT_IDS  # the kernels' `path` argument
 
 HCAP = 256   # default heap capacity (kdtree.HEAP_CAP); a search passes kdtree.heap_capacity's
 QB = 64      # queries per block of the "tile" leaf kernel (one per thread)
@@ -34,8 +35,8 @@ RQ = 32      # queries per block of the "rotate" leaf kernel
 RP = 64      # leaf points per tile (= threads) of the "rotate" leaf kernel
 WINDOW_KERNEL = "stream"  # sliding-window leaf kernel: "stream", "rotate" (threads over points) or "tile"
 HALF_REDO_ROWS = 1 << 22  # rows widened at a time by the exact fallback over float16 rows
-SQ = 8       # queries per block of the "stream" leaf kernel (staged whole in shared memory)
-SP = 64      # threads (leaf points in flight) per block of the "stream" leaf kernel
+SQ = 4       # queries per block of the "stream" leaf kernel (staged whole in shared memory)
+SP = 32      # threads (leaf points in flight) per block of the "stream" leaf kernel
 PB = 32      # leaf points per shared-memory tile
 DC = 32      # dimensions per shared-memory chunk
 
@@ -46,8 +47,8 @@ _SRC = _CUDA_COMMON + r"""
 #define QB 64
 #define PB 32
 #define DC 32
-#define SQ 8
-#define SP 64
+#define SQ 4
+#define SP 32
 #define F_INF __int_as_float(0x7f800000)
 
 // leaf-ordered rows: float, or IEEE half (PT_HALF): see bruteforce._half_rows
@@ -404,18 +405,21 @@ __device__ __forceinline__ float path_bound(float dp, float qs, float a, float b
     else { float e = v < b ? v : b; t = __fsub_rn(qs, e); }
     return __fmul_rn(__fadd_rn(__fsub_rn(dp, c), __fmul_rn(t, t)), PATH_SAFE);
 }
-// descend from the popped `node` to a leaf, pushing far siblings with their box distance (`path`
-// 0) or with the O(1) bound from the popped box's distance (`path` 1: kdtree's PATH descent);
-// returns the leaf, or -1 when the popped box's distance exceeds `worst` (path) or check_near
-// (bounded search) finds the near child's box farther than `worst`
+// descend from the popped `node` (its queue key `key`) to a leaf, pushing far siblings with their
+// box distance (`path` 0: kdtree's "box" descent), with the O(1) bound from the popped box's
+// distance (1: "path") or from its key (2: "incremental", no O(d) work); returns the leaf, or -1
+// when the popped box's distance exceeds `worst` (path) or check_near (bounded search) finds the
+// near child's box farther than `worst`
 __device__ __forceinline__ int descend(int node, const float* __restrict__ q, int d, const int* __restrict__ child,
         const int* __restrict__ sdim, const float* __restrict__ sval, const float* __restrict__ lo,
         const float* __restrict__ hi, float worst, float* hd, int* hn, int& hs, int& ovf, bool check_near,
-        int path) {
+        int path, float key) {
     const float* pl = lo + (long long)node * d;
     const float* ph = hi + (long long)node * d;
     float dp = 0.0f;
-    if (path) {
+    if (path == 2) {
+        dp = key;  // incremental: P's key (a lower bound of its box distance, already <= worst)
+    } else if (path) {
         dp = box_dist(q, pl, ph, d);
         if (dp > worst) return -1;
     }
@@ -436,12 +440,12 @@ __device__ __forceinline__ int descend(int node, const float* __restrict__ q, in
     }
     return node;
 }
-// pop boxes until one is within `worst`; returns it or -1 (the queue is then empty)
-__device__ __forceinline__ int pop_within(float* hd, int* hn, int& hs, float worst) {
+// pop boxes until one is within `worst`; returns it (its key in `key`) or -1 (the queue is then empty)
+__device__ __forceinline__ int pop_within(float* hd, int* hn, int& hs, float worst, float& key) {
     while (hs > 0) {
         float bd = hd[0]; int nd = hn[0];
         hs = heap_pop(hd, hn, hs);
-        if (bd <= worst) return nd;
+        if (bd <= worst) { key = bd; return nd; }
         hs = 0;
     }
     return -1;
@@ -478,9 +482,10 @@ extern "C" __global__ void anns(const PT* __restrict__ points, const long long* 
     while (true) {
         float worst = cnt == k ? key_dist(top[k - 1]) : F_INF;
         worst = fminf(worst, bl);
-        node = pop_within(hd, hn, hs, worst);
+        float key;
+        node = pop_within(hd, hn, hs, worst, key);
         if (node < 0) break;
-        node = descend(node, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, check_near, path);
+        node = descend(node, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, check_near, path, key);
         if (node < 0) continue;
         for (long long p = start[node]; p < end[node]; ++p) {
             unsigned long long key = make_key(canon_dist_p(q, points + p * d, d), perm[p]);
@@ -498,7 +503,7 @@ extern "C" __global__ void anns(const PT* __restrict__ points, const long long* 
 extern "C" __global__ void banns_descend(const int* __restrict__ active, int na, const float* __restrict__ Q, int d,
         const int* __restrict__ child, const int* __restrict__ sdim, const float* __restrict__ sval,
         const float* __restrict__ lo, const float* __restrict__ hi, int k,
-        const unsigned long long* __restrict__ top, const int* __restrict__ target,
+        const unsigned long long* __restrict__ top, const int* __restrict__ target, const float* __restrict__ TK,
         const float* __restrict__ lim, float* __restrict__ HD, int* __restrict__ HN, int* __restrict__ HS,
         int* __restrict__ OVF, int* __restrict__ leaf_of, int path) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -510,11 +515,13 @@ extern "C" __global__ void banns_descend(const int* __restrict__ active, int na,
     int hs = HS[qi], ovf = OVF[qi];
     float* hd = HD + (long long)qi * HCAP;
     int* hn = HN + (long long)qi * HCAP;
-    int leaf = descend(target[qi], q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, bl < F_INF, path);
+    int leaf = descend(target[qi], q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, bl < F_INF, path,
+                       TK[qi]);
     while (leaf < 0) {  // the descent was pruned: take the next box (-1: query done)
-        int nd = pop_within(hd, hn, hs, worst);
+        float key;
+        int nd = pop_within(hd, hn, hs, worst, key);
         if (nd < 0) break;
-        leaf = descend(nd, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, bl < F_INF, path);
+        leaf = descend(nd, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, bl < F_INF, path, key);
     }
     HS[qi] = hs; OVF[qi] = ovf;
     leaf_of[i] = leaf;
@@ -691,11 +698,18 @@ extern "C" __global__ void banns_leaf_plain(const int* __restrict__ blk_leaf,
 // straight from global memory (float4 when d % 4 == 0) and keeps one running sum per query, in
 // dimension order (canon_dist's rounding, bit for bit). Only keys below a query's current k-th
 // key become candidates; thread r then merges query r's candidates (one writer per list).
-extern "C" __global__ void __launch_bounds__(SP) banns_leaf_stream(const int* __restrict__ blk_leaf,
+//
+// With `slot_of` (the batched rounds, several leaves of a query scanned at once), the list a
+// block's query r merges into is its pair's own slot top + slot_of[f + r] * k (empty at the start,
+// one writer), and only keys below the query's current k-th key in `qtop` become candidates;
+// banns_merge_slots then merges a query's slots into its list.
+template <bool SLOTS>
+__device__ __forceinline__ void leaf_stream(const int* __restrict__ blk_leaf,
         const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
         const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
         const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
-        unsigned long long* __restrict__ top) {
+        unsigned long long* __restrict__ top, const int* __restrict__ slot_of,
+        const unsigned long long* __restrict__ qtop) {
     extern __shared__ float4 qs4[];                      // [SQ][d] floats
     float* qs = (float*)qs4;
     __shared__ unsigned long long cand[SQ][SP];
@@ -712,11 +726,13 @@ extern "C" __global__ void __launch_bounds__(SP) banns_leaf_stream(const int* __
         int r = idx / d;
         qs[idx] = Q[(long long)qid[r] * d + (idx - r * d)];
     }
-    unsigned long long* mytop = t < qc ? top + (long long)qid[t] * k : NULL;
+    unsigned long long* mytop = t >= qc ? NULL : top + (long long)(SLOTS ? slot_of[f + t] : qid[t]) * k;
+    unsigned long long qthr = KEY_NONE;  // SLOTS: the query's own k-th key (read only here)
+    if (SLOTS && mytop) qthr = qtop[(long long)qid[t] * k + k - 1];
     int cnt = 0;
     if (mytop) {
         while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
-        thr[t] = cnt < k ? KEY_NONE : mytop[k - 1];
+        thr[t] = (cnt == k && mytop[k - 1] < qthr) ? mytop[k - 1] : qthr;
     }
     __syncthreads();
     const bool vec = ((d & 3) | ((unsigned long long)points & (4 * sizeof(PT) - 1))) == 0;
@@ -785,16 +801,96 @@ extern "C" __global__ void __launch_bounds__(SP) banns_leaf_stream(const int* __
                 if (cnt < k || key < mytop[k - 1]) top_insert(mytop, cnt, k, key);
             }
             ncand[t] = 0;
-            thr[t] = cnt < k ? KEY_NONE : mytop[k - 1];
+            thr[t] = (cnt == k && mytop[k - 1] < qthr) ? mytop[k - 1] : qthr;
         }
         __syncthreads();
+    }
+}
+extern "C" __global__ void __launch_bounds__(SP) banns_leaf_stream(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
+        const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
+        const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
+        unsigned long long* __restrict__ top) {
+    leaf_stream<false>(blk_leaf, blk_first, blk_cnt, sorted_q, Q, points, perm, start, end, d, k, top, NULL, NULL);
+}
+extern "C" __global__ void __launch_bounds__(SP) banns_leaf_stream_slots(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
+        const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
+        const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
+        unsigned long long* __restrict__ slots, const int* __restrict__ slot_of,
+        const unsigned long long* __restrict__ qtop) {
+    leaf_stream<true>(blk_leaf, blk_first, blk_cnt, sorted_q, Q, points, perm, start, end, d, k, slots, slot_of,
+                      qtop);
+}
+
+// ---------------------------------------------------------------------------- batched rounds
+// A round takes up to L leaves per active query: pop -> descend -> record, L times, against the
+// pruning distance of the round's start (the k-th distance after the last merge, or lim), then
+// every (query, leaf) pair is bucketed by leaf and scanned into its own slot (leaf_stream<true>),
+// and banns_merge_slots merges each query's L slots into its list. L = 1 is P-BANNS itself;
+// kdtree._anns_cpu with the same L returns the same answer (the order of the scans of a round
+// does not change the final (dist, id)-ordered list).
+// target[qi] >= 0: a box already popped (banns_init's first); keep[i]: the query goes on.
+extern "C" __global__ void banns_collect(const int* __restrict__ active, int na, int L,
+        const float* __restrict__ Q, int d, const int* __restrict__ child, const int* __restrict__ sdim,
+        const float* __restrict__ sval, const float* __restrict__ lo, const float* __restrict__ hi, int k,
+        const unsigned long long* __restrict__ top, int* __restrict__ target, const float* __restrict__ TK,
+        const float* __restrict__ lim, float* __restrict__ HD, int* __restrict__ HN, int* __restrict__ HS,
+        int* __restrict__ OVF, int* __restrict__ visits, int budget, int* __restrict__ leaf_of,
+        unsigned char* __restrict__ keep, int path) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= na) return;
+    int qi = active[i];
+    const float* q = Q + (long long)qi * d;
+    const float bl = lim[qi];
+    const float worst = fminf(key_dist(top[(long long)qi * k + k - 1]), bl);
+    int hs = HS[qi], ovf = OVF[qi], v = visits[qi];
+    float* hd = HD + (long long)qi * HCAP;
+    int* hn = HN + (long long)qi * HCAP;
+    int nd = target[qi];
+    float key = TK[qi];
+    int n = 0;
+    int* out = leaf_of + (long long)i * L;
+    while (n < L && !(budget > 0 && v >= budget)) {
+        if (nd < 0) {
+            nd = pop_within(hd, hn, hs, worst, key);
+            if (nd < 0) break;
+        }
+        int leaf = descend(nd, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, bl < F_INF, path, key);
+        nd = -1;
+        if (leaf < 0) continue;
+        out[n++] = leaf;
+        ++v;
+    }
+    for (int j = n; j < L; ++j) out[j] = -1;
+    keep[i] = (n == L && hs > 0 && !(budget > 0 && v >= budget)) ? 1 : 0;
+    target[qi] = -1;
+    HS[qi] = hs; OVF[qi] = ovf; visits[qi] = v;
+}
+
+// merge the L slots of each active query (ascending lists, KEY_NONE-padded) into its top-k list
+extern "C" __global__ void banns_merge_slots(const int* __restrict__ active, int na, int L, int k,
+        const unsigned long long* __restrict__ slots, unsigned long long* __restrict__ top) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= na) return;
+    unsigned long long* mytop = top + (long long)active[i] * k;
+    int cnt = 0;
+    while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
+    const unsigned long long* s = slots + (long long)i * L * k;
+    for (int j = 0; j < L; ++j) {
+        for (int c = 0; c < k; ++c) {
+            unsigned long long key = s[j * k + c];
+            if (key == KEY_NONE || (cnt == k && key >= mytop[k - 1])) break;  // the slot is ascending
+            top_insert(mytop, cnt, k, key);
+        }
     }
 }
 
 extern "C" __global__ void banns_advance(const int* __restrict__ active, int na, int k, int budget,
         const unsigned long long* __restrict__ top, const float* __restrict__ lim,
         const int* __restrict__ leaf_of, float* __restrict__ HD, int* __restrict__ HN,
-        int* __restrict__ HS, int* __restrict__ visits, int* __restrict__ target, unsigned char* __restrict__ keep) {
+        int* __restrict__ HS, int* __restrict__ visits, int* __restrict__ target, float* __restrict__ TK,
+        unsigned char* __restrict__ keep) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= na) return;
     int qi = active[i];
@@ -810,7 +906,7 @@ extern "C" __global__ void banns_advance(const int* __restrict__ active, int na,
     while (hs > 0) {
         float bd = hd[0]; int nd = hn[0];
         hs = heap_pop(hd, hn, hs);
-        if (bd <= worst) { target[qi] = nd; keep[i] = 1; break; }
+        if (bd <= worst) { target[qi] = nd; TK[qi] = bd; keep[i] = 1; break; }
         hs = 0;
     }
     HS[qi] = hs;
@@ -821,7 +917,7 @@ extern "C" __global__ void banns_advance(const int* __restrict__ active, int na,
 extern "C" __global__ void banns_init(int m, const float* __restrict__ Q, int d, const int* __restrict__ roots,
         int nroots, const float* __restrict__ lo, const float* __restrict__ hi, const float* __restrict__ lim,
         float* __restrict__ HD, int* __restrict__ HN, int* __restrict__ HS, int* __restrict__ OVF,
-        int* __restrict__ target, unsigned char* __restrict__ keep) {
+        int* __restrict__ target, float* __restrict__ TK, unsigned char* __restrict__ keep) {
     int qi = blockIdx.x * blockDim.x + threadIdx.x;
     if (qi >= m) return;
     const float* q = Q + (long long)qi * d;
@@ -839,7 +935,7 @@ extern "C" __global__ void banns_init(int m, const float* __restrict__ Q, int d,
     }
     keep[qi] = 0;
     target[qi] = 0;
-    if (hs > 0) { target[qi] = hn[0]; hs = heap_pop(hd, hn, hs); keep[qi] = 1; }
+    if (hs > 0) { target[qi] = hn[0]; TK[qi] = hd[0]; hs = heap_pop(hd, hn, hs); keep[qi] = 1; }
     HS[qi] = hs;
     OVF[qi] = ovf;
 }
@@ -847,6 +943,11 @@ extern "C" __global__ void banns_init(int m, const float* __restrict__ Q, int d,
 
 
 @functools.lru_cache(maxsize=None)
+def stream_fits(d: int) -> bool:
+    """Whether the stream leaf kernel's queries (SQ rows of d floats) fit its shared memory."""
+    return SQ * int(d) * 4 <= 40 * 1024
+
+
 def _module(kp: int, half: bool = False, hcap: int = HCAP):
     """The search kernels for top-``kp`` lists over float32 rows, or float16 ones (``half``),
     with queues of ``hcap`` pending boxes."""
@@ -1022,7 +1123,7 @@ def anns(tree, queries, k, budget, *, roots=None, lim=None, hcap=HCAP, descent="
     fn(((m + threads - 1) // threads,), (threads,), (
         tree.points, tree.perm, tree.child, tree.split_dim, tree.split_val, tree.start, tree.end,
         tree.lo, tree.hi, np.int32(d), queries, np.int32(m), np.int32(k), np.int32(budget),
-        roots, np.int32(roots.size), lim, out, ovf, visits, np.int32(descent == "path")))
+        roots, np.int32(roots.size), lim, out, ovf, visits, np.int32(DESCENT_IDS[descent])))
     out_d, out_i = decode_keys(out)
     n_ovf = int(ovf.sum())
     if n_ovf and budget == 0:
@@ -1031,11 +1132,13 @@ def anns(tree, queries, k, budget, *, roots=None, lim=None, hcap=HCAP, descent="
 
 
 def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None, lim=None, hcap=HCAP,
-          descent="path"):
+          descent="path", leaves_per_round=1):
     """P-BANNS: rounds of descend -> bucket by leaf -> one block per leaf chunk -> advance.
 
     ``roots``: (T,) int32 roots of a packed forest (one queue per query over all trees);
-    ``lim``: (M,) float32 per-query pruning limit (default +inf); ``descent``: kdtree.DESCENTS.
+    ``lim``: (M,) float32 per-query pruning limit (default +inf); ``descent``: kdtree.DESCENTS;
+    ``leaves_per_round``: leaves a query takes per round (> 1: :func:`_banns_batched`, with the
+    stream leaf kernel; the other kernels take one).
     """
     import cupy as cp
 
@@ -1054,82 +1157,177 @@ def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None,
         f_leaf, qb, threads = mod.get_function("banns_leaf_plain"), QB, QB
     elif window == "tile":
         f_leaf, qb, threads = mod.get_function("banns_leaf_window"), QB, QB
-    elif window == "stream" and SQ * d * 4 <= 40 * 1024:
+    elif window == "stream" and stream_fits(d):
         f_leaf, qb, threads = mod.get_function("banns_leaf_stream"), SQ, SP
         smem = SQ * d * 4
     else:
         f_leaf, qb, threads = mod.get_function("banns_leaf_rotate"), RQ, RP
-    f_adv = mod.get_function("banns_advance")
-    f_init = mod.get_function("banns_init")
     if finish_below is None:
         finish_below = max(32, m // 256)
-    top = cp.full((m, k), np.uint64(0xFFFFFFFFFFFFFFFF), cp.uint64)
-    HD = cp.empty((m, hcap), cp.float32)
-    HN = cp.empty((m, hcap), cp.int32)
-    HS = cp.zeros(m, cp.int32)
-    OVF = cp.zeros(m, cp.int32)
-    visits = cp.zeros(m, cp.int32)
-    target = cp.zeros(m, cp.int32)
-    keep0 = cp.empty(m, cp.uint8)
-    f_init(_grid(m, 128), (128,), (np.int32(m), queries, np.int32(d), roots, np.int32(roots.size), tree.lo,
-                                   tree.hi, lim, HD, HN, HS, OVF, target, keep0))
-    active = cp.nonzero(keep0)[0].astype(cp.int32)
-    na = int(active.size)
-    rounds = 0
-    ev = []  # (phase, start event, end event) per round, read once at the end
+    if leaves_per_round > 1 and window == "stream" and smem:
+        return _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, int(leaves_per_round),
+                              descent, hcap)
+    f_adv = mod.get_function("banns_advance")
+    st = _BannsState(mod, tree, queries, k, roots, lim, hcap)
+    active, na = st.active, int(st.active.size)
+    ev = []  # per round: the events between its phases and its leaf blocks, read once at the end
     E = cp.cuda.Event
     while na > finish_below:
         e0 = E(); e0.record()
         leaf_of = cp.empty(na, cp.int32)
         f_desc(_grid(na, 128), (128,), (active, np.int32(na), queries, np.int32(d), tree.child, tree.split_dim,
-                                       tree.split_val, tree.lo, tree.hi, np.int32(k), top, target, lim, HD, HN,
-                                       HS, OVF, leaf_of, np.int32(descent == "path")))
+                                       tree.split_val, tree.lo, tree.hi, np.int32(k), st.top, st.target, st.TK, lim,
+                                       st.HD, st.HN, st.HS, st.OVF, leaf_of, np.int32(DESCENT_IDS[descent])))
         e1 = E(); e1.record()
-        order = cp.argsort(leaf_of)
-        sorted_q = active[order]
-        sleaf = leaf_of[order]
-        brk = cp.nonzero(sleaf[1:] != sleaf[:-1])[0].astype(cp.int32) + 1
-        gstart = cp.concatenate([cp.zeros(1, cp.int32), brk])
-        gend = cp.concatenate([brk, cp.full(1, na, cp.int32)])
-        nblk_g = (gend - gstart + qb - 1) // qb
-        bcum = cp.cumsum(nblk_g)
-        nb = int(bcum[-1])
-        bidx = cp.arange(nb, dtype=cp.int32)
-        bg = cp.searchsorted(bcum, bidx, side="right").astype(cp.int32)
-        first = gstart[bg] + (bidx - (bcum[bg] - nblk_g[bg]).astype(cp.int32)) * qb
-        cnt = cp.minimum(qb, gend[bg] - first).astype(cp.int32)
-        bleaf = sleaf[gstart[bg]]
+        blocks = _leaf_blocks(leaf_of, qb)
         e2 = E(); e2.record()
-        f_leaf((nb,), (threads,), (bleaf, first.astype(cp.int32), cnt, sorted_q, queries, tree.points, tree.perm,
-                              tree.start, tree.end, np.int32(d), np.int32(k), top), shared_mem=smem)
+        nb = 0
+        if blocks is not None:
+            pair, bleaf, first, cnt = blocks
+            nb = int(bleaf.size)
+            f_leaf((nb,), (threads,), (bleaf, first, cnt, active[pair], queries, tree.points, tree.perm, tree.start,
+                                      tree.end, np.int32(d), np.int32(k), st.top), shared_mem=smem)
         e3 = E(); e3.record()
         keep = cp.empty(na, cp.uint8)
-        f_adv(_grid(na, 128), (128,), (active, np.int32(na), np.int32(k), np.int32(budget), top, lim, leaf_of,
-                                      HD, HN, HS, visits, target, keep))
+        f_adv(_grid(na, 128), (128,), (active, np.int32(na), np.int32(k), np.int32(budget), st.top, lim, leaf_of,
+                                      st.HD, st.HN, st.HS, st.visits, st.target, st.TK, keep))
         active = active[keep.astype(cp.bool_)]
         na = int(active.size)
         e4 = E(); e4.record()
         ev.append((e0, e1, e2, e3, e4, nb))
-        rounds += 1
-    phase = np.zeros(4)
-    leaf_blocks = 0
-    if ev:
-        ev[-1][4].synchronize()
-        for e0, e1, e2, e3, e4, nb in ev:
-            phase += [cp.cuda.get_elapsed_time(a, b) for a, b in ((e0, e1), (e1, e2), (e2, e3), (e3, e4))]
-            leaf_blocks += nb
-    t0 = time.perf_counter()
-    out_d, out_i = decode_keys(top)
-    n_ovf = int(OVF.sum())
-    redo = active
-    if n_ovf and budget == 0:
-        redo = cp.unique(cp.concatenate([active, cp.nonzero(OVF)[0].astype(cp.int32)]))
-    if int(redo.size):
-        _exact_redo(tree, queries, redo, k, out_d, out_i)
-    cp.cuda.Device().synchronize()
-    t_fin = (time.perf_counter() - t0) * 1e3
-    return out_d, out_i, {"rounds": rounds, "finished_by_bruteforce": int(active.size), "heap_overflow": n_ovf,
-                          "leaf_blocks": leaf_blocks, "leaves_visited": cp.asnumpy(visits),
-                          "ms_descend": round(float(phase[0]), 3), "ms_bucket": round(float(phase[1]), 3),
-                          "ms_leaf_scan": round(float(phase[2]), 3), "ms_advance": round(float(phase[3]), 3),
-                          "ms_finish": round(t_fin, 3)}
+    return st.finish(tree, queries, k, budget, active, ev)
+
+
+class _BannsState:
+    """A P-BANNS search's per-query state (top-k keys, queue, visits, the popped target and its
+    key), the roots pushed and the first box popped (``banns_init``); ``active``: the queries
+    with a box to search."""
+
+    def __init__(self, mod, tree, queries, k, roots, lim, hcap):
+        import cupy as cp
+
+        m, d = queries.shape
+        self.top = cp.full((m, k), np.uint64(0xFFFFFFFFFFFFFFFF), cp.uint64)
+        self.HD = cp.empty((m, hcap), cp.float32)
+        self.HN = cp.empty((m, hcap), cp.int32)
+        self.HS = cp.zeros(m, cp.int32)
+        self.OVF = cp.zeros(m, cp.int32)
+        self.visits = cp.zeros(m, cp.int32)
+        self.target = cp.zeros(m, cp.int32)
+        self.TK = cp.zeros(m, cp.float32)
+        keep0 = cp.empty(m, cp.uint8)
+        mod.get_function("banns_init")(_grid(m, 128), (128,), (
+            np.int32(m), queries, np.int32(d), roots, np.int32(roots.size), tree.lo, tree.hi, lim, self.HD, self.HN,
+            self.HS, self.OVF, self.target, self.TK, keep0))
+        self.active = cp.nonzero(keep0)[0].astype(cp.int32)
+
+    def finish(self, tree, queries, k, budget, active, ev):
+        """Decode the lists, redo exactly the still ``active`` queries (and, with an unlimited
+        budget, those whose queue overflowed); (dist2, ids, stats), with the phase times of the
+        rounds' events ``ev`` ((e0, .., e4, leaf blocks) per round)."""
+        import cupy as cp
+
+        phase = np.zeros(4)
+        leaf_blocks = 0
+        if ev:
+            ev[-1][4].synchronize()
+            for e0, e1, e2, e3, e4, nb in ev:
+                phase += [cp.cuda.get_elapsed_time(a, b) for a, b in ((e0, e1), (e1, e2), (e2, e3), (e3, e4))]
+                leaf_blocks += nb
+        t0 = time.perf_counter()
+        out_d, out_i = decode_keys(self.top)
+        n_ovf = int(self.OVF.sum())
+        redo = active
+        if n_ovf and budget == 0:
+            redo = cp.unique(cp.concatenate([active, cp.nonzero(self.OVF)[0].astype(cp.int32)]))
+        if int(redo.size):
+            _exact_redo(tree, queries, redo, k, out_d, out_i)
+        cp.cuda.Device().synchronize()
+        t_fin = (time.perf_counter() - t0) * 1e3
+        return out_d, out_i, {"rounds": len(ev), "finished_by_bruteforce": int(active.size), "heap_overflow": n_ovf,
+                              "leaf_blocks": leaf_blocks, "leaves_visited": cp.asnumpy(self.visits),
+                              "ms_descend": round(float(phase[0]), 3), "ms_bucket": round(float(phase[1]), 3),
+                              "ms_leaf_scan": round(float(phase[2]), 3), "ms_advance": round(float(phase[3]), 3),
+                              "ms_finish": round(t_fin, 3)}
+
+
+SLOT_KEYS = 1 << 26  # slot keys of a batched round (512 MB): queries are taken L * k slot keys each
+
+
+def _leaf_blocks(leaf_of, qb):
+    """Bucket the valid pairs of ``leaf_of`` (-1: none) by leaf into blocks of at most ``qb``:
+    (pair of each sorted position, block leaf, block first position, block count), or None."""
+    import cupy as cp
+
+    valid = cp.nonzero(leaf_of >= 0)[0].astype(cp.int32)
+    n = int(valid.size)
+    if n == 0:
+        return None
+    pair = valid[cp.argsort(leaf_of[valid])]
+    sleaf = leaf_of[pair]
+    brk = cp.nonzero(sleaf[1:] != sleaf[:-1])[0].astype(cp.int32) + 1
+    gstart = cp.concatenate([cp.zeros(1, cp.int32), brk])
+    gend = cp.concatenate([brk, cp.full(1, n, cp.int32)])
+    nblk_g = (gend - gstart + qb - 1) // qb
+    bcum = cp.cumsum(nblk_g)
+    nb = int(bcum[-1])
+    bidx = cp.arange(nb, dtype=cp.int32)
+    bg = cp.searchsorted(bcum, bidx, side="right").astype(cp.int32)
+    first = (gstart[bg] + (bidx - (bcum[bg] - nblk_g[bg]).astype(cp.int32)) * qb).astype(cp.int32)
+    cnt = cp.minimum(qb, gend[bg] - first).astype(cp.int32)
+    return pair, sleaf[gstart[bg]], first, cnt
+
+
+def _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, L, descent, hcap):
+    """P-BANNS in batched rounds: each active query takes up to ``L`` leaves a round (pop ->
+    descend, against the round's pruning distance: ``banns_collect``), every (query, leaf) pair
+    is bucketed by leaf and a leaf is read once for all the queries of its bucket
+    (``banns_leaf_stream_slots``: a pair's candidates go to its own slot), then each query's
+    slots are merged into its list (``banns_merge_slots``). A budget of B leaves takes
+    ceil(B / L) rounds instead of B, and a leaf gathers the queries of L rounds at once.
+    Queries are taken ``SLOT_KEYS // (L * k)`` at a time (a query's answer does not depend on
+    the others)."""
+    import cupy as cp
+
+    m, d = queries.shape
+    f_col = mod.get_function("banns_collect")
+    f_scan = mod.get_function("banns_leaf_stream_slots")
+    f_merge = mod.get_function("banns_merge_slots")
+    chunk = max(1, SLOT_KEYS // (L * k))
+    if m > chunk:  # at most SLOT_KEYS slot keys at a time
+        parts = [_banns_batched(tree, queries[a:a + chunk], k, budget, finish_below, roots, lim[a:a + chunk], mod,
+                                L, descent, hcap) for a in range(0, m, chunk)]
+        stats = {key: sum(p[2][key] for p in parts) for key in parts[0][2] if key != "leaves_visited"}
+        stats["rounds"] = max(p[2]["rounds"] for p in parts)
+        stats["leaves_visited"] = np.concatenate([p[2]["leaves_visited"] for p in parts])
+        return cp.concatenate([p[0] for p in parts]), cp.concatenate([p[1] for p in parts]), stats
+    st = _BannsState(mod, tree, queries, k, roots, lim, hcap)
+    active, na = st.active, int(st.active.size)
+    ev = []
+    E = cp.cuda.Event
+    while na > finish_below:
+        e0 = E(); e0.record()
+        leaf_of = cp.empty(na * L, cp.int32)
+        keep = cp.empty(na, cp.uint8)
+        f_col(_grid(na, 64), (64,), (active, np.int32(na), np.int32(L), queries, np.int32(d), tree.child,
+                                     tree.split_dim, tree.split_val, tree.lo, tree.hi, np.int32(k), st.top, st.target,
+                                     st.TK, lim, st.HD, st.HN, st.HS, st.OVF, st.visits, np.int32(budget), leaf_of,
+                                     keep, np.int32(DESCENT_IDS[descent])))
+        e1 = E(); e1.record()
+        blocks = _leaf_blocks(leaf_of, SQ)
+        e2 = E(); e2.record()
+        nb = 0
+        if blocks is not None:
+            pair, bleaf, first, cnt = blocks
+            nb = int(bleaf.size)
+            slots = cp.full((na * L, k), np.uint64(0xFFFFFFFFFFFFFFFF), cp.uint64)
+            f_scan((nb,), (SP,), (bleaf, first, cnt, active[pair // L], queries, tree.points, tree.perm, tree.start,
+                                  tree.end, np.int32(d), np.int32(k), slots, pair, st.top), shared_mem=SQ * d * 4)
+        e3 = E(); e3.record()
+        if blocks is not None:
+            f_merge(_grid(na, 128), (128,), (active, np.int32(na), np.int32(L), np.int32(k), slots, st.top))
+        active = active[keep.astype(cp.bool_)]
+        na = int(active.size)
+        e4 = E(); e4.record()
+        ev.append((e0, e1, e2, e3, e4, nb))
+    return st.finish(tree, queries, k, budget, active, ev)

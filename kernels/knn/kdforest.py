@@ -61,6 +61,11 @@ class KDForest:
         How a descent bounds the far children it queues: their box distance, or an O(1) bound
         from the popped box (:func:`scanforest.kernels.knn.kdtree.query_kdtree`); ``auto`` is
         ``path``. Both devices answer alike for the same value.
+    leaves_per_round : int or None, default None
+        P-BANNS: leaves a query takes per round, chosen together and scanned together (each
+        leaf once for all the queries that took it); ``None``:
+        :data:`scanforest.kernels.knn.kdtree.LEAVES_PER_ROUND`, 1 is the paper's P-BANNS. See
+        :func:`scanforest.kernels.knn.kdtree.query_kdtree`.
 
     Attributes
     ----------
@@ -88,7 +93,8 @@ class KDForest:
     def __init__(self, *, n_trees: int = 1, leaf_size: int = 64, backtracks: int | None = None,
                  method: str = "banns", random_dims: int | None = None, seed: int = 0,
                  device: str = "auto", max_depth: int | None = None, sliding_window: bool = True,
-                 split: str = "variance", heap_cap: int | None = None, descent: str = "auto"):
+                 split: str = "variance", heap_cap: int | None = None, descent: str = "auto",
+                 leaves_per_round: int | None = None):
         self.n_trees = n_trees
         self.leaf_size = leaf_size
         self.backtracks = backtracks
@@ -101,11 +107,12 @@ class KDForest:
         self.split = split
         self.heap_cap = heap_cap
         self.descent = descent
+        self.leaves_per_round = leaves_per_round
 
     def get_params(self, deep: bool = True) -> dict:
         return {k: getattr(self, k) for k in ("n_trees", "leaf_size", "backtracks", "method", "random_dims",
                                               "seed", "device", "max_depth", "sliding_window", "split",
-                                              "heap_cap", "descent")}
+                                              "heap_cap", "descent", "leaves_per_round")}
 
     def set_params(self, **params) -> "KDForest":
         for k, v in params.items():
@@ -233,7 +240,8 @@ class KDForest:
         _check_budget(budget)
         dist, ids, stats = query_kdtree(self.tree_, Q, k, method=self.method, backtracks=budget,
                                         sliding_window=self.sliding_window, bounds=bounds, return_stats=True,
-                                        heap_cap=self.heap_cap, descent=self.descent)
+                                        heap_cap=self.heap_cap, descent=self.descent,
+                                        leaves_per_round=self.leaves_per_round)
         self.stats_ = dict(stats, method=self.method)
         return dist, ids
 

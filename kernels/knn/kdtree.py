@@ -55,10 +55,15 @@ cut by the split (the far child's box lies in P's box on the far side of the cut
 level instead of the O(d) box distance of every far child. It is a lower bound of the far
 child's box distance (the factor covers float32 rounding), so pruning stays exact. A popped node
 whose D_P exceeds the current P-th distance is dropped without descending. On SHOT352 "path"
-(the default) is faster: at the same recall 1.5x (32-point leaves) to 2-2.5x (8-point leaves)
-on 2 CPU threads with 4 trees;
-on one H100, P-BANNS over 1.15M rows is 1.1-1.8x faster at budgets of 32-128 leaves (its
-recall at the same budget 0.003-0.006 lower) and 1.0-1.3x at 256.
+is faster than "box": at the same recall 1.5x (32-point leaves) to 2-2.5x (8-point leaves) on 2
+CPU threads with 4 trees; on one H100, P-BANNS over 1.15M rows is 1.1-1.8x faster at budgets of
+32-128 leaves and 1.0-1.3x at 256. ``"incremental"`` (the default) takes the popped node's
+queue key, itself such a lower bound, for D_P: a descent reads no box at all (FLANN's and Arya
+and Mount's incremental distance, with the popped box's interval on each split dimension).
+The bounds are looser (recall at the same budget 0.003-0.01 lower), the descent is O(depth):
+on one H100 (1.07M SHOT352 rows, 20k queries, P-BANNS in rounds of 128 leaves) 1.6-2.2x the
+queries/s of "path" at 128-512 leaves; on 2 CPU threads (200k rows) 1.1-1.2x at the same
+budget.
 
 Forests (:func:`build_kdforest`): T randomized trees over the same points (seeds ``seed + t``)
 packed into one :class:`KDTree` whose ``roots`` lists the root of every tree. The search starts
@@ -77,7 +82,7 @@ from numba import njit, prange
 
 from ..backend import resolve_device, to_numpy
 from ..errors import InputError
-from ._kdtree_common import KDTree
+from ._kdtree_common import DESCENT_IDS, KDTree
 from .bruteforce import _insert, _sqdist, _sqdist4, check_k, check_points, exact_scan_ids
 
 __all__ = ["KDTree", "build_kdtree", "build_kdforest", "pack_forest", "query_kdtree", "check_bounds",
@@ -721,15 +726,38 @@ def _insert_unique(dist, ids, cnt, k, dv, iv):
     return cnt
 
 
+@njit(cache=True, inline="always")
+def _scan_leaves(q, points, perm, start, end, leaves, n, dist, ids, cnt, k):
+    """Insert the rows of ``leaves[:n]`` into the query's (dist, id) list; returns its count."""
+    for t in range(n):
+        p = start[leaves[t]]
+        e = end[leaves[t]]
+        while p + 4 <= e:  # four rows at a time, inserted in row order as one by one
+            d0, d1, d2, d3 = _sqdist4(q, points[p], points[p + 1], points[p + 2], points[p + 3])
+            cnt = _insert_unique(dist, ids, cnt, k, d0, perm[p])
+            cnt = _insert_unique(dist, ids, cnt, k, d1, perm[p + 1])
+            cnt = _insert_unique(dist, ids, cnt, k, d2, perm[p + 2])
+            cnt = _insert_unique(dist, ids, cnt, k, d3, perm[p + 3])
+            p += 4
+        while p < e:
+            cnt = _insert_unique(dist, ids, cnt, k, _sqdist(q, points[p]), perm[p])
+            p += 1
+    return cnt
+
+
 @njit(cache=True, parallel=True)
 def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, roots, queries, lim, k, budget, heap_cap,
-              out_d, out_i, overflow, visits_out, path):
+              out_d, out_i, overflow, visits_out, path, per_round):
     """P-ANNS over one tree or a packed forest (one queue over the boxes of all trees).
 
     ``lim[q]``: boxes farther than it are pruned (the float below the query's bound, or inf).
+    ``per_round``: leaves taken against one pruning distance before they are scanned (1:
+    P-ANNS; L > 1: the GPU's batched P-BANNS rounds, the same leaves and the same answer).
     """
     m = queries.shape[0]
     for qi in prange(m):
+        pend = np.empty(per_round, np.int64)
+        npend = 0
         q = queries[qi]
         bl = lim[qi]
         dist = np.empty(k, np.float32)
@@ -748,24 +776,30 @@ def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, roots, querie
                     ovf = True
         check_near = bl < np.float32(np.inf)
         visits = 0
+        worst = bl
         while True:
-            worst = dist[k - 1] if cnt == k else np.float32(np.inf)
-            if bl < worst:
-                worst = bl
+            if npend == 0:  # a new round: the pruning distance of the leaves scanned so far
+                worst = dist[k - 1] if cnt == k else np.float32(np.inf)
+                if bl < worst:
+                    worst = bl
             node = -1
+            key = np.float32(0.0)
             while hs > 0:
                 bd = hd[0]
                 nd = hn[0]
                 hs = _heap_pop(hd, hn, hs)
                 if bd <= worst:
                     node = nd
+                    key = bd
                     break
                 hs = 0
             if node < 0:
                 break
             pn = node
             dp = np.float32(0.0)
-            if path:
+            if path == 2:  # incremental: the popped key (a lower bound of P's box distance) stands for it
+                dp = key
+            elif path == 1:
                 dp = _box_dist(q, lo[pn], hi[pn])
                 if dp > worst:  # its key was a lower bound: the box itself is too far
                     continue
@@ -780,7 +814,7 @@ def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, roots, querie
                 else:
                     near = c + 1
                     far = c
-                if path:
+                if path > 0:
                     bd = _path_bound(dp, q[s], lo[pn, s], hi[pn, s], sval[node], left)
                 else:
                     bd = _box_dist(q, lo[far], hi[far])
@@ -794,21 +828,16 @@ def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, roots, querie
                 node = near
             if pruned:
                 continue
-            p = start[node]
-            e = end[node]
-            while p + 4 <= e:  # four rows at a time, inserted in row order as one by one
-                d0, d1, d2, d3 = _sqdist4(q, points[p], points[p + 1], points[p + 2], points[p + 3])
-                cnt = _insert_unique(dist, ids, cnt, k, d0, perm[p])
-                cnt = _insert_unique(dist, ids, cnt, k, d1, perm[p + 1])
-                cnt = _insert_unique(dist, ids, cnt, k, d2, perm[p + 2])
-                cnt = _insert_unique(dist, ids, cnt, k, d3, perm[p + 3])
-                p += 4
-            while p < e:
-                cnt = _insert_unique(dist, ids, cnt, k, _sqdist(q, points[p]), perm[p])
-                p += 1
+            pend[npend] = node
+            npend += 1
             visits += 1
-            if budget > 0 and visits >= budget:
+            stop = budget > 0 and visits >= budget
+            if npend == per_round or stop:
+                cnt = _scan_leaves(q, points, perm, start, end, pend, npend, dist, ids, cnt, k)
+                npend = 0
+            if stop:
                 break
+        cnt = _scan_leaves(q, points, perm, start, end, pend, npend, dist, ids, cnt, k)
         for j in range(k):
             ok = j < cnt and dist[j] <= bl
             out_d[qi, j] = dist[j] if ok else np.inf
@@ -844,20 +873,52 @@ def heap_capacity(budget: int, heap_cap: int | None = None) -> int:
 
 
 #: how a descent bounds the far children it pushes (``query_kdtree``'s ``descent``)
-DESCENTS = ("auto", "box", "path")
+DESCENTS = ("auto", "box", "path", "incremental")  # DESCENT_IDS: the kernels' number of each
 
 
 def resolve_descent(descent: str) -> str:
-    """``"auto"`` -> ``"path"`` (faster at the same recall on both devices, see the module
-    docstring); an unknown name is an InputError."""
+    """``"auto"`` -> ``"incremental"`` (the fastest at the same recall on both devices, see the
+    module docstring); an unknown name is an InputError."""
     if descent not in DESCENTS:
         raise InputError(f"descent must be one of {', '.join(DESCENTS)}, got {descent!r}")
-    return "path" if descent == "auto" else descent
+    return "incremental" if descent == "auto" else descent
+
+
+#: P-BANNS's default leaves per query and round (``query_kdtree``'s ``leaves_per_round``)
+LEAVES_PER_ROUND = 128
+
+
+def resolve_leaves_per_round(leaves_per_round, method: str, budget: int, sliding_window, d: int) -> int:
+    """Leaves a query takes per round: 1 for P-ANNS; for P-BANNS ``leaves_per_round`` (default
+    :data:`LEAVES_PER_ROUND`), at most the budget. Batched rounds scan with the GPU's stream leaf
+    kernel: with another kernel (or d > 2,560, where it does not fit) the default is 1 and more
+    is an InputError. The same on both devices, so they return the same answer."""
+    if leaves_per_round is not None and (isinstance(leaves_per_round, bool)
+                                         or not isinstance(leaves_per_round, (int, np.integer))
+                                         or leaves_per_round < 1):
+        raise InputError(f"leaves_per_round must be None or an integer >= 1, got {leaves_per_round!r}")
+    if method != "banns":
+        if leaves_per_round not in (None, 1):
+            raise InputError("leaves_per_round applies to method='banns' (P-ANNS takes one leaf at a time)")
+        return 1
+    from . import _kdtree_gpu
+
+    streams = sliding_window is True or sliding_window == "stream"
+    if streams and sliding_window is True:
+        streams = _kdtree_gpu.WINDOW_KERNEL == "stream"
+    streams = streams and _kdtree_gpu.stream_fits(d)
+    if leaves_per_round is None:
+        leaves_per_round = LEAVES_PER_ROUND if streams else 1
+    elif leaves_per_round > 1 and not streams:
+        raise InputError("leaves_per_round > 1 needs the stream leaf kernel (sliding_window=True or 'stream', "
+                         f"d <= 2560; got sliding_window={sliding_window!r}, d={d})")
+    return int(min(leaves_per_round, budget) if budget > 0 else leaves_per_round)
 
 
 def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtracks: int | None = None,
                  sliding_window: bool | str = True, finish_below: int | None = None, bounds=None,
-                 return_stats: bool = False, heap_cap: int | None = None, descent: str = "auto"):
+                 return_stats: bool = False, heap_cap: int | None = None, descent: str = "auto",
+                 leaves_per_round: int | None = None):
     """The ``k`` nearest indexed points of every query (squared L2, ascending, ties by id).
 
     Parameters
@@ -872,8 +933,8 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
         ``1 <= k <= min(N, 256)``.
     method : {"anns", "banns"}, keyword-only
         ``"anns"``: one query per thread with a private priority queue (CPU and GPU).
-        ``"banns"``: buffered rounds with per-leaf query buckets (GPU); on the CPU it runs the
-        same traversal as ``"anns"`` (the leaf visit order per query is identical).
+        ``"banns"``: buffered rounds with per-leaf query buckets (GPU); on the CPU each query
+        runs the same rounds of ``leaves_per_round`` leaves (the same leaves, the same answer).
     backtracks : int or None
         Maximum number of leaves scanned per query (over all trees of a forest); ``None``
         means unlimited, which returns the exact brute-force answer.
@@ -894,12 +955,23 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
     heap_cap : int, optional
         Capacity of each query's queue of pending boxes (default :func:`heap_capacity` of the
         budget; the same on both devices, so they return the same answer).
-    descent : {"auto", "box", "path"}
+    descent : {"auto", "box", "path", "incremental"}
         How a far child met while descending is bounded (see the module docstring): ``"box"``,
         its box distance (O(d) per level); ``"path"``, the O(1) bound from the popped box's
-        distance. ``"auto"`` is ``"path"`` (faster on SHOT352: 1.5-2.5x on the CPU at the
-        same recall, 1.1-1.8x on the GPU at budgets of 32-128 leaves). Both are exact with an
-        unlimited budget; for the same ``descent`` the two devices return the same answer.
+        distance (O(d) once per descent); ``"incremental"``, the O(1) bound from the popped
+        box's queue key (no O(d) work in a descent). ``"auto"`` is ``"incremental"``. All are
+        exact with an unlimited budget; for the same ``descent`` the two devices return the
+        same answer.
+    leaves_per_round : int, optional
+        P-BANNS only: leaves a query takes per round, all chosen against the pruning distance
+        of the round's start, then scanned together, each leaf once for every query that took
+        it (default :data:`LEAVES_PER_ROUND`, at most the budget). 1 is the paper's P-BANNS
+        (one leaf per query and round). More leaves per round cost fewer rounds (a budget of B
+        takes ceil(B / L)) and give each leaf more queries to share its reads; a query may scan
+        a leaf that a fresher pruning distance would have skipped (the answer can only improve;
+        with an unlimited budget it is exact). The CPU runs the same rounds per query, so both
+        devices return the same answer. Needs the stream leaf kernel (see
+        :func:`resolve_leaves_per_round`).
     return_stats : bool
         Also return a dict of search statistics: ``heap_overflow`` (queries whose bounded queue
         dropped a box), ``leaves_visited`` ((M,) int32 numpy, leaves scanned per query; P-BANNS
@@ -915,6 +987,7 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
     budget = _check_budget(backtracks)
     cap = heap_capacity(budget, heap_cap)
     descent = resolve_descent(descent)
+    per_round = resolve_leaves_per_round(leaves_per_round, method, budget, sliding_window, tree.n_dims)
     roots = tree.roots
     if tree.device == "gpu":
         import cupy as cp
@@ -929,7 +1002,7 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
             roots = cp.zeros(1, cp.int32)
         if method == "banns":
             res = _kdtree_gpu.banns(tree, queries, k, budget, sliding_window, finish_below, roots=roots, lim=lim,
-                                    hcap=cap, descent=descent)
+                                    hcap=cap, descent=descent, leaves_per_round=per_round)
         else:
             res = _kdtree_gpu.anns(tree, queries, k, budget, roots=roots, lim=lim, hcap=cap, descent=descent)
         if b is not None:
@@ -949,7 +1022,8 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
     visits = np.zeros(m, np.int32)
     points = tree.points if tree.points.dtype == np.float32 else tree.points.astype(np.float32)  # half rows
     _anns_cpu(points, tree.perm, tree.child, tree.split_dim, tree.split_val, tree.start, tree.end,
-              tree.lo, tree.hi, roots, queries, lim, k, budget, cap, out_d, out_i, ovf, visits, descent == "path")
+              tree.lo, tree.hi, roots, queries, lim, k, budget, cap, out_d, out_i, ovf, visits, DESCENT_IDS[descent],
+              per_round)
     n_ovf = int(ovf.sum())
     if n_ovf and budget == 0:
         # queue overflow lost boxes: redo those queries exactly (canonical scan of the first tree)
