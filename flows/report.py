@@ -148,6 +148,21 @@ def _throughput_figure(runs: list[dict], *, max_runs: int = 8):
     return fig, untimed
 
 
+def _curve_key(rec: dict, row: dict) -> str:
+    """The curve a recall/throughput row belongs to: its bench and method, or for a row named
+    "<tool> queries/s, <setting>" (``bench tools``: scanforest, FLANN, each FAISS index) the tool,
+    with the GPU it ran on when the file names one."""
+    extra = row.get("extra") or {}
+    bench, figure = rec.get("bench"), str(row.get("figure", ""))
+    if "method" in extra:
+        return f"{bench}: {extra['method']}"
+    if " queries/s" not in figure:
+        return f"{bench}: {figure.split(' ')[0]}"
+    gpu = (rec.get("environment") or {}).get("gpu")
+    where = f" [{gpu}]" if gpu and not str(row.get("device", "")).startswith("cpu") else ""
+    return f"{bench}: {figure.split(' queries/s')[0]}{where}"
+
+
 def _bench_plot(bench_dir: Path) -> tuple[str | None, list[dict]]:
     """Recall/throughput points from every bench JSON row that carries a recall figure."""
     files = sorted(bench_dir.glob("*.json")) if bench_dir.is_dir() else []
@@ -164,8 +179,7 @@ def _bench_plot(bench_dir: Path) -> tuple[str | None, list[dict]]:
             recall = extra.get("recall") if "recall" in extra else extra.get("recall@k")
             if recall is None or "/s" not in str(row.get("unit", "")):
                 continue
-            key = f"{rec.get('bench')}: {extra.get('method', row['figure'].split(' ')[0])}"
-            points.setdefault(key, []).append((float(recall), float(row["value"])))
+            points.setdefault(_curve_key(rec, row), []).append((float(recall), float(row["value"])))
     if not points:
         return None, records
     fig, ax = _pyplot().subplots(figsize=(7, 3.6))

@@ -190,8 +190,8 @@ def test_bench_tools_measures_every_tool_against_one_exact_answer(tmp_path):
     assert {r.baseline.split(" (")[0] for r in matched} >= {"FAISS IndexFlatL2"}
     flat = next(r for r in matched if "IndexFlatL2" in r.figure)
     assert flat.baseline_value == rows["FAISS IndexFlatL2 (exact) queries/s, exhaustive"].value
-    mine = {"2 leaves": rows["scanforest KDForest anns queries/s, 2 trees, 2 leaves"],
-            "400 leaves": rows["scanforest KDForest anns queries/s, 2 trees, 400 leaves"],
+    mine = {"2 leaves": rows["scanforest KDForest banns queries/s, 2 trees, 2 leaves"],
+            "400 leaves": rows["scanforest KDForest banns queries/s, 2 trees, 400 leaves"],
             "exact brute force": rows["scanforest exact brute force queries/s (cpu)"]}
     fastest = max((r.value, name) for name, r in mine.items() if name == "exact brute force"
                   or r.extra["recall"] >= 0.95)

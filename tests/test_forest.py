@@ -146,6 +146,24 @@ def test_banns_rounds_of_several_leaves(rng, kind):
             # with the same leaves when the budget was not reached
             short = sl["leaves_visited"] < b
             np.testing.assert_array_equal(il[short], bi[short])
+    # the CPU's batched rounds (leaves shared between the queries that take them) against the same
+    # rounds run one query at a time: the same lists, ties included, and the same leaf counts
+    from scanforest.kernels.knn import kdtree as kd
+
+    m = len(Q)
+    for descent in ("box", "path", "incremental"):
+        for b, per_round in ((None, 4), (None, 128), (7, 3), (40, 40), (5, 2)):
+            d1, i1, s1 = query_kdtree(forest, Q, k, method="banns", backtracks=b, leaves_per_round=per_round,
+                                      descent=descent, return_stats=True)
+            od, oi = np.empty((m, k), np.float32), np.empty((m, k), np.int64)
+            ov, vv = np.zeros(m, np.bool_), np.zeros(m, np.int32)
+            budget = kd._check_budget(b)
+            kd._anns_cpu(forest.points, forest.perm, forest.child, forest.split_dim, forest.split_val, forest.start,
+                         forest.end, forest.lo, forest.hi, forest.roots, Q, np.full(m, np.inf, np.float32), k, budget,
+                         kd.heap_capacity(budget), od, oi, ov, vv, kd.DESCENT_IDS[descent], min(per_round, b or 10**9))
+            np.testing.assert_array_equal(i1, oi, err_msg=f"{descent} {b} {per_round}")
+            np.testing.assert_array_equal(d1, od, err_msg=f"{descent} {b} {per_round}")
+            np.testing.assert_array_equal(s1["leaves_visited"], vv)
     # the default: LEAVES_PER_ROUND, at most the budget; the same call on the other method is refused
     from scanforest.kernels.knn.kdtree import LEAVES_PER_ROUND, resolve_leaves_per_round
 

@@ -104,6 +104,24 @@ def _store(tmp_path):
     return st, bench
 
 
+def test_bench_curves_one_per_tool():
+    """``bench tools`` rows become one recall/throughput curve per tool (scanforest, each FAISS
+    index, FLANN), not one per first word of the figure; other benches keep their method."""
+    from scanforest.flows.report import _curve_key
+
+    rec = {"bench": "tools", "environment": {"gpu": "NVIDIA H100 80GB HBM3"}}
+    keys = {_curve_key(rec, {"figure": f, "device": dev, "extra": {"recall": 0.9}}) for f, dev in (
+        ("scanforest KDForest banns queries/s, 1 trees, 128 leaves", "gpu (NVIDIA H100 80GB HBM3)"),
+        ("scanforest KDForest banns queries/s, 1 trees, 256 leaves", "gpu (NVIDIA H100 80GB HBM3)"),
+        ("FAISS GPU IVFFlat nlist=2048 queries/s, nprobe=8", "gpu (NVIDIA H100 80GB HBM3)"),
+        ("FAISS GPU CAGRA degree 32 queries/s, itopk=32, host queries", "gpu (NVIDIA H100 80GB HBM3)"),
+        ("FLANN KDTreeIndex queries/s, 4 trees, checks=512", "cpu (16 threads)"))}
+    assert keys == {"tools: scanforest KDForest banns [NVIDIA H100 80GB HBM3]",
+                    "tools: FAISS GPU IVFFlat nlist=2048 [NVIDIA H100 80GB HBM3]",
+                    "tools: FAISS GPU CAGRA degree 32 [NVIDIA H100 80GB HBM3]", "tools: FLANN KDTreeIndex"}
+    assert _curve_key({"bench": "ann"}, {"figure": "P-ANNS queries/s", "extra": {"method": "anns"}}) == "ann: anns"
+
+
 def _section(text: str, title: str) -> str:
     return text.split(f"<h2>{title}</h2>", 1)[1].split("<h2>", 1)[0]
 

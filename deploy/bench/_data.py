@@ -103,3 +103,21 @@ def pcl_shot_dataset(folder, *, device="auto", radius_factor: float = 10.0, norm
     m = min(max_queries, n // 10)
     perm = xp.asarray(np.random.default_rng(seed).permutation(n))
     return xp.ascontiguousarray(allx[perm[m:]]), xp.ascontiguousarray(allx[perm[:m]]), rows
+
+
+# ---- matched recall and IVF settings, shared by bench tools and bench match
+def _best_at(points, target):
+    """The fastest ``(queries/s, recall, setting)`` with recall >= target, or None."""
+    ok = [p for p in points if p[1] >= target]
+    return max(ok, key=lambda p: p[0]) if ok else None
+
+
+def _ivf_lists(n: int, nlist: int) -> int:
+    """IVF lists: ``nlist``, or 4 sqrt(N) with at least 39 training rows per list."""
+    return nlist or max(1, min(n // 39, int(4 * np.sqrt(n))))
+
+
+def _ivf_train_rows(X, nl: int):
+    """The rows k-means trains the IVF lists on: 64 per list at most, the same for every IVF."""
+    n = len(X)
+    return X[np.random.default_rng(0).choice(n, 64 * nl, replace=False)] if n > 64 * nl else X

@@ -285,10 +285,71 @@ def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, met
             di.stats_["compute_seconds"] / (w * t), "", where)
 
 
+def _faiss_ivf_rows(rep, X, Q, k, mb, ref, qps, *, nlist: int, nprobes, where: str, bf_qps: float,
+                    targets=(0.9, 0.95, 0.98)) -> None:
+    """FAISS GPU IVF-Flat on the same reference and queries, in the same run: a row per
+    ``nprobes`` (all ``len(Q)`` queries timed; recall over the first ``mb`` by the canonical
+    distances of the ids it returns, the rule of every other row), then for each target the
+    forest's fastest 1-worker point at that recall against IVF-Flat's (``qps``: the forest's
+    ``{(workers, sync, budget): (queries/s, recall)}``)."""
+    try:
+        import faiss
+    except ImportError:
+        rep.note("FAISS GPU rows skipped: faiss is not installed")
+        return
+    if not hasattr(faiss, "GpuIndexIVFFlat") or faiss.get_num_gpus() < 1:
+        rep.note(f"FAISS GPU rows skipped: this faiss {faiss.__version__} has no GPU support (faiss-gpu)")
+        return
+    from scanforest.kernels.knn.bruteforce import pair_distances
+
+    from ._data import _best_at, _ivf_lists, _ivf_train_rows
+
+    n, d = X.shape
+    m = len(Q)
+    nl = _ivf_lists(n, nlist)
+    t0 = time.perf_counter()
+    res = faiss.StandardGpuResources()
+    ivf = faiss.GpuIndexIVFFlat(res, d, nl, faiss.METRIC_L2, faiss.GpuIndexIVFFlatConfig())
+    ivf.train(np.ascontiguousarray(_ivf_train_rows(X, nl), dtype=np.float32))
+    for a in range(0, n, 1 << 20):  # float32 pieces of a (possibly float16) reference
+        ivf.add(np.ascontiguousarray(X[a:a + (1 << 20)], dtype=np.float32))
+    build = time.perf_counter() - t0
+    rep.add(f"FAISS GPU IVF-Flat build (nlist={nl})", build, "s", where, higher_is_better=False)
+    Qf = np.ascontiguousarray(Q, dtype=np.float32)
+    curve = []
+    for p in nprobes:
+        ivf.nprobe = int(p)
+        ivf.search(Qf[:1000], k)  # warm-up
+        t0 = time.perf_counter()
+        _, ids = ivf.search(Qf, k)
+        t = time.perf_counter() - t0
+        ids = ids[:mb]
+        used = np.unique(ids[ids >= 0])  # the canonical distances of the returned rows only
+        rid = np.where(ids >= 0, np.searchsorted(used, np.maximum(ids, 0)), -1)
+        r = recall(pair_distances(np.asarray(X[used], np.float32), Qf[:mb], rid, device="cpu"), ref, k)
+        rep.add(f"FAISS GPU IVF-Flat (nlist={nl}) queries/s, nprobe={p}", m / t, "queries/s", where,
+                baseline="exact brute force, 1 workers", baseline_value=bf_qps, recall=r, build_s=build,
+                faiss=faiss.__version__)
+        rep.add(f"FAISS GPU IVF-Flat (nlist={nl}) recall@{k}, nprobe={p}", r, "", where)
+        curve.append((m / t, r, f"nprobe={p}"))
+    del ivf
+    ours = [(v, r, f"{b} leaves per shard") for (w, sa, b), (v, r) in qps.items() if w == 1 and sa is None]
+    for target in targets:
+        mine, theirs = _best_at(ours, target), _best_at(curve, target)
+        if mine is None or theirs is None:
+            rep.note(f"at recall@{k} >= {target}: " + ("the forest" if mine is None else "IVF-Flat")
+                     + " has no measured point (widen its settings)")
+            continue
+        rep.add(f"forest ({mine[2]}, recall {mine[1]:.3f}) vs FAISS GPU IVF-Flat ({theirs[2]}, recall "
+                f"{theirs[1]:.3f}) at recall@{k} >= {target}, 1 worker", mine[0], "queries/s", where,
+                baseline=f"FAISS GPU IVF-Flat nlist={nl}", baseline_value=theirs[0])
+
+
 def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, backtracks,
         leaf_size: int, device: str, block: int, out, clusters: int = 1000, shards: int | None = None,
         sync_after: int | None = None, bf_queries: int | None = None, n_trees: int = 1,
-        workdir: str | None = None, store_dtype: str = "float32", reference: str = "store") -> BenchReport:
+        workdir: str | None = None, store_dtype: str = "float32", reference: str = "store",
+        faiss_nprobes=(), faiss_nlist: int = 0) -> BenchReport:
     """One table: for each worker count, the forest (with and without the global bound
     synchronisation when ``sync_after`` is given) and the exact brute force over the same
     resident shards; recall against the exact answer of the first ``bf_queries`` queries.
@@ -310,6 +371,10 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     ``reference="workers"``: no store; every worker draws its shards' rows itself (the pieces
     of :class:`GeneratedShards`) and builds their trees where they stay (for a reference whose
     store does not fit the machine's disk). The shard load row then covers drawing and trees.
+
+    ``faiss_nprobes`` (GPU): FAISS GPU IVF-Flat over the same reference (``faiss_nlist`` lists,
+    0: 4 sqrt(N)) and queries after the workers are gone, on the same GPU, and the forest against
+    it at matched recall (:func:`_faiss_ivf_rows`).
     """
     if reference not in ("store", "workers"):
         raise InputError(f"reference must be 'store' or 'workers', got {reference!r}")
@@ -420,6 +485,16 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                         _query_rows(rep, di, Q, k, block, sa, b, mb, ref, qps, w=w, where=where, method=method,
                                     bf_qps=mb / t_bf, tag_budget=len(budgets) > 1)
                 _release(client, di)
+        if faiss_nprobes and dev == "gpu" and ref is not None:  # the workers (and their GPU memory) are gone
+            t1 = time.perf_counter()
+            X = _reference(n, d, clusters, dev, store_dtype)
+            rep.note(f"reference generated again for FAISS in {time.perf_counter() - t1:.1f} s")
+            bf1 = next((r.value for r in rep.rows if r.figure == "exact brute force queries/s, 1 worker"), None)
+            _faiss_ivf_rows(rep, X, Q, k, mb, ref, qps, nlist=faiss_nlist, nprobes=list(faiss_nprobes),
+                            where=f"{devname} x1", bf_qps=bf1)
+            del X
+        elif faiss_nprobes:
+            rep.note("FAISS GPU rows skipped: they run with --device gpu")
         if workdir:  # worker counts measured by earlier runs on this workdir with the same configuration
             qps = _merge_recorded(os.path.join(tmp, "bench-match.json"), rep, qps)
         _efficiency_rows(rep, qps, devname)
@@ -468,6 +543,9 @@ def register(app, bench) -> None:
         reference: str = typer.Option("store", help="store: the reference in an index store (built once; "
                                       "--workdir keeps it); workers: drawn and indexed on the workers, no store "
                                       "(for a reference bigger than the disk)."),
+        faiss_nprobe: str = typer.Option("", "--faiss-nprobe", help="FAISS GPU IVF-Flat over the same data in "
+                                         "the same run, these probes (comma list; --device gpu, faiss-gpu)."),
+        faiss_nlist: int = typer.Option(0, "--faiss-nlist", help="FAISS IVF lists (0: 4 sqrt(N))."),
         out: str = typer.Option(None, "--out"),
     ):
         """Distributed matching: queries/s on 1..W workers, efficiency, bytes moved, vs brute force."""
@@ -475,5 +553,6 @@ def register(app, bench) -> None:
             backtracks=[int(b) or None for b in backtracks.split(",")],
             leaf_size=leaf_size, device=device, block=block, out=out, clusters=clusters, shards=shards or None,
             sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees, workdir=workdir,
-            store_dtype=store_dtype, reference=reference)
+            store_dtype=store_dtype, reference=reference,
+            faiss_nprobes=[int(p) for p in faiss_nprobe.split(",") if p.strip()], faiss_nlist=faiss_nlist)
 

@@ -32,13 +32,7 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError
 
-from ._data import _timeit, clustered
-
-
-def _best_at(points, target):
-    """The fastest ``(queries/s, recall, setting)`` with recall >= target, or None."""
-    ok = [p for p in points if p[1] >= target]
-    return max(ok, key=lambda p: p[0]) if ok else None
+from ._data import _best_at, _ivf_lists, _ivf_train_rows, _timeit, clustered
 
 
 def _recall_of(X, Q, ids, ed, k):
@@ -63,17 +57,6 @@ def _recorder(rep, faiss, X, Q, k, ed, where, prefix, sync, repeat, base, curves
         curves.setdefault(f"{prefix} {label}", []).append((m / t, r, setting))
 
     return record
-
-
-def _ivf_lists(n: int, nlist: int) -> int:
-    """IVF lists: ``nlist``, or 4 sqrt(N) with at least 39 training rows per list."""
-    return nlist or max(1, min(n // 39, int(4 * np.sqrt(n))))
-
-
-def _ivf_train_rows(X, nl: int):
-    """The rows k-means trains the IVF lists on: 64 per list at most, the same for every IVF."""
-    n = len(X)
-    return X[np.random.default_rng(0).choice(n, 64 * nl, replace=False)] if n > 64 * nl else X
 
 
 def _flat_and_ivf(rep, search, X, where, prefix, names, make_flat, make_ivf, nlist, nprobes, sync):
@@ -234,7 +217,7 @@ def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, 
 #: the PCL SHOT352 (one tree, P-BANNS in batched rounds; docs/benchmarks.md), every real row (n = 0;
 #: synthetic data: the CPU's n) and 20k queries; on a CPU FLANN's four trees
 DEFAULTS = {"gpu": {"n": 0, "m": 20000, "trees": 1, "budgets": (64, 128, 256, 512, 768)},
-            "cpu": {"n": 100_000, "m": 2000, "trees": 4, "budgets": (8, 32, 128)}}
+            "cpu": {"n": 100_000, "m": 2000, "trees": 4, "budgets": (16, 32, 64, 128)}}
 
 
 def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4, leaf_size: int = 32,
@@ -257,7 +240,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         raise InputError(f"--budgets must be positive leaf counts, got {list(budgets)}")
     dev = resolve_device(device)
     threads = int(threads or os.cpu_count() or 1)
-    method = method or ("banns" if dev == "gpu" else "anns")
+    method = method or "banns"  # batched rounds on both devices (kdtree.query_kdtree)
     checks = list(flann_checks or [int(b) * leaf_size for b in budgets])
     flann_trees = int(flann_trees or trees)
     rep = BenchReport("tools", {"n": n, "m": m, "d": d, "k": k, "device": dev, "trees": trees,
@@ -362,10 +345,10 @@ def register(app, bench) -> None:
         trees: int = typer.Option(0, "--trees", help="randomized trees (scanforest and FLANN alike; default: 4 on a "
                                   "CPU, 1 on a GPU)"),
         leaf_size: int = typer.Option(32, "--leaf-size"),
-        budgets: str = typer.Option("", "--budgets", help="scanforest leaves per query (comma list; default: 8,32,128 "
+        budgets: str = typer.Option("", "--budgets", help="scanforest leaves per query (comma list; default: 16,32,64,128 "
                                     "on a CPU, 64,128,256,512,768 on a GPU)"),
-        method: str = typer.Option(None, "--method", help="scanforest search: banns | anns (default: banns on "
-                                   "GPUs, anns on CPUs)"),
+        method: str = typer.Option(None, "--method", help="scanforest search: banns (default: batched rounds, "
+                                   "each leaf scanned once for the queries that take it) | anns (a query at a time)"),
         split: str = typer.Option("variance", "--split", help="scanforest split rule: variance | median | midpoint"),
         flann_baseline: str = typer.Option(None, "--flann-baseline", help="FLANN program (build deploy/baselines/"
                                            "flann_knn_bench.cpp)"),

@@ -33,8 +33,8 @@ class KDForest:
         Maximum number of leaves scanned per query. ``None`` means unlimited: the search is
         exact (identical to brute force, ties by id).
     method : {"banns", "anns", "exact"}, default "banns"
-        P-BANNS (buffered, GPU; the CPU runs the same traversal per query), P-ANNS (one query
-        per thread), or the exact GEMM brute force.
+        P-BANNS (buffered rounds, each leaf scanned once for the queries that take it; both
+        devices), P-ANNS (one query per thread), or the exact GEMM brute force.
     random_dims : int or None, default None
         ``None``: split on the best dimension of the rule (see ``split``) when ``n_trees == 1``,
         and on one of the ``min(5, d)`` best (the paper's and FLANN's F = 5) when ``n_trees > 1``.

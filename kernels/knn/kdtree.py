@@ -726,7 +726,7 @@ def _insert_unique(dist, ids, cnt, k, dv, iv):
     return cnt
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _scan_leaves(q, points, perm, start, end, leaves, n, dist, ids, cnt, k):
     """Insert the rows of ``leaves[:n]`` into the query's (dist, id) list; returns its count."""
     for t in range(n):
@@ -745,6 +745,77 @@ def _scan_leaves(q, points, perm, start, end, leaves, n, dist, ids, cnt, k):
     return cnt
 
 
+@njit(cache=True)
+def _push_roots(q, bl, roots, lo, hi, hd, hn, heap_cap):
+    """Push every root of a (packed) forest within ``bl``; returns (queue size, overflowed)."""
+    hs = 0
+    ovf = False
+    for t in range(roots.shape[0]):
+        r = roots[t]
+        bd = _box_dist(q, lo[r], hi[r])
+        if bd <= bl:
+            hs, ev = _heap_push_bounded(hd, hn, hs, heap_cap, bd, r)
+            if ev >= 0 and ev <= bl:
+                ovf = True
+    return hs, ovf
+
+
+@njit(cache=True)
+def _next_leaf(q, worst, check_near, path, child, sdim, sval, lo, hi, hd, hn, hs, heap_cap):
+    """Pop the closest box within ``worst`` and descend to its nearest leaf, pushing the far
+    children (``path``: DESCENT_IDS); a pruned descent takes the next box. Returns (leaf, or -1
+    when no box within ``worst`` is left; the queue size; whether the full queue dropped a box
+    within ``worst``)."""
+    ovf = False
+    while True:
+        node = -1
+        key = np.float32(0.0)
+        while hs > 0:
+            bd = hd[0]
+            nd = hn[0]
+            hs = _heap_pop(hd, hn, hs)
+            if bd <= worst:
+                node = nd
+                key = bd
+                break
+            hs = 0
+        if node < 0:
+            return -1, hs, ovf
+        pn = node
+        dp = np.float32(0.0)
+        if path == 2:  # incremental: the popped key (a lower bound of P's box distance) stands for it
+            dp = key
+        elif path == 1:
+            dp = _box_dist(q, lo[pn], hi[pn])
+            if dp > worst:  # its key was a lower bound: the box itself is too far
+                continue
+        pruned = False
+        while child[node] >= 0:
+            c = child[node]
+            s = sdim[node]
+            left = q[s] <= sval[node]
+            if left:
+                near = c
+                far = c + 1
+            else:
+                near = c + 1
+                far = c
+            if path > 0:
+                bd = _path_bound(dp, q[s], lo[pn, s], hi[pn, s], sval[node], left)
+            else:
+                bd = _box_dist(q, lo[far], hi[far])
+            if bd <= worst:
+                hs, ev = _heap_push_bounded(hd, hn, hs, heap_cap, bd, far)
+                if ev >= 0 and ev <= worst:
+                    ovf = True
+            if check_near and _box_dist(q, lo[near], hi[near]) > worst:
+                pruned = True  # bounded search: the near side cannot hold a point below the bound
+                break
+            node = near
+        if not pruned:
+            return node, hs, ovf
+
+
 @njit(cache=True, parallel=True)
 def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, roots, queries, lim, k, budget, heap_cap,
               out_d, out_i, overflow, visits_out, path, per_round):
@@ -752,7 +823,8 @@ def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, roots, querie
 
     ``lim[q]``: boxes farther than it are pruned (the float below the query's bound, or inf).
     ``per_round``: leaves taken against one pruning distance before they are scanned (1:
-    P-ANNS; L > 1: the GPU's batched P-BANNS rounds, the same leaves and the same answer).
+    P-ANNS; L > 1: P-BANNS's batched rounds one query at a time, the reference of
+    :func:`_banns_cpu` and of the GPU's rounds: the same leaves and the same answer).
     """
     m = queries.shape[0]
     for qi in prange(m):
@@ -765,15 +837,7 @@ def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, roots, querie
         cnt = 0
         hd = np.empty(heap_cap, np.float32)
         hn = np.empty(heap_cap, np.int32)
-        hs = 0
-        ovf = False
-        for t in range(roots.shape[0]):
-            r = roots[t]
-            bd = _box_dist(q, lo[r], hi[r])
-            if bd <= bl:
-                hs, ev = _heap_push_bounded(hd, hn, hs, heap_cap, bd, r)
-                if ev >= 0 and ev <= bl:
-                    ovf = True
+        hs, ovf = _push_roots(q, bl, roots, lo, hi, hd, hn, heap_cap)
         check_near = bl < np.float32(np.inf)
         visits = 0
         worst = bl
@@ -782,53 +846,11 @@ def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, roots, querie
                 worst = dist[k - 1] if cnt == k else np.float32(np.inf)
                 if bl < worst:
                     worst = bl
-            node = -1
-            key = np.float32(0.0)
-            while hs > 0:
-                bd = hd[0]
-                nd = hn[0]
-                hs = _heap_pop(hd, hn, hs)
-                if bd <= worst:
-                    node = nd
-                    key = bd
-                    break
-                hs = 0
-            if node < 0:
+            leaf, hs, o = _next_leaf(q, worst, check_near, path, child, sdim, sval, lo, hi, hd, hn, hs, heap_cap)
+            ovf = ovf or o
+            if leaf < 0:
                 break
-            pn = node
-            dp = np.float32(0.0)
-            if path == 2:  # incremental: the popped key (a lower bound of P's box distance) stands for it
-                dp = key
-            elif path == 1:
-                dp = _box_dist(q, lo[pn], hi[pn])
-                if dp > worst:  # its key was a lower bound: the box itself is too far
-                    continue
-            pruned = False
-            while child[node] >= 0:
-                c = child[node]
-                s = sdim[node]
-                left = q[s] <= sval[node]
-                if left:
-                    near = c
-                    far = c + 1
-                else:
-                    near = c + 1
-                    far = c
-                if path > 0:
-                    bd = _path_bound(dp, q[s], lo[pn, s], hi[pn, s], sval[node], left)
-                else:
-                    bd = _box_dist(q, lo[far], hi[far])
-                if bd <= worst:
-                    hs, ev = _heap_push_bounded(hd, hn, hs, heap_cap, bd, far)
-                    if ev >= 0 and ev <= worst:
-                        ovf = True
-                if check_near and _box_dist(q, lo[near], hi[near]) > worst:
-                    pruned = True  # bounded search: the near side cannot hold a point below the bound
-                    break
-                node = near
-            if pruned:
-                continue
-            pend[npend] = node
+            pend[npend] = leaf
             npend += 1
             visits += 1
             stop = budget > 0 and visits >= budget
@@ -844,6 +866,129 @@ def _anns_cpu(points, perm, child, sdim, sval, start, end, lo, hi, roots, querie
             out_i[qi, j] = ids[j] if ok else -1
         overflow[qi] = ovf
         visits_out[qi] = visits
+
+
+# ---- P-BANNS on the CPU: the GPU's batched rounds, leaves shared between the queries that take them
+@njit(cache=True, parallel=True)
+def _banns_init_cpu(queries, lim, roots, lo, hi, HD, HN, HS, OVF):
+    for qi in prange(queries.shape[0]):
+        hs, ovf = _push_roots(queries[qi], lim[qi], roots, lo, hi, HD[qi], HN[qi], HD.shape[1])
+        HS[qi] = hs
+        OVF[qi] = ovf
+
+
+@njit(cache=True, parallel=True)
+def _banns_collect_cpu(child, sdim, sval, lo, hi, queries, lim, active, L, budget, path, HD, HN, HS, OVF, visits,
+                       top_d, cnt, leaves, nleaves, keep):
+    """A round's leaves: up to ``L`` per active query against its pruning distance at the round's
+    start (the GPU's ``banns_collect``); ``keep[i]``: the query goes on to another round."""
+    k = top_d.shape[1]
+    for i in prange(active.shape[0]):
+        qi = active[i]
+        q = queries[qi]
+        bl = lim[qi]
+        worst = top_d[qi, k - 1] if cnt[qi] == k else np.float32(np.inf)
+        if bl < worst:
+            worst = bl
+        hs = HS[qi]
+        v = visits[qi]
+        ovf = OVF[qi]
+        n = 0
+        while n < L and not (budget > 0 and v >= budget):
+            leaf, hs, o = _next_leaf(q, worst, bl < np.float32(np.inf), path, child, sdim, sval, lo, hi, HD[qi],
+                                     HN[qi], hs, HD.shape[1])
+            ovf = ovf or o
+            if leaf < 0:
+                break
+            leaves[i, n] = leaf
+            n += 1
+            v += 1
+        nleaves[i] = n
+        keep[i] = n == L and hs > 0 and not (budget > 0 and v >= budget)
+        HS[qi] = hs
+        OVF[qi] = ovf
+        visits[qi] = v
+
+
+@njit(cache=True, parallel=True)
+def _banns_scan_cpu(points, perm, start, end, queries, qrow, group_start, group_leaf, slot_d, slot_i, slot_n):
+    """Each leaf once for the queries that took it: position t (sorted by leaf) scans leaf
+    ``group_leaf[g]`` for query ``qrow[t]`` into slot t, while the leaf's rows are in cache."""
+    k = slot_d.shape[1]
+    for g in prange(group_leaf.shape[0]):
+        for t in range(group_start[g], group_start[g + 1]):
+            slot_n[t] = _scan_leaves(queries[qrow[t]], points, perm, start, end, group_leaf[g:g + 1], 1, slot_d[t],
+                                     slot_i[t], 0, k)
+
+
+@njit(cache=True, parallel=True)
+def _banns_merge_cpu(active, slot_of, slot_d, slot_i, slot_n, top_d, top_i, cnt):
+    """Merge each active query's slots (``slot_of[i]``: its sorted positions, -1 none) into its list."""
+    k = top_d.shape[1]
+    for i in prange(active.shape[0]):
+        qi = active[i]
+        c = cnt[qi]
+        for j in range(slot_of.shape[1]):
+            t = slot_of[i, j]
+            if t < 0:
+                break
+            for u in range(slot_n[t]):
+                c = _insert_unique(top_d[qi], top_i[qi], c, k, slot_d[t, u], slot_i[t, u])
+        cnt[qi] = c
+
+
+BANNS_CPU_SLOTS = 1 << 22  # slot entries of a CPU round: queries are taken L * k entries each
+
+
+def _banns_cpu(tree, points, queries, lim, k, budget, heap_cap, path, L):
+    """P-BANNS on the CPU in rounds of ``L`` leaves per query, as the GPU: the round's leaves are
+    chosen per query (``_banns_collect_cpu``), the (query, leaf) pairs sorted by leaf, each leaf
+    scanned once for all the queries that took it (its rows stay in cache from one query to the
+    next: ``_banns_scan_cpu``), and each query's slots merged into its list. The same answer as
+    ``_anns_cpu`` with ``per_round=L``. Returns (dist2, ids, overflow, visits)."""
+    m = queries.shape[0]
+    roots = np.zeros(1, np.int32) if tree.roots is None else np.ascontiguousarray(tree.roots, dtype=np.int32)
+    chunk = max(1, BANNS_CPU_SLOTS // (L * k))
+    if m > chunk:  # a query's answer does not depend on the others
+        parts = [_banns_cpu(tree, points, queries[a:a + chunk], lim[a:a + chunk], k, budget, heap_cap, path, L)
+                 for a in range(0, m, chunk)]
+        return tuple(np.concatenate([p[j] for p in parts]) for j in range(4))
+    HD = np.empty((m, heap_cap), np.float32)
+    HN = np.empty((m, heap_cap), np.int32)
+    HS = np.zeros(m, np.int64)
+    OVF = np.zeros(m, np.bool_)
+    visits = np.zeros(m, np.int32)
+    top_d = np.full((m, k), np.inf, np.float32)
+    top_i = np.full((m, k), -1, np.int64)
+    cnt = np.zeros(m, np.int64)
+    _banns_init_cpu(queries, lim, roots, tree.lo, tree.hi, HD, HN, HS, OVF)
+    active = np.nonzero(HS > 0)[0]
+    while active.size:
+        na = active.size
+        leaves = np.empty((na, L), np.int64)
+        nleaves = np.empty(na, np.int64)
+        keep = np.empty(na, np.bool_)
+        _banns_collect_cpu(tree.child, tree.split_dim, tree.split_val, tree.lo, tree.hi, queries, lim, active, L,
+                           budget, path, HD, HN, HS, OVF, visits, top_d, cnt, leaves, nleaves, keep)
+        pair = np.nonzero(np.arange(L)[None, :] < nleaves[:, None])  # (query position, j) of each taken leaf
+        leaf = leaves[pair]
+        if leaf.size == 0:  # every active query found nothing left within its pruning distance
+            break
+        order = np.argsort(leaf, kind="stable")
+        sleaf = leaf[order]
+        group_start = np.flatnonzero(np.r_[True, sleaf[1:] != sleaf[:-1], True]).astype(np.int64)
+        n = sleaf.size
+        slot_d = np.empty((n, k), np.float32)
+        slot_i = np.empty((n, k), np.int64)
+        slot_n = np.zeros(n, np.int64)
+        _banns_scan_cpu(points, tree.perm, tree.start, tree.end, queries, active[pair[0][order]], group_start,
+                        sleaf[group_start[:-1]], slot_d, slot_i, slot_n)
+        slot_of = np.full((na, L), -1, np.int64)
+        slot_of[pair[0][order], pair[1][order]] = np.arange(n)
+        _banns_merge_cpu(active, slot_of, slot_d, slot_i, slot_n, top_d, top_i, cnt)
+        active = active[keep]
+    ok = (np.arange(k)[None, :] < cnt[:, None]) & (top_d <= lim[:, None])
+    return np.where(ok, top_d, np.float32(np.inf)), np.where(ok, top_i, -1), OVF, visits
 
 
 def _check_budget(backtracks):
@@ -933,8 +1078,10 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
         ``1 <= k <= min(N, 256)``.
     method : {"anns", "banns"}, keyword-only
         ``"anns"``: one query per thread with a private priority queue (CPU and GPU).
-        ``"banns"``: buffered rounds with per-leaf query buckets (GPU); on the CPU each query
-        runs the same rounds of ``leaves_per_round`` leaves (the same leaves, the same answer).
+        ``"banns"``: buffered rounds with per-leaf query buckets, on both devices: each round
+        every query takes ``leaves_per_round`` leaves, and each leaf is scanned once for all the
+        queries that took it (on the CPU its rows stay in cache from one query to the next);
+        the same leaves and the same answer on both devices.
     backtracks : int or None
         Maximum number of leaves scanned per query (over all trees of a forest); ``None``
         means unlimited, which returns the exact brute-force answer.
@@ -1021,9 +1168,13 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
     ovf = np.zeros(m, np.bool_)
     visits = np.zeros(m, np.int32)
     points = tree.points if tree.points.dtype == np.float32 else tree.points.astype(np.float32)  # half rows
-    _anns_cpu(points, tree.perm, tree.child, tree.split_dim, tree.split_val, tree.start, tree.end,
-              tree.lo, tree.hi, roots, queries, lim, k, budget, cap, out_d, out_i, ovf, visits, DESCENT_IDS[descent],
-              per_round)
+    if method == "banns" and per_round > 1 and m:  # one leaf a round is P-ANNS's order: the same answer
+        out_d, out_i, ovf, visits = _banns_cpu(tree, points, queries, lim, k, budget, cap, DESCENT_IDS[descent],
+                                               per_round)
+    else:
+        _anns_cpu(points, tree.perm, tree.child, tree.split_dim, tree.split_val, tree.start, tree.end, tree.lo,
+                  tree.hi, roots, queries, lim, k, budget, cap, out_d, out_i, ovf, visits, DESCENT_IDS[descent],
+                  per_round)
     n_ovf = int(ovf.sum())
     if n_ovf and budget == 0:
         # queue overflow lost boxes: redo those queries exactly (canonical scan of the first tree)
