@@ -285,6 +285,12 @@ def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, met
             di.stats_["compute_seconds"] / (w * t), "", where)
 
 
+def _cupy():
+    import cupy
+
+    return cupy
+
+
 def _faiss_ivf_rows(rep, X, Q, k, mb, ref, qps, *, nlist: int, nprobes, where: str, bf_qps: float,
                     targets=(0.9, 0.95, 0.98)) -> None:
     """FAISS GPU IVF-Flat on the same reference and queries, in the same run: a row per
@@ -487,7 +493,13 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                 _release(client, di)
         if faiss_nprobes and dev == "gpu" and ref is not None:  # the workers (and their GPU memory) are gone
             t1 = time.perf_counter()
-            X = _reference(n, d, clusters, dev, store_dtype)
+            if reference == "workers":  # the very rows the workers drew (pieces), not _reference's
+                src = GeneratedShards(n, d, clusters, store_dtype, tuple(sorted(params.items())), 1)
+                X = np.empty((n, d), store_dtype)
+                for a in range(0, n, src.piece):
+                    X[a:a + src.piece] = src.rows(a, min(n, a + src.piece), _cupy(), store_dtype).get()
+            else:
+                X = _reference(n, d, clusters, dev, store_dtype)
             rep.note(f"reference generated again for FAISS in {time.perf_counter() - t1:.1f} s")
             bf1 = next((r.value for r in rep.rows if r.figure == "exact brute force queries/s, 1 worker"), None)
             _faiss_ivf_rows(rep, X, Q, k, mb, ref, qps, nlist=faiss_nlist, nprobes=list(faiss_nprobes),
