@@ -561,10 +561,12 @@ def register(app, bench) -> None:
         out: str = typer.Option(None, "--out"),
     ):
         """Distributed matching: queries/s on 1..W workers, efficiency, bytes moved, vs brute force."""
+        from ._common import parse_counts
+
         run(n, m, d, k, [int(w) for w in workers.split(",")], method=method,
             backtracks=[int(b) or None for b in backtracks.split(",")],
             leaf_size=leaf_size, device=device, block=block, out=out, clusters=clusters, shards=shards or None,
             sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees, workdir=workdir,
             store_dtype=store_dtype, reference=reference,
-            faiss_nprobes=[int(p) for p in faiss_nprobe.split(",") if p.strip()], faiss_nlist=faiss_nlist)
+            faiss_nprobes=parse_counts(faiss_nprobe), faiss_nlist=faiss_nlist)
 
