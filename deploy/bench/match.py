@@ -285,12 +285,6 @@ def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, met
             di.stats_["compute_seconds"] / (w * t), "", where)
 
 
-def _cupy():
-    import cupy
-
-    return cupy
-
-
 def _faiss_ivf_rows(rep, X, Q, k, mb, ref, qps, *, nlist: int, nprobes, where: str, bf_qps: float,
                     targets=(0.9, 0.95, 0.98)) -> None:
     """FAISS GPU IVF-Flat on the same reference and queries, in the same run: a row per
@@ -455,6 +449,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         data.clear()
         ref = None
         qps = {}
+        bf_rate = {}  # workers -> the exact brute force's queries/s
         for w in workers:
             src = source_for(w)
             with dask_client(None, n_workers=w, device=dev) as client:
@@ -465,6 +460,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                 _release(client, bf)
                 if ref is None:
                     ref = bd
+                bf_rate[w] = mb / t_bf
                 rep.add(f"exact brute force queries/s, {w} worker{'s' if w > 1 else ''}", mb / t_bf, "queries/s",
                         where, workers=w)
                 di = DistributedIndex(client, source=src, device=dev)
@@ -494,16 +490,17 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         if faiss_nprobes and dev == "gpu" and ref is not None:  # the workers (and their GPU memory) are gone
             t1 = time.perf_counter()
             if reference == "workers":  # the very rows the workers drew (pieces), not _reference's
+                import cupy as cp
+
                 src = GeneratedShards(n, d, clusters, store_dtype, tuple(sorted(params.items())), 1)
                 X = np.empty((n, d), store_dtype)
                 for a in range(0, n, src.piece):
-                    X[a:a + src.piece] = src.rows(a, min(n, a + src.piece), _cupy(), store_dtype).get()
+                    X[a:a + src.piece] = src.rows(a, min(n, a + src.piece), cp, store_dtype).get()
             else:
                 X = _reference(n, d, clusters, dev, store_dtype)
             rep.note(f"reference generated again for FAISS in {time.perf_counter() - t1:.1f} s")
-            bf1 = next((r.value for r in rep.rows if r.figure == "exact brute force queries/s, 1 worker"), None)
             _faiss_ivf_rows(rep, X, Q, k, mb, ref, qps, nlist=faiss_nlist, nprobes=list(faiss_nprobes),
-                            where=f"{devname} x1", bf_qps=bf1)
+                            where=f"{devname} x1", bf_qps=bf_rate.get(1))
             del X
         elif faiss_nprobes:
             rep.note("FAISS GPU rows skipped: they run with --device gpu")

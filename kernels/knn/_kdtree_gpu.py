@@ -1179,7 +1179,7 @@ def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None,
                                        tree.split_val, tree.lo, tree.hi, np.int32(k), st.top, st.target, st.TK, lim,
                                        st.HD, st.HN, st.HS, st.OVF, leaf_of, np.int32(DESCENT_IDS[descent])))
         e1 = E(); e1.record()
-        blocks = _leaf_blocks(leaf_of, qb)
+        blocks = _leaf_blocks(leaf_of, qb, drop_none=False)
         e2 = E(); e2.record()
         nb = 0
         if blocks is not None:
@@ -1254,16 +1254,22 @@ class _BannsState:
 SLOT_KEYS = 1 << 26  # slot keys of a batched round (512 MB): queries are taken L * k slot keys each
 
 
-def _leaf_blocks(leaf_of, qb):
-    """Bucket the valid pairs of ``leaf_of`` (-1: none) by leaf into blocks of at most ``qb``:
-    (pair of each sorted position, block leaf, block first position, block count), or None."""
+def _leaf_blocks(leaf_of, qb, drop_none=True):
+    """Bucket the pairs of ``leaf_of`` by leaf into blocks of at most ``qb``: (pair of each
+    sorted position, block leaf, block first position, block count), or None when there are
+    none. ``drop_none``: leave out the pairs without a leaf (-1; the batched rounds, whose
+    rounds leave many); else they make blocks of leaf -1, which the leaf kernels skip (one
+    leaf per query and round: no host sync to count them)."""
     import cupy as cp
 
-    valid = cp.nonzero(leaf_of >= 0)[0].astype(cp.int32)
-    n = int(valid.size)
-    if n == 0:
-        return None
-    pair = valid[cp.argsort(leaf_of[valid])]
+    if drop_none:
+        valid = cp.nonzero(leaf_of >= 0)[0].astype(cp.int32)
+        if int(valid.size) == 0:
+            return None
+        pair = valid[cp.argsort(leaf_of[valid])]
+    else:
+        pair = cp.argsort(leaf_of).astype(cp.int32)
+    n = int(pair.size)
     sleaf = leaf_of[pair]
     brk = cp.nonzero(sleaf[1:] != sleaf[:-1])[0].astype(cp.int32) + 1
     gstart = cp.concatenate([cp.zeros(1, cp.int32), brk])
