@@ -114,6 +114,23 @@ class DistributedIndex:
         self._blocks[k] = fit_block(rows, d, k, headroom * share, block=block, min_block=min_block, device=dev)
         return self._blocks[k]
 
+    def _put(self, Q: np.ndarray, scatter: bool):
+        """A future of the query block. ``scatter``: sent straight to the workers that hold
+        shards (one copy over the network to each, not client -> scheduler -> worker inside a
+        task: a 200k x 352 block is 282 MB, and on one H200 the two hops cost a third of a 10M
+        search), copied to each when there are several; its data is not recomputable, so a
+        worker lost meanwhile can lose it (:meth:`query` then sends the blocks again inside
+        tasks). A client that cannot reach the workers hands the block to a task."""
+        c = self.client
+        if scatter:
+            try:
+                alive = set(c.scheduler_info(n_workers=-1)["workers"])
+                holders = sorted(set(self.placement.values()) & alive) or sorted(alive)
+                return c.scatter(Q, workers=holders, broadcast=len(holders) > 1, hash=False, direct=True)
+            except Exception:  # workers unreachable from this client: through the scheduler
+                pass
+        return c.submit(_identity, Q, pure=False)
+
     def _reduce(self, parts, k: int):
         c = self.client
         while len(parts) > 1:  # pairwise tree reduction of the per-shard top-k lists
@@ -125,7 +142,7 @@ class DistributedIndex:
         return parts[0]
 
     def query_block(self, Q: np.ndarray, k: int, *, sync_after: int | None = None,
-                    backtracks: int | None = None):
+                    backtracks: int | None = None, scatter: bool = False):
         """Submit one query block to every shard and tree-reduce.
 
         Returns a future of ``(dist2, ids, stats)``; ``stats``: ``{"leaves": leaves scanned by all
@@ -140,9 +157,12 @@ class DistributedIndex:
 
         ``backtracks``: every shard's leaf budget for this block (default: the index's own); the
         budget of the second phase when synchronising.
+
+        ``scatter``: send the block straight to the workers that hold shards (:meth:`_put`); by
+        default it travels inside a task, which Dask can run again if a worker is lost.
         """
         c = self.client
-        qf = c.submit(_identity, np.ascontiguousarray(Q, dtype=np.float32), pure=False)
+        qf = self._put(np.ascontiguousarray(Q, dtype=np.float32), scatter)
 
         def on_shards(**kw):  # each search runs where its shard lives (loose: a lost worker's shard moves)
             return [c.submit(idx.search_shard, s, qf, k, stats=True, workers=[self.placement[i]],
@@ -186,9 +206,18 @@ class DistributedIndex:
         if int(block) < 1:
             raise InputError(f"block must be >= 1, got {block}")
         block = int(block)
-        futs = [self.query_block(Q[a:a + block], int(k), sync_after=sync_after, backtracks=backtracks)
-                for a in range(0, len(Q), block)]
-        out = self.client.gather(futs)
+
+        def run(scatter):
+            futs = [self.query_block(Q[a:a + block], int(k), sync_after=sync_after, backtracks=backtracks,
+                                     scatter=scatter) for a in range(0, len(Q), block)]
+            return self.client.gather(futs)
+
+        try:  # blocks straight to the workers
+            out = run(True)
+        except InputError:
+            raise
+        except Exception:  # a worker lost with scattered blocks: again, each block inside its tasks
+            out = run(False)
         stats = {"leaves": int(sum(o[2]["leaves"] for o in out)),
                  "compute_seconds": float(sum(o[2]["seconds"] for o in out)),
                  "queries": int(len(Q)), "sync_after": sync_after, "backtracks": backtracks}

@@ -230,6 +230,33 @@ def test_bench_tools_flann_baseline(tmp_path):
     assert any("failed" in n for n in bad.notes) and not any(r.figure.startswith("FLANN") for r in bad.rows)
 
 
+def test_bench_tools_several_forests_compete_as_one_tool(tmp_path):
+    """``forests``: a forest per leaf size, each at its budgets, a curve each (the report's
+    curve key is the name before "queries/s"); the matched-recall row takes scanforest's fastest
+    point of any forest; the CLI's GPU default is two forests. A bad leaf size is one InputError."""
+    pytest.importorskip("faiss")
+    from scanforest.deploy.bench import tools as bench_tools
+    from scanforest.flows.report import _curve_key
+
+    rep = bench_tools.run(2000, 100, 16, 4, device="cpu", trees=1, forests=[(8, [1, 500]), (64, [1])],
+                          nprobes=[4], ef_search=[], threads=2, clusters=20, repeat=1, targets=[0.5],
+                          out=tmp_path / "t.json")
+    rows = _rows(rep)
+    a = rows["scanforest KDForest (leaf size 8) banns queries/s, 1 trees, 500 leaves"]
+    b = rows["scanforest KDForest (leaf size 64) banns queries/s, 1 trees, 1 leaves"]
+    assert a.extra["leaf_size"] == 8 and b.extra["leaf_size"] == 64
+    assert rows["scanforest KDForest (leaf size 8) recall@4, 1 trees, 500 leaves"].value == 1.0
+    rec = {"bench": "tools"}
+    assert _curve_key(rec, {"figure": a.figure}) != _curve_key(rec, {"figure": b.figure})
+    ours = [r for f, r in rows.items() if f.startswith("scanforest KDForest (") and " queries/s" in f
+            and r.extra["recall"] >= 0.5] + [rows["scanforest exact brute force queries/s (cpu)"]]
+    matched = next(r for f, r in rows.items() if " vs FAISS IndexIVFFlat" in f)
+    assert matched.value == max(r.value for r in ours)
+    assert [ls for ls, _ in bench_tools.DEFAULTS["gpu"]["forests"]] == [32, 128]
+    with pytest.raises(InputError, match="--leaf-size"):
+        bench_tools.run(500, 10, 8, 2, device="cpu", forests=[(0, [4])], nprobes=[], ef_search=[], repeat=1)
+
+
 def test_bench_flow_accuracy_reports_tracked_epe_next_to_exact():
     """``bench flow``'s accuracy table: per sequence and method the EPE / coverage with exact
     tracks and with ``tracks=None`` (the built-in tracker; OpenCV's when importable), the ratio

@@ -574,6 +574,73 @@ def test_gpu_half_rows_answer_as_their_float32_widening(rng, monkeypatch, d):
     np.testing.assert_array_equal(cd, fd)
 
 
+def _tensor_core_cases(rng):
+    """(name, rows, queries): data on which the tensor-core estimate is tight (clusters, unit
+    descriptors), loose (large offset, subnormal halves: every row re-ranked), exactly tied
+    (integer rows), and queries or rows outside half's range."""
+    n = 6000
+    X = (0.35 * rng.standard_normal((n, 352)) + rng.standard_normal((30, 352))[rng.integers(0, 30, n)])
+    U = np.abs(rng.standard_normal((n, 352)))
+    U /= np.linalg.norm(U, axis=1, keepdims=True)
+    Xi = rng.integers(0, 3, (n, 64)).astype(np.float64)
+    Xo = 1000 + rng.standard_normal((n, 32))
+    Xt = 1e-6 * rng.standard_normal((n, 32))
+    big = X[:300].copy()
+    big[::7, 3] = 1e6
+    cases = [("clusters", X, X[:300] + 0.01 * rng.standard_normal((300, 352))), ("unit", U, U[:300] + 1e-4),
+             ("ties", Xi, Xi[:300]), ("offset", Xo, Xo[:300] + 0.5), ("subnormal", Xt, 0.9 * Xt[:300]),
+             ("big queries", X, big), ("rows beyond half", 1e5 * U, 1e5 * U[:300])]
+    return [(name, A.astype(np.float32), Q.astype(np.float32)) for name, A, Q in cases]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", ["float32", "float16"])
+def test_gpu_tensor_core_scan_equals_canonical_scan(rng, monkeypatch, rows):
+    """The batched rounds score leaves on tensor cores (float rows rounded to half as they are
+    read, half rows as they are) and re-rank only the rows that can enter a list (mma_eps): ids
+    and distances equal the canonical stream kernel's and the CPU's, bit for bit, on trees and
+    forests (a row reached through two trees), for k from 1 to 16, on data where the estimate is
+    tight, loose, tied or out of half's range."""
+    import dataclasses
+
+    import cupy as cp
+
+    from scanforest.kernels.knn import _kdtree_gpu
+    from scanforest.kernels.knn.kdtree import build_kdforest
+
+    for name, X, Q in _tensor_core_cases(rng):
+        if rows == "float16":  # an index of half rows holds values half can
+            if name == "rows beyond half":
+                continue
+            X = X.astype(np.float16).astype(np.float32)
+        for full in (build_kdtree(cp.asarray(X), leaf_size=48),
+                     build_kdforest(cp.asarray(X), n_trees=3, random_dims=5, leaf_size=48)):
+            tree = full if rows == "float32" else dataclasses.replace(full, points=full.points.astype(cp.float16),
+                                                                      data=None)
+            monkeypatch.setattr(_kdtree_gpu, "MMA_FILTER", "half")  # the default: half rows only
+            assert _kdtree_gpu.mma_fits(tree, X.shape[1], 4) == (rows == "float16")
+            monkeypatch.setattr(_kdtree_gpu, "MMA_FILTER", True)
+            assert _kdtree_gpu.mma_fits(tree, X.shape[1], 16)
+            host = tree.to_numpy()
+            for budget, per_round in ((8, 4), (64, 16), (None, None)):
+                for k in (1, 4, 16):
+                    kw = dict(method="banns", backtracks=budget, leaves_per_round=per_round, finish_below=0)
+                    got = {}
+                    for mma in (True, False):
+                        monkeypatch.setattr(_kdtree_gpu, "MMA_FILTER", mma)
+                        d2, ids, st = query_kdtree(tree, cp.asarray(Q), k, return_stats=True, **kw)
+                        got[mma] = (d2.get(), ids.get())
+                        assert ("mma_rows_reranked" in st) == mma
+                    msg = f"{name}, {full.n_trees} tree(s), budget {budget}, k {k}"
+                    np.testing.assert_array_equal(got[True][1], got[False][1], err_msg=msg)
+                    np.testing.assert_array_equal(got[True][0], got[False][0], err_msg=msg)
+                    if budget:
+                        cd, ci = query_kdtree(host, Q, k, method="banns", backtracks=budget,
+                                              leaves_per_round=per_round)
+                        np.testing.assert_array_equal(got[True][1], ci, err_msg=msg + " (CPU)")
+                        np.testing.assert_array_equal(got[True][0], cd, err_msg=msg + " (CPU)")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("descent", ["box", "path", "incremental"])
 def test_gpu_budget_sized_queue_matches_cpu(rng, monkeypatch, descent):

@@ -349,7 +349,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         leaf_size: int, device: str, block: int, out, clusters: int = 1000, shards: int | None = None,
         sync_after: int | None = None, bf_queries: int | None = None, n_trees: int = 1,
         workdir: str | None = None, store_dtype: str = "float32", reference: str = "store",
-        faiss_nprobes=(), faiss_nlist: int = 0) -> BenchReport:
+        faiss_nprobes=(), faiss_nlist: int = 0, leaves_per_round: int | None = None) -> BenchReport:
     """One table: for each worker count, the forest (with and without the global bound
     synchronisation when ``sync_after`` is given) and the exact brute force over the same
     resident shards; recall against the exact answer of the first ``bf_queries`` queries.
@@ -371,6 +371,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     ``reference="workers"``: no store; every worker draws its shards' rows itself (the pieces
     of :class:`GeneratedShards`) and builds their trees where they stay (for a reference whose
     store does not fit the machine's disk). The shard load row then covers drawing and trees.
+
+    ``leaves_per_round``: the forests' P-BANNS leaves per query and round (None: the default).
 
     ``faiss_nprobes`` (GPU): FAISS GPU IVF-Flat over the same reference (``faiss_nlist`` lists,
     0: 4 sqrt(N)) and queries after the workers are gone, on the same GPU, and the forest against
@@ -394,6 +396,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                                 "leaf_size": leaf_size, "block": block,
                                 "shards": shards, "sync_after": sync_after, "bf_queries": mb,
                                 "n_trees": n_trees, "clusters": clusters,
+                                **({"leaves_per_round": leaves_per_round} if leaves_per_round else {}),
                                 **({"store_dtype": store_dtype} if store_dtype != "float32" else {}),
                                 **({"reference": reference} if reference != "store" else {})}, echo=True)
     t0 = time.perf_counter()
@@ -412,6 +415,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     os.makedirs(tmp, exist_ok=True)
     # budgets are set per query, so one stored index serves every budget (and every later run)
     params = {"method": method, "leaf_size": leaf_size, "backtracks": None, "n_trees": n_trees}
+    if leaves_per_round:
+        params["leaves_per_round"] = int(leaves_per_round)
     built = {}
     data = {}  # the reference, generated only when an index must be (re)built
 
@@ -544,6 +549,8 @@ def register(app, bench) -> None:
         sync: int = typer.Option(0, help="Also run the global bound synchronisation after this many leaves (0: off)."),
         bf_queries: int = typer.Option(0, help="Queries for the brute force and the recall (0: all)."),
         n_trees: int = typer.Option(1, help="Randomized trees per shard (replicated forest)."),
+        leaves_per_round: int = typer.Option(0, "--leaves-per-round", help="P-BANNS leaves a query takes per "
+                                             "round (0: the default, kdtree.LEAVES_PER_ROUND)."),
         clusters: int = typer.Option(1000, help="Gaussian clusters of the synthetic descriptors."),
         workdir: str = typer.Option(None, help="Keep the index stores here and reuse them in later runs "
                                     "with the same data and parameters (default: a temporary folder)."),
@@ -564,6 +571,7 @@ def register(app, bench) -> None:
             backtracks=[int(b) or None for b in backtracks.split(",")],
             leaf_size=leaf_size, device=device, block=block, out=out, clusters=clusters, shards=shards or None,
             sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees, workdir=workdir,
+            leaves_per_round=leaves_per_round or None,
             store_dtype=store_dtype, reference=reference,
             faiss_nprobes=parse_counts(faiss_nprobe), faiss_nlist=faiss_nlist)
 

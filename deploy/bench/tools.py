@@ -213,11 +213,14 @@ def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, 
     return {f"FLANN KDTreeIndex ({trees} trees)": curve}
 
 
-#: the CLI's defaults by device: on a GPU the forest that is fastest at every matched recall on
-#: the PCL SHOT352 (one tree, P-BANNS in batched rounds; docs/benchmarks.md), every real row (n = 0;
-#: synthetic data: the CPU's n) and 20k queries; on a CPU FLANN's four trees
-DEFAULTS = {"gpu": {"n": 0, "m": 20000, "trees": 1, "budgets": (64, 128, 256, 512, 768)},
-            "cpu": {"n": 100_000, "m": 2000, "trees": 4, "budgets": (16, 32, 64, 128)}}
+#: the CLI's defaults by device: on a GPU the forests that are fastest at the matched recalls on
+#: the PCL SHOT352 (one tree, P-BANNS in batched rounds; leaf size 32 up to recall 0.95, 128 above:
+#: on one H200 32-row leaves reached 0.979 at 512 leaves, 128-row ones 0.986 at 256 leaves at
+#: 1.02x the speed; docs/benchmarks.md), every real row (n = 0; synthetic data: the CPU's n) and
+#: 20k queries; on a CPU FLANN's four trees
+DEFAULTS = {"gpu": {"n": 0, "m": 20000, "trees": 1, "forests": ((32, (64, 128, 256, 512, 768)),
+                                                               (128, (64, 128, 192, 256)))},
+            "cpu": {"n": 100_000, "m": 2000, "trees": 4, "forests": ((32, (16, 32, 64, 128)),)}}
 
 
 def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4, leaf_size: int = 32,
@@ -225,8 +228,12 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         flann_baseline: str | None = None, flann_checks=None, flann_trees: int | None = None,
         nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32, ef_construction: int = 80, ef_search=(16, 64, 256),
         threads: int = 0, clusters: int = 1000, real: str | None = None, targets=(0.9, 0.95, 0.98),
-        repeat: int = 3, gpu_nprobes=(4, 8, 16, 32), cagra_degree: int = 32, itopk=(32, 64, 128, 256), out=None):
-    """Measure every tool on one data set and print the table (see the module docstring)."""
+        repeat: int = 3, gpu_nprobes=(4, 8, 16, 32), cagra_degree: int = 32, itopk=(32, 64, 128, 256), out=None,
+        forests=None):
+    """Measure every tool on one data set and print the table (see the module docstring).
+
+    ``forests``: several scanforest forests, ``[(leaf_size, budgets), ...]`` (a curve each; the
+    fastest point at a recall is scanforest's); default one, ``leaf_size`` with ``budgets``."""
     from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
     from scanforest.kernels.knn.bruteforce import knn_bruteforce, recall
     from scanforest.kernels.knn.kdforest import KDForest
@@ -236,8 +243,13 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     targets = [float(t) for t in (targets if isinstance(targets, (list, tuple)) else [targets])]
     if not targets or not all(0 < t <= 1 for t in targets):
         raise InputError(f"--target values must be in (0, 1], got {targets}")
-    if any(int(b) < 1 for b in budgets) or not budgets:
-        raise InputError(f"--budgets must be positive leaf counts, got {list(budgets)}")
+    forests = [(int(ls), [int(b) for b in bs]) for ls, bs in (forests or [(leaf_size, budgets)])]
+    leaf_size, budgets = forests[0]  # FLANN's default checks follow the first forest
+    for ls, bs in forests:
+        if any(b < 1 for b in bs) or not bs:
+            raise InputError(f"--budgets must be positive leaf counts, got {bs}")
+        if ls < 1:
+            raise InputError(f"--leaf-size must be positive, got {ls}")
     dev = resolve_device(device)
     threads = int(threads or os.cpu_count() or 1)
     method = method or "banns"  # batched rounds on both devices (kdtree.query_kdtree)
@@ -245,6 +257,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     flann_trees = int(flann_trees or trees)
     rep = BenchReport("tools", {"n": n, "m": m, "d": d, "k": k, "device": dev, "trees": trees,
                                 "leaf_size": leaf_size, "split": split, "budgets": list(budgets), "method": method,
+                                **({"forests": forests} if len(forests) > 1 else {}),
                                 "flann_baseline": flann_baseline, "flann_checks": checks,
                                 "flann_trees": flann_trees, "nlist": nlist, "nprobes": list(nprobes), "hnsw_m": hnsw_m,
                                 "ef_construction": ef_construction, "ef_search": list(ef_search),
@@ -281,21 +294,25 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         base = (f"scanforest exact brute force queries/s ({dev})", m / t_bf)
         rep.add(base[0], base[1], "queries/s", gdev, seconds=t_bf)
         mine = [(base[1], 1.0, "exact brute force")]
-        t0 = time.perf_counter()
-        forest = KDForest(n_trees=trees, leaf_size=leaf_size, method=method, split=split, device=dev).fit(X)
-        sync()
-        build = time.perf_counter() - t0
-        rep.add(f"scanforest KDForest build, {trees} trees (leaf size {leaf_size}, {split} split)", build, "s", gdev,
-                higher_is_better=False)
-        forest.query(Q[:8], k, backtracks=int(budgets[0]))  # JIT / kernel warm-up
-        for b in budgets:
-            t, (fd, _) = _timeit(lambda: forest.query(Q, k, backtracks=int(b)), sync, repeat)
-            r = recall(fd, ed, k)
-            rep.add(f"scanforest KDForest {method} queries/s, {trees} trees, {b} leaves", m / t, "queries/s", gdev,
-                    baseline=base[0], baseline_value=base[1], recall=r, build_s=build)
-            rep.add(f"scanforest KDForest recall@{k}, {trees} trees, {b} leaves", r, "", gdev)
-            mine.append((m / t, r, f"{b} leaves"))
-        del forest
+        for ls, bs in forests:
+            # several forests: a curve each (the report draws one per name before "queries/s")
+            name = "scanforest KDForest" + (f" (leaf size {ls})" if len(forests) > 1 else "")
+            leaf = f"leaf size {ls}, " if len(forests) > 1 else ""
+            t0 = time.perf_counter()
+            forest = KDForest(n_trees=trees, leaf_size=ls, method=method, split=split, device=dev).fit(X)
+            sync()
+            build = time.perf_counter() - t0
+            rep.add(f"scanforest KDForest build, {trees} trees (leaf size {ls}, {split} split)", build, "s", gdev,
+                    higher_is_better=False)
+            forest.query(Q[:8], k, backtracks=int(bs[0]))  # JIT / kernel warm-up
+            for b in bs:
+                t, (fd, _) = _timeit(lambda: forest.query(Q, k, backtracks=int(b)), sync, repeat)
+                r = recall(fd, ed, k)
+                rep.add(f"{name} {method} queries/s, {trees} trees, {b} leaves", m / t, "queries/s", gdev,
+                        baseline=base[0], baseline_value=base[1], recall=r, build_s=build, leaf_size=ls)
+                rep.add(f"{name} recall@{k}, {trees} trees, {b} leaves", r, "", gdev)
+                mine.append((m / t, r, f"{leaf}{b} leaves"))
+            forest = None  # its GPU memory goes back before the next forest and the other tools
     if flann_baseline:
         curves.update(_flann_rows(rep, flann_baseline, Xh, Qh, k, ed, flann_trees, threads, checks, repeat, cdev,
                                   base))
@@ -344,9 +361,11 @@ def register(app, bench) -> None:
         device: str = typer.Option("auto", "--device", help="where scanforest runs: auto | cpu | gpu"),
         trees: int = typer.Option(0, "--trees", help="randomized trees (scanforest and FLANN alike; default: 4 on a "
                                   "CPU, 1 on a GPU)"),
-        leaf_size: int = typer.Option(32, "--leaf-size"),
+        leaf_size: str = typer.Option("", "--leaf-size", help="scanforest leaf size, or a comma list (a forest each, "
+                                      "every one searched at --budgets; default: 32 on a CPU; on a GPU 32 at "
+                                      "64,128,256,512,768 leaves and 128 at 64,128,192,256)"),
         budgets: str = typer.Option("", "--budgets", help="scanforest leaves per query (comma list; default: 16,32,64,128 "
-                                    "on a CPU, 64,128,256,512,768 on a GPU)"),
+                                    "on a CPU; on a GPU see --leaf-size)"),
         method: str = typer.Option(None, "--method", help="scanforest search: banns (default: batched rounds, "
                                    "each leaf scanned once for the queries that take it) | anns (a query at a time)"),
         split: str = typer.Option("variance", "--split", help="scanforest split rule: variance | median | midpoint"),
@@ -381,8 +400,13 @@ def register(app, bench) -> None:
 
         dflt = DEFAULTS[resolve_device(device)]
         n_rows = parse_counts(n)[0] if n.strip() else dflt["n"] if real else DEFAULTS["cpu"]["n"]
-        run(n_rows, m or dflt["m"], d, k, device=device, trees=trees or dflt["trees"], leaf_size=leaf_size,
-            budgets=parse_counts(budgets) or list(dflt["budgets"]), method=method, split=split, flann_baseline=flann_baseline,
+        leaves, given = parse_counts(leaf_size), parse_counts(budgets)
+        if leaves or given:  # what was asked: each leaf size (default 32) at the budgets (default the first's)
+            forests = [(ls, given or list(dflt["forests"][0][1])) for ls in (leaves or [32])]
+        else:
+            forests = [(ls, list(bs)) for ls, bs in dflt["forests"]]
+        run(n_rows, m or dflt["m"], d, k, device=device, trees=trees or dflt["trees"], forests=forests,
+            method=method, split=split, flann_baseline=flann_baseline,
             flann_checks=parse_counts(flann_checks), flann_trees=flann_trees, nlist=nlist,
             nprobes=parse_counts(nprobe), hnsw_m=hnsw_m,
             ef_construction=ef_construction, ef_search=parse_counts(ef_search), threads=threads, clusters=clusters,

@@ -83,7 +83,7 @@ from numba import njit, prange
 from ..backend import resolve_device, to_numpy
 from ..errors import InputError
 from ._kdtree_common import DESCENT_IDS, KDTree
-from .bruteforce import _insert, _sqdist, _sqdist4, check_k, check_points, exact_scan_ids
+from .bruteforce import _sqdist, _sqdist4, check_k, check_points, exact_scan_ids
 
 __all__ = ["KDTree", "build_kdtree", "build_kdforest", "pack_forest", "query_kdtree", "check_bounds",
            "HEAP_CAP", "MAX_HEAP_CAP", "heap_capacity", "DEFAULT_MAX_DEPTH"]
@@ -1119,11 +1119,19 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
         with an unlimited budget it is exact). The CPU runs the same rounds per query, so both
         devices return the same answer. Needs the stream leaf kernel (see
         :func:`resolve_leaves_per_round`).
+
+        On the GPU over float16 rows (a float16 index; d a multiple of 16 up to 512, k <= 16)
+        these rounds score a leaf's rows against its queries on tensor cores (half x half ->
+        float) and compute the canonical distance only of the rows whose estimate, within a
+        rigorous rounding bound (``_kdtree_gpu.mma_eps``), could enter a list: the same answer,
+        bit for bit (``_kdtree_gpu.MMA_FILTER``).
     return_stats : bool
         Also return a dict of search statistics: ``heap_overflow`` (queries whose bounded queue
         dropped a box), ``leaves_visited`` ((M,) int32 numpy, leaves scanned per query; P-BANNS
         queries finished by brute force count only the leaves scanned before), and for P-BANNS
-        the round and phase timings.
+        the round and phase timings (with tensor-core scoring also ``mma_rows_reranked``, the
+        rows given their canonical distance, and its phases ``ms_mma_*``, inside
+        ``ms_leaf_scan``).
     """
     if not isinstance(tree, KDTree):
         raise InputError("tree must be a KDTree from build_kdtree()")
