@@ -128,12 +128,14 @@ def shard_resident_bytes(rows: int, d: int, *, n_trees: int = 1, leaf_size: int 
     for a forest each tree's leaf-ordered rows, permutation and nodes (at most 4 per
     ``leaf_size`` rows; a node is its child, split, point range and a box of 2 x ``d`` floats).
     ``row_bytes`` per value: 2 for a float16 index on a GPU, which keeps its rows in half
-    precision, else 4."""
+    precision (and, once searched, their squared norms for the tensor-core leaf scan: 4 bytes a
+    row), else 4."""
     rows, d = int(rows), int(d)
     if method == "exact":
         return rows * d * int(row_bytes)
     nodes = 4 * -(-rows // int(leaf_size))
-    return int(n_trees) * (rows * d * int(row_bytes) + rows * 8 + nodes * (28 + 8 * d))
+    norms = 4 if int(row_bytes) == 2 else 0
+    return int(n_trees) * (rows * (d * int(row_bytes) + norms) + rows * 8 + nodes * (28 + 8 * d))
 
 
 def search_working_bytes(rows: int, d: int, block: int, k: int, *, device: str = "gpu") -> int:
