@@ -41,7 +41,7 @@ log = logging.getLogger("scanforest")
 
 TREE_ARRAYS = ("perm", "child", "split_dim", "split_val", "start", "end", "lo", "hi")
 FOREST_KEYS = ("n_trees", "leaf_size", "backtracks", "method", "random_dims", "seed", "max_depth", "sliding_window",
-               "split")
+               "split", "descent", "leaves_per_round")
 
 
 REFERENCE_DTYPES = ("float32", "float16")

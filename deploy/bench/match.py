@@ -380,6 +380,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     """
     if reference not in ("store", "workers"):
         raise InputError(f"reference must be 'store' or 'workers', got {reference!r}")
+    if leaves_per_round is not None and (isinstance(leaves_per_round, bool) or int(leaves_per_round) < 1):
+        raise InputError(f"--leaves-per-round must be a positive number of leaves, got {leaves_per_round}")
     from scanforest.flows.distributed import DistributedIndex
     from scanforest.tasks import index as idx
 
@@ -571,7 +573,7 @@ def register(app, bench) -> None:
             backtracks=[int(b) or None for b in backtracks.split(",")],
             leaf_size=leaf_size, device=device, block=block, out=out, clusters=clusters, shards=shards or None,
             sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees, workdir=workdir,
-            leaves_per_round=leaves_per_round or None,
+            leaves_per_round=None if leaves_per_round == 0 else leaves_per_round,
             store_dtype=store_dtype, reference=reference,
             faiss_nprobes=parse_counts(faiss_nprobe), faiss_nlist=faiss_nlist)
 
