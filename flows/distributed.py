@@ -25,6 +25,12 @@ def _identity(x):
     return x
 
 
+# a scattered query block that has not reached its workers after this long (plus its size at this
+# rate) goes inside a task instead: a worker killed during a scatter leaves it waiting forever
+SCATTER_TIMEOUT_S = 10.0
+SCATTER_MIN_RATE = 100e6  # bytes/s
+
+
 def _worker_free_memory(device: str):
     from scanforest.kernels.backend import free_memory
 
@@ -114,21 +120,24 @@ class DistributedIndex:
         self._blocks[k] = fit_block(rows, d, k, headroom * share, block=block, min_block=min_block, device=dev)
         return self._blocks[k]
 
-    def _put(self, Q: np.ndarray, scatter: bool):
-        """A future of the query block. ``scatter``: sent straight to the workers that hold
-        shards (one copy over the network to each, not client -> scheduler -> worker inside a
-        task: a 200k x 352 block is 282 MB, and on one H200 the two hops cost a third of a 10M
-        search), copied to each when there are several; its data is not recomputable, so a
-        worker lost meanwhile can lose it (:meth:`query` then sends the blocks again inside
-        tasks). A client that cannot reach the workers hands the block to a task."""
+    def _put(self, Q: np.ndarray, scatter):
+        """A future of the query block. ``scatter`` (a one-item list, shared by the blocks of a
+        query: ``[True]`` to try): sent straight to the workers that hold shards (one copy over
+        the network to each, not client -> scheduler -> worker inside a task: a 200k x 352 block
+        is 282 MB, and on one H200 the two hops cost a third of a 10M search), copied to each when
+        there are several. Its data is not recomputable, so a worker lost meanwhile can lose it
+        (:meth:`query` then sends the blocks again inside tasks); a scatter that fails or stalls
+        (a worker killed during it: ``timeout``) sets ``scatter[0] = False`` and this block and
+        the next go inside tasks."""
         c = self.client
-        if scatter:
+        if scatter and scatter[0]:
             try:
                 alive = set(c.scheduler_info(n_workers=-1)["workers"])
                 holders = sorted(set(self.placement.values()) & alive) or sorted(alive)
-                return c.scatter(Q, workers=holders, broadcast=len(holders) > 1, hash=False, direct=True)
-            except Exception:  # workers unreachable from this client: through the scheduler
-                pass
+                return c.scatter(Q, workers=holders, broadcast=len(holders) > 1, hash=False, direct=True,
+                                 timeout=SCATTER_TIMEOUT_S + Q.nbytes / SCATTER_MIN_RATE)
+            except Exception:  # unreachable or lost workers: through the scheduler, inside tasks
+                scatter[0] = False
         return c.submit(_identity, Q, pure=False)
 
     def _reduce(self, parts, k: int):
@@ -142,7 +151,7 @@ class DistributedIndex:
         return parts[0]
 
     def query_block(self, Q: np.ndarray, k: int, *, sync_after: int | None = None,
-                    backtracks: int | None = None, scatter: bool = False):
+                    backtracks: int | None = None, scatter=None):
         """Submit one query block to every shard and tree-reduce.
 
         Returns a future of ``(dist2, ids, stats)``; ``stats``: ``{"leaves": leaves scanned by all
@@ -158,8 +167,9 @@ class DistributedIndex:
         ``backtracks``: every shard's leaf budget for this block (default: the index's own); the
         budget of the second phase when synchronising.
 
-        ``scatter``: send the block straight to the workers that hold shards (:meth:`_put`); by
-        default it travels inside a task, which Dask can run again if a worker is lost.
+        ``scatter``: ``[True]``: send the block straight to the workers that hold shards
+        (:meth:`_put`); by default it travels inside a task, which Dask can run again if a worker
+        is lost.
         """
         c = self.client
         qf = self._put(np.ascontiguousarray(Q, dtype=np.float32), scatter)
@@ -208,8 +218,9 @@ class DistributedIndex:
         block = int(block)
 
         def run(scatter):
+            way = [scatter]  # one failed scatter sends this query's remaining blocks inside tasks
             futs = [self.query_block(Q[a:a + block], int(k), sync_after=sync_after, backtracks=backtracks,
-                                     scatter=scatter) for a in range(0, len(Q), block)]
+                                     scatter=way) for a in range(0, len(Q), block)]
             return self.client.gather(futs)
 
         try:  # blocks straight to the workers
