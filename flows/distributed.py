@@ -134,8 +134,11 @@ class DistributedIndex:
             try:
                 alive = set(c.scheduler_info(n_workers=-1)["workers"])
                 holders = sorted(set(self.placement.values()) & alive) or sorted(alive)
-                return c.scatter(Q, workers=holders, broadcast=len(holders) > 1, hash=False, direct=True,
-                                 timeout=SCATTER_TIMEOUT_S + Q.nbytes / SCATTER_MIN_RATE)
+                # Client.scatter's own timeout bounds only the wait for workers: a worker killed during
+                # the transfer left it waiting forever (test_cluster's worker-kill match, under load),
+                # so the whole transfer runs under callback_timeout
+                return c.sync(c._scatter, Q, workers=holders, broadcast=len(holders) > 1, hash=False, direct=True,
+                              callback_timeout=SCATTER_TIMEOUT_S + Q.nbytes / SCATTER_MIN_RATE)
             except Exception:  # unreachable or lost workers: through the scheduler, inside tasks
                 scatter[0] = False
         return c.submit(_identity, Q, pure=False)
