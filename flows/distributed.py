@@ -27,7 +27,7 @@ def _identity(x):
 
 # a scattered query block that has not reached its workers after this long (plus its size at this
 # rate) goes inside a task instead: a worker killed during a scatter leaves it waiting forever
-SCATTER_TIMEOUT_S = 10.0
+SCATTER_TIMEOUT_S = 3.0
 SCATTER_MIN_RATE = 100e6  # bytes/s
 
 
