@@ -102,8 +102,7 @@ class DistributedIndex:
         if k in self._blocks:
             return self._blocks[k]
         self.wait()
-        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
-        holders = sorted(set(self.placement.values()) & alive) or sorted(alive)
+        holders = self._holders()
         try:
             free = self.client.run(_worker_free_memory, self.device, workers=holders, on_error="ignore")
         except Exception:  # a worker lost meanwhile: plan for the largest block, the OOM split still guards
@@ -120,27 +119,30 @@ class DistributedIndex:
         self._blocks[k] = fit_block(rows, d, k, headroom * share, block=block, min_block=min_block, device=dev)
         return self._blocks[k]
 
-    def _put(self, Q: np.ndarray, scatter):
-        """A future of the query block. ``scatter`` (a one-item list, shared by the blocks of a
-        query: ``[True]`` to try): sent straight to the workers that hold shards (one copy over
-        the network to each, not client -> scheduler -> worker inside a task: a 200k x 352 block
-        is 282 MB, and on one H200 the two hops cost a third of a 10M search), copied to each when
-        there are several. Its data is not recomputable, so a worker lost meanwhile can lose it
+    def _holders(self) -> list[str]:
+        """The live workers that hold shards (every live worker when none of them is left)."""
+        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        return sorted(set(self.placement.values()) & alive) or sorted(alive)
+
+    def _put(self, Q: np.ndarray, route):
+        """A future of the query block. ``route``, a list shared by the blocks of a query: the
+        workers to scatter it to (one copy over the network to each, not client -> scheduler ->
+        worker inside a task: a 200k x 352 block is 282 MB, and on one H200 the two hops cost a
+        third of a 10M search), copied to each when there are several; empty (or None): inside a
+        task. Scattered data is not recomputable, so a worker lost meanwhile can lose it
         (:meth:`query` then sends the blocks again inside tasks); a scatter that fails or stalls
-        (a worker killed during it: ``timeout``) sets ``scatter[0] = False`` and this block and
-        the next go inside tasks."""
+        (a worker killed during it) empties ``route``, and this block and the next go inside
+        tasks."""
         c = self.client
-        if scatter and scatter[0]:
+        if route:
             try:
-                alive = set(c.scheduler_info(n_workers=-1)["workers"])
-                holders = sorted(set(self.placement.values()) & alive) or sorted(alive)
                 # Client.scatter's own timeout bounds only the wait for workers: a worker killed during
                 # the transfer left it waiting forever (test_cluster's worker-kill match, under load),
                 # so the whole transfer runs under callback_timeout
-                return c.sync(c._scatter, Q, workers=holders, broadcast=len(holders) > 1, hash=False, direct=True,
-                              callback_timeout=SCATTER_TIMEOUT_S + Q.nbytes / SCATTER_MIN_RATE)
+                return c.sync(c._scatter, Q, workers=list(route), broadcast=len(route) > 1, hash=False,
+                              direct=True, callback_timeout=SCATTER_TIMEOUT_S + Q.nbytes / SCATTER_MIN_RATE)
             except Exception:  # unreachable or lost workers: through the scheduler, inside tasks
-                scatter[0] = False
+                route.clear()
         return c.submit(_identity, Q, pure=False)
 
     def _reduce(self, parts, k: int):
@@ -154,7 +156,7 @@ class DistributedIndex:
         return parts[0]
 
     def query_block(self, Q: np.ndarray, k: int, *, sync_after: int | None = None,
-                    backtracks: int | None = None, scatter=None):
+                    backtracks: int | None = None, route=None):
         """Submit one query block to every shard and tree-reduce.
 
         Returns a future of ``(dist2, ids, stats)``; ``stats``: ``{"leaves": leaves scanned by all
@@ -170,12 +172,11 @@ class DistributedIndex:
         ``backtracks``: every shard's leaf budget for this block (default: the index's own); the
         budget of the second phase when synchronising.
 
-        ``scatter``: ``[True]``: send the block straight to the workers that hold shards
-        (:meth:`_put`); by default it travels inside a task, which Dask can run again if a worker
-        is lost.
+        ``route``: workers to send the block straight to (:meth:`_put`); by default it travels
+        inside a task, which Dask can run again if a worker is lost.
         """
         c = self.client
-        qf = self._put(np.ascontiguousarray(Q, dtype=np.float32), scatter)
+        qf = self._put(np.ascontiguousarray(Q, dtype=np.float32), route)
 
         def on_shards(**kw):  # each search runs where its shard lives (loose: a lost worker's shard moves)
             return [c.submit(idx.search_shard, s, qf, k, stats=True, workers=[self.placement[i]],
@@ -220,18 +221,17 @@ class DistributedIndex:
             raise InputError(f"block must be >= 1, got {block}")
         block = int(block)
 
-        def run(scatter):
-            way = [scatter]  # one failed scatter sends this query's remaining blocks inside tasks
+        def run(route):  # one failed scatter empties the route: the remaining blocks go inside tasks
             futs = [self.query_block(Q[a:a + block], int(k), sync_after=sync_after, backtracks=backtracks,
-                                     scatter=way) for a in range(0, len(Q), block)]
+                                     route=route) for a in range(0, len(Q), block)]
             return self.client.gather(futs)
 
-        try:  # blocks straight to the workers
-            out = run(True)
+        try:  # blocks straight to the workers that hold shards (looked up once a query)
+            out = run(self._holders())
         except InputError:
             raise
         except Exception:  # a worker lost with scattered blocks: again, each block inside its tasks
-            out = run(False)
+            out = run([])
         stats = {"leaves": int(sum(o[2]["leaves"] for o in out)),
                  "compute_seconds": float(sum(o[2]["seconds"] for o in out)),
                  "queries": int(len(Q)), "sync_after": sync_after, "backtracks": backtracks}
