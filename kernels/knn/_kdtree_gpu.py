@@ -1589,9 +1589,11 @@ def _leaf_blocks(leaf_of, qb, drop_none=True):
 
 
 def _mma_round(mod, tree, queries, k, active, na, L, blocks, top, state):
-    """One batched round's scan and merge on tensor cores (see the kernels' comment): the pairs' k smallest upper bounds, each query's bound T, the rows that can still
-    enter a list (an entry buffer kept in ``state`` across rounds, grown and the pass redone when
-    it overflows), their canonical keys merged into the lists."""
+    """One batched round's scan and merge on tensor cores (see the kernels' comment): the pairs'
+    k smallest upper bounds, each query's bound T, the rows that can still enter a list (an entry
+    buffer kept in ``state`` across rounds, grown and the pass redone when it overflows), their
+    canonical keys merged into the lists. The round's phase events go to ``state["ev"]``, read
+    once at the end of the search (no host sync for them here)."""
     import cupy as cp
 
     pair, bleaf, first, cnt = blocks
@@ -1603,7 +1605,7 @@ def _mma_round(mod, tree, queries, k, active, na, L, blocks, top, state):
         state["Qh"] = queries.astype(cp.float16)
         state["QN"] = cp.sum(queries * queries, axis=1, dtype=cp.float32)
         state["QOK"] = (cp.isfinite(state["Qh"]).all(axis=1) & cp.isfinite(state["QN"])).astype(cp.uint8)
-        state["ms"] = np.zeros(4)
+        state["ev"] = []
     E = cp.cuda.Event
     ev = [E() for _ in range(5)]
     ev[0].record()
@@ -1648,8 +1650,7 @@ def _mma_round(mod, tree, queries, k, active, na, L, blocks, top, state):
     else:
         ev[3].record()
     ev[4].record()
-    ev[4].synchronize()
-    state["ms"] += [cp.cuda.get_elapsed_time(ev[j], ev[j + 1]) for j in range(4)]
+    state["ev"].append(ev)
 
 
 def _row_sqnorms(tree):
@@ -1729,8 +1730,9 @@ def _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, L, d
         e4 = E(); e4.record()
         ev.append((e0, e1, e2, e3, e4, nb))
     dist, ids, stats = st.finish(tree, queries, k, budget, active, ev)
-    if mma is not None and "ms" in mma:  # the tensor-core scan's phases (in ms_leaf_scan) and rows re-ranked
-        stats.update({"ms_mma_bounds": round(float(mma["ms"][0]), 3), "ms_mma_emit": round(float(mma["ms"][1]), 3),
-                      "ms_mma_sort": round(float(mma["ms"][2]), 3), "ms_mma_merge": round(float(mma["ms"][3]), 3),
+    if mma is not None and mma.get("ev"):  # the tensor-core scan's phases (in ms_leaf_scan), rows re-ranked
+        ms = np.sum([[cp.cuda.get_elapsed_time(e[j], e[j + 1]) for j in range(4)] for e in mma["ev"]], axis=0)
+        stats.update({"ms_mma_bounds": round(float(ms[0]), 3), "ms_mma_emit": round(float(ms[1]), 3),
+                      "ms_mma_sort": round(float(ms[2]), 3), "ms_mma_merge": round(float(ms[3]), 3),
                       "mma_rows_reranked": int(mma.get("entries", 0))})
     return dist, ids, stats
