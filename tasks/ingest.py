@@ -19,14 +19,14 @@ import stat
 import tarfile
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from scanforest.kernels.errors import InputError, ScanReadError
 
 from .readers import FORMATS, read_cloud
-from .store import MAX_ID_BYTES, ScanStore, file_lock, scan_id_for, sha256_bytes, sha256_file
+from .store import MAX_ID_BYTES, ScanStore, file_lock, legacy_scan_id, scan_id_for, sha256_bytes, sha256_file
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".zip")
 SIDECAR_SUFFIX = ".gt.json"
@@ -34,10 +34,16 @@ SIDECAR_SUFFIX = ".gt.json"
 
 @dataclass(frozen=True)
 class Source:
-    """One file to ingest: where it is and the scan id it gets."""
+    """One file to ingest: where it is and the scan id it gets.
+
+    ``legacy_id``: the id an older version gave this file (:func:`~.store.legacy_scan_id`), where
+    it differs; ingest keeps it when the store holds this file's scan under it (see
+    :func:`ingest_file`).
+    """
 
     path: str
     scan_id: str
+    legacy_id: str | None = None
 
 
 def is_archive(path: str | os.PathLike) -> bool:
@@ -51,12 +57,35 @@ def sidecar_for(path: str | os.PathLike) -> Path:
     return p.with_name(p.name[: -len(p.suffix)] + SIDECAR_SUFFIX if p.suffix else p.name + SIDECAR_SUFFIX)
 
 
+def read_sidecar(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The scan's ground-truth sidecar as a dict, or None when it has none.
+
+    A scan whose name is near the file system's limit (255 bytes) has a sidecar name that no file
+    can have (``.gt.json`` is longer than ``.pcd``): that means no sidecar, not an error. Raises
+    ``OSError`` or ``ValueError`` for a sidecar that exists and cannot be read or parsed.
+    """
+    side = sidecar_for(path)
+    try:
+        if not side.is_file():
+            return None
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            return None
+        raise
+    return json.loads(side.read_text())
+
+
 def ingest_file(store_path: str, source: Source, *, units: str = "m", run: str | None = None) -> dict[str, Any]:
     """Ingest one file into the store; never raises for a bad file (it is quarantined).
 
     ``run``: the ingest run's token, kept in the scan's attributes. When Dask runs this unit again
     after its worker was lost, the scan that the lost worker had finished is reported as
     ``ingested`` by this run, not ``skipped`` (a skip is work done by an earlier or another run).
+
+    The scan keeps the file's ``legacy_id`` instead of its ``scan_id`` when the store holds a
+    complete scan under that old id whose ``source`` is this very file: a store written before
+    ids were unique keeps its ids, and a rerun on it stays a no-op. A scan there of another file
+    (the one an old collision kept) is left alone, and this file gets its own id.
 
     The scan's claim is held from the "is it current?" check to the complete flag, so two
     ingests of the same file at once write it once: the second waits, then finds it current.
@@ -77,6 +106,7 @@ def ingest_files(store_path: str, sources: list[Source], *, units: str = "m",
 
 
 def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None, t0: float) -> dict[str, Any]:
+    source = replace(source, scan_id=_stored_id(store, source))
     rec: dict[str, Any] = {"source": source.path, "scan_id": source.scan_id, "points": 0, "bytes": 0}
 
     def done(status: str, **fields) -> dict[str, Any]:
@@ -119,17 +149,28 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
         for key in ("width", "height", "viewpoint", "organized"):
             if key in cloud.meta:
                 attrs[key] = cloud.meta[key]
-        side = sidecar_for(source.path)
-        if side.is_file():
-            try:
-                attrs.update(json.loads(side.read_text()))
-            except (OSError, ValueError) as exc:
-                store.quarantine(source.path, f"ground-truth sidecar {side.name} is unreadable: {exc}", digest,
-                                 key=source.scan_id)
-                return done("quarantined", reason=f"bad sidecar {side.name}")
+        try:
+            attrs.update(read_sidecar(source.path) or {})
+        except (OSError, ValueError) as exc:
+            side = sidecar_for(source.path).name
+            store.quarantine(source.path, f"ground-truth sidecar {side} is unreadable: {exc}", digest,
+                             key=source.scan_id)
+            return done("quarantined", reason=f"bad sidecar {side}")
         store.write_scan(source.scan_id, cloud.arrays(), attrs)
         store.release(source.scan_id)
     return done("ingested", points=len(cloud))
+
+
+def _stored_id(store: ScanStore, source: Source) -> str:
+    """The file's ``legacy_id`` where the store holds this file's complete scan under it, else its
+    ``scan_id`` (see :func:`ingest_file`)."""
+    if source.legacy_id:
+        try:
+            if store.attrs(source.legacy_id).get("source") == source.path:
+                return source.legacy_id
+        except (InputError, KeyError, OSError):  # no complete scan of that id, or one being replaced now
+            pass
+    return source.scan_id
 
 
 # ---------------------------------------------------------------------------------- discovery
@@ -175,9 +216,13 @@ def discover(source: str | os.PathLike, staging: str | os.PathLike, *,
              ignored: list[dict[str, str]] | None = None) -> tuple[list[Source], list[dict[str, str]]]:
     """Expand a folder, a glob, a single file or an archive into the files to ingest.
 
-    Archives (.tar, .tar.gz, .tgz, .zip, ...) are extracted once, streaming, into ``staging``;
-    scan ids are the member paths prefixed by the archive's name. Returns the sources and a
-    list of problems found while expanding (``{"source", "reason"}``: dangling links, link
+    Scan ids come from the paths relative to the folder or the glob's fixed part
+    (:func:`~.store.scan_id_for`). Archives (.tar, .tar.gz, .tgz, .zip, ...) are extracted once,
+    streaming, into ``staging``; their members' paths are prefixed by the archive's name without
+    its suffix where the archive is the source, and by its path in the folder (suffix included)
+    where it is found in one, so two archives never give one id. Each source also carries the id
+    an older version gave it (``legacy_id``, see :func:`_offer_legacy_ids`). Returns the sources
+    and a list of problems found while expanding (``{"source", "reason"}``: dangling links, link
     loops, unsafe members, corrupt archives), one per bad item, so the rest still ingests.
 
     Paths are resolved, so a file reached twice (a glob through a folder link loop, two links to
@@ -191,14 +236,40 @@ def discover(source: str | os.PathLike, staging: str | os.PathLike, *,
     if is_glob(src):
         root = _glob_root(src)
         paths = sorted(_glob.glob(src, recursive=True), key=lambda p: (p.count(os.sep), p))
-        return _collect(((p, os.path.relpath(p, root)) for p in paths), Path(staging), ignored)
-    check_source(src, allow_empty=True)  # the caller decides whether finding nothing is an error
-    path = Path(src)
-    if path.is_dir():
-        return _collect(_walk(path), Path(staging), ignored)
-    if is_archive(path):
-        return _expand_archive(path, Path(staging), ignored)
-    return [Source(os.path.realpath(path), scan_id_for(path.name))], []
+        items, problems = _collect(((p, os.path.relpath(p, root)) for p in paths), Path(staging), ignored)
+    else:
+        check_source(src, allow_empty=True)  # the caller decides whether finding nothing is an error
+        path = Path(src)
+        if path.is_dir():
+            items, problems = _collect(_walk(path), Path(staging), ignored)
+        elif is_archive(path):
+            items, problems = _expand_archive(path, Path(staging), ignored)
+        else:
+            items, problems = [_source(os.path.realpath(path), path.name)], []
+    return _offer_legacy_ids(items), problems
+
+
+def _offer_legacy_ids(items: list[Source]) -> list[Source]:
+    """Drop the old id of a source where it is another source's id now (``a b.pcd``'s old id
+    ``a_b.pcd`` is the id of ``a_b.pcd`` under both rules, so that file keeps it), or where an
+    earlier source of the same file offers it already (one extracted file listed from two copies
+    of an archive): two sources never end up in one scan."""
+    taken = {s.scan_id for s in items}
+    offered: set[tuple[str, str]] = set()
+    out = []
+    for s in items:
+        if s.legacy_id in taken or (s.legacy_id, s.path) in offered:
+            s = replace(s, legacy_id=None)
+        offered.add((s.legacy_id, s.path))
+        out.append(s)
+    return out
+
+
+def _source(path: str, rel: str, legacy_rel: str | None = None) -> Source:
+    """The file at ``path``, ``rel`` under the ingest root (``legacy_rel`` where an older version
+    named it from another path: an archive member's)."""
+    sid, old = scan_id_for(rel), legacy_scan_id(legacy_rel or rel)
+    return Source(path, sid, old if old != sid else None)
 
 
 def _walk(root: Path):
@@ -211,11 +282,12 @@ def _walk(root: Path):
 
 
 def _collect(pairs, staging: Path, ignored: list[dict[str, str]], *, archives: bool = True):
-    """Sources from (path, relative path) pairs, each bad item a problem of its own."""
+    """Sources from (path, relative path) pairs, each bad item a problem of its own. An archive's
+    members come as (path, relative path, the relative path older versions named them from)."""
     items: list[Source] = []
     problems: list[dict[str, str]] = []
     seen: dict[str, str] = {}
-    for path, rel in pairs:
+    for path, rel, *legacy_rel in pairs:
         name = os.path.basename(path)
         if _hidden_or_sidecar(name) or os.path.isdir(path):
             continue
@@ -237,13 +309,13 @@ def _collect(pairs, staging: Path, ignored: list[dict[str, str]], *, archives: b
             problems.append({"source": path, "reason": reason})
             continue
         if kind == "archive":
-            sub, probs = _expand_archive(Path(real), staging, ignored)
+            sub, probs = _expand_archive(Path(real), staging, ignored, name=rel)
             items += sub
             problems += probs
         elif Path(path).suffix.lower() == ".txt" and not _looks_like_points(real):
             ignored.append({"source": path, "reason": "a .txt file that is not rows of point coordinates"})
         else:
-            items.append(Source(real, scan_id_for(rel)))
+            items.append(_source(real, rel, *legacy_rel))
     return items, problems
 
 
@@ -309,10 +381,11 @@ def _archive_stem(path: Path) -> str:
     return path.stem
 
 
-def _expand_archive(path: Path, staging: Path,
-                    ignored: list[dict[str, str]]) -> tuple[list[Source], list[dict[str, str]]]:
+def _expand_archive(path: Path, staging: Path, ignored: list[dict[str, str]],
+                    name: str | None = None) -> tuple[list[Source], list[dict[str, str]]]:
     """Extract an archive into ``staging`` once (under a lock: two ingests of one archive at once
-    extract it once, and neither reads a member the other is still writing) and list its scans."""
+    extract it once, and neither reads a member the other is still writing) and list its scans,
+    their relative paths under ``name`` (default: the archive's name without its suffix)."""
     problems: list[dict[str, str]] = []
     digest = sha256_file(path)[:12]
     stem = _archive_stem(path)
@@ -339,7 +412,7 @@ def _expand_archive(path: Path, staging: Path,
             except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
                 problems.append({"source": str(path),
                                  "reason": f"corrupt or truncated archive: {type(exc).__name__}: {exc}"})
-    pairs = ((full, f"{stem}/{rel}") for full, rel in _walk(dest))
+    pairs = ((full, f"{name or stem}/{rel}", f"{stem}/{rel}") for full, rel in _walk(dest))
     items, probs = _collect(pairs, staging, ignored, archives=False)
     return items, problems + probs
 

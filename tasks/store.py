@@ -44,6 +44,7 @@ import os
 import re
 import shutil
 import threading
+import unicodedata
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -74,17 +75,55 @@ def sha256_file(path: str | os.PathLike, block: int = 1 << 22) -> str:
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_PLAIN_PART = re.compile(r"[A-Za-z0-9._-]+")
+_EXT = re.compile(r"\.[A-Za-z0-9_-]{1,15}$")
+ID_HASH_MARK = "~"  # never in a plain id (outside the safe set), always in a hashed one
+ID_HASH_HEX = 16
 
 
 def scan_id_for(relpath: str) -> str:
-    """A stable, filesystem-safe scan id from a path relative to the ingest root.
+    """The scan id of a file from its path relative to the ingest root: unique, stable, readable.
 
-    ``a/b/scene 1.pcd`` -> ``a__b__scene_1.pcd``: the extension stays so ``x.pcd`` and ``x.ply``
-    are different scans. An id is a single file name, so one longer than :data:`MAX_ID_BYTES`
-    (deep or long paths) becomes its head, a hash of the whole path and the extension
-    (``a__b__very_long_na-3f2a9c1b0d4e.pcd``): still stable and distinct, and writable on every
-    file system; the full path stays in the scan's ``source`` attribute.
+    A path whose parts are all made of ``A-Z a-z 0-9 . _ -`` is its own id, the parts joined by
+    ``__`` (``scenes/scene_01.pcd`` -> ``scenes__scene_01.pcd``), when splitting the id on ``__``
+    gives those parts back, it does not start with ``.`` (a hidden folder) and it fits
+    :data:`MAX_ID_BYTES`. Any other path keeps a readable head, then ``~``, 16 hex digits of the
+    SHA-256 of the whole relative path, and the extension (so ``x.pcd`` and ``x.ply`` stay
+    apart): ``a b.pcd`` -> ``a_b~<hash>.pcd``, ``scène 1.pcd`` -> ``scene_1~<hash>.pcd``,
+    ``日本語.pcd`` -> ``scan~<hash>.pcd``, a 255-byte name -> its first ~180 bytes ``~<hash>.pcd``.
+    Plain ids never hold ``~`` and hashed ones always do, and the split rule makes the join
+    reversible (``a/b.pcd`` and ``a__b.pcd`` cannot both be plain), so two paths never share an id
+    short of a 64-bit hash collision. Plain ids are the ids older versions gave;
+    :func:`legacy_scan_id` gives any path's old id, for stores written before.
+
+    Ids are ASCII: a Unicode name is a file name whose bytes macOS may rewrite (HFS+ stores NFD,
+    APFS takes NFC and NFD spellings for one name), Zarr v3 recommends the portable set for node
+    names, and ids are typed in shells and patterns. The head keeps letters without their accents
+    (``é`` -> ``e``); other characters become ``_``. The full path stays in the scan's ``source``.
     """
+    parts = [p for p in Path(relpath).as_posix().split("/") if p not in ("", ".")]
+    plain = "__".join(parts)
+    if (parts and all(_PLAIN_PART.fullmatch(p) for p in parts) and plain.split("__") == parts
+            and not plain.startswith(".") and len(plain) <= MAX_ID_BYTES):
+        return plain
+    head = "__".join(_ascii(p) for p in parts)
+    ext = _EXT.search(head)
+    ext = ext[0] if ext and ext.start() > 0 else ""
+    tag = hashlib.sha256("/".join(parts).encode("utf-8", "surrogateescape")).hexdigest()[:ID_HASH_HEX]
+    head = head[: len(head) - len(ext)][: MAX_ID_BYTES - len(ID_HASH_MARK) - len(tag) - len(ext)].strip("._")
+    return f"{head or 'scan'}{ID_HASH_MARK}{tag}{ext}"
+
+
+def _ascii(name: str) -> str:
+    """``name`` in the safe set: accents dropped (NFKD, combining marks removed), the rest ``_``."""
+    return _SAFE.sub("_", "".join(ch for ch in unicodedata.normalize("NFKD", name) if not unicodedata.combining(ch)))
+
+
+def legacy_scan_id(relpath: str) -> str:
+    """The id versions before unique ids gave a path: unsafe characters became ``_`` with no hash,
+    so ``a b.pcd`` and ``a_b.pcd``, or ``日本語.pcd`` and ``中文.pcd`` (``_.pcd``), shared one scan.
+    Ingest reuses it for a file whose scan an older version wrote under it (see
+    :func:`scanforest.tasks.ingest.discover`), so those stores keep their ids."""
     posix = Path(relpath).as_posix()
     parts = [p for p in posix.split("/") if p not in ("", ".")]
     sid = "__".join(_SAFE.sub("_", p) for p in parts).lstrip(".") or "scan"
@@ -453,9 +492,14 @@ class ScanStore:
         ``damaged``     complete, but a promised array is missing, has another shape or dtype, or
                         lacks chunk files (``points`` must exist and match ``n_points``)
         ``stage``       a stage is recorded whose arrays are missing or cut short
+        ``collision``   several files were written as this one id (:meth:`collisions`)
 
         A scan whose claim another process holds is being written and is not judged.
         """
+        return self._damage() + self.collisions()
+
+    def _damage(self) -> list[dict[str, str]]:
+        """:meth:`verify`'s problems of the scans' own groups (all but collisions)."""
         scans_dir = Path(self.path) / "scans"
         if not scans_dir.is_dir():
             return []
@@ -466,6 +510,40 @@ class ScanStore:
             with file_lock(self._lock_path("scans", entry.name), wait=False, create=False) as free:
                 if free:
                     out += self._problems_of(entry.name)
+        return out
+
+    def collisions(self) -> list[dict[str, str]]:
+        """Scan ids that several files were written as, one record each (problem ``collision``).
+
+        Versions before unique ids (:func:`legacy_scan_id`) gave different names one id, ``a b.pcd``
+        and ``a_b.pcd`` or ``日本語.pcd`` and ``中文.pcd`` (``_.pcd``): the file written last kept
+        the scan and the others were overwritten, with no trace in the scans. The ingest run's
+        manifest shows it: one record per file, so that id comes up more than once. The latest
+        ingest run of each source decides (one with records: a run killed early has none), so
+        ingesting that source again with this version, where every file gets an id of its own and
+        the file the scan holds keeps the old one, clears it. ``repair`` cannot: the scan is whole
+        and the lost files are only in the source.
+        """
+        latest: dict[str, dict[str, Any]] = {}
+        for run in self.runs():
+            if run.get("flow") == "ingest" and run.get("records"):
+                src = str((run.get("parameters") or {}).get("source"))
+                if src not in latest or _run_order(run) >= _run_order(latest[src]):
+                    latest[src] = run
+        out = []
+        for src, run in sorted(latest.items()):
+            counts: dict[str, int] = {}
+            for rec in run["records"]:
+                counts[rec.get("scan_id")] = counts.get(rec.get("scan_id"), 0) + 1
+            for sid, n in sorted((k, v) for k, v in counts.items() if k and v > 1):
+                try:
+                    held = f"it holds {self.attrs(sid).get('source')}"
+                except InputError:
+                    held = "the scan is gone"
+                out.append({"scan_id": sid, "problem": "collision",
+                            "detail": f"{n} files of ingest run {run['id']} were written as this one id (an older "
+                                      f"version's ids), {n - 1} of them overwritten; {held}: ingest {src} again "
+                                      "to give each file its own id"})
         return out
 
     def _problems_of(self, scan_id: str) -> list[dict[str, str]]:
@@ -489,11 +567,11 @@ class ScanStore:
         A leftover, incomplete or damaged scan is removed (the next ingest writes it again from
         its source); a damaged stage loses its record and its arrays (the next run of that stage
         redoes it). Each fix happens under the scan's claim after checking again, so a scan
-        that a writer is busy with is left alone.
+        that a writer is busy with is left alone. A collision stays: only an ingest fixes it.
         """
         self._writable()
         done = []
-        for sid in sorted({found["scan_id"] for found in self.verify()}):
+        for sid in sorted({found["scan_id"] for found in self._damage()}):
             with self.claim(sid, wait=False) as free:
                 probs = self._problems_of(sid) if free else []
                 if probs and probs[0]["problem"] == "stage":
@@ -530,11 +608,16 @@ class ScanStore:
             formats[a.get("format", "?")] = formats.get(a.get("format", "?"), 0) + 1
             for st in a.get("stages", {}):
                 stages[st] = stages.get(st, 0) + 1
-        damaged = sorted({p["scan_id"] for p in self.verify() if p["problem"] in ("damaged", "stage")})
+        damaged = sorted({p["scan_id"] for p in self._damage() if p["problem"] in ("damaged", "stage")})
         return {"path": self.path, "scans": len(scans), "points": n_points, "formats": formats,
                 "stages": stages, "incomplete": incomplete, "damaged": damaged,
                 "quarantined": len(self.quarantined()),
                 "runs": len(self.runs())}
+
+
+def _run_order(run: dict[str, Any]) -> tuple[str, str]:
+    """A run manifest's place in time: its start (UTC), then its id (flow, local start time, random)."""
+    return run.get("started") or "", run["id"]
 
 
 def _spec(arr: np.ndarray) -> dict[str, Any]:

@@ -27,7 +27,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print the problems (and repairs) as JSON."),
     ):
         """Check every scan against its attrs: leftover or incomplete groups, missing or short arrays,
-        stages recorded without their arrays. Exit 0 when clean, 1 when problems remain."""
+        stages recorded without their arrays, and ids that an older version gave several files.
+        Exit 0 when clean, 1 when problems remain."""
         from scanforest.tasks.store import ScanStore
 
         st = ScanStore(store, mode="a" if repair else "r")
@@ -42,9 +43,15 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         elif not found:
             typer.echo(f"{store}: {len(st.scans())} scans, no problems")
         else:
-            print_problems(f"check {store}", fixed or found)
+            print_problems(f"check {store}", fixed + remaining)
+            collided = [p for p in remaining if p["problem"] == "collision"]
+            if collided:
+                typer.echo(f"{len(collided)} collision(s): an ingest run of an older version wrote several files as "
+                           "one scan id (its run record lists the id once per file); only an ingest of that "
+                           "source gives each file its own id")
             if remaining:
-                typer.secho(f"{len(remaining)} problem(s) remain" + ("" if repair else "; fix with --repair"),
+                repairable = not repair and len(remaining) > len(collided)
+                typer.secho(f"{len(remaining)} problem(s) remain" + ("; fix with --repair" if repairable else ""),
                             fg=typer.colors.YELLOW)
         raise typer.Exit(1 if remaining else 0)
 
