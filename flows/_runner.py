@@ -209,10 +209,17 @@ def absolute_path(path: str) -> str:
 
 def open_store(store: str, mode: str = "a"):
     """An existing scan store, or a user error in one line (``ScanStore`` says which: none there,
-    or something else there); only ingest creates stores."""
+    or something else there; for ``mode="a"``, :func:`~scanforest.tasks.preflight.check_store_location`
+    says when it cannot be written: read-only, full); only ingest creates stores. The stages'
+    input checks open their store here, before a cluster starts."""
+    from scanforest.tasks.preflight import check_store_location
     from scanforest.tasks.store import ScanStore
 
-    return ScanStore(absolute_path(store), mode=mode)
+    path = absolute_path(store)
+    st = ScanStore(path, mode=mode)
+    if mode == "a":
+        check_store_location(path)
+    return st
 
 
 def count_redone(records: list[dict], st, stage: str, since: str, status: str) -> None:

@@ -56,8 +56,11 @@ FLOW_COMMANDS = {"ingest", "describe", "index", "match", "recognize", "align-sto
 
 
 def main() -> None:
-    """Console entry point: user errors print one clear line and exit 2, not a traceback."""
+    """Console entry point: user errors print one clear line and exit 2, not a traceback; so does
+    a write that fails during a run because of where it writes (a full disk: ``_store``)."""
     from scanforest.kernels.errors import ScanforestError
+
+    from ._store import write_failure
 
     args = sys.argv[1:]
     if args and args[0] in FLOW_COMMANDS and not {"--help", "-h"} & set(args):
@@ -68,5 +71,11 @@ def main() -> None:
         app()
     except ScanforestError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
+    except OSError as exc:
+        line = write_failure(exc)
+        if line is None:
+            raise
+        typer.secho(f"error: {line}", fg=typer.colors.RED, err=True)
         sys.exit(2)
 

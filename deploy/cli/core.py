@@ -10,10 +10,14 @@ import typer
 
 from scanforest.flows._runner import check_workers
 
+from ._store import existing_store, new_store, output_folder
+
 SchedulerOpt = typer.Option(None, "--scheduler", help="Address of an existing Dask scheduler "
                             "(tcp://host:8786); default: a local cluster started for this command.")
 WorkersOpt = typer.Option(None, "--workers", "-w", callback=check_workers,
                           help="Local Dask workers (default: one per core, at most 8; on a GPU host 8 per GPU).")
+#: STORE of the commands that write into an existing store, checked as it is parsed (see ``_store``)
+StoreArg = typer.Argument(..., callback=existing_store, help="The Zarr scan store.")
 DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | gpu: auto uses the GPU when one is visible.")
 
 
@@ -81,7 +85,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command()
     def ingest(
         source: str = typer.Argument(..., help="A folder, a glob ('scans/**/*.pcd') or an archive (.tar, .tar.gz, .zip)."),
-        store: str = typer.Argument(..., help="The Zarr scan store (created if missing)."),
+        store: str = typer.Argument(..., callback=new_store, help="The Zarr scan store (created if missing; "
+                                    "its folder must exist)."),
         units: str = typer.Option("m", help="Length unit recorded for the scans."),
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,
@@ -125,7 +130,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
     @app.command()
     def demo(
-        workdir: Path = typer.Option(Path("scanforest-demo"), help="Folder for the synthetic archive and the store."),
+        workdir: Path = typer.Option(Path("scanforest-demo"), callback=output_folder,
+                                     help="Folder for the synthetic archive and the store."),
         scenes: int = typer.Option(6, help="Synthetic scenes."),
         models: int = typer.Option(4, help="Library models."),
         points: int = typer.Option(60_000, help="Points per scene."),

@@ -23,6 +23,8 @@ import typer
 
 from scanforest.flows._runner import check_workers
 
+from ._store import new_or_existing_store
+
 
 def _params(sigma_c, sigma_x, sigma_f, tau, no_test, max_labels) -> dict:
     p = {}
@@ -49,7 +51,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
     @flow_app.command("run")
     def flow_run(
-        store: str = typer.Argument(..., help="scan store (created if missing)"),
+        store: str = typer.Argument(..., callback=new_or_existing_store, help="scan store (created if missing)"),
         frames: str = typer.Option(None, "--frames", help="folder of frames to ingest first"),
         seq: str = typer.Option(None, "--seq", help="sequence id (default: the folder name; "
                                                     "without --frames: every sequence)"),

@@ -5,7 +5,7 @@ from typing import Optional
 
 import typer
 
-from .core import DeviceOpt, JsonOpt, SchedulerOpt, WorkersOpt, choose_device, print_summary
+from .core import DeviceOpt, JsonOpt, SchedulerOpt, StoreArg, WorkersOpt, choose_device, print_summary
 
 
 def _pick(store: str, patterns: list[str], what: str) -> list[str]:
@@ -26,7 +26,7 @@ def _pick(store: str, patterns: list[str], what: str) -> list[str]:
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command()
     def describe(
-        store: str = typer.Argument(..., help="The Zarr scan store."),
+        store: str = StoreArg,
         scan: Optional[list[str]] = typer.Option(None, "--scan", help="Only these scan ids (repeatable)."),
         normal_k: int = typer.Option(10, help="Normals from the k nearest points (PCL tutorial: 10)."),
         normal_radius: Optional[float] = typer.Option(None, help="Normals from a radius instead of k."),
@@ -57,7 +57,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
     @index_app.command("build")
     def index_build(
-        store: str = typer.Argument(..., help="The Zarr scan store."),
+        store: str = StoreArg,
         reference: Optional[list[str]] = typer.Option(
             None, "--reference", "-r",
             help="Reference scan ids or glob patterns on ids (repeatable), e.g. 'models__*'."),
@@ -95,7 +95,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
     @app.command("match")
     def match_cmd(
-        store: str = typer.Argument(..., help="The Zarr scan store."),
+        store: str = StoreArg,
         queries: Optional[list[str]] = typer.Option(None, "--queries", "-q",
                                                     help="Query scan ids or glob patterns (default: every described non-reference scan)."),
         k: int = typer.Option(4, "-k", help="Neighbours per descriptor (P)."),
@@ -118,7 +118,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
     @app.command("align-store")
     def align_store(
-        store: str = typer.Argument(..., help="The Zarr scan store."),
+        store: str = StoreArg,
         pair: list[str] = typer.Option(..., "--pair", help="OBSERVED:REFERENCE scan ids (repeatable)."),
         model: str = typer.Option("rigid", help="2-D: euclidean|similarity|affine|projective; 3-D: rigid|similarity|affine."),
         chain: bool = typer.Option(False, help="Coarse-to-fine chain of models ending at --model."),
@@ -149,7 +149,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
     @app.command("recognize")
     def recognize_cmd(
-        store: str = typer.Argument(..., help="The Zarr scan store."),
+        store: str = StoreArg,
         models: list[str] = typer.Option(..., "--models", "-m", help="Model scan ids or glob patterns (repeatable)."),
         scenes: Optional[list[str]] = typer.Option(None, "--scenes", "-s",
                                                    help="Scene scan ids or patterns (default: every non-model scan)."),
