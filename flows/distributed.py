@@ -1,16 +1,22 @@
-"""Distributed matching: shards resident on Dask workers, queries in blocks to every shard,
-per-shard top-P merged by a tree reduction into the global top-P.
+"""Distributed matching: shards resident on Dask workers, replicated where memory allows, query
+blocks split between the replicas, per-shard top-P merged by a tree reduction into the global top-P.
 
-- Each shard is loaded once by a task pinned to one worker (``load_shard``: rows + persisted
-  tree from the store, on that worker's GPU when it has one) and stays resident there as a
-  Dask future; query blocks are sent to it, never the shard to the queries.
+- Each shard is loaded once per copy by a task pinned to one worker (``load_shard``: rows +
+  persisted tree from the store, on that worker's GPU when it has one) and stays resident there
+  as a Dask future; query blocks are sent to it, never the shard to the queries.
+- An index with ``S`` shards on ``G`` devices (GPUs; on the host, worker processes) is held in
+  ``R = G // S`` copies (replica groups, one device per shard). A query block goes to ONE group,
+  so the work per query is one search per shard whatever the device count, and every device
+  added takes its share of the blocks (FAISS's replicas, and its shards of replicas).
 - A worker that dies loses its shards and the partial results it held; Dask recomputes them on
   surviving workers from the store (the tasks are pure functions of the store), so the run
-  completes with the identical answer.
+  completes with the identical answer: every copy of a shard is the same forest.
 - A shard search that runs out of GPU memory splits its query block and retries
   (:func:`scanforest.tasks.index.search_shard`).
 """
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -38,14 +44,21 @@ def _worker_free_memory(device: str):
 
 
 class DistributedIndex:
-    """A persisted sharded index opened on a Dask cluster: shards loaded once, resident on workers.
+    """A persisted sharded index opened on a Dask cluster: shards loaded once, resident on workers,
+    every shard in ``replicas`` copies (one replica group per ``S`` devices).
 
     ``method`` overrides the persisted search method (``"exact"``: brute force over the same
-    resident shards, the baseline of ``scanforest bench match``).
+    resident shards, the baseline of ``scanforest bench match``). ``replicas``: copies of the
+    index (default: as many as the workers' devices hold, :meth:`_devices`; 1: every block to
+    every worker's shards, as before replication).
     """
 
+    #: a replica group's first query block: at least this share of a ``GOOD_BLOCK``, and this part
+    #: of the group's queries; each next block this many times the one before (:meth:`split`)
+    ramp = (0.5, 8, 2.0)
+
     def __init__(self, client, store_path: str | None = None, name: str | None = None, *, device: str = "auto",
-                 method: str | None = None, source=None):
+                 method: str | None = None, source=None, replicas: int | None = None):
         """``source``: where the shards come from instead of ``(store_path, name)``: an object with
         ``attrs`` (``shards`` row ranges, ``n``, ``d``, ``content_hash``), ``key`` (a name) and
         ``load(shard, device, method)`` returning a :class:`~scanforest.kernels.knn.sharded.Shard`,
@@ -61,21 +74,92 @@ class DistributedIndex:
         self.name = name = source.key
         self.device = device
         self._blocks: dict[int, int] = {}
+        self._turn = itertools.count()  # the replica group of the next query block
         self.attrs = dict(source.attrs)
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         if not workers:
             raise InputError("the Dask cluster has no workers")
         if method is not None and method not in KDFOREST_METHODS:
             raise InputError(f"method must be one of {KDFOREST_METHODS}, got {method!r}")
+        if replicas is not None and (isinstance(replicas, bool) or int(replicas) < 1):
+            raise InputError(f"replicas must be a positive number of copies or None, got {replicas!r}")
         tag = self.attrs["content_hash"][:12] + ("" if method is None else f"-{method}")
-        self.shards = []
-        self.placement = {}
-        for i in range(len(self.attrs["shards"])):
-            w = workers[i % len(workers)]
-            self.placement[i] = w
-            self.shards.append(client.submit(source.load, i, device, method,
-                                             key=f"sf-shard-{name}-{tag}-{i}", workers=[w],
-                                             allow_other_workers=True, pure=False))
+        n_shards = len(self.attrs["shards"])
+        devices = self._device_list = self._devices(workers)
+        self.replicas = int(replicas) if replicas is not None else self._fitting_copies(devices, n_shards, method)
+        self.shards = []            # every copy of every shard, group after group (index r * S + i)
+        self.groups = []            # groups[r][i]: copy r of shard i
+        self.placement = {}         # index in ``shards`` -> its worker
+        held = {tuple(d): 0 for d in devices}
+        for r in range(self.replicas):
+            group = []
+            for i in range(n_shards):
+                j = r * n_shards + i
+                dev_workers = devices[j % len(devices)]  # copies of a shard on different devices
+                w = dev_workers[held[tuple(dev_workers)] % len(dev_workers)]  # a device's shards spread over its workers
+                held[tuple(dev_workers)] += 1
+                self.placement[j] = w
+                f = client.submit(source.load, i, device, method, key=f"sf-shard-{name}-{tag}-{i}-r{r}",
+                                  workers=[w], allow_other_workers=True, pure=False)
+                self.shards.append(f)
+                group.append(f)
+            self.groups.append(group)
+
+    def _devices(self, workers: list[str]) -> list[list[str]]:
+        """The workers grouped by the device their shards would live on: one list per GPU (the
+        workers that share it), one per host worker process (each holds its own copy). A copy of
+        a shard per device at most: two on one GPU would share its compute and halve its memory."""
+        try:
+            info = self.client.run(_worker_free_memory, self.device, workers=workers, on_error="ignore")
+        except Exception:  # a worker lost meanwhile: one device per worker
+            info = {}
+        self._free = {w: int(v[0]) for w, v in info.items()}
+        self._dev = "cpu" if all(v[1] == "host" for v in info.values()) else "gpu"  # where shards compute
+        by_owner: dict[str, list[str]] = {}
+        for w in workers:
+            owner = info[w][1] if w in info else w
+            by_owner.setdefault(w if owner == "host" else owner, []).append(w)
+        return [by_owner[o] for o in sorted(by_owner, key=lambda o: by_owner[o][0])]
+
+    def _fitting_copies(self, devices: list[list[str]], n_shards: int, method: str | None) -> int:
+        """Copies of the index the devices hold: one per ``n_shards`` devices, fewer where host
+        worker processes, which share the host's memory, cannot all hold one beside a query block."""
+        copies = max(1, len(devices) // n_shards)
+        host = [d[0] for d in devices if len(d) == 1 and d[0] in self._free]
+        if copies > 1 and host and self.device != "gpu":
+            from scanforest.kernels.knn.sharded import GOOD_BLOCK, search_working_bytes, shard_resident_bytes
+
+            a = self.attrs
+            rows = max(b - a0 for a0, b in a["shards"])
+            p = a.get("params") or {}
+            per_copy = n_shards * (shard_resident_bytes(rows, int(a["d"]), n_trees=int(p.get("n_trees") or 1),
+                                                        leaf_size=int(p.get("leaf_size") or 64),
+                                                        method=method or p.get("method") or "banns")
+                                   + search_working_bytes(rows, int(a["d"]), GOOD_BLOCK["cpu"], 4, device="cpu"))
+            free = min(self._free[w] for w in host)  # every host worker reports the same machine's memory
+            copies = max(1, min(copies, int(0.85 * free // max(1, per_copy))))
+        return copies
+
+    def describe(self) -> dict:
+        """Where the index lives: shards, replicas, the workers of each copy, and the memory plan
+        of that placement on the devices' free memory (:func:`plan_shards`: figures and reason)."""
+        from scanforest.kernels.knn.sharded import plan_shards
+
+        s = len(self.groups[0]) if self.groups else 0
+        mode = (("replicate" if self.replicas > 1 else "single") if s == 1 else
+                ("shard+replicate" if self.replicas > 1 else "shard"))
+        out = {"shards": s, "replicas": self.replicas, "mode": mode,
+               "workers": [[self.placement[r * s + i] for i in range(s)] for r in range(self.replicas)]}
+        a, p = self.attrs, self.attrs.get("params") or {}
+        free = [max(self._free.get(w, 0) for w in dev) for dev in self._device_list] if self._free else []
+        if free and min(free) > 0:
+            plan = plan_shards(int(a["n"]), int(a["d"]), free, shards=s, n_trees=int(p.get("n_trees") or 1),
+                               leaf_size=int(p.get("leaf_size") or 64), method=p.get("method") or "banns",
+                               device=self._dev, row_bytes=idx.resident_row_bytes(str(a.get("dtype", "float32")),
+                                                                                  self._dev))
+            out["plan"] = plan.describe()  # the planner's view of these devices (``replicas``: what was placed)
+            out["resident_bytes"] = plan.resident_bytes
+        return out
 
     def wait(self) -> "DistributedIndex":
         """Block until every shard is loaded and resident on its worker (nothing travels)."""
@@ -119,31 +203,66 @@ class DistributedIndex:
         self._blocks[k] = fit_block(rows, d, k, headroom * share, block=block, min_block=min_block, device=dev)
         return self._blocks[k]
 
+    def split(self, m: int, block: int) -> list[tuple[int, int]]:
+        """``m`` queries as ``[a, b)`` blocks of at most ``block``, in waves of one block per
+        replica group (block ``j`` goes to group ``j mod R``), every group the same share.
+
+        A group's share goes in blocks that double from a small first one (an eighth of the
+        share, at least half a ``GOOD_BLOCK``) up to ``block``: every device starts as soon as
+        its first, small block has arrived, and each next block travels while the one before
+        is searched. All the queries leave one client, so with R groups the first wave is what
+        every device waits for."""
+        from scanforest.kernels.knn.sharded import GOOD_BLOCK
+
+        if m == 0:
+            return []
+        r = min(self.replicas, m)
+        share = -(-m // r)
+        least, part, growth = self.ramp
+        b = max(1, min(block, max(int(GOOD_BLOCK[self._dev] * least), -(-share // part))))
+        sizes = []
+        left = share
+        while left > 0:
+            x = min(b, left)
+            sizes.append(x)
+            left -= x
+            b = min(int(growth * b), block)
+        if len(sizes) > 1 and sizes[-1] < sizes[0] // 2:  # a small tail joins the block before it
+            sizes[-2:] = [sizes[-2] + sizes[-1]] if sizes[-2] + sizes[-1] <= block else sizes[-2:]
+        spans, a = [], 0
+        for size in sizes:  # wave by wave: the groups' blocks of one size side by side
+            for _ in range(r):
+                if a < m:
+                    spans.append((a, min(m, a + size)))
+                    a += size
+        return spans
+
     def _holders(self) -> list[str]:
         """The live workers that hold shards (every live worker when none of them is left)."""
         alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
         return sorted(set(self.placement.values()) & alive) or sorted(alive)
 
-    def _put(self, Q: np.ndarray, route):
-        """A future of the query block. ``route``, a list shared by the blocks of a query: the
-        workers to scatter it to (one copy over the network to each, not client -> scheduler ->
-        worker inside a task: a 200k x 352 block is 282 MB, and on one H200 the two hops cost a
-        third of a 10M search), copied to each when there are several; empty (or None): inside a
-        task. Scattered data is not recomputable, so a worker lost meanwhile can lose it
-        (:meth:`query` then sends the blocks again inside tasks); a scatter that fails or stalls
-        (a worker killed during it) empties ``route``, and this block and the next go inside
-        tasks."""
+    def _put_wave(self, blocks: list[np.ndarray], routes: list[list[str]], ok: list[bool]):
+        """Futures of query blocks, each sent straight to the workers in its route (one copy over
+        the network to each, not client -> scheduler -> worker inside a task: a 200k x 352 block
+        is 282 MB, and on one H200 the two hops cost a third of a 10M search), the blocks of a
+        wave (one per replica group) all at once. ``ok``, a one-item flag shared by the blocks of
+        a query: cleared by a scatter that fails or stalls (a worker killed during it), after
+        which blocks go inside tasks, which Dask can run again. Scattered data is not
+        recomputable, so a worker lost meanwhile can lose it (:meth:`query` then sends every
+        block again inside tasks)."""
         c = self.client
-        if route:
+        if ok[0] and all(routes):
+            nbytes = sum(q.nbytes for q in blocks)
             try:
                 # Client.scatter's own timeout bounds only the wait for workers: a worker killed during
                 # the transfer left it waiting forever (test_cluster's worker-kill match, under load),
                 # so the whole transfer runs under callback_timeout
-                return c.sync(c._scatter, Q, workers=list(route), broadcast=len(route) > 1, hash=False,
-                              direct=True, callback_timeout=SCATTER_TIMEOUT_S + Q.nbytes / SCATTER_MIN_RATE)
+                return c.sync(_scatter_all, c, blocks, routes,
+                              callback_timeout=SCATTER_TIMEOUT_S + nbytes / SCATTER_MIN_RATE)
             except Exception:  # unreachable or lost workers: through the scheduler, inside tasks
-                route.clear()
-        return c.submit(_identity, Q, pure=False)
+                ok[0] = False
+        return [c.submit(_identity, q, pure=False) for q in blocks]
 
     def _reduce(self, parts, k: int):
         c = self.client
@@ -155,12 +274,18 @@ class DistributedIndex:
             parts = nxt
         return parts[0]
 
-    def query_block(self, Q: np.ndarray, k: int, *, sync_after: int | None = None,
-                    backtracks: int | None = None, route=None):
-        """Submit one query block to every shard and tree-reduce.
+    def _group_workers(self, group: int) -> list[str]:
+        s = len(self.groups[group])
+        return sorted({self.placement[group * s + i] for i in range(s)})
 
-        Returns a future of ``(dist2, ids, stats)``; ``stats``: ``{"leaves": leaves scanned by all
-        shards, "seconds": time spent in the searches and merges}``.
+    def query_block(self, Q, k: int, *, sync_after: int | None = None, backtracks: int | None = None,
+                    group: int | None = None):
+        """Submit one query block to every shard of one replica group and tree-reduce.
+
+        ``Q``: the block (an array, sent inside a task), or a future of it (:meth:`_put_wave`).
+        ``group``: the replica group (default: the next in turn). Returns a future of
+        ``(dist2, ids, stats)``; ``stats``: ``{"leaves": leaves scanned by all shards, "seconds":
+        time spent in the searches and merges}``.
 
         ``sync_after=L`` runs the global bound synchronisation of the paper in two phases: every
         shard first searches with a budget of ``L`` leaves; the per-shard lists are reduced to the
@@ -171,16 +296,15 @@ class DistributedIndex:
 
         ``backtracks``: every shard's leaf budget for this block (default: the index's own); the
         budget of the second phase when synchronising.
-
-        ``route``: workers to send the block straight to (:meth:`_put`); by default it travels
-        inside a task, which Dask can run again if a worker is lost.
         """
         c = self.client
-        qf = self._put(np.ascontiguousarray(Q, dtype=np.float32), route)
+        g = next(self._turn) % self.replicas if group is None else int(group) % self.replicas
+        s = len(self.groups[g])
+        qf = Q if hasattr(Q, "key") else c.submit(_identity, np.ascontiguousarray(Q, dtype=np.float32), pure=False)
 
         def on_shards(**kw):  # each search runs where its shard lives (loose: a lost worker's shard moves)
-            return [c.submit(idx.search_shard, s, qf, k, stats=True, workers=[self.placement[i]],
-                             allow_other_workers=True, pure=False, **kw) for i, s in enumerate(self.shards)]
+            return [c.submit(idx.search_shard, f, qf, k, stats=True, workers=[self.placement[g * s + i]],
+                             allow_other_workers=True, pure=False, **kw) for i, f in enumerate(self.groups[g])]
 
         full = {} if backtracks is None else {"backtracks": int(backtracks)}
         if sync_after is None:
@@ -194,8 +318,9 @@ class DistributedIndex:
               backtracks: int | None = None, return_stats: bool = False):
         """Global top-``k`` of every row of ``Q``: ``(dist2 (M, k) float32, ids (M, k) int64)``.
 
-        ``block``: queries per block sent to every shard (default: :meth:`plan_block`, at most
-        262,144 on GPUs and 65,536 on CPUs, fitted to the workers' free memory).
+        ``block``: the largest query block (default: :meth:`plan_block`, at most 262,144 on GPUs
+        and 65,536 on CPUs, fitted to the workers' free memory). The queries go in equal blocks,
+        as many for every replica group (:meth:`split`), a wave of one block per group at a time.
 
         ``backtracks``: the leaf budget of every shard for this query (default: the index's own,
         set at build time); a recall/speed trade-off chosen per query, with no rebuild.
@@ -215,26 +340,36 @@ class DistributedIndex:
         Q = np.asarray(Q, dtype=np.float32)
         if Q.ndim != 2 or Q.shape[1] != int(self.attrs["d"]):
             raise InputError(f"queries must be (M, {self.attrs['d']}), got {Q.shape}")
-        if block is None:
-            block = self.plan_block(int(k))
-        if int(block) < 1:
+        if block is not None and int(block) < 1:
             raise InputError(f"block must be >= 1, got {block}")
-        block = int(block)
+        block = self.plan_block(int(k)) if block is None else int(block)
+        spans = self.split(len(Q), block)
+        r = self.replicas
+        first = next(self._turn)  # concurrent queries (the match flow's lanes) start on different groups
+        groups = [(first + j) % r for j in range(len(spans))]
 
-        def run(route):  # one failed scatter empties the route: the remaining blocks go inside tasks
-            futs = [self.query_block(Q[a:a + block], int(k), sync_after=sync_after, backtracks=backtracks,
-                                     route=route) for a in range(0, len(Q), block)]
+        def run(direct: bool):  # one failed scatter clears ``ok``: the remaining blocks go inside tasks
+            ok = [direct]
+            futs = []
+            alive = set(self._holders()) if direct else set()  # looked up once a query
+            for w in range(0, len(spans), r):  # a wave: one block per replica group
+                blocks = [np.ascontiguousarray(Q[a:b]) for a, b in spans[w:w + r]]
+                gs = groups[w:w + r]
+                routes = [[x for x in self._group_workers(g) if x in alive] for g in gs]
+                for qf, g in zip(self._put_wave(blocks, routes, ok), gs):
+                    futs.append(self.query_block(qf, int(k), sync_after=sync_after, backtracks=backtracks, group=g))
             return self.client.gather(futs)
 
-        try:  # blocks straight to the workers that hold shards (looked up once a query)
-            out = run(self._holders())
+        try:  # blocks straight to the workers of their replica group
+            out = run(True)
         except InputError:
             raise
         except Exception:  # a worker lost with scattered blocks: again, each block inside its tasks
-            out = run([])
+            out = run(False)
         stats = {"leaves": int(sum(o[2]["leaves"] for o in out)),
                  "compute_seconds": float(sum(o[2]["seconds"] for o in out)),
-                 "queries": int(len(Q)), "sync_after": sync_after, "backtracks": backtracks}
+                 "queries": int(len(Q)), "sync_after": sync_after, "backtracks": backtracks,
+                 "blocks": len(spans), "replicas": r}
         self.stats_ = stats
         if not out:
             res = np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
@@ -245,6 +380,14 @@ class DistributedIndex:
     def close(self):
         for f in self.shards:
             f.release()
+
+
+async def _scatter_all(client, blocks, routes):
+    """Scatter every block to its route's workers at once (one Dask future each)."""
+    import asyncio
+
+    return list(await asyncio.gather(*(client._scatter(q, workers=list(rt), broadcast=len(rt) > 1, hash=False,
+                                                       direct=True) for q, rt in zip(blocks, routes))))
 
 
 def match(queries, index, k: int, client=None, **kwargs):

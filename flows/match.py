@@ -127,6 +127,7 @@ def match_flow(store: str, queries: list[str] | None = None, k: int = 4, name: s
            [s for s in st.scans() if s not in set(attrs.get("scans", [])) and st.has_stage(s, "describe")])
     with dask_client(scheduler, n_workers=workers, device=device) as client:
         di = DistributedIndex(client, store, name, device=device)
+        placement = di.describe()
 
         @task(name="match", retries=2, retry_delay_seconds=[2, 10],
               task_run_name=lambda: "match " + _run_label("scan_ids"))
@@ -142,7 +143,11 @@ def match_flow(store: str, queries: list[str] | None = None, k: int = 4, name: s
                    "queries": int(sum(r.get("queries", 0) for r in recs)), "k": k,
                    "shards": len(attrs["shards"]), "workers": n_workers(client), "batch": nb,
                    # the workers that hold shards: the ones the stage's compute can use
-                   "lanes": min(n_workers(client), len(attrs["shards"])),
+                   "lanes": len(set(di.placement.values())),
+                   # where the index lives, and the memory plan behind it (figures and reason)
+                   "placement": f"{placement['mode']}: {placement['shards']} shard(s) x {placement['replicas']} "
+                                f"replica(s)",
+                   "plan": placement.get("plan", ""),
                    "scans_seconds": t_scans, "task_seconds": float(sum(r["seconds"] for r in recs)),
                    "seconds": time.perf_counter() - t0}
         di.close()

@@ -22,9 +22,11 @@ and the persisted tree) from the store, so shards never travel through the sched
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -485,13 +487,14 @@ def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool =
 
     t0 = time.perf_counter()
     try:
-        d, i = shard.query(Q, k, **search)
-        d, i = to_numpy(d), to_numpy(i)
-        if not stats:
-            return d, i
-        lv = shard.forest.stats_.get("leaves_visited")
-        return d, i, {"leaves": 0 if lv is None else int(np.asarray(to_numpy(lv), np.int64).sum()),
-                      "seconds": time.perf_counter() - t0}
+        with _search_stream(shard):
+            d, i, st = shard.query(Q, k, return_stats=True, **search)
+            d, i = to_numpy(d), to_numpy(i)
+            if not stats:
+                return d, i
+            lv = st.get("leaves_visited")
+            return d, i, {"leaves": 0 if lv is None else int(np.asarray(to_numpy(lv), np.int64).sum()),
+                          "seconds": time.perf_counter() - t0}
     except (MemoryError, OutOfMemory) as exc:
         err = exc
     except Exception as exc:  # cupy.cuda.memory.OutOfMemoryError is not a MemoryError subclass
@@ -513,6 +516,26 @@ def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool =
         halves.append(search_shard(shard, Q[sl], k, min_block=min_block, stats=stats, **kw))
     out = (np.concatenate([halves[0][0], halves[1][0]]), np.concatenate([halves[0][1], halves[1][1]]))
     return out + (_add_stats(halves[0][2], halves[1][2]),) if stats else out
+
+
+_STREAMS = threading.local()
+
+
+def _search_stream(shard: Shard):
+    """The calling thread's own CUDA stream for a GPU shard's searches (a null context on the
+    host). A worker with two threads then runs two query blocks on one GPU side by side: one
+    block's host syncs and small launches leave the GPU idle, the other fills it (one H100,
+    10M x 352, 4 GPUs: 1.13-1.17M -> 1.21-1.23M queries/s at 1M queries). One stream per
+    thread, kept: CuPy's memory pool keeps freed blocks per stream."""
+    if getattr(shard.forest, "device_", "cpu") != "gpu":
+        return contextlib.nullcontext()
+    import cupy as cp
+
+    dev = cp.cuda.Device().id
+    streams = _STREAMS.__dict__.setdefault("by_device", {})
+    if dev not in streams:
+        streams[dev] = cp.cuda.Stream(non_blocking=True)
+    return streams[dev]
 
 
 def _add_stats(*stats, seconds: float = 0.0) -> dict:

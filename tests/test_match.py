@@ -640,7 +640,8 @@ def test_shard_plan_fits_the_block_beside_the_resident_rows():
     # the default block: 262,144 queries on GPUs, 65,536 on CPUs, when they fit
     assert plan_shards(10_000_000, 352, [139 * G]).block == 262_144
     assert plan_shards(1_000_000, 352, [64 * G], device="cpu").block == 65_536
-    assert plan_shards(1000, 8, [G, 3 * G, G]).shards == 3  # one shard per worker; the smallest memory counts
+    small = plan_shards(1000, 8, [64 * G, 96 * G, 64 * G])  # fits one worker: every worker holds it
+    assert small.fits and (small.shards, small.replicas, small.mode) == (1, 3, "replicate")
     with pytest.raises(InputError, match="memory_bytes must be positive"):
         plan_shards(1000, 8, [])
 
@@ -689,3 +690,88 @@ def test_dask_cuda_keeps_resident_shards_out_of_its_spilling(tmp_path, rng):
     f = DeviceHostFile(device_memory_limit=1, memory_limit=1, worker_local_directory=str(tmp_path / "spill"))
     f["shard"] = sh  # over both limits: spilled at once unless kept apart
     assert "shard" in f.others and f["shard"] is sh
+
+
+# ------------------------------------------------------------------ replicas and shards of replicas
+def test_planner_replicates_what_fits_one_device_and_shards_the_rest():
+    """The plan takes the most copies whose shards fit: the whole index on every GPU when it fits
+    one (replicate), FAISS's shards of replicas when it fits two, one shard per GPU otherwise;
+    trees built on the GPU count their float32 rows; a fixed shard count plans only copies."""
+    from scanforest.kernels.knn.sharded import build_bytes, plan_shards, shard_resident_bytes
+
+    G = 2 ** 30
+    h100 = [80 * G] * 4
+    ten = plan_shards(10_000_000, 352, h100)  # 10M x 352 float32: 14.8 GiB resident
+    assert (ten.mode, ten.shards, ten.replicas, ten.workers) == ("replicate", 1, 4, 4) and ten.fits
+    assert "fit one worker" in ten.describe() and "4 replica(s)" in ten.describe()
+    # 100M x 352 float16 (half rows on the GPU): 76 GiB does not fit one H100, 50M rows do
+    half = plan_shards(100_000_000, 352, h100, row_bytes=2, leaf_size=256)
+    assert (half.mode, half.shards, half.replicas) == ("shard+replicate", 2, 2)
+    assert half.resident_bytes == shard_resident_bytes(50_000_000, 352, leaf_size=256, row_bytes=2)
+    # ... but building a 50M-row tree on the GPU takes 70 GB of float32 rows: one shard per GPU
+    built = plan_shards(100_000_000, 352, h100, row_bytes=2, leaf_size=256, build_row_bytes=4)
+    assert (built.mode, built.shards, built.replicas) == ("shard", 4, 1) and built.fits
+    assert built.build_bytes == build_bytes(25_000_000, 352, leaf_size=256) < 0.85 * 80 * G
+    # three GPUs for a 2-GPU index: two shards, one copy (the third GPU would hold half a copy)
+    three = plan_shards(100_000_000, 352, [80 * G] * 3, row_bytes=2, leaf_size=256)
+    assert (three.shards, three.replicas) == (3, 1)
+    # a stored index's shard count is kept: copies only
+    fixed = plan_shards(10_000_000, 352, h100, shards=2)
+    assert (fixed.mode, fixed.shards, fixed.replicas) == ("shard+replicate", 2, 2)
+    # more shards than workers: a worker holds several, and the plan counts them all
+    crowded = plan_shards(10_000_000, 352, [80 * G], shards=4)
+    assert crowded.resident_bytes == 4 * shard_resident_bytes(2_500_000, 352)
+    assert not plan_shards(400_000_000, 352, h100).fits
+
+
+@pytest.fixture(scope="module")
+def four_workers():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=False, dashboard_address=None) as cl, \
+            Client(cl) as c:
+        yield c
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_replicas_split_the_queries_and_keep_the_answer(tmp_path, rng, four_workers, shards):
+    """1, 2 and 4 copies of a 1- or 2-shard index on 4 local workers give the same lists bit for
+    bit (every copy is the same forest); an unlimited budget equals the brute force; each block
+    goes to one copy, so every shard copy searches a share of the queries, not all of them."""
+    X, Q = _data(rng, n=4000, m=600)
+    store = str(tmp_path / "s.zarr")
+    idx.build_index(store, "t", X, shards=shards, params={"method": "banns", "leaf_size": 16, "backtracks": 6})
+    bd, bi = knn_bruteforce(X, Q, 4, device="cpu")
+    answers = []
+    for replicas in (None, 1, 2):
+        di = DistributedIndex(four_workers, store, "t", device="cpu", replicas=replicas)
+        expect = 4 // shards if replicas is None else replicas
+        assert di.replicas == expect and di.describe()["shards"] == shards
+        assert len({di.placement[j] for j in range(expect * shards)}) == expect * shards  # a device each
+        d, i, st = di.query(Q, 4, block=64, return_stats=True)
+        assert st["blocks"] >= expect and st["leaves"] <= 6 * len(Q) * shards  # one copy per block
+        answers.append((d, i))
+        du, iu = di.query(Q, 4, block=64, backtracks=10 ** 6)  # unlimited: the brute force
+        np.testing.assert_array_equal(iu, bi)
+        np.testing.assert_array_equal(du, bd)
+        di.close()
+    for d, i in answers[1:]:
+        np.testing.assert_array_equal(i, answers[0][1])
+        np.testing.assert_array_equal(d, answers[0][0])
+
+
+def test_query_blocks_ramp_up_wave_by_wave():
+    """A query's blocks cover it once, at most ``block`` each, one per replica group a wave, the
+    first ones small (a device starts on its first block while the next travels)."""
+    di = DistributedIndex.__new__(DistributedIndex)
+    for r, m, block, dev in [(1, 1_000_000, 262_144, "gpu"), (4, 1_000_000, 262_144, "gpu"),
+                             (2, 3000, 150, "cpu"), (3, 7, 2, "cpu"), (4, 3, 100, "cpu"), (4, 20_000, 262_144, "gpu")]:
+        di.replicas, di._dev = r, dev
+        spans = di.split(m, block)
+        assert spans[0][0] == 0 and spans[-1][1] == m and all(b == c for (_, b), (c, _) in zip(spans, spans[1:]))
+        sizes = [b - a for a, b in spans]
+        assert max(sizes) <= block and min(sizes) >= 1
+        assert len(spans) >= min(r, m)  # every group gets a block
+    di.replicas, di._dev = 4, "gpu"
+    sizes = [b - a for a, b in di.split(1_000_000, 262_144)]
+    assert sizes[:4] == [32_768] * 4 and sizes[4:8] == [65_536] * 4  # doubling waves of four

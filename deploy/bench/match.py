@@ -57,18 +57,34 @@ def _resident_bytes(dask_worker) -> int:
     return int(sum(sizeof(v) for key, v in dask_worker.data.items() if str(key).startswith("sf-shard-")))
 
 
-def _timed_query(di, Q, k, block, sync_after=None, backtracks=None):
-    """(seconds, dist, ids, leaves, bytes moved) of one full query pass after a warm-up block."""
+#: timed passes over the queries after the warm-up; the fastest counts (the same rule for the
+#: forest and the brute force rows: a pass may pay a pool's growth or a stray host stall)
+PASSES = 2
+
+#: threads of a GPU worker: two query blocks searched side by side on one GPU, each on its own
+#: stream (:func:`scanforest.tasks.index._search_stream`), keep it busy through the other's syncs
+GPU_WORKER_THREADS = 2
+
+
+def _timed_query(di, Q, k, block, sync_after=None, backtracks=None, passes: int = PASSES):
+    """(seconds, dist, ids, leaves, bytes moved) of the fastest of ``passes`` full query passes
+    after a warm-up block."""
     client = di.client
     di.wait()  # resident on the workers (a gather would copy every shard into this process)
     # warm-up (kernels compiled, pools grown): a few thousand queries, not a whole block (at 100M
-    # rows a 65,536-query block of the brute force takes as long as the 20,000 timed ones)
-    di.query(Q[: min(len(Q), block, 4096)], k, block=block, sync_after=sync_after, backtracks=backtracks)
-    b0 = _transfer_bytes(client)
-    t0 = time.perf_counter()
-    dist, ids = di.query(Q, k, block=block, sync_after=sync_after, backtracks=backtracks)
-    t = time.perf_counter() - t0
-    return t, dist, ids, di.stats_["leaves"], _transfer_bytes(client) - b0
+    # rows a 65,536-query block of the brute force takes as long as the 20,000 timed ones), split
+    # over every replica group
+    di.query(Q[: min(len(Q), block or 4096, 4096)], k, block=block, sync_after=sync_after, backtracks=backtracks)
+    best = None
+    for _ in range(max(1, int(passes))):
+        b0 = _transfer_bytes(client)
+        t0 = time.perf_counter()
+        dist, ids = di.query(Q, k, block=block, sync_after=sync_after, backtracks=backtracks)
+        t = time.perf_counter() - t0
+        if best is None or t < best[0]:
+            best = (t, dist, ids, di.stats_["leaves"], _transfer_bytes(client) - b0, dict(di.stats_))
+    di.stats_ = best[5]  # the counted pass's statistics (the busy share)
+    return best[:5]
 
 
 _VARIES = ("workers", "sync_after", "backtracks")  # told apart by the (workers, sync, budget) keys
@@ -93,8 +109,27 @@ def _merge_recorded(path: str, rep: BenchReport, qps: dict) -> dict:
     return rec
 
 
-def _efficiency_rows(rep: BenchReport, qps: dict, where: str) -> None:
-    """Parallel efficiency from 1 to W workers, two ways:
+def _at_recall(points, target: float) -> float | None:
+    """Queries/s at ``target`` recall on a curve of ``(recall, queries/s)`` points, interpolated
+    linearly between the two measured points around it (None: the curve does not reach it from
+    both sides; the fastest point at or above a recall is taken where one sits exactly on it)."""
+    pts = sorted(points)
+    exact = [q for r, q in pts if r == target]
+    if exact:
+        return max(exact)
+    for (r0, q0), (r1, q1) in zip(pts, pts[1:]):
+        if r0 < target < r1:
+            return q0 + (q1 - q0) * (target - r0) / (r1 - r0)
+    return None
+
+
+RECALL_TARGETS = (0.90, 0.95, 0.98)
+
+
+def _efficiency_rows(rep: BenchReport, qps: dict, where: str, *, weak: bool = False) -> None:
+    """Parallel efficiency from 1 to W workers, two ways (``weak``: each worker count held ``W``
+    times the 1-worker rows, so the efficiency is W workers' queries/s over 1 worker's, not over
+    W times it):
 
     - at the same budget per shard: more shards then scan more leaves per query in all, so the
       recall rises with W and the efficiency understates the scaling;
@@ -103,10 +138,23 @@ def _efficiency_rows(rep: BenchReport, qps: dict, where: str) -> None:
       than one budget measured).
     """
     tag_budget = len({key[2] for key in qps}) > 1
+    kind = "weak scaling efficiency (W x the rows on W workers)" if weak else "parallel efficiency"
     for (w, sa, b), (q, _) in sorted(qps.items(), key=lambda x: (x[0][0], x[0][1] or 0, x[0][2])):
         if w > 1 and (1, sa, b) in qps:
             tag = ("" if sa is None else f", sync {sa}") + (f", {b} leaves per shard" if tag_budget else "")
-            rep.add(f"parallel efficiency 1 -> {w} workers{tag}", q / (w * qps[(1, sa, b)][0]), "", where)
+            rep.add(f"{kind} 1 -> {w} workers{tag}", q / ((1 if weak else w) * qps[(1, sa, b)][0]), "", where)
+    for sa in sorted({key[1] for key in qps}, key=lambda x: x or 0):  # interpolated on each curve
+        curve = {w: [(r, q) for (ww, s2, _), (q, r) in qps.items() if ww == w and s2 == sa] for w, _, _ in qps}
+        sync = "" if sa is None else f", sync {sa}"
+        for target in RECALL_TARGETS:
+            one = _at_recall(curve.get(1, []), target)
+            for w in sorted(x for x in curve if x > 1):
+                many = _at_recall(curve[w], target)
+                if one is None or many is None:
+                    continue
+                rep.add(f"{kind} 1 -> {w} workers at recall {target:.2f}{sync} (queries/s interpolated on each "
+                        f"curve: 1 worker {one:,.0f}, {w} workers {many:,.0f})", many / ((1 if weak else w) * one),
+                        "", where, target_recall=target, workers=w, qps_one=one, qps_many=many)
     for (w1, sa1, b1), (q1, r1) in sorted(qps.items(), key=lambda x: (x[0][1] or 0, x[0][2])):
         if w1 != 1 or not tag_budget:
             continue
@@ -117,8 +165,9 @@ def _efficiency_rows(rep: BenchReport, qps: dict, where: str) -> None:
                 rep.note(f"no {w}-worker budget{sync} reached the 1-worker recall {r1:.3f} of {b1} leaves")
                 continue
             q, b = max(ok)
-            rep.add(f"parallel efficiency 1 -> {w} workers at recall >= {r1:.3f}{sync} "
-                    f"(1 worker {b1} leaves; {w} workers {b} leaves per shard)", q / (w * q1), "", where)
+            rep.add(f"{kind} 1 -> {w} workers at recall >= {r1:.3f}{sync} "
+                    f"(1 worker {b1} leaves; {w} workers {b} leaves per shard)", q / ((1 if weak else w) * q1), "",
+                    where)
 
 
 def _source_key(n, d, clusters, dtype, params, shards) -> str:
@@ -263,7 +312,8 @@ class GeneratedShards:
         return Shard(a, b, idx.resident_forest(tree, params, shard, dev, nr))
 
 
-def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, method, bf_qps, tag_budget):
+def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, method, bf_qps, tag_budget,
+                plan=None):
     """One timed pass over all queries (sync ``sa``, leaf budget ``budget`` per shard, None:
     unlimited), its rows, and its ``(queries/s, recall)`` in ``qps[(w, sa, budget or 0)]``."""
     m = len(Q)
@@ -274,7 +324,7 @@ def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, met
     qps[(w, sa, int(budget or 0))] = (m / t, r)
     rep.add(f"{method} queries/s, {w} worker{'s' if w > 1 else ''}{tag}", m / t, "queries/s", where,
             baseline=f"exact brute force, {w} workers", baseline_value=bf_qps, recall=r,
-            workers=w, sync_after=sa, backtracks=budget)
+            workers=w, sync_after=sa, backtracks=budget, placement=di.describe(), plan=plan)
     rep.add(f"recall@{k}, {w} workers{tag}", r, "", where)
     rep.add(f"leaves scanned per query (all shards), {w} workers{tag}", leaves / m, "leaves", where,
             higher_is_better=False)
@@ -345,17 +395,40 @@ def _faiss_ivf_rows(rep, X, Q, k, mb, ref, qps, *, nlist: int, nprobes, where: s
                 baseline=f"FAISS GPU IVF-Flat nlist={nl}", baseline_value=theirs[0])
 
 
+def _plan(w: int, n: int, d: int, k: int, dev: str, *, shards, n_trees, leaf_size, method, store_dtype, block):
+    """The placement plan of an ``n``-row bench index on ``w`` workers, one per GPU (workers
+    beyond the GPUs share them, and their memory), or on the host (its memory split ``w`` ways)."""
+    from scanforest.kernels.backend import device_memory
+    from scanforest.kernels.knn.sharded import plan_shards
+    from scanforest.tasks import index as idx
+
+    mem = device_memory(dev)
+    per = -(-w // len(mem))  # workers per device
+    mem = [mem[i % len(mem)] // per for i in range(w)]
+    return plan_shards(n, d, mem, k=k, block=block, n_trees=n_trees, leaf_size=leaf_size, method=method, device=dev,
+                       row_bytes=idx.resident_row_bytes(store_dtype, dev),
+                       build_row_bytes=4 if dev == "gpu" else 0,  # trees built on float32 rows on the GPU
+                       shards=shards)
+
+
 def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, backtracks,
-        leaf_size: int, device: str, block: int, out, clusters: int = 1000, shards: int | None = None,
+        leaf_size: int, device: str, block: int | None, out, clusters: int = 1000, shards: int | None = None,
         sync_after: int | None = None, bf_queries: int | None = None, n_trees: int = 1,
         workdir: str | None = None, store_dtype: str = "float32", reference: str = "store",
-        faiss_nprobes=(), faiss_nlist: int = 0, leaves_per_round: int | None = None) -> BenchReport:
+        faiss_nprobes=(), faiss_nlist: int = 0, leaves_per_round: int | None = None,
+        rows_per_worker: int | None = None) -> BenchReport:
     """One table: for each worker count, the forest (with and without the global bound
     synchronisation when ``sync_after`` is given) and the exact brute force over the same
     resident shards; recall against the exact answer of the first ``bf_queries`` queries.
 
-    ``shards=None`` builds one shard per worker for every worker count (a new index each);
-    ``shards=S`` builds one S-shard index, spread over 1..W workers (the same work on more GPUs).
+    ``shards=None``: the planner (:func:`scanforest.kernels.knn.sharded.plan_shards`) chooses
+    the shards from the workers' device memory: one shard when the index fits one device, held
+    by every worker, which split the query blocks (replicas); else the fewest shards that fit,
+    in copies where the devices allow. ``shards=S`` builds one S-shard index, placed the same
+    way. The plan, its memory figures and its reason are in the notes and in the queries/s rows.
+    ``rows_per_worker=N``: weak scaling, each worker count ``W`` indexes ``N x W`` rows (and
+    the efficiency rows compare W workers' queries/s with 1 worker's, not with W times it).
+    ``block``: the largest query block (None: planned from the workers' free memory).
     ``workdir`` keeps the index stores there: a later run with the same data and parameters
     reuses them (the build row then says so), e.g. to run each worker count in its own command.
 
@@ -380,6 +453,10 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     """
     if reference not in ("store", "workers"):
         raise InputError(f"reference must be 'store' or 'workers', got {reference!r}")
+    if rows_per_worker is not None and int(rows_per_worker) < 1:
+        raise InputError(f"--rows-per-worker must be a positive number of rows, got {rows_per_worker}")
+    if block is not None and int(block) < 1:
+        raise InputError(f"--block must be a positive number of queries (0: planned), got {block}")
     if leaves_per_round is not None and (isinstance(leaves_per_round, bool) or int(leaves_per_round) < 1):
         raise InputError(f"--leaves-per-round must be a positive number of leaves, got {leaves_per_round}")
     from scanforest.flows.distributed import DistributedIndex
@@ -396,6 +473,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     rep = BenchReport("match", {"n": n, "m": m, "d": d, "k": k, "workers": workers, "method": method,
                                 "backtracks": budgets if len(budgets) > 1 else backtracks,
                                 "leaf_size": leaf_size, "block": block,
+                                **({"rows_per_worker": rows_per_worker} if rows_per_worker else {}),
                                 "shards": shards, "sync_after": sync_after, "bf_queries": mb,
                                 "n_trees": n_trees, "clusters": clusters,
                                 **({"leaves_per_round": leaves_per_round} if leaves_per_round else {}),
@@ -410,7 +488,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     else:
         Q = clustered(m, d, clusters=clusters, seed=2)
     where_ref = "in the store" if reference == "store" else "drawn on the workers, no store"
-    rep.note(f"data: {n:,} x {d} reference ({store_dtype}, {where_ref}), {m:,} queries, {clusters} Gaussian "
+    sizes = (f"{rows_per_worker:,} rows per worker" if rows_per_worker else f"{n:,}")
+    rep.note(f"data: {sizes} x {d} reference ({store_dtype}, {where_ref}), {m:,} queries, {clusters} Gaussian "
              f"clusters; queries generated in {time.perf_counter() - t0:.1f} s")
     devname = describe_device(dev)
     tmp = workdir or tempfile.mkdtemp(prefix="sf-bench-match-")
@@ -420,33 +499,41 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     if leaves_per_round:
         params["leaves_per_round"] = int(leaves_per_round)
     built = {}
-    data = {}  # the reference, generated only when an index must be (re)built
+    data = {}  # the reference of each size, generated only when an index must be (re)built
+    plans = {w: _plan(w, rows_per_worker * w if rows_per_worker else n, d, k, dev, shards=shards, n_trees=n_trees,
+                      leaf_size=leaf_size, method=method, store_dtype=store_dtype, block=block)
+             for w in workers}
+
+    def size(w):
+        return rows_per_worker * w if rows_per_worker else n
 
     def store_for(w):
-        s_count = shards or w
-        if s_count not in built:
-            store = os.path.join(tmp, f"s{s_count}.zarr")
-            source = _source_key(n, d, clusters, store_dtype, params, s_count)
+        n_w, s_count = size(w), plans[w].shards
+        if (n_w, s_count) not in built:
+            store = os.path.join(tmp, f"n{n_w}-s{s_count}.zarr")
+            source = _source_key(n_w, d, clusters, store_dtype, params, s_count)
             t0 = time.perf_counter()
             if _workdir_index(store) == source:
                 what = "unchanged in the workdir: same generated data and parameters"
             else:
-                if "X" not in data:
+                if n_w not in data:
                     t1 = time.perf_counter()
-                    data["X"] = _reference(n, d, clusters, dev, store_dtype)
-                    rep.note(f"reference generated in {time.perf_counter() - t1:.1f} s")
-                res = idx.build_index(store, "bench", data["X"], shards=s_count, params=params, device=dev,
+                    data.clear()  # one reference in this process's memory at a time
+                    data[n_w] = _reference(n_w, d, clusters, dev, store_dtype)
+                    rep.note(f"reference generated in {time.perf_counter() - t1:.1f} s ({n_w:,} rows)")
+                res = idx.build_index(store, "bench", data[n_w], shards=s_count, params=params, device=dev,
                                       dtype=store_dtype)
                 _mark_workdir_index(store, source)
                 what = "write + trees" if res["status"] == "built" else "unchanged in the workdir: content hash only"
-            built[s_count] = (store, time.perf_counter() - t0)
-            rep.add(f"index build ({what}), {s_count} shard{'s' if s_count > 1 else ''}", built[s_count][1],
-                    "s", devname, higher_is_better=False)
-        return built[s_count][0]
+            built[(n_w, s_count)] = (store, time.perf_counter() - t0)
+            rows = f", {n_w:,} rows" if rows_per_worker else ""
+            rep.add(f"index build ({what}), {s_count} shard{'s' if s_count > 1 else ''}{rows}",
+                    built[(n_w, s_count)][1], "s", devname, higher_is_better=False)
+        return built[(n_w, s_count)][0]
 
     def source_for(w):
         if reference == "workers":
-            return GeneratedShards(n, d, clusters, store_dtype, tuple(sorted(params.items())), shards or w)
+            return GeneratedShards(size(w), d, clusters, store_dtype, tuple(sorted(params.items())), plans[w].shards)
         return idx.StoredShards(store_for(w), "bench")
 
     try:
@@ -459,18 +546,21 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         bf_rate = {}  # workers -> the exact brute force's queries/s
         for w in workers:
             src = source_for(w)
-            with dask_client(None, n_workers=w, device=dev) as client:
+            plan = plans[w]
+            rep.note(f"{w} worker{'s' if w > 1 else ''}: plan {plan.describe()}")
+            with dask_client(None, n_workers=w, device=dev,
+                             threads_per_worker=GPU_WORKER_THREADS if dev == "gpu" else 1) as client:
                 where = f"{devname} x{w}"
                 # exact brute force over the same resident shards: the baseline and the recall reference
-                bf = DistributedIndex(client, source=src, device=dev, method="exact")
+                bf = DistributedIndex(client, source=src, device=dev, method="exact", replicas=plan.replicas)
                 t_bf, bd, _, _, _ = _timed_query(bf, Q[:mb], k, block)
                 _release(client, bf)
-                if ref is None:
+                if ref is None or rows_per_worker:  # weak scaling: another reference each
                     ref = bd
                 bf_rate[w] = mb / t_bf
                 rep.add(f"exact brute force queries/s, {w} worker{'s' if w > 1 else ''}", mb / t_bf, "queries/s",
                         where, workers=w)
-                di = DistributedIndex(client, source=src, device=dev)
+                di = DistributedIndex(client, source=src, device=dev, replicas=plan.replicas)
                 t0 = time.perf_counter()
                 di.wait()
                 what = (f"store -> {dev}, trees included" if reference == "store"
@@ -478,24 +568,20 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                 rep.add(f"shard load ({what}), {w} workers", time.perf_counter() - t0, "s",
                         where, higher_is_better=False)
                 # the memory plan beside the measurement: estimated residency vs what the shards hold
-                from scanforest.kernels.knn.sharded import search_working_bytes, shard_resident_bytes
-
                 held = client.run(_resident_bytes, workers=sorted(set(di.placement.values())))
-                rows = -(-n // w)
-                est = shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method,
-                                           row_bytes=idx.resident_row_bytes(store_dtype, dev))
-                work = search_working_bytes(rows, d, block, k, device=dev)
-                rep.note(f"{w} workers: shards hold {max(held.values()) / 2**30:.2f} GiB on the fullest worker "
-                         f"(the planner's estimate: {est / 2**30:.2f} GiB; a {block:,}-query "
-                         f"block's working set {work / 2**30:.2f} GiB); planned block {di.plan_block(k)}")
+                placed = di.describe()
+                rep.note(f"{w} workers: {placed['mode']}, {placed['shards']} shard(s) x {placed['replicas']} "
+                         f"replica(s); shards hold {max(held.values()) / 2**30:.2f} GiB on the fullest worker "
+                         f"(the planner's estimate: {plan.resident_bytes / 2**30:.2f} GiB); planned block "
+                         f"{di.plan_block(k):,}")
                 variants = [None] + ([int(sync_after)] if sync_after else [])
                 for b in budgets:
                     for sa in variants:
                         _query_rows(rep, di, Q, k, block, sa, b, mb, ref, qps, w=w, where=where, method=method,
-                                    bf_qps=mb / t_bf, tag_budget=len(budgets) > 1)
+                                    bf_qps=mb / t_bf, tag_budget=len(budgets) > 1, plan=plan.as_dict())
                 _release(client, di)
-        if faiss_nprobes and dev == "gpu" and ref is not None:  # the workers (and their GPU memory) are gone
-            t1 = time.perf_counter()
+        if faiss_nprobes and dev == "gpu" and ref is not None and not rows_per_worker:
+            t1 = time.perf_counter()  # the workers (and their GPU memory) are gone
             if reference == "workers":  # the very rows the workers drew (pieces), not _reference's
                 import cupy as cp
 
@@ -510,17 +596,16 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                             where=f"{devname} x1", bf_qps=bf_rate.get(1))
             del X
         elif faiss_nprobes:
-            rep.note("FAISS GPU rows skipped: they run with --device gpu")
+            rep.note("FAISS GPU rows skipped: they run with --device gpu and without --rows-per-worker")
         if workdir:  # worker counts measured by earlier runs on this workdir with the same configuration
             qps = _merge_recorded(os.path.join(tmp, "bench-match.json"), rep, qps)
-        _efficiency_rows(rep, qps, devname)
+        _efficiency_rows(rep, qps, devname, weak=bool(rows_per_worker))
 
         rep.note("workers share one host; with one GPU, several workers share it (efficiency then measures "
                  "orchestration, not GPU scaling)" if dev == "gpu" else
                  f"CPU workers share {os.cpu_count()} cores")
         if shards:
-            rep.note(f"one {shards}-shard index for every worker count: the same search work spread over "
-                     "more workers")
+            rep.note(f"one {shards}-shard index for every worker count")
         if mb < m:
             rep.note(f"brute force and recall over the first {mb:,} of the {m:,} queries")
         rep.finish(out)
@@ -545,9 +630,13 @@ def register(app, bench) -> None:
         backtracks: str = typer.Option("256", help="Leaf visits per query and shard (0 = unlimited, exact); a "
                                        "comma list runs a recall/speed curve on the same index."),
         leaf_size: int = typer.Option(64),
-        block: int = typer.Option(10_000, help="Queries per block sent to every shard."),
+        block: int = typer.Option(0, help="The largest query block (0: planned from the workers' free memory; "
+                                  "the queries go in equal blocks, as many to every replica group)."),
         device: str = typer.Option("auto"),
-        shards: int = typer.Option(0, help="Shards of one index used for every worker count (0: one per worker)."),
+        shards: int = typer.Option(0, help="Shards of one index used for every worker count (0: planned from the "
+                                   "devices' memory: one shard held by every GPU when it fits one)."),
+        rows_per_worker: int = typer.Option(0, "--rows-per-worker", help="Weak scaling: W workers index W times "
+                                            "this many rows (--n is then unused)."),
         sync: int = typer.Option(0, help="Also run the global bound synchronisation after this many leaves (0: off)."),
         bf_queries: int = typer.Option(0, help="Queries for the brute force and the recall (0: all)."),
         n_trees: int = typer.Option(1, help="Randomized trees per shard (replicated forest)."),
@@ -571,7 +660,8 @@ def register(app, bench) -> None:
 
         run(n, m, d, k, [int(w) for w in workers.split(",")], method=method,
             backtracks=[int(b) or None for b in backtracks.split(",")],
-            leaf_size=leaf_size, device=device, block=block, out=out, clusters=clusters, shards=shards or None,
+            leaf_size=leaf_size, device=device, block=block or None, out=out, clusters=clusters,
+            shards=shards or None, rows_per_worker=rows_per_worker or None,
             sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees, workdir=workdir,
             leaves_per_round=None if leaves_per_round == 0 else leaves_per_round,
             store_dtype=store_dtype, reference=reference,

@@ -1546,7 +1546,7 @@ class _BannsState:
             redo = cp.unique(cp.concatenate([active, cp.nonzero(self.OVF)[0].astype(cp.int32)]))
         if int(redo.size):
             _exact_redo(tree, queries, redo, k, out_d, out_i)
-        cp.cuda.Device().synchronize()
+        cp.cuda.get_current_stream().synchronize()  # this search's stream: others may run beside it
         t_fin = (time.perf_counter() - t0) * 1e3
         return out_d, out_i, {"rounds": len(ev), "finished_by_bruteforce": int(active.size), "heap_overflow": n_ovf,
                               "leaf_blocks": leaf_blocks, "leaves_visited": cp.asnumpy(self.visits),
@@ -1667,6 +1667,8 @@ def _row_sqnorms(tree):
         for a in range(0, X.shape[0], step):
             blk = X[a:a + step].astype(cp.float32)
             out[a:a + step] = cp.sum(blk * blk, axis=1)
+        # complete before it is shared: a search on another thread's stream may read it next
+        cp.cuda.get_current_stream().synchronize()
         tree.__dict__["_row_sq"] = got = (key, out)
     return got[1]
 

@@ -178,7 +178,7 @@ class KDForest:
         self.stats_ = {}
         return self
 
-    def query(self, Q, k: int = 1, *, bounds=None, backtracks=_UNSET):
+    def query(self, Q, k: int = 1, *, bounds=None, backtracks=_UNSET, return_stats: bool = False):
         """The ``k`` nearest indexed points of each row of ``Q``.
 
         Parameters
@@ -193,6 +193,9 @@ class KDForest:
         backtracks : int or None, optional, keyword-only
             Overrides the fitted ``backtracks`` for this call (``None``: unlimited), e.g. a
             small budget for the first phase of a bound synchronisation.
+        return_stats : bool, keyword-only
+            Also return this search's statistics (what ``stats_`` holds after it): the way to
+            read them when several threads search one forest at once.
 
         Returns
         -------
@@ -222,7 +225,7 @@ class KDForest:
                 Q = to_numpy(Q)
             Q = check_points(Q, "Q", dim=self.n_features_in_, xp=np)
         if self.method == "exact" or self.tree_ is None:
-            self.stats_ = {"method": "exact"}
+            self.stats_ = stats = {"method": "exact"}
             xp = np
             if self.device_ == "gpu":
                 import cupy as xp
@@ -232,7 +235,7 @@ class KDForest:
                 drop = dist > _bound_limit(b, int(Q.shape[0]), xp=xp)[:, None]
                 dist[drop] = np.inf
                 ids[drop] = -1
-            return dist, ids
+            return (dist, ids, stats) if return_stats else (dist, ids)
         if int(self.n_trees) != self.tree_.n_trees:
             raise InputError(f"this KDForest has n_trees={self.n_trees} but its tree_ holds {self.tree_.n_trees} "
                              "tree(s) (a forest loaded without its roots array?)")
@@ -242,15 +245,20 @@ class KDForest:
                                         sliding_window=self.sliding_window, bounds=bounds, return_stats=True,
                                         heap_cap=self.heap_cap, descent=self.descent,
                                         leaves_per_round=self.leaves_per_round)
-        self.stats_ = dict(stats, method=self.method)
-        return dist, ids
+        self.stats_ = stats = dict(stats, method=self.method)
+        return (dist, ids, stats) if return_stats else (dist, ids)
 
     def _exact_search(self) -> ExactSearch:
         """The exact search over the kept rows, prepared once (their mean, centred copy and
         norms), and again only when the rows change."""
         c = self.__dict__.get("_exact")
         if c is None or c[0] is not self._fit_X:
-            c = self.__dict__["_exact"] = (self._fit_X, ExactSearch(self._fit_X, device=self.device_))
+            search = ExactSearch(self._fit_X, device=self.device_)
+            if self.device_ == "gpu":  # complete before it is shared: other threads search on other streams
+                import cupy as cp
+
+                cp.cuda.get_current_stream().synchronize()
+            c = self.__dict__["_exact"] = (self._fit_X, search)
         return c[1]
 
     def kneighbors(self, Q, n_neighbors: int = 1):

@@ -55,15 +55,17 @@ class Shard:
     stop: int
     forest: object  # KDForest
 
-    def query(self, Q, k: int, **search):
-        """Top-min(k, shard size) of this shard with *global* ids, padded to k with (inf, -1).
+    def query(self, Q, k: int, *, return_stats: bool = False, **search):
+        """Top-min(k, shard size) of this shard with *global* ids, padded to k with (inf, -1)
+        (and the search's statistics with ``return_stats``).
 
         ``search`` (``bounds=``, ``backtracks=``) goes to :meth:`KDForest.query`."""
         kk = min(k, self.stop - self.start)
-        d, i = self.forest.query(Q, kk, **search)
+        d, i, stats = self.forest.query(Q, kk, return_stats=True, **search)
         xp = xp_for("gpu" if is_cupy(i) else "cpu")
         i = xp.where(i >= 0, i + self.start, -1)  # -1 pads (fewer than k found) stay -1
-        return pad_topk(d, i, k)
+        out = pad_topk(d, i, k)
+        return out + (stats,) if return_stats else out
 
 
 class ShardedIndex:
@@ -158,9 +160,20 @@ def fit_block(rows: int, d: int, k: int, cap: float, *, block: int | None = None
     return b
 
 
+# the smallest query block at which a GPU search is still efficient (its fixed per-round costs
+# spread): the planner prefers fewer, larger shards only while a block of this size fits beside
+# them; replicas then split the queries, and a GPU's share of a query goes in at least two blocks
+# of this size or more, so the next block travels while one is searched
+GOOD_BLOCK = {"gpu": 65_536, "cpu": 4_096}
+
+
 @dataclass
 class ShardPlan:
-    shards: int                 # one per worker
+    """Where an index lives on a cluster: ``shards`` row ranges, each held by ``replicas`` workers
+    (``shards x replicas`` workers hold shards; the rest hold none). A query block goes to one
+    replica group (a worker per shard), so replicas split the queries and shards split the rows."""
+
+    shards: int                 # row ranges of the index
     block: int                  # queries per block that fit beside the resident shard
     rows_per_shard: int
     resident_bytes: int         # per worker
@@ -168,24 +181,48 @@ class ShardPlan:
     memory_bytes: int           # the smallest worker's memory the plan was made for
     fits: bool
     min_workers: int            # workers of this memory the index needs at the smallest block
+    replicas: int = 1           # copies of every shard (query blocks split between them)
+    workers: int = 1            # workers (devices) the plan was made for
+    build_bytes: int = 0        # per worker while a shard's trees are built on it (0: not built there)
+    reason: str = ""
+
+    @property
+    def mode(self) -> str:
+        if self.shards == 1:
+            return "replicate" if self.replicas > 1 else "single"
+        return "shard+replicate" if self.replicas > 1 else "shard"
 
     def describe(self) -> str:
         g = 2 ** 30
-        return (f"{self.shards} shard(s) of {self.rows_per_shard:,} rows: {self.resident_bytes / g:.1f} GiB resident "
+        build = f", {self.build_bytes / g:.1f} GiB while its trees are built" if self.build_bytes else ""
+        return (f"{self.mode}: {self.shards} shard(s) of {self.rows_per_shard:,} rows x {self.replicas} "
+                f"replica(s) on {self.workers} worker(s): {self.resident_bytes / g:.1f} GiB resident "
                 f"+ {self.working_bytes / g:.1f} GiB per {self.block:,}-query block on each worker "
-                f"({self.memory_bytes / g:.1f} GiB)")
+                f"({self.memory_bytes / g:.1f} GiB{build}); {self.reason}")
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return {**asdict(self), "mode": self.mode}
 
 
 def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int | None = None, n_trees: int = 1,
                 leaf_size: int = 64, method: str = "banns", device: str = "gpu", headroom: float = 0.85,
-                min_block: int = 256, row_bytes: int = 4) -> ShardPlan:
-    """Shards and query block for ``n`` x ``d`` reference rows on workers of ``memory_bytes`` each
-    (an int, or one per worker: the smallest counts).
+                min_block: int = 256, row_bytes: int = 4, build_row_bytes: int = 0,
+                shards: int | None = None) -> ShardPlan:
+    """Shards, replicas and query block for ``n`` x ``d`` reference rows on workers of
+    ``memory_bytes`` each (an int, or one per worker, i.e. per GPU: the smallest counts).
 
-    Every shard stays resident on its worker, so the rows per worker do not shrink with more
-    shards on the same workers: the plan is one shard per worker, and the largest block (at
-    most ``block``, default ``MAX_BLOCK[device]``, halved down to ``min_block``) whose working set fits beside it within
-    ``headroom`` of the memory. ``fits=False`` means even ``min_block`` does not fit; then
+    Every query searches every shard, so each shard added multiplies the work per query; copies
+    of a shard (replicas) split the queries instead. The plan therefore takes the most replicas
+    ``R`` whose ``W // R`` shards fit: the whole index on every worker when it fits one
+    (``replicate``), else FAISS's shards of replicas (``shard+replicate``), else one shard per
+    worker (``shard``). A shard fits when its resident bytes (:func:`shard_resident_bytes`), and
+    while its trees are built on the worker ``build_row_bytes`` per value of its rows
+    (:func:`build_bytes`; 0: built elsewhere), leave room for a query block of at least
+    ``GOOD_BLOCK[device]`` within ``headroom`` of the memory; failing that, of ``min_block``.
+    ``shards`` fixes the shard count (a stored index's) and plans only its replicas.
+    ``fits=False`` means even ``min_block`` does not fit one shard per worker; then
     ``min_workers`` is the number of such workers the index needs. ``row_bytes``: bytes per
     resident value of the rows (2 for a float16 index on GPUs).
     """
@@ -198,22 +235,62 @@ def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int | None =
         block = MAX_BLOCK.get(device, MAX_BLOCK["gpu"])
     if int(block) < 1 or int(min_block) < 1:
         raise InputError(f"block and min_block must be >= 1, got {block}, {min_block}")
+    if shards is not None and not 1 <= int(shards) <= int(n):
+        raise InputError(f"shards must be in [1, {n}], got {shards}")
     workers, cap = len(mem), headroom * min(mem)
+    good = min(int(block), GOOD_BLOCK.get(device, GOOD_BLOCK["gpu"]))
 
-    def resident(w: int) -> tuple[int, int]:  # rows per shard and resident bytes per worker, w shards
-        rows = -(-int(n) // w)
-        return rows, shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method,
+    def sized(s: int, on: int = workers) -> tuple[int, int, int, int, int]:
+        """rows, resident, build, block and working bytes of ``s`` shards on ``on`` workers"""
+        rows = -(-int(n) // s)
+        each = -(-s // on)  # shards a worker holds (more than one only when s > on)
+        res = each * shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method,
                                           row_bytes=row_bytes)
+        bld = (res * (each - 1) // each + build_bytes(rows, d, leaf_size=leaf_size, row_bytes=build_row_bytes)
+               if build_row_bytes else 0)  # one shard built beside those already resident
+        b = fit_block(rows, d, k, cap - max(res, bld), block=block, min_block=min_block, device=device)
+        return rows, res, bld, b, search_working_bytes(rows, d, b, k, device=device)
 
-    def total(w: int, b: int) -> int:
-        rows, res = resident(w)
-        return res + search_working_bytes(rows, d, b, k, device=device)
+    def room(s: int, at_least: int) -> bool:
+        _, res, bld, b, work = sized(s)
+        return max(res, bld) + work <= cap and b >= at_least
 
-    shards = min(workers, int(n))
-    rows, res = resident(shards)
-    b = fit_block(rows, d, k, cap - res, block=block, min_block=min_block, device=device)
-    work = search_working_bytes(rows, d, b, k, device=device)
-    w = shards  # the workers of this memory the index needs (more than it has when it does not fit)
-    while total(w, min_block) > cap and w < int(n):
+    counts = [int(shards)] if shards is not None else [workers // r for r in range(workers, 0, -1)]
+    chosen, why = None, ""
+    for at_least, what in ((good, f"a {good:,}-query block"), (min_block, f"a {min_block:,}-query block")):
+        for s in counts:
+            if s <= int(n) and room(s, at_least):
+                chosen = s
+                break
+        if chosen is not None:
+            r = max(1, workers // chosen)
+            if chosen == 1:
+                why = (f"the whole index and {what} fit one worker: each of the {r} worker(s) holds it and "
+                       "takes its share of the query blocks")
+            else:
+                why = (f"fewer than {chosen} shards leave no room for {what}" if shards is None
+                       else f"the index has {chosen} shards")
+                why += (f"; {r} copies of each shard split the query blocks" if r > 1
+                        else "; every query block searches every shard")
+            break
+    s = chosen if chosen is not None else (int(shards) if shards is not None else min(workers, int(n)))
+    rows, res, bld, b, work = sized(s)
+    replicas = max(1, workers // s)
+    w = s  # the workers of this memory the index needs (more than it has when it does not fit)
+    while w < int(n):
+        r_w, res_w, bld_w, _, _ = sized(w, w)
+        if max(res_w, bld_w) + search_working_bytes(r_w, d, min_block, k, device=device) <= cap:
+            break
         w += 1 if w < 64 else w // 8
-    return ShardPlan(shards, b, rows, res, work, min(mem), res + work <= cap, w)
+    fits = chosen is not None
+    if not fits:
+        why = f"one shard per worker does not leave room for a {min_block:,}-query block"
+    return ShardPlan(s, b, rows, res, work, min(mem), fits, w, replicas, workers, bld, why)
+
+
+def build_bytes(rows: int, d: int, *, leaf_size: int = 64, row_bytes: int = 4) -> int:
+    """Bytes on a device while a shard's tree is built there: its rows at ``row_bytes`` per value
+    (the build works on float32 rows), the permutation and the nodes."""
+    rows, d = int(rows), int(d)
+    nodes = 4 * -(-rows // int(leaf_size))
+    return rows * d * int(row_bytes) + rows * 16 + nodes * (28 + 8 * d)
