@@ -136,7 +136,7 @@ def _throughput_figure(runs: list[dict], *, max_runs: int = 8):
         return None, untimed
     fig, ax = _pyplot().subplots(figsize=(7, 3.2))
     for name, ts in series:
-        ax.plot([0.0, *ts], range(len(ts) + 1), label=name, drawstyle="steps-post")
+        ax.plot([0.0, *ts], range(len(ts) + 1), label=_clip(name, 40), drawstyle="steps-post")
     ax.ticklabel_format(axis="x", style="plain", useOffset=False)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
@@ -163,36 +163,186 @@ def _curve_key(rec: dict, row: dict) -> str:
     return f"{bench}: {figure.split(' queries/s')[0]}{where}"
 
 
-def _bench_plot(bench_dir: Path) -> tuple[str | None, list[dict]]:
-    """Recall/throughput points from every bench JSON row that carries a recall figure."""
-    files = sorted(bench_dir.glob("*.json")) if bench_dir.is_dir() else []
-    records, points = [], {}
-    for f in files:
-        try:
-            rec = json.loads(f.read_text())
-        except ValueError:
-            continue
-        records.append({"file": f.name, "bench": rec.get("bench"), "gpu": rec.get("environment", {}).get("gpu"),
-                        "rows": len(rec.get("rows", []))})
-        for row in rec.get("rows", []):
+def _bench_dirs(store_path: str | Path, bench_dir: str | Path) -> list[Path]:
+    """Folders that may hold the store's ``scanforest bench`` records, existing ones only, each
+    once: ``bench_dir`` as given (``BenchReport.write`` writes into ``bench-results/`` of the
+    folder the bench ran in) and, for a relative ``bench_dir``, the same name beside the store and
+    inside it, so a report made from another folder still finds the records of benches run where
+    the store is."""
+    bench_dir, store = Path(bench_dir), Path(store_path)
+    candidates = [bench_dir]
+    if not bench_dir.is_absolute():
+        candidates += [store.parent / bench_dir, store / bench_dir]
+    out, seen = [], set()
+    for d in candidates:
+        key = d.resolve() if d.exists() else None
+        if key is not None and d.is_dir() and key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out
+
+
+def _bench_time(rec: dict, path: Path) -> float:
+    """When a bench record was written: its ``environment.time``, else the stamp in its file name
+    (``NAME-YYYYmmdd-HHMMSS.json``, local time), else the file's modification time."""
+    t = _epoch((rec.get("environment") or {}).get("time"))
+    if t is not None:
+        return t
+    stamp = path.stem[-15:]
+    try:
+        return _dt.datetime.strptime(stamp, "%Y%m%d-%H%M%S").timestamp()
+    except ValueError:
+        return path.stat().st_mtime
+
+
+def _bench_records(dirs: list[Path]) -> list[dict]:
+    """Every bench record (a JSON object with ``bench`` and ``rows``, as ``BenchReport.write``
+    writes it) in ``dirs``, newest first; other JSON files (``bench-stages.json`` and the like)
+    are left out."""
+    out = []
+    for d in dirs:
+        for f in sorted(d.glob("*.json")):
+            try:
+                rec = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(rec, dict) or "bench" not in rec or not isinstance(rec.get("rows"), list):
+                continue
+            out.append({"file": f.name, "dir": str(d), "bench": str(rec.get("bench")), "time": _bench_time(rec, f),
+                        "gpu": (rec.get("environment") or {}).get("gpu"), "rows": rec["rows"],
+                        "seconds": rec.get("seconds"), "record": rec})
+    out.sort(key=lambda r: (-r["time"], r["file"]))
+    return out
+
+
+def _bench_plot(records: list[dict]) -> str | None:
+    """Recall/throughput points from every bench row that carries a recall figure (None: none)."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for r in records:
+        for row in r["rows"]:
             extra = row.get("extra") or {}
             recall = extra.get("recall") if "recall" in extra else extra.get("recall@k")
             if recall is None or "/s" not in str(row.get("unit", "")):
                 continue
-            points.setdefault(_curve_key(rec, row), []).append((float(recall), float(row["value"])))
+            try:
+                points.setdefault(_curve_key(r["record"], row), []).append((float(recall), float(row["value"])))
+            except (TypeError, ValueError):
+                continue
     if not points:
-        return None, records
+        return None
     fig, ax = _pyplot().subplots(figsize=(7, 3.6))
     for key, pts in sorted(points.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=_clip(key, 60))
     ax.set_yscale("log")
     ax.set_xlabel("recall")
     ax.set_ylabel("queries / s")
     ax.set_title("Recall vs throughput (benchmarks)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    return _png(fig), records
+    return _png(fig)
+
+
+# -- formatting for people ---------------------------------------------------------------------
+
+def _clip(text: str, n: int = 40) -> str:
+    """``text`` cut to ``n`` characters in the middle (plot labels: ids of any length)."""
+    text = str(text)
+    return text if len(text) <= n else text[: n // 2 - 1] + "…" + text[-(n - n // 2):]
+
+
+def _num(v: Any) -> str:
+    """A number as people read it: thousands separators, a sensible number of decimals."""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if v != v or v in (float("inf"), float("-inf")):
+            return str(v)
+        a = abs(v)
+        if a >= 100 or (v.is_integer() and a >= 1):
+            return f"{v:,.0f}"
+        return "0" if v == 0 else f"{v:.3g}"
+    return str(v)
+
+
+def _duration(seconds: Any) -> str:
+    """Seconds as a readable duration: ``0.25 s``, ``4.0 s``, ``42 s``, ``1 min 40 s``, ``2 h 03 min``."""
+    try:
+        s = float(seconds)
+    except (TypeError, ValueError):
+        return str(seconds)
+    if s != s:
+        return str(seconds)
+    if s < 1:
+        return f"{s:.2f} s"
+    if s < 10:
+        return f"{s:.1f} s"
+    if s < 59.5:
+        return f"{s:.0f} s"
+    m = int(round(s)) // 60
+    if m < 60:
+        return f"{m} min {int(round(s)) % 60:02d} s"
+    h = m // 60
+    if h < 48:
+        return f"{h} h {m % 60:02d} min"
+    return f"{h // 24} d {h % 24:02d} h"
+
+
+def _when(iso: Any) -> str:
+    """An ISO time as ``2026-11-27 16:18:50 UTC`` (times without a zone are UTC); other text as it is."""
+    t = _epoch(iso) if isinstance(iso, str) else None
+    if t is None:
+        return "" if iso is None else str(iso)
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _minute(t: float) -> str:
+    """Epoch seconds as ``2026-11-27 16:18 UTC``."""
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _words(key: str) -> str:
+    return str(key).replace("_", " ")
+
+
+def _value(key: str, v: Any) -> str:
+    """A summary value: durations for ``*seconds`` keys, numbers formatted, small dicts inline."""
+    if isinstance(v, dict):
+        return _pairs(v)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and str(key).endswith("seconds"):
+        return _duration(v)
+    return _num(v)
+
+
+def _pairs(d: dict) -> str:
+    """``{"pcd": 10, "ply": 3}`` as ``pcd 10, ply 3`` (nested dicts in parentheses, lists left out)."""
+    out = []
+    for k, v in d.items():
+        if v is None:
+            continue
+        if isinstance(v, dict):
+            out.append(f"{_words(k)} ({_pairs(v)})" if v else "")
+        elif isinstance(v, (list, tuple)):  # per-item lists (failures, results): the tables show them
+            continue
+        else:
+            out.append(f"{_words(k)} {_value(k, v)}")
+    return ", ".join(x for x in out if x)
+
+
+def _bench_value(row: dict) -> str:
+    v, unit = row.get("value"), str(row.get("unit") or "")
+    if isinstance(v, (int, float)) and unit in ("s", "seconds"):
+        return _duration(v)
+    return f"{_num(v)} {unit}".strip()
+
+
+def _bench_baseline(row: dict) -> str:
+    ratio, base = row.get("ratio"), row.get("baseline")
+    if not isinstance(ratio, (int, float)) or not base:
+        return ""
+    return f"{ratio:.2f}x {base}"
 
 
 def _short(name: str) -> str:
@@ -259,7 +409,7 @@ def _detections(store: ScanStore) -> dict[str, Any]:
             pose = np.asarray(d["pose"], np.float64)
             angle = np.degrees(np.arccos(np.clip((np.trace(pose[:3, :3]) - 1.0) / 2.0, -1.0, 1.0)))
             rows.append([sid, d.get("model_name", d["model"]), f"{d['score']:.3f}",
-                         f"{d['inliers']}" + (f" / {d['visible']}" if d.get("visible") else ""),
+                         _num(d["inliers"]) + (f" / {_num(d['visible'])}" if d.get("visible") else ""),
                          "(" + ", ".join(f"{x:.3f}" for x in pose[:3, 3]) + ")", f"{angle:.1f}",
                          "" if ok is None else ("yes" if ok else "no")])
         checked = truth is not None and bool(resolution)
@@ -286,7 +436,7 @@ def _detections_plot(scenes: list[dict], *, max_labels: int = 24) -> str:
             ax.bar(x[h > 0], h[h > 0], bottom=bottom[h > 0], label=key, **style)
             bottom += h
     if len(scenes) <= max_labels:
-        ax.set_xticks(x, [s["scan_id"] for s in scenes], rotation=30, ha="right", fontsize=7)
+        ax.set_xticks(x, [_clip(s["scan_id"], 32) for s in scenes], rotation=30, ha="right", fontsize=7)
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -298,66 +448,136 @@ def _detections_plot(scenes: list[dict], *, max_labels: int = 24) -> str:
     return _png(fig)
 
 
+#: bench records listed in the report at most (newest first), and rows shown of each bench's newest
+MAX_BENCH_RECORDS = 30
+MAX_BENCH_ROWS = 60
+
+#: The page's style. Wide content wraps instead of running past the right edge: ids, paths,
+#: reasons and summaries (class ``w``) break anywhere when they must and are given room
+#: (``min-width``); short words, times and numbers (``t``, ``n``) do not break.
+CSS = ("*{box-sizing:border-box}"
+       "body{font-family:system-ui,sans-serif;margin:2em auto;padding:0 16px;max-width:1200px;color:#222}"
+       "h1,h2,h3,p{overflow-wrap:anywhere}h2{margin-top:1.6em}.sub{color:#666}img{max-width:100%;height:auto}"
+       "table{border-collapse:collapse;margin:.5em 0;font-size:13px;max-width:100%}"
+       "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top;overflow-wrap:break-word}"
+       "th{background:#f3f3f3;white-space:nowrap}"
+       ".w{overflow-wrap:anywhere;min-width:12em}.t{white-space:nowrap}"
+       ".n{white-space:nowrap;text-align:right;font-variant-numeric:tabular-nums}"
+       "table.kv th{text-align:left;width:9em}table.kv td{overflow-wrap:anywhere}")
+
+
 def write_report(store_path: str, out: str | Path, *, bench_dir: str | Path = "bench-results") -> Path:
-    """Write the HTML report of ``store_path`` to ``out``; returns the path."""
+    """Write the HTML report of ``store_path`` to ``out``; returns the path.
+
+    Bench records are read from ``bench_dir`` and, for a relative one, the same folder beside and
+    inside the store (see :func:`_bench_dirs`); without any, the page has no Benchmarks section."""
     store = ScanStore(store_path, mode="r")
     info = store.info()
     runs = sorted(store.runs(), key=_start_key, reverse=True)  # newest first
     tfig, untimed = _throughput_figure(runs)
     tp = _png(tfig) if tfig is not None else None
-    bp, bench_records = _bench_plot(Path(bench_dir))
+    bench = _bench_records(_bench_dirs(store_path, bench_dir))
+    bp = _bench_plot(bench)
     det = _detections(store)
     quarantine = store.quarantined()
     esc = html.escape
 
-    def table(headers, rows):
+    def cell(c, kind):
+        if isinstance(c, tuple):  # (text, ISO time): a <time> element
+            text, iso = c
+            body = f'<time datetime="{esc(str(iso))}">{esc(text)}</time>' if iso else esc(text)
+        else:
+            body = esc(str(c))
+        return f"<td class={kind}>{body}</td>" if kind else f"<td>{body}</td>"
+
+    def table(headers, rows, kinds=""):
+        """Columns' kinds, one letter each: w (ids, paths, reasons: wrap anywhere), t (no wrap),
+        n (number: right, no wrap), or - (plain text)."""
+        kinds = [k if k in "wtn" else "" for k in kinds.ljust(len(headers), "-")]
         head = "".join(f"<th>{esc(str(h))}</th>" for h in headers)
-        body = "".join("<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+        body = "".join("<tr>" + "".join(cell(c, k) for c, k in zip(r, kinds)) + "</tr>" for r in rows)
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
+    def when(iso):
+        return (_when(iso), iso) if iso else ""
+
+    def started(r):
+        text = _started(r)  # an ISO time, or "≈ ISO" estimated for older records
+        if not text:
+            return ""
+        return ("≈ " + _when(text[2:])) if text.startswith("≈") else (_when(text), text)
+
+    def took(r):
+        start, end = _run_start(r), _epoch(r.get("finished"))
+        if start is not None and end is not None and r.get("started"):
+            return _duration(max(0.0, end - start))
+        seconds = (r.get("summary") or {}).get("seconds")
+        return _duration(seconds) if isinstance(seconds, (int, float)) else ""
+
     def summary(r):
-        shown = {k: v for k, v in (r.get("summary") or {}).items() if v is not None and not isinstance(v, (list, dict))}
-        return ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+        return _pairs({k: v for k, v in (r.get("summary") or {}).items() if k != "seconds"})  # "took" has it
 
     def items(r):
-        return ", ".join(f"{n} {s}" for s, n in Counter(x.get("status", "?") for x in r.get("records") or []).items())
+        return ", ".join(f"{n:,} {s}" for s, n in Counter(x.get("status", "?") for x in r.get("records") or []).items())
 
-    parts = [f"<h1>scanforest report</h1><p class=sub>{esc(store.path)}</p>",
+    store_rows = [("scans", _num(info["scans"])), ("points", _num(info["points"])),
+                  ("formats", _pairs(info["formats"]) or "none"), ("stages", _pairs(info["stages"]) or "none"),
+                  ("quarantined", _num(info["quarantined"])), ("incomplete", _num(len(info["incomplete"]))),
+                  ("damaged", _num(len(info.get("damaged") or []))), ("runs", _num(info["runs"]))]
+    parts = [f"<h1>scanforest report</h1><p class=sub>{esc(str(store.path))}</p>",
              "<h2>Store</h2>",
-             table(["scans", "points", "formats", "stages", "quarantined", "incomplete", "runs"],
-                   [[info["scans"], f"{info['points']:,}", json.dumps(info["formats"]), json.dumps(info["stages"]),
-                     info["quarantined"], len(info["incomplete"]), info["runs"]]]),
+             "<table class=kv><tbody>" + "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>"
+                                                 for k, v in store_rows) + "</tbody></table>",
              "<h2>Runs</h2>"]
     if runs:
-        parts.append("<p class=sub>Newest first.</p>" + table(
-            ["run", "flow", "status", "started", "finished", "items", "summary"],
-            [[r["id"], r.get("flow", ""), _status(r), _started(r), r.get("finished", ""), items(r), summary(r)]
-             for r in runs]))
+        parts.append("<p class=sub>Newest first; times in UTC.</p>" + table(
+            ["run", "flow", "status", "started", "took", "items", "summary"],
+            [[r["id"], r.get("flow", ""), _status(r), started(r), took(r), items(r), summary(r)] for r in runs],
+            "wtttn-w"))
     else:
         parts.append("<p>No runs recorded.</p>")
     parts.append("<h2>Throughput over time</h2>"
                  + (f'<img alt="throughput" src="{tp}">' if tp else "<p>No timed runs.</p>"))
     if untimed:
         parts.append(f"<p class=sub>Not plotted (records without finish times): {esc(', '.join(untimed))}.</p>")
-    parts.append("<h2>Benchmarks</h2>" + (f'<img alt="recall vs throughput" src="{bp}">' if bp else
-                                          "<p>No recall/throughput benchmark results found.</p>"))
-    if bench_records:
-        parts.append(table(["file", "bench", "gpu", "rows"], [[b["file"], b["bench"], b["gpu"], b["rows"]]
-                                                              for b in bench_records]))
+    if bench:
+        parts.append("<h2>Benchmarks</h2>")
+        if bp:
+            parts.append(f'<img alt="recall vs throughput" src="{bp}">')
+        latest: dict[str, dict] = {}
+        for b in bench:  # newest first: the first of each bench is its newest
+            latest.setdefault(b["bench"], b)
+        for name, b in sorted(latest.items()):
+            rows = b["rows"]
+            parts.append(f"<h3>bench {esc(name)}</h3><p class=sub>Newest record: {esc(b['file'])}, {_minute(b['time'])}"
+                         + (f", {esc(str(b['gpu']))}" if b["gpu"] else "")
+                         + (f", took {esc(_duration(b['seconds']))}" if isinstance(b["seconds"], (int, float)) else "")
+                         + (f"; the first {MAX_BENCH_ROWS} of {len(rows):,} rows" if len(rows) > MAX_BENCH_ROWS else "")
+                         + ".</p>")
+            parts.append(table(["figure", "value", "device", "vs baseline"],
+                               [[r.get("figure", ""), _bench_value(r), r.get("device", ""), _bench_baseline(r)]
+                                for r in rows[:MAX_BENCH_ROWS]], "wn-w"))
+        parts.append("<h3>Records</h3><p class=sub>Newest first" + (
+            f"; the newest {MAX_BENCH_RECORDS} of {len(bench):,}" if len(bench) > MAX_BENCH_RECORDS else "")
+            + ".</p>" + table(
+            ["written", "bench", "file", "gpu", "rows"],
+            [[_minute(b["time"]), b["bench"], str(Path(b["dir"]) / b["file"]), b["gpu"] or "", _num(len(b["rows"]))]
+             for b in bench[:MAX_BENCH_RECORDS]],
+            "ttw-n"))
     parts.append("<h2>Detections</h2>")
     if det["scenes"]:
         rows, scenes = det["rows"], det["scenes"]
         checked = [s for s in scenes if s["checked"]]
-        line = f"{len(rows)} detections in {len(scenes)} recognised scenes."
+        line = f"{len(rows):,} detections in {len(scenes):,} recognised scenes."
         if checked:
             tp_, fp_, fn_ = (sum(s[k] for s in checked) for k in ("correct", "false", "missed"))
-            line += (f" Against ground truth ({len(checked)} scenes): {tp_} correct, {fp_} false, {fn_} missed;"
+            line += (f" Against ground truth ({len(checked):,} scenes): {tp_:,} correct, {fp_:,} false, {fn_:,} missed;"
                      f" precision {tp_ / max(1, tp_ + fp_):.3f}, recall {tp_ / max(1, tp_ + fn_):.3f}.")
         if len(rows) > MAX_DETECTION_ROWS:
-            line += f" Table: the first {MAX_DETECTION_ROWS} (all of them: scanforest recognize --export)."
+            line += f" Table: the first {MAX_DETECTION_ROWS:,} (all of them: scanforest recognize --export)."
         parts.append(f'<img alt="detections" src="{_detections_plot(scenes)}"><p>{esc(line)}</p>' + table(
             ["scene", "model", "score", "inliers / visible", "translation", "rotation (deg)", "correct"],
-            rows[:MAX_DETECTION_ROWS]))
+            rows[:MAX_DETECTION_ROWS], "wwnntnt"))
     else:
         parts.append("<p>No recognition results yet.</p>")
     failed_runs = [r for r in runs if r.get("status") == "failed" or _status(r) in ("interrupted",
@@ -367,20 +587,19 @@ def write_report(store_path: str, out: str | Path, *, bench_dir: str | Path = "b
     parts.append("<h2>Failures</h2>")
     if quarantine:
         parts.append("<h3>Quarantined files</h3>" + table(
-            ["file", "reason", "time"], [[q["source"], q["reason"], q.get("time", "")] for q in quarantine]))
+            ["file", "reason", "time"], [[q["source"], q["reason"], when(q.get("time"))] for q in quarantine], "wwt"))
     if failed_runs:
         parts.append("<h3>Failed or interrupted runs</h3>" + table(
             ["run", "flow", "status", "started", "error"],
-            [[r["id"], r.get("flow", ""), _status(r), r.get("started", ""), r.get("error", "")] for r in failed_runs]))
+            [[r["id"], r.get("flow", ""), _status(r), when(r.get("started")), r.get("error", "")] for r in failed_runs],
+            "wtttw"))
     if failed_items:
-        parts.append("<h3>Failed items</h3>" + table(["run", "scan", "reason"], failed_items))
+        parts.append("<h3>Failed items</h3>" + table(["run", "scan", "reason"], failed_items, "www"))
     if not (quarantine or failed_runs or failed_items):
         parts.append("<p>No quarantined files, failed runs or failed items.</p>")
-    css = ("body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1000px;color:#222}"
-           "table{border-collapse:collapse;margin:.5em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;"
-           "text-align:left}th{background:#f3f3f3}img{max-width:100%}.sub{color:#666}h2{margin-top:1.6em}")
-    doc = (f"<!doctype html><html><head><meta charset=utf-8><title>scanforest report</title><style>{css}</style>"
-           f"</head><body>{''.join(parts)}</body></html>")
+    doc = (f"<!doctype html><html><head><meta charset=utf-8>"
+           f"<meta name=viewport content='width=device-width, initial-scale=1'><title>scanforest report</title>"
+           f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc)
