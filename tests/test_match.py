@@ -724,37 +724,38 @@ def test_planner_replicates_what_fits_one_device_and_shards_the_rest():
     assert not plan_shards(400_000_000, 352, h100).fits
 
 
-@pytest.fixture(scope="module")
-def four_workers():
+@pytest.mark.parametrize("shards", [1, 2])
+def test_one_two_four_workers_give_the_same_answer(tmp_path, rng, shards):
+    """1, 2 and 4 local workers (each its own device: 1, 2 or 4 copies of a 1-shard index, 1 or 2
+    of a 2-shard one) give the same lists bit for bit, every copy being the same forest; an
+    unlimited budget equals the brute force; each block goes to one copy, so a copy searches a
+    share of the queries, not all of them."""
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=4, threads_per_worker=1, processes=False, dashboard_address=None) as cl, \
-            Client(cl) as c:
-        yield c
-
-
-@pytest.mark.parametrize("shards", [1, 2])
-def test_replicas_split_the_queries_and_keep_the_answer(tmp_path, rng, four_workers, shards):
-    """1, 2 and 4 copies of a 1- or 2-shard index on 4 local workers give the same lists bit for
-    bit (every copy is the same forest); an unlimited budget equals the brute force; each block
-    goes to one copy, so every shard copy searches a share of the queries, not all of them."""
     X, Q = _data(rng, n=4000, m=600)
     store = str(tmp_path / "s.zarr")
     idx.build_index(store, "t", X, shards=shards, params={"method": "banns", "leaf_size": 16, "backtracks": 6})
     bd, bi = knn_bruteforce(X, Q, 4, device="cpu")
     answers = []
-    for replicas in (None, 1, 2):
-        di = DistributedIndex(four_workers, store, "t", device="cpu", replicas=replicas)
-        expect = 4 // shards if replicas is None else replicas
-        assert di.replicas == expect and di.describe()["shards"] == shards
-        assert len({di.placement[j] for j in range(expect * shards)}) == expect * shards  # a device each
-        d, i, st = di.query(Q, 4, block=64, return_stats=True)
-        assert st["blocks"] >= expect and st["leaves"] <= 6 * len(Q) * shards  # one copy per block
-        answers.append((d, i))
-        du, iu = di.query(Q, 4, block=64, backtracks=10 ** 6)  # unlimited: the brute force
-        np.testing.assert_array_equal(iu, bi)
-        np.testing.assert_array_equal(du, bd)
-        di.close()
+    for workers in (1, 2, 4):
+        with LocalCluster(n_workers=workers, threads_per_worker=1, processes=False, dashboard_address=None) as cl, \
+                Client(cl) as client:
+            di = DistributedIndex(client, store, "t", device="cpu")
+            expect = max(1, workers // shards)
+            assert di.replicas == expect and di.describe()["shards"] == shards
+            held = {di.placement[j] for j in range(expect * shards)}
+            assert len(held) == min(workers, expect * shards)  # copies of a shard on different workers
+            d, i, st = di.query(Q, 4, block=64, return_stats=True)
+            assert st["blocks"] >= expect and st["leaves"] <= 6 * len(Q) * shards  # one copy per block
+            answers.append((d, i))
+            du, iu = di.query(Q, 4, block=64, backtracks=10 ** 6)  # unlimited: the brute force
+            np.testing.assert_array_equal(iu, bi)
+            np.testing.assert_array_equal(du, bd)
+            if workers == 4:  # a copy count asked for: the same lists again
+                two = DistributedIndex(client, store, "t", device="cpu", replicas=2)
+                np.testing.assert_array_equal(two.query(Q, 4, block=64)[1], i)
+                two.close()
+            di.close()
     for d, i in answers[1:]:
         np.testing.assert_array_equal(i, answers[0][1])
         np.testing.assert_array_equal(d, answers[0][0])
