@@ -526,7 +526,9 @@ def _search_stream(shard: Shard):
     host). A worker with two threads then runs two query blocks on one GPU side by side: one
     block's host syncs and small launches leave the GPU idle, the other fills it (one H100,
     10M x 352, 4 GPUs: 1.13-1.17M -> 1.21-1.23M queries/s at 1M queries). One stream per
-    thread, kept: CuPy's memory pool keeps freed blocks per stream."""
+    thread, kept: CuPy's memory pool keeps freed blocks per stream. A blocking stream: it waits
+    for work on the legacy default stream (queries a SHOT kernel of the one-pass pipeline just
+    wrote there), and two of them run side by side."""
     if getattr(shard.forest, "device_", "cpu") != "gpu":
         return contextlib.nullcontext()
     import cupy as cp
@@ -534,7 +536,7 @@ def _search_stream(shard: Shard):
     dev = cp.cuda.Device().id
     streams = _STREAMS.__dict__.setdefault("by_device", {})
     if dev not in streams:
-        streams[dev] = cp.cuda.Stream(non_blocking=True)
+        streams[dev] = cp.cuda.Stream(non_blocking=False)
     return streams[dev]
 
 

@@ -776,3 +776,28 @@ def test_query_blocks_ramp_up_wave_by_wave():
     di.replicas, di._dev = 4, "gpu"
     sizes = [b - a for a, b in di.split(1_000_000, 262_144)]
     assert sizes[:4] == [32_768] * 4 and sizes[4:8] == [65_536] * 4  # doubling waves of four
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_two_threads_search_one_gpu_shard_at_once(tmp_path, rng, dtype):
+    """Two threads of a worker search one GPU shard side by side, each on its own stream, from
+    its first search on (the lazily kept row norms and exact search made by one while the other
+    reads them), with queries a kernel just wrote on the default stream: the same lists and leaf
+    counts as one search at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import cupy as cp
+
+    X, Q = _data(rng, n=20000, m=3000, d=32)
+    store = str(tmp_path / "s.zarr")
+    idx.build_index(store, "t", X, params={"method": "banns", "leaf_size": 16, "backtracks": 32}, dtype=dtype)
+    ref = idx.search_shard(idx.load_shard(store, "t", 0, "gpu"), Q, 4, stats=True)
+    sh = idx.load_shard(store, "t", 0, "gpu")  # fresh: its first searches run at once
+    Qg = cp.asarray(Q) * cp.float32(1)  # written on the default stream just before the searches
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda q: idx.search_shard(sh, q, 4, stats=True), [Qg, Q, Qg, Q]))
+    for d, i, st in outs:
+        np.testing.assert_array_equal(i, ref[1])
+        np.testing.assert_array_equal(d, ref[0])
+        assert st["leaves"] == ref[2]["leaves"]
