@@ -25,6 +25,8 @@ from typing import Iterator
 
 from scanforest.tasks.readers import FORMAT_LIBRARIES
 
+from . import _watchdog
+
 log = logging.getLogger("scanforest")
 
 _server_lock = threading.Lock()
@@ -222,15 +224,36 @@ def open_store(store: str, mode: str = "a"):
     return st
 
 
-def count_redone(records: list[dict], st, stage: str, since: str, status: str) -> None:
-    """A unit that a lost worker had finished before Dask ran it again reports ``skipped``; a
-    scan whose ``stage`` this run wrote (at or after ``since``, the run's start in the store's
-    ISO format) counts as ``status``, so a run on a fresh store never says "skipped"."""
+def count_redone(records: list[dict], st, stage: str, since: str, status: str, *, run: str | None = None,
+                 fields: dict[str, str] | None = None) -> None:
+    """Count as ``status`` every scan whose ``stage`` this run wrote, whatever its unit reported.
+
+    A unit that a lost worker had finished before Dask ran it again reports ``skipped`` (the
+    stage is there), and one that Dask ran again while the first copy still held the scan
+    reports ``held``; the stage record says who wrote it. A record naming its run (``run``: the
+    flow run's id, default the current one, :func:`scanforest.tasks.units.current_run`) is this
+    run's when it names this run, and never another's, so two runs at once never both claim a
+    scan; a record without one (an older version's, or a unit that does not record its run) is
+    this run's when written at or after ``since`` (the run's start in the store's ISO format).
+    ``fields``: record key -> stage-record key, the figures taken from the stored record for such
+    a scan (``{"keypoints": "keypoints"}``: the summary counts what was stored, not the redone
+    unit's zero)."""
+    from scanforest.tasks.units import HELD, current_run
+
+    run = run or current_run()
     for r in records:
-        if r.get("status") == "skipped":
-            written = st.attrs(r["scan_id"]).get("stages", {}).get(stage, {}).get("written", "")
-            if written >= since:
-                r["status"] = status
+        if r.get("status") not in ("skipped", HELD):
+            continue
+        rec = st.stage(r["scan_id"], stage) or {}
+        owner = rec.get("run")
+        mine = (owner == run) if owner and run else (r["status"] == "skipped" and bool(rec)
+                                                      and rec.get("written", "") >= since)
+        if mine:
+            r["status"] = status
+            r.pop("reason", None)
+            for key, field in (fields or {}).items():
+                if field in rec:
+                    r[key] = rec[field]
 
 
 def failures(records: list[dict]) -> list[dict]:
@@ -691,23 +714,33 @@ def _on_running(flow, flow_run, state) -> None:
         import socket
 
         _mark_interrupted(st)
-        st.write_run(_run_id(_flow_key(flow), flow_run),
+        run_id = _run_id(_flow_key(flow), flow_run)
+        st.write_run(run_id,
                      {"flow": _flow_key(flow), "status": "running", "started": _iso(),
                       "host": socket.gethostname(), "pid": os.getpid(), "flow_run_id": str(flow_run.id),
                       "parameters": _public_params(flow_run.parameters), "versions": versions()})
+        # a process killed from here on is noticed at once, not when the next flow opens the store
+        local = _server is not None and os.environ.get("PREFECT_API_URL") == _server.url
+        _watchdog.watch(st.path, run_id, str(flow_run.id), _server.proc.pid if local else None)
 
 
-def _on_failure(flow, flow_run, state) -> None:
-    """Flow hook (failed or crashed): the run is in the store as ``failed`` with its error in one line."""
+def _on_failure(flow, flow_run, state, status: str = "failed") -> None:
+    """Flow hook (failed): the run is in the store as ``failed`` with its error in one line."""
     st = _existing_store(flow_run.parameters.get("store"))
     if st is None:
         return
     run_id = _run_id(_flow_key(flow), flow_run)
     old = _run_attrs(st, run_id)
-    msg = (state.message or state.name or "failed").strip().splitlines()
-    st.write_run(run_id, {"flow": _flow_key(flow), "status": "failed", "started": old.get("started", _iso()),
-                          "finished": _iso(), "error": msg[0] if msg else "failed",
+    msg = (state.message or state.name or status).strip().splitlines()
+    st.write_run(run_id, {"flow": _flow_key(flow), "status": status, "started": old.get("started", _iso()),
+                          "finished": _iso(), "error": msg[0] if msg else status,
                           "parameters": _public_params(flow_run.parameters), "versions": versions()})
+    _watchdog.release(run_id)
+
+
+def _on_crashed(flow, flow_run, state) -> None:
+    """Flow hook (crashed: a served run's process killed, seen by its runner): ``interrupted``."""
+    _on_failure(flow, flow_run, state, status="interrupted")
 
 
 def _run_attrs(store, run_id: str) -> dict:
@@ -722,18 +755,65 @@ def _public_params(params: dict) -> dict:
 
 
 #: hooks every scanforest flow carries: ``@flow(..., **RUN_HOOKS)``
-RUN_HOOKS = {"on_running": [_on_running], "on_failure": [_on_failure], "on_crashed": [_on_failure]}
+RUN_HOOKS = {"on_running": [_on_running], "on_failure": [_on_failure], "on_crashed": [_on_crashed]}
+
+
+#: the figures of a stage's summary that count work done: a run with all of them 0, no failure
+#: (and no library built) did nothing (:func:`is_noop`)
+WORK_FIGURES = {"describe": ("described",), "match": ("matched",), "recognize": ("recognized",),
+                "process": ("recognized", "described", "matched")}
+
+
+def is_noop(flow: str, summary: dict) -> bool:
+    """Whether a run of ``flow`` with this summary found nothing to do (ingest and the other flows:
+    never; an index build when it kept the index unchanged)."""
+    if flow == "index-build":
+        return summary.get("status") == "unchanged"
+    keys = WORK_FIGURES.get(flow)
+    if (keys is None or summary.get("failed") or summary.get("failures") or summary.get("held")
+            or summary.get("library") == "built"):  # failures, and scans left to a concurrent run, stay on record
+        return False
+    return all(not summary.get(k) for k in keys)
+
+
+def count_noop(store, flow: str, summary: dict, run_id: str | None = None) -> None:
+    """A run that found nothing to do, summarised instead of stored: the record its start hook
+    opened (``run_id``) is removed, and the store's ``runs`` group keeps, per flow, how many such
+    runs there were, the first and last one's time and the last one's scalar figures (attribute
+    ``noop_runs``), so an idle store's schedule adds no record per run. ``store``: a
+    :class:`~scanforest.tasks.store.ScanStore` or a path; best effort (a store that cannot be
+    written keeps no count)."""
+    from scanforest.tasks.store import LOCKS, ScanStore, _jsonable, file_lock
+
+    with contextlib.suppress(Exception):
+        st = store if isinstance(store, ScanStore) else ScanStore(absolute_path(store), mode="a")
+        runs = st.root.require_group("runs")
+        with file_lock(os.path.join(st.path, LOCKS, "runs", "noop.lock")):
+            if run_id is not None and run_id in runs:
+                del runs[run_id]
+            counts = dict(runs.attrs.get("noop_runs") or {})
+            now = _iso()
+            old = counts.get(flow) or {}
+            counts[flow] = {"count": int(old.get("count", 0)) + 1, "first": old.get("first", now), "last": now,
+                            "summary": {k: v for k, v in summary.items() if not isinstance(v, (list, dict))}}
+            runs.attrs["noop_runs"] = _jsonable(counts)
 
 
 def record_run(store, flow: str, parameters: dict, summary: dict, records: list[dict]) -> str:
     """Write the run manifest into the store (the record the run's start hook opened, now
-    ``completed``) and a Prefect table artifact for the run."""
+    ``completed``) and a Prefect table artifact for the run. A run that found nothing to do
+    (:func:`is_noop`) is counted instead (:func:`count_noop`)."""
     run_id = _run_id(flow)
+    if is_noop(flow, summary):
+        count_noop(store, flow, summary, run_id)
+        _watchdog.release(run_id)
+        return run_id
     old = _run_attrs(store, run_id)
     slim = [{k: r[k] for k in _RECORD_KEYS if k in r} for r in records]
     store.write_run(run_id, {"flow": flow, "status": "completed", "parameters": parameters, "summary": summary,
                              "versions": versions(), "records": slim,
                              "started": old.get("started") or _iso(_started_at(summary)), "finished": _iso()})
+    _watchdog.release(run_id)
     try:
         from prefect.artifacts import create_table_artifact
 

@@ -191,8 +191,9 @@ def test_every_kernels_family_is_a_listed_subpackage():
 
 
 #: what ``flows/`` holds besides the flows themselves: the runner, the deployment table and the
-#: helpers the flows use (distributed matching for the match flow, the report of their runs)
-FLOW_HELPERS = {"__init__", "_runner", "deployments", "distributed", "report"}
+#: helpers the flows use (distributed matching for the match flow, the report of their runs, the
+#: runs' watchdog, the checks that answer a run with nothing to do before it starts)
+FLOW_HELPERS = {"__init__", "_noop", "_runner", "_watchdog", "deployments", "distributed", "report"}
 
 
 def _defines_flow(path: Path) -> bool:

@@ -204,3 +204,40 @@ def test_local_api_starts_again_when_its_first_server_exits(tmp_path, monkeypatc
             assert r.status == 200
     finally:
         api.stop()
+
+
+def test_a_killed_command_is_crashed_at_once_on_a_real_server(tmp_path, prefect_server):
+    """A command-line run killed with SIGKILL while a Prefect server runs is Crashed in Prefect
+    and ``interrupted`` in the store within seconds, with no other flow started: its watchdog,
+    a process of its own session, sees the killed process's end of a pipe close."""
+    api, env = prefect_server
+    rng = np.random.default_rng(0)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        write_cloud(src / f"s{i}.npy", rng.normal(size=(2000, 3)).astype(np.float32))
+    store = tmp_path / "s.zarr"
+    res = subprocess.run(CLI + ["ingest", str(src), str(store), "--workers", "1"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    proc = subprocess.Popen(CLI + ["describe", str(store), "--workers", "1"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def run_of(flow):
+        return next((r for r in ScanStore(store, mode="r").runs() if r.get("flow") == flow), None)
+
+    try:
+        _wait(lambda: (run_of("describe") or {}).get("status") == "running", 120, "the describe run to start",
+              [proc])
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        killed = time.time()
+        rec = run_of("describe")
+        _wait(lambda: (run_of("describe") or {}).get("status") == "interrupted", 120, "the store record")
+        _wait(lambda: (_api(api + f"/flow_runs/{rec['flow_run_id']}") or {}).get("state_type") == "CRASHED", 120,
+              "Prefect's Crashed state")
+        assert time.time() - killed < 120
+        assert f"pid {proc.pid}" in run_of("describe")["error"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the killed command's Dask workers
