@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 from prefect import flow
@@ -10,7 +11,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from scanforest.tasks.describe import DescribeParams
 from scanforest.tasks.prefect_tasks import describe_scan_task
 from scanforest.tasks.store import ScanStore, _now
+from scanforest.tasks.units import HELD, current_run
 
+from ._noop import describe_noop
 from ._runner import (RUN_HOOKS, absolute_path, auto_batch, check_scheduler, count_redone, dask_client,
                       ensure_prefect_api, failures, map_batches, n_workers, open_store, record_run, require_scans)
 
@@ -25,6 +28,11 @@ def describe_flow(store: str, scans: list[str] | None = None, params: DescribePa
     go on; its stage is not written, so the next run tries it again."""
     store = absolute_path(store)
     check_describe(store, scans)
+    quick = describe_noop(store, scans, params or DescribeParams())
+    if quick is not None:  # nothing to do: no cluster, and the run is counted, not stored (record_run)
+        record_run(ScanStore(store), "describe", {**(params or DescribeParams()).as_dict(), "device": device},
+                   quick, [])
+        return quick
     with dask_client(scheduler, n_workers=workers, device=device) as client:
         summary = _describe(store, scans, params, device, progress, batch, n_workers(client))
         summary["workers"] = n_workers(client)
@@ -37,18 +45,30 @@ def _describe(store, scans, params, device, progress, batch, nw) -> dict[str, An
     ids = st.scans() if scans is None else list(scans)
     params = params or DescribeParams()
     since = _now()
+    run = current_run() or f"local-{uuid.uuid4().hex}"  # the stage records name it (outside Prefect too)
     recs = map_batches(describe_scan_task, ids, item_param="scan_ids",
-                       common=dict(store=store, params=params, device=device), label="describe",
+                       common=dict(store=store, params=params, device=device, run=run), label="describe",
                        batch=batch or auto_batch(len(ids), nw), progress=progress, workers=nw)
-    count_redone(recs, st, "describe", since, "described")
-    done = [r for r in recs if r["status"] == "described"]
-    failed = failures(recs)
-    summary = {"scans": len(ids), "described": len(done), "skipped": sum(r["status"] == "skipped" for r in recs),
-               "failed": len(failed), "failures": failed,
-               "keypoints": int(sum(r["keypoints"] for r in done)), "seconds": time.perf_counter() - t0,
-               "task_seconds": float(sum(r["seconds"] for r in recs))}
+    summary = summarize(recs, st, since=since, run=run)
+    summary.update(scans=len(ids), seconds=time.perf_counter() - t0)
     record_run(st, "describe", {**params.as_dict(), "device": device}, summary, recs)
     return summary
+
+
+def summarize(recs: list[dict], st: ScanStore, *, since: str, run: str | None) -> dict[str, Any]:
+    """A describe run's figures, counted from what it stored: a scan whose ``describe`` record
+    names this run is ``described`` with the record's keypoints, also where a lost worker took
+    the unit's own record with it (Dask ran it again and it found the stage written:
+    :func:`count_redone`); a scan another run was describing is ``held``, left to that run, so the
+    ``described`` of runs at once add up to the scans once."""
+    count_redone(recs, st, "describe", since, "described", run=run,
+                 fields={"keypoints": "keypoints", "valid": "valid_descriptors"})
+    done = [r for r in recs if r["status"] == "described"]
+    failed = failures(recs)
+    return {"scans": len(recs), "described": len(done), "skipped": sum(r["status"] == "skipped" for r in recs),
+            "held": sum(r["status"] == HELD for r in recs), "failed": len(failed), "failures": failed,
+            "keypoints": int(sum(r.get("keypoints", 0) for r in done)),
+            "task_seconds": float(sum(r.get("seconds", 0.0) for r in recs))}
 
 
 def check_describe(store: str, scans: list[str] | None) -> None:

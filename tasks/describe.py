@@ -23,7 +23,7 @@ import numpy as np
 
 from scanforest.kernels.backend import resolve_device, to_host
 
-from .store import ScanStore
+from .store import ScanStore, stage_matches
 
 
 @dataclass(frozen=True)
@@ -106,19 +106,38 @@ def describe_cloud(points, params: DescribeParams, *, device: str = "auto", resi
 
 
 def describe_scan(store_path: str, scan_id: str, params: DescribeParams, *, device: str = "auto",
-                  force: bool = False) -> dict[str, Any]:
-    """Describe one stored scan unless it already carries descriptors with these parameters."""
+                  force: bool = False, run: str | None = None) -> dict[str, Any]:
+    """Describe one stored scan unless it already carries descriptors with these parameters.
+
+    Under the scan's ``describe`` claim (:meth:`ScanStore.claim_stage`, not waited for): a scan
+    that another run is describing right now is left to it (status ``held``), so two runs at once
+    share the work. ``run`` (the flow run's id) goes into the stage record, so the flow counts as
+    its own the scans it wrote, also those whose record a lost worker took with it."""
+    from .units import after_claim, held
+
     t0 = time.perf_counter()
     store = ScanStore(store_path)
-    if not force and store.has_stage(scan_id, "describe", **params.as_dict()):
+
+    def skipped() -> dict[str, Any]:
         return {"scan_id": scan_id, "status": "skipped", "keypoints": 0, "seconds": time.perf_counter() - t0}
-    pts = store.read(scan_id, "points")
-    res = describe_cloud(pts, params, device=device)
-    arrays = res["arrays"]
-    n_valid = int(np.isfinite(arrays["kp_shot"][:, 0]).sum()) if len(arrays["kp_shot"]) else 0
-    store.write_stage(scan_id, "describe", arrays,
-                      {**params.as_dict(), "device": res["device"], "keypoints": int(len(arrays["kp_index"])),
-                       "valid_descriptors": n_valid, "timings": res["timings"]})
+
+    rec = store.stage(scan_id, "describe")
+    if not force and stage_matches(rec, **params.as_dict()):
+        return skipped()
+    with store.claim_stage(scan_id, "describe") as mine:
+        if not mine:
+            return held(scan_id, t0, keypoints=0)
+        rec = store.stage(scan_id, "describe")  # another run may have written it meanwhile
+        if not force and stage_matches(rec, **params.as_dict()):
+            return skipped()
+        after_claim("describe", scan_id, run)
+        pts = store.read(scan_id, "points")
+        res = describe_cloud(pts, params, device=device)
+        arrays = res["arrays"]
+        n_valid = int(np.isfinite(arrays["kp_shot"][:, 0]).sum()) if len(arrays["kp_shot"]) else 0
+        store.write_stage(scan_id, "describe", arrays,
+                          {**params.as_dict(), "device": res["device"], "keypoints": int(len(arrays["kp_index"])),
+                           "valid_descriptors": n_valid, "timings": res["timings"], **({"run": run} if run else {})})
     return {"scan_id": scan_id, "status": "described", "keypoints": int(len(arrays["kp_index"])),
             "valid": n_valid, "device": res["device"], "timings": res["timings"],
             "seconds": time.perf_counter() - t0}

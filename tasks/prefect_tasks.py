@@ -13,7 +13,7 @@ from prefect import task
 from scanforest.kernels.errors import ScanforestError
 
 from .ingest import Source, ingest_files
-from .units import isolated
+from .units import current_run, isolated
 
 #: transient failures worth a retry (network filesystems, a worker lost mid-task, ...)
 RETRY_DELAYS = [2, 10, 30]
@@ -83,12 +83,16 @@ def ingest_scan(store: str, sources: list[Source], units: str = "m", run: str | 
 
 @task(name="describe", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
       task_run_name=lambda: "describe " + _run_label("scan_ids"))
-def describe_scan_task(store: str, scan_ids: list[str], params, device: str = "auto") -> list[dict[str, Any]]:
+def describe_scan_task(store: str, scan_ids: list[str], params, device: str = "auto",
+                       run: str | None = None) -> list[dict[str, Any]]:
     """Normals, keypoints, frames and SHOT352 of stored scans, one Dask task per scan (each skipped
-    when already done)."""
+    when already done, left to another run that holds it); ``run``: the flow run the stage records
+    name (default: this task's flow run)."""
     from .describe import describe_scan
 
-    return on_cluster_many(isolated, [((describe_scan, s, store, s, params), {"device": device}) for s in scan_ids])
+    run = run or current_run()
+    return on_cluster_many(isolated, [((describe_scan, s, store, s, params), {"device": device, "run": run})
+                                      for s in scan_ids])
 
 
 def _run_label(param: str, attr: str | None = None) -> str:
@@ -112,11 +116,13 @@ def align_pair_task(store: str, observed: str, reference: str, options: dict | N
 @task(name="recognize", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
       task_run_name=lambda: "recognize " + _run_label("scan_ids"))
 def recognize_batch_task(store: str, scan_ids: list[str], library: str, params: dict,
-                         device: str = "auto") -> list[dict[str, Any]]:
-    """Recognise the library's models in stored scenes, one Dask task per scene (each skipped when done)."""
+                         device: str = "auto", run: str | None = None) -> list[dict[str, Any]]:
+    """Recognise the library's models in stored scenes, one Dask task per scene (each skipped when
+    done, left to another run that holds it); ``run``: as for :func:`describe_scan_task`."""
     from .recognize import recognize_scan
 
-    return on_cluster_many(isolated, [((recognize_scan, s, store, s, library, params), {"device": device})
+    run = run or current_run()
+    return on_cluster_many(isolated, [((recognize_scan, s, store, s, library, params), {"device": device, "run": run})
                                       for s in scan_ids])
 
 

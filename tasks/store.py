@@ -18,6 +18,7 @@ Layout (``STORE`` is a directory on a POSIX file system)::
       quarantine/<id>/               one group per rejected file; attrs: source, reason, sha256, time
       runs/<run_id>/                 run manifests (what ran, versions, parameters, timings)
       .locks/scans/<scan_id>.lock    claim files (empty; not Zarr nodes)
+      .locks/stages/<stage>/<scan_id>.lock   a stage's work claims (:meth:`ScanStore.claim_stage`)
 
 Visibility rule: a scan group is written with ``complete = False`` and flipped to ``True`` only
 after every array is written and read back with the shape its ``arrays`` record promises;
@@ -134,6 +135,43 @@ def legacy_scan_id(relpath: str) -> str:
     return f"{sid[: MAX_ID_BYTES - len(tag) - len(ext) - 1]}-{tag}{ext}"
 
 
+#: errors of a write that say the store's location is unusable (a full disk, a used-up quota, a
+#: read-only mount), not that this scan or this run went wrong
+WHERE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+class StoreWriteError(InputError):
+    """A write into the store failed because of where the store is: no space left, the quota used
+    up, or a read-only file system. A user error (:class:`InputError`): the flows do not retry it
+    (every retry fails the same way), a stage's unit of work does not record it as that scan's
+    failure (:func:`scanforest.tasks.units.isolated` lets it end the run), and the command line
+    prints it in one line, naming the store and the reason, exit 2."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"cannot write to {self.path}: {reason}")
+
+    def __reduce__(self):  # pickled between Dask workers and the flow: rebuilt from its own fields
+        return type(self), (self.path, self.reason)
+
+
+def _where_error(exc: BaseException) -> OSError | None:
+    """The ENOSPC/EDQUOT/EROFS ``OSError`` behind ``exc`` (itself, its causes and contexts, the
+    members of an exception group), or None."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in WHERE_ERRNOS:
+            return e
+        todo += [e.__cause__, e.__context__, *(getattr(e, "exceptions", None) or ())]
+    return None
+
+
 _HELD = threading.local()
 
 
@@ -220,7 +258,8 @@ class ScanStore:
         self.mode = mode
         root = Path(self.path)
         if create:
-            self._create(root)
+            with self._writing():
+                self._create(root)
         elif not root.exists():
             raise InputError(f"no scan store at {self.path} (create one with: scanforest ingest SOURCE {self.path})")
         elif not root.is_dir() or not _is_store_meta(_read_root_meta(root)):
@@ -261,8 +300,33 @@ class ScanStore:
         if self.mode == "r":
             raise InputError(f"{self.path}: store opened read-only")
 
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Around a write into the store: an ``OSError`` that says the store's location cannot be
+        written (no space left, quota, read-only: :data:`WHERE_ERRNOS`), raised here or under a
+        Zarr call, becomes a :class:`StoreWriteError` naming the store and the reason. One whose
+        file is outside the store (a temporary file elsewhere) keeps its own type."""
+        try:
+            yield
+        except StoreWriteError:
+            raise
+        except Exception as exc:
+            found = _where_error(exc)
+            if found is None or (found.filename and not _inside(str(found.filename), self.path)):
+                raise
+            from .preflight import write_problem
+
+            raise StoreWriteError(self.path, write_problem(found)) from exc
+
     def _lock_path(self, kind: str, name: str) -> Path:
         return Path(self.path) / LOCKS / kind / f"{name}.lock"
+
+    @contextlib.contextmanager
+    def _lock(self, path: Path, *, wait: bool) -> Iterator[bool]:
+        """:func:`file_lock` on ``path``; creating its file in a full or read-only store is a
+        :class:`StoreWriteError` (and so is a write under it that fails that way)."""
+        with self._writing(), file_lock(path, wait=wait, create=self.mode != "r") as got:
+            yield got
 
     def claim(self, scan_id: str, *, wait: bool = True):
         """The scan's write claim, as a context manager yielding whether it was obtained.
@@ -270,7 +334,19 @@ class ScanStore:
         Hold it around any read-check-write of one scan (ingest holds it from "is it current?" to
         the complete flag). ``wait=False`` yields ``False`` at once while another process holds it.
         """
-        return file_lock(self._lock_path("scans", scan_id), wait=wait, create=self.mode != "r")
+        return self._lock(self._lock_path("scans", scan_id), wait=wait)
+
+    def claim_stage(self, scan_id: str, stage: str, *, wait: bool = False):
+        """The claim on the work of one stage of one scan (``.locks/stages/<stage>/<scan_id>.lock``),
+        as a context manager yielding whether it was obtained; by default it does not wait.
+
+        A stage's unit of work holds it from "is this stage done?" to its :meth:`write_stage`, so
+        two runs of one stage on one store at once share the work: the second finds the scan held
+        and leaves it to the first (``held``: it counts it as such) instead of computing it again.
+        It is not the scan's write claim (:meth:`claim`, which the write itself takes): other stages,
+        ``check`` and readers of the scan go on while a stage computes. The OS drops it when its
+        process dies, so a killed worker's scans are free for the run that redoes them."""
+        return self._lock(self._lock_path(f"stages/{stage}", scan_id), wait=wait)
 
     # ------------------------------------------------------------------ listing
     def _group(self, kind: str):
@@ -325,7 +401,7 @@ class ScanStore:
             raise InputError("write_scan needs a 'points' array")
         arrays = {name: np.asarray(arr) for name, arr in arrays.items()}
         promised = {name: _spec(arr) for name, arr in arrays.items()}
-        with self.claim(scan_id):
+        with self._writing(), self.claim(scan_id):
             scans = self.root.require_group("scans")
             grp = scans.create_group(scan_id, overwrite=True,
                                      attributes={**_jsonable(attrs), "arrays": promised, "complete": False})
@@ -336,6 +412,8 @@ class ScanStore:
 
     @staticmethod
     def _write_array(grp, name: str, arr: np.ndarray, chunk_rows: int = CHUNK_ROWS):
+        """One array into ``grp`` (callers run it inside :meth:`_writing`, which names the store
+        when it fails for lack of space or a read-only mount)."""
         chunks = _chunks_for(arr, chunk_rows)
         # every chunk is stored, even one equal to the fill value, so a missing chunk file is damage
         z = grp.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=chunks, overwrite=True,
@@ -409,7 +487,7 @@ class ScanStore:
         if len(set(names)) != len(names):
             raise ValueError(f"{scan_id}: two stages of one write_stages call name the same array")
         written: dict[str, dict[str, Any]] = {}
-        with self.claim(scan_id):
+        with self._writing(), self.claim(scan_id):
             grp = self._scan(scan_id)
             stages = dict(grp.attrs.get("stages", {}))
             dropped = [stage for stage, _, _ in items if stages.pop(stage, None) is not None]
@@ -451,7 +529,7 @@ class ScanStore:
         """
         self._writable()
         qid = key or scan_id_for(Path(source).name)
-        with file_lock(self._lock_path("quarantine", qid)):
+        with self._lock(self._lock_path("quarantine", qid), wait=True):
             self.root.require_group("quarantine").create_group(
                 qid, overwrite=True, attributes={"source": source, "reason": reason, "sha256": sha256, "time": _now()})
         return qid
@@ -466,15 +544,16 @@ class ScanStore:
         """Drop a quarantine record (done automatically when the file later ingests cleanly)."""
         g = self._group("quarantine")
         if g is not None and source_id in g:
-            with file_lock(self._lock_path("quarantine", source_id)):
+            with self._lock(self._lock_path("quarantine", source_id), wait=True):
                 if source_id in g:
                     del g[source_id]
 
     # ------------------------------------------------------------------ runs
     def write_run(self, run_id: str, record: dict[str, Any]) -> None:
-        runs = self.root.require_group("runs")
-        grp = runs.require_group(run_id)
-        grp.attrs.update(_jsonable(record))
+        with self._writing():
+            runs = self.root.require_group("runs")
+            grp = runs.require_group(run_id)
+            grp.attrs.update(_jsonable(record))
 
     def runs(self) -> list[dict[str, Any]]:
         g = self._group("runs")
@@ -613,6 +692,12 @@ class ScanStore:
                 "stages": stages, "incomplete": incomplete, "damaged": damaged,
                 "quarantined": len(self.quarantined()),
                 "runs": len(self.runs())}
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it."""
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def _run_order(run: dict[str, Any]) -> tuple[str, str]:

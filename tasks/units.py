@@ -3,23 +3,37 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from typing import Any, Callable
 
 from scanforest.kernels.errors import ScanforestError
 
+from .store import StoreWriteError
+
 log = logging.getLogger("scanforest")
+
+#: a unit of work's status for a scan whose stage another run is computing (it holds the scan's
+#: stage claim, :meth:`~scanforest.tasks.store.ScanStore.claim_stage`): left to that run
+HELD = "held"
+HELD_REASON = "held by another run"
 
 
 def isolated(fn: Callable, item: str, *args, **kwargs) -> dict[str, Any]:
     """Run one item's unit of work; an error becomes that item's ``failed`` record (its id and
     the reason in one line), so one bad scan does not fail the batch or the flow. The item's
     stage is not recorded, so the next run tries it again. Unexpected errors (not a
-    :class:`ScanforestError`) keep their traceback in the log and in the record."""
+    :class:`ScanforestError`) keep their traceback in the log and in the record.
+
+    A store that cannot be written (no space left, read-only: :class:`StoreWriteError`) is not
+    this item's failure: it is raised, and ends the run in one line instead of failing every scan
+    after this one the same way."""
     t0 = time.perf_counter()
     try:
         return fn(*args, **kwargs)
+    except StoreWriteError:
+        raise
     except ScanforestError as exc:
         return {"scan_id": item, "status": "failed", "reason": str(exc), "seconds": time.perf_counter() - t0}
     except Exception as exc:  # noqa: BLE001 - recorded with its traceback, the batch goes on
@@ -27,3 +41,47 @@ def isolated(fn: Callable, item: str, *args, **kwargs) -> dict[str, Any]:
         log.error("%s failed:\n%s", item, tb)
         return {"scan_id": item, "status": "failed", "reason": f"{type(exc).__name__}: {exc}".splitlines()[0],
                 "traceback": tb, "seconds": time.perf_counter() - t0}
+
+
+def held(scan_id: str, t0: float, **fields) -> dict[str, Any]:
+    """The record of a scan left to the run that holds its stage claim."""
+    return {"scan_id": scan_id, "status": HELD, "reason": HELD_REASON, **fields, "seconds": time.perf_counter() - t0}
+
+
+def current_run() -> str | None:
+    """The id of the Prefect flow run this code runs in (from a task run's or a flow run's
+    context), or None outside one. Stage records name it (``run``), so a flow counts as its own
+    the stages its run wrote, and no other run's (:func:`scanforest.flows._runner.count_redone`)."""
+    try:
+        from prefect.context import FlowRunContext, TaskRunContext
+    except ImportError:
+        return None
+    task = TaskRunContext.get()
+    if task is not None and getattr(task.task_run, "flow_run_id", None):
+        return str(task.task_run.flow_run_id)
+    flow = FlowRunContext.get()
+    if flow is not None and flow.flow_run is not None:
+        return str(flow.flow_run.id)
+    return None
+
+
+#: test hook: a folder; a unit of work that has claimed a scan's stage announces it there and waits
+TEST_CLAIMED_ENV = "SCANFOREST_TEST_CLAIMED"
+
+
+def after_claim(stage: str, scan_id: str, run: str | None) -> None:
+    """Test hook, a no-op unless ``SCANFOREST_TEST_CLAIMED`` names a folder: a unit that has just
+    claimed ``scan_id``'s ``stage`` writes ``<stage>~<run>~<scan_id>`` there (holding its pid) and
+    waits, its claim held, until the folder holds ``go``, ``go~<run>`` or that file's name plus
+    ``.go`` (at most 120 s). Tests use it to hold scans while another run starts (concurrent
+    runs) or to kill a worker at a known point."""
+    folder = os.environ.get(TEST_CLAIMED_ENV)
+    if not folder:
+        return
+    name = f"{stage}~{run}~{scan_id}"
+    with open(os.path.join(folder, name), "w") as fh:
+        fh.write(str(os.getpid()))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(
+            os.path.exists(os.path.join(folder, go)) for go in ("go", f"go~{run}", f"{name}.go")):
+        time.sleep(0.02)
