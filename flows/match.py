@@ -15,6 +15,7 @@ from scanforest.tasks import index as idx
 from scanforest.tasks.prefect_tasks import _run_label
 from scanforest.tasks.store import ScanStore, stage_digest
 
+from ._noop import match_noop
 from ._runner import (RUN_HOOKS, absolute_path, auto_batch, check_scheduler, dask_client, ensure_prefect_api,
                       map_batches, n_workers, open_store, record_run, require_scans)
 from .distributed import DistributedIndex
@@ -123,6 +124,10 @@ def match_flow(store: str, queries: list[str] | None = None, k: int = 4, name: s
     t0 = time.perf_counter()
     store = absolute_path(store)
     st, attrs = check_match(store, queries, k, name)
+    quick = match_noop(store, queries, k, name)
+    if quick is not None:  # nothing to do: no cluster, and the run is counted, not stored (record_run)
+        record_run(st, "match", {"name": name, "k": k, "device": device, "batch": 0}, quick, [])
+        return quick
     ids = (list(queries) if queries is not None else
            [s for s in st.scans() if s not in set(attrs.get("scans", [])) and st.has_stage(s, "describe")])
     with dask_client(scheduler, n_workers=workers, device=device) as client:
@@ -168,7 +173,7 @@ def check_index_build(store: str, reference: list[str] | None, shards, params: d
             have = sorted(libs.group_keys()) if libs is not None else []
             raise InputError(f"{store}: no complete model library {library!r} "
                              f"({'libraries: ' + ', '.join(have) if have else 'the store has none'}; "
-                             "`scanforest recognize` or the archive flow builds one)")
+                             "`scanforest library build` builds one)")
     elif not reference:
         raise InputError("no reference scans given for the index (or a model library)")
     else:
@@ -211,9 +216,24 @@ def run_index_build(store, reference=None, **kw):
     return index_build_flow(store=store, reference=reference, **kw)
 
 
-def run_match(store, **kw):
+def library_index_for_match(store: str, library: str) -> str:
+    """``match --library NAME``: the index built over the model library NAME as it is now
+    (``scanforest library build`` makes it); a user error naming the fix when there is none."""
+    from scanforest.tasks.recognize import library_index
+
+    return library_index(absolute_path(store), library)
+
+
+def run_match(store, library: str | None = None, **kw):
+    """The match flow; ``library``: against the index over that model library (its name resolved
+    here, ``name`` ignored), recorded in the summary."""
     store = absolute_path(store)
+    if library is not None:
+        kw["name"] = library_index_for_match(store, library)
     check_match(store, kw.get("queries"), kw.get("k", 4), kw.get("name", "default"))
     check_scheduler(kw.get("scheduler"))
     ensure_prefect_api()
-    return match_flow(store=store, **kw)
+    res = match_flow(store=store, **kw)
+    if library is not None:
+        res = {"library": library, "index": kw["name"], **res}
+    return res

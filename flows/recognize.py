@@ -79,9 +79,15 @@ def check_recognize(store: str, models: list[str], scenes: list[str] | None, lib
     return st
 
 
+#: recomputed scenes a summary names one by one, with the reason (the run's records name them all)
+RECOMPUTED_LISTED = 100
+
+
 def summarize(recs: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {"recognized": sum(r["status"] == "recognized" for r in recs),
                            "skipped": sum(r["status"] == "skipped" for r in recs),
+                           # scenes a concurrent run held (and recognises): left to it
+                           "held": sum(r["status"] == "held" for r in recs),
                            "failed": sum(r["status"] == "failed" for r in recs), "failures": failures(recs),
                            "detections": int(sum(r.get("detections", 0) for r in recs))}
     # where the recognised scenes' descriptions and matches came from: the describe and match
@@ -90,11 +96,17 @@ def summarize(recs: list[dict]) -> dict[str, Any]:
     out["from_stored"] = sum(r.get("source") == "stored" for r in done)
     out["recomputed"] = sum(r.get("source") == "recomputed" for r in done)
     reasons: dict[str, int] = {}
+    per_scene: dict[str, str] = {}
     for r in done:
         if r.get("source") == "recomputed":
-            reasons[r.get("reason") or "?"] = reasons.get(r.get("reason") or "?", 0) + 1
+            why = r.get("reason") or "?"
+            reasons[why] = reasons.get(why, 0) + 1
+            if len(per_scene) < RECOMPUTED_LISTED:
+                per_scene[str(r.get("scan_id"))] = why
     if reasons:
         out["recompute_reasons"] = reasons
+        # each recomputed scene and why (the first RECOMPUTED_LISTED; the run record has them all)
+        out["recomputed_scenes"] = per_scene
     phases: dict[str, float] = {}  # seconds per recognition phase, summed over the recognised scenes
     for r in recs:
         for k, v in (r.get("timings") or {}).items():

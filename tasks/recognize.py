@@ -15,8 +15,11 @@ Layout::
 
 One pipeline: a scene that the describe stage described with the parameters recognition uses
 (:func:`describe_params_for`) and the match stage matched against an index built over this
-library (``index build --library``, with enough neighbours) is recognised from those stored
-arrays (``source: "stored"``): no second description, no second brute-force match. Any other
+library (``library build`` makes the library and that index, :func:`library_index_name`;
+``match --library``; or ``index build --library``; with enough neighbours) is recognised from
+those stored arrays (``source: "stored"``): no second description, no second brute-force match.
+``recognize`` on the command line uses a stored library as it was built
+(:func:`resolve_library`), so the index over it stays current. Any other
 scene is described and matched here as :func:`~scanforest.kernels.recognition.recognize` does
 (``source: "recomputed"``, with the reason). The stage's key holds the identities of the describe
 and match records it used (``inputs``), so a scene described or matched again is recognised
@@ -38,6 +41,76 @@ from .store import ScanStore, _jsonable, stage_digest, stage_matches
 
 LIBRARY_KEYS = ("model_ss", "descr_rad", "rf_rad", "normal_k", "normal_radius", "verify_leaf", "views")
 
+#: the library parameters that ``library build`` and ``recognize`` use when none are given and the
+#: store has no library of that name yet (PCL's correspondence-grouping tutorial)
+LIBRARY_DEFAULTS = {"model_ss": 0.01, "descr_rad": 0.02, "rf_rad": 0.015}
+
+
+def _library_params(params: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (params or {}).items() if k in LIBRARY_KEYS and v is not None}
+
+
+def library_digest(st: ScanStore, model_scans: list[str], params: dict[str, Any] | None) -> str:
+    """The content hash a library of ``model_scans`` (in this order) with ``params`` gets: the
+    parameters and each model scan's id and sha256. Equal digests: the same library."""
+    h = hashlib.sha256(json.dumps(_jsonable(_library_params(params)), sort_keys=True).encode())
+    for s in model_scans:
+        h.update(f"{s}:{st.attrs(s).get('sha256', '')}".encode())
+    return h.hexdigest()
+
+
+def library_current(store_path: str, model_scans: list[str], name: str, params: dict[str, Any] | None) -> bool:
+    """Whether the stored library ``name`` is complete and what :func:`build_library` with these
+    arguments would build (it would then be a no-op). Reads attributes only."""
+    st = ScanStore(store_path, mode="r")
+    libs = st.root["libraries"] if "libraries" in st.root else None
+    if libs is None or name not in libs or not libs[name].attrs.get("complete"):
+        return False
+    return libs[name].attrs.get("content_hash") == library_digest(st, model_scans, params)
+
+
+def resolve_library(store_path: str, name: str, model_scans: list[str] | None,
+                    given: dict[str, Any] | None) -> tuple[list[str], dict[str, Any]]:
+    """The model scans and library parameters of a ``recognize`` run on library ``name``.
+
+    ``model_scans`` None: the stored library's models (a user error when there is none). The
+    parameters not ``given`` (None) are the stored library's (``build_params``), or
+    :data:`LIBRARY_DEFAULTS` when the store has no such library: a library that ``library build``
+    made is used as it is, not rebuilt with other parameters, so its index and the matches
+    against it stay current."""
+    st = ScanStore(store_path, mode="r")
+    libs = st.root["libraries"] if "libraries" in st.root else None
+    stored = dict(libs[name].attrs) if libs is not None and name in libs and libs[name].attrs.get("complete") else None
+    if model_scans is None:
+        if stored is None:
+            raise InputError(f"{store_path}: no --models given and no model library {name!r} to take them from "
+                             f"(build one: scanforest library build STORE -m PATTERN --name {name})")
+        model_scans = list(stored.get("model_scans") or [])
+    base = dict(stored.get("build_params", LIBRARY_DEFAULTS)) if stored is not None else dict(LIBRARY_DEFAULTS)
+    base.update({k: v for k, v in (given or {}).items() if v is not None})
+    return list(model_scans), _library_params(base)
+
+
+def library_index_name(name: str) -> str:
+    """The name of the index that ``library build`` makes over library ``name``."""
+    return f"library-{name}"
+
+
+def library_index(store_path: str, name: str) -> str:
+    """The index built over library ``name`` as it is now (``library build``'s, else any other
+    such index, e.g. the archive flow's), for ``match --library``; a user error when none is."""
+    lib = library_attrs(store_path, name)
+    st = ScanStore(store_path, mode="r")
+    idx = st.root["indexes"] if "indexes" in st.root else None
+    want = {"name": name, "content_hash": lib.get("content_hash")}
+    if idx is not None:
+        own = library_index_name(name)
+        for ix in [own] + sorted(k for k in idx.group_keys() if k != own):
+            if ix in idx and idx[ix].attrs.get("complete") and idx[ix].attrs.get("library") == want:
+                return ix
+    raise InputError(f"{store_path}: no index over model library {name!r} as it is now (build it: "
+                     f"scanforest library build STORE -m PATTERN --name {name})")
+
 
 def build_library(store_path: str, model_scans: list[str], *, name: str = "default",
                   params: dict[str, Any] | None = None, device: str = "auto") -> dict[str, Any]:
@@ -45,13 +118,10 @@ def build_library(store_path: str, model_scans: list[str], *, name: str = "defau
     from scanforest.kernels.recognition import ModelLibrary
 
     st = ScanStore(store_path)
-    params = {k: v for k, v in (params or {}).items() if k in LIBRARY_KEYS and v is not None}
+    params = _library_params(params)
     if not model_scans:
         raise InputError("no model scans given for the library")
-    h = hashlib.sha256(json.dumps(_jsonable(params), sort_keys=True).encode())
-    for s in model_scans:
-        h.update(f"{s}:{st.attrs(s).get('sha256', '')}".encode())
-    digest = h.hexdigest()
+    digest = library_digest(st, model_scans, params)
     libs = st.root.require_group("libraries")
     if name in libs and libs[name].attrs.get("complete") and libs[name].attrs.get("content_hash") == digest:
         return {"name": name, "status": "unchanged", "content_hash": digest, "models": len(model_scans)}
@@ -83,7 +153,8 @@ def library_attrs(store_path: str, name: str) -> dict[str, Any]:
     st = ScanStore(store_path, mode="r")
     libs = st.root["libraries"] if "libraries" in st.root else None
     if libs is None or name not in libs or not libs[name].attrs.get("complete"):
-        raise InputError(f"{store_path}: no complete model library {name!r} (build it first)")
+        raise InputError(f"{store_path}: no complete model library {name!r} (build it: "
+                         f"scanforest library build STORE -m PATTERN --name {name})")
     return dict(libs[name].attrs)
 
 
@@ -179,7 +250,8 @@ def stored_inputs(st: ScanStore, scan_id: str, library: str, lib_attrs: dict[str
     src = iattrs.get("library") or {}
     if src.get("name") != library or src.get("content_hash") != lib_attrs.get("content_hash"):
         return unfit(f"matched against index {name!r}, which is not built over this library "
-                     f"({library!r} as it is now)")
+                     f"({library!r} as it is now; `scanforest library build` builds its index and "
+                     f"`scanforest match --library {library}` matches against it)")
     if iattrs.get("content_hash") != mrec.get("content_hash"):
         return unfit(f"index {name!r} was rebuilt since the scan was matched")
     need = int(p.match_k) + (1 if p.ratio is not None else 0)
@@ -206,14 +278,17 @@ def load_library(store_path: str, name: str):
 
 
 def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str, Any], *,
-                   device: str = "auto", force: bool = False) -> dict[str, Any]:
+                   device: str = "auto", force: bool = False, run: str | None = None) -> dict[str, Any]:
     """Recognise the library's models in one stored scene; writes the detections (skips when done).
 
     From the scene's stored description and matches when they fit (:func:`stored_inputs`),
     otherwise by describing and matching it here (the record's ``source`` and ``reason`` say
-    which and why)."""
+    which and why). Under the scene's ``recognize`` claim (:meth:`ScanStore.claim_stage`, not
+    waited for): a scene another run is recognising right now is left to it (status ``held``).
+    ``run`` (the flow run's id) goes into the stage record."""
     from scanforest.kernels.backend import resolve_device
-    from scanforest.kernels.recognition import recognize
+
+    from .units import after_claim, held
 
     t0 = time.perf_counter()
     st = ScanStore(store_path)
@@ -224,12 +299,32 @@ def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str
     key = {"library": library, "content_hash": digest, "params": _jsonable(params),
            "inputs": {"describe": plan["describe"], "match": plan["match"]} if plan["fits"] else None}
     rec = meta.get("stages", {}).get("recognize")
-    if not force and stage_matches(rec, **key):
+
+    def skipped(rec: dict[str, Any]) -> dict[str, Any]:
         return {"scan_id": scan_id, "status": "skipped", "detections": len(rec.get("detections", [])),
                 "evaluation": rec.get("evaluation"), "source": rec.get("source"),
                 "seconds": time.perf_counter() - t0}
-    lib = _load_library_cached(store_path, library, digest)
-    dev = resolve_device(device)
+
+    if not force and stage_matches(rec, **key):
+        return skipped(rec)
+    with st.claim_stage(scan_id, "recognize") as mine:
+        if not mine:
+            return held(scan_id, t0, detections=0)
+        rec = st.stage(scan_id, "recognize")  # another run may have written it meanwhile
+        if not force and stage_matches(rec, **key):
+            return skipped(rec)
+        after_claim("recognize", scan_id, run)
+        return _recognize_claimed(st, scan_id, library, params, digest, meta, plan, key,
+                                  resolve_device(device), t0, run)
+
+
+def _recognize_claimed(st: ScanStore, scan_id: str, library: str, params: dict[str, Any], digest: str,
+                       meta: dict[str, Any], plan: dict[str, Any], key: dict[str, Any], dev: str, t0: float,
+                       run: str | None) -> dict[str, Any]:
+    """:func:`recognize_scan`'s work on a scene whose claim it holds: recognise, write, report."""
+    from scanforest.kernels.recognition import recognize
+
+    lib = _load_library_cached(st.path, library, digest)
     if plan["fits"]:
         scene = _stored_scene(st, scan_id, lib, params)
         t_io = time.perf_counter() - t0
@@ -254,7 +349,7 @@ def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str
                    {**key, "source": source, "reason": plan["reason"],
                     "detections": [d.as_dict() | {"model_name": d.model} for d in dets],
                     "timings": timings, "evaluation": evaluation, "device": dev,
-                    "seconds": time.perf_counter() - t0})
+                    "seconds": time.perf_counter() - t0, **({"run": run} if run else {})})
     return {"scan_id": scan_id, "status": "recognized", "detections": n, "evaluation": evaluation,
             "source": source, "reason": plan["reason"], "timings": timings, "seconds": time.perf_counter() - t0}
 

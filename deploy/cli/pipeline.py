@@ -39,16 +39,20 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         as_json: bool = JsonOpt,
     ):
         """Normals, keypoints, local reference frames and SHOT352 for every scan; resumable."""
-        from scanforest.flows.describe import check_describe, run_describe
+        from scanforest.flows._noop import quick_describe
         from scanforest.tasks.describe import DescribeParams
 
         params = DescribeParams(normal_k=None if normal_radius else normal_k, normal_radius=normal_radius,
                                 keypoint_radius=keypoint_radius or None, shot_radius=shot_radius,
                                 approximate=approximate)
-        check_describe(store, scan)
-        dev = choose_device(device)
-        summary = run_describe(store, scans=scan, params=params, device=dev, scheduler=scheduler, workers=workers,
-                               progress=not as_json)
+        summary = quick_describe(store, scan, params)  # nothing to do: answered before Prefect or Dask start
+        if summary is None:
+            from scanforest.flows.describe import check_describe, run_describe
+
+            check_describe(store, scan)
+            dev = choose_device(device)
+            summary = run_describe(store, scans=scan, params=params, device=dev, scheduler=scheduler,
+                                   workers=workers, progress=not as_json)
         print_summary(f"describe {store}", summary, as_json=as_json,
                       keys=("scans", "described", "skipped", "failed", "keypoints", "seconds", "workers"))
 
@@ -99,21 +103,39 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         queries: Optional[list[str]] = typer.Option(None, "--queries", "-q",
                                                     help="Query scan ids or glob patterns (default: every described non-reference scan)."),
         k: int = typer.Option(4, "-k", help="Neighbours per descriptor (P)."),
-        name: str = typer.Option("default", help="Index name."),
+        name: Optional[str] = typer.Option(None, help="Index name (default: 'default')."),
+        library: Optional[str] = typer.Option(
+            None, "--library", "-l", help="Match against the index over this model library (`scanforest library "
+                                          "build` makes it): the matches `recognize --library NAME` takes."),
         device: str = DeviceOpt,
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,
         as_json: bool = JsonOpt,
     ):
         """Match query scans' descriptors against an index on the Dask cluster; writes match_ids/match_dist."""
-        from scanforest.flows.match import check_match, run_match
+        from scanforest.flows._noop import quick_match
+        from scanforest.kernels.errors import InputError
 
+        if library is not None and name is not None:
+            raise InputError("give the index by --name INDEX or by --library NAME, not both")
+        if library is not None:
+            from scanforest.flows.match import library_index_for_match
+
+            name = library_index_for_match(store, library)
+        name = name or "default"
         chosen = _pick(store, queries, "--queries") if queries else None
-        check_match(store, chosen, k, name)
-        dev = choose_device(device)
-        res = run_match(store, queries=chosen, k=k, name=name, device=dev, scheduler=scheduler, workers=workers,
-                        progress=not as_json)
-        print_summary(f"match {store} against index {name!r}", res, as_json=as_json,
+        res = quick_match(store, chosen, k, name)  # nothing to do: answered before Prefect or Dask start
+        if res is None:
+            from scanforest.flows.match import check_match, run_match
+
+            check_match(store, chosen, k, name)
+            dev = choose_device(device)
+            res = run_match(store, queries=chosen, k=k, name=name, device=dev, scheduler=scheduler,
+                            workers=workers, progress=not as_json)
+        if library is not None:
+            res = {"library": library, "index": name, **res}
+        title = f"library {library!r} (index {name!r})" if library is not None else f"index {name!r}"
+        print_summary(f"match {store} against {title}", res, as_json=as_json,
                       keys=("scans", "matched", "queries", "k", "shards", "seconds", "workers"))
 
     @app.command("align-store")
@@ -150,14 +172,17 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command("recognize")
     def recognize_cmd(
         store: str = StoreArg,
-        models: list[str] = typer.Option(..., "--models", "-m", help="Model scan ids or glob patterns (repeatable)."),
+        models: Optional[list[str]] = typer.Option(
+            None, "--models", "-m", help="Model scan ids or glob patterns (repeatable); default: the models of "
+                                         "the stored library --library (`scanforest library build`)."),
         scenes: Optional[list[str]] = typer.Option(None, "--scenes", "-s",
                                                    help="Scene scan ids or patterns (default: every non-model scan)."),
         library: str = typer.Option("default", help="Library name in the store."),
-        model_ss: float = typer.Option(0.01, help="Model keypoint sampling (PCL tutorial 0.01)."),
+        model_ss: Optional[float] = typer.Option(None, help="Model keypoint sampling (default: the stored "
+                                                 "library's, else the PCL tutorial's 0.01)."),
         scene_ss: float = typer.Option(0.03, help="Scene keypoint sampling (0.03)."),
-        rf_rad: float = typer.Option(0.015, help="Hough reference-frame radius (0.015)."),
-        descr_rad: float = typer.Option(0.02, help="SHOT radius (0.02)."),
+        rf_rad: Optional[float] = typer.Option(None, help="Hough reference-frame radius (the library's, else 0.015)."),
+        descr_rad: Optional[float] = typer.Option(None, help="SHOT radius (the library's, else 0.02)."),
         method: str = typer.Option("hough", help="hough | gc."),
         cg_size: float = typer.Option(0.01, help="Hough bin / GC consensus size (0.01)."),
         cg_thresh: float = typer.Option(5, help="Hough / GC threshold (5)."),
@@ -167,12 +192,17 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         workers: Optional[int] = WorkersOpt,
         as_json: bool = JsonOpt,
     ):
-        """Recognise library models in scenes: correspondences, grouping, GPU verification, ICP."""
+        """Recognise library models in scenes: correspondences, grouping, GPU verification, ICP. A scene
+        described (describe) and matched against the library's index (match --library) is recognised
+        from those stored results; the summary says how many were, and why any others were recomputed."""
         from scanforest.flows.recognize import check_recognize, run_recognize
+        from scanforest.tasks.recognize import resolve_library
 
-        model_ids = _pick(store, models, "--models")
+        model_ids = _pick(store, models, "--models") if models else None
         scene_ids = _pick(store, scenes, "--scenes") if scenes else None
-        library_params = {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad}
+        # library parameters not given are the stored library's: a built library is used, not rebuilt
+        model_ids, library_params = resolve_library(store, library, model_ids,
+                                                    {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad})
         params = {"scene_ss": scene_ss, "method": method, "cg_size": cg_size, "cg_thresh": cg_thresh}
         check_recognize(store, model_ids, scene_ids, library_params, params)
         dev = choose_device(device)
@@ -185,5 +215,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         if not as_json:
             for reason, n in res.get("recompute_reasons", {}).items():
                 typer.echo(f"described and matched again ({n} scene{'s' if n != 1 else ''}): {reason}")
+            listed = res.get("recomputed_scenes", {})
+            for sid, reason in list(listed.items())[:10]:
+                typer.echo(f"recomputed: {sid}: {reason}")
+            if res.get("recomputed", 0) > 10:
+                typer.echo(f"recomputed: ... and {res['recomputed'] - 10} more (`--json` or the run record)")
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
