@@ -53,6 +53,9 @@ _register_all()
 #: commands that run Prefect flows: their local Prefect API starts with the command, and boots
 #: while the command imports its flow and checks its input (a user error still ends at once)
 FLOW_COMMANDS = {"ingest", "describe", "index", "match", "recognize", "align-store", "demo"}
+#: flow commands that first ask the store whether there is anything to do (a no-op answers in
+#: well under 2 s with no API or cluster: :mod:`scanforest.flows._noop`); they start the API then
+CHECK_FIRST = {"describe", "match"}
 
 
 def main() -> None:
@@ -63,7 +66,7 @@ def main() -> None:
     from ._store import write_failure
 
     args = sys.argv[1:]
-    if args and args[0] in FLOW_COMMANDS and not {"--help", "-h"} & set(args):
+    if args and args[0] in FLOW_COMMANDS - CHECK_FIRST and not {"--help", "-h"} & set(args):
         from scanforest.flows._runner import start_prefect_api
 
         start_prefect_api()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -130,8 +131,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
     @app.command()
     def demo(
-        workdir: Path = typer.Option(Path("scanforest-demo"), callback=output_folder,
-                                     help="Folder for the synthetic archive and the store."),
+        workdir: Optional[Path] = typer.Option(None, callback=_demo_workdir,
+                                               help="Folder for the synthetic archive and the store (default: "
+                                               "$XDG_CACHE_HOME/scanforest/demo, i.e. ~/.cache/scanforest/demo; "
+                                               "a rerun on the same folder resumes it)."),
         scenes: int = typer.Option(6, help="Synthetic scenes."),
         models: int = typer.Option(4, help="Library models."),
         points: int = typer.Option(60_000, help="Points per scene."),
@@ -139,75 +142,105 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,
     ):
-        """End to end on synthetic data: an archive (with one corrupt file) -> ingest -> describe -> index -> match
-        -> recognize, with precision and recall against the ground truth."""
-        from scanforest.flows._runner import cluster_scope
-        from scanforest.flows.ingest import run_ingest
+        """End to end on synthetic data, as the archive flow runs an archive: a synthetic archive (with one
+        corrupt file) -> ingest -> model library -> index -> one pass of describe + match + recognize per scene,
+        with precision and recall against the ground truth. Exit 0 only when every stage did all its work."""
+        from scanforest.flows._runner import ensure_prefect_api
+        from scanforest.flows.archive import archive_flow
+        from scanforest.kernels.synthetic.scenes import recognition_presets
         from scanforest.tasks.synth import corrupt_copy, write_archive
 
         dev = choose_device(device)
+        typer.echo(f"demo folder: {workdir} (the synthetic archive and the store; a rerun resumes it)")
         t0 = time.perf_counter()
         archive = workdir / "archive"
         made = write_archive(archive, n_models=models, n_scenes=scenes, points_per_scene=points)
-        corrupt_copy(made["scenes"][0], archive / "scenes" / "broken_scan.pcd", 0.4)
+        broken = archive / "scenes" / "broken_scan.pcd"
+        corrupt_copy(made["scenes"][0], broken, 0.4)
         typer.echo(f"synthetic archive: {len(made['models'])} models, {len(made['scenes'])} scenes "
                    f"(+1 corrupt file) in {archive} ({time.perf_counter() - t0:.1f} s)")
         store = workdir / "store.zarr"
-        with cluster_scope(device=dev, workers=workers):  # the stages share one local cluster
-            summary = run_ingest(str(archive), str(store), scheduler=scheduler, workers=workers)
-            print_summary(f"ingest {archive} -> {store}", summary)
-            _demo_stages(store, dev, scheduler, workers)
+        lib_params, rec_params = recognition_presets(dev)
+        ensure_prefect_api()
+        t0 = time.perf_counter()
+        # the archive flow, as a served `archive` deployment and `bench archive` run it: ingest, the
+        # library, an index over it, then ONE pass over the scenes (describe + match + recognize)
+        out = archive_flow(store=str(store), source=str(archive), models="models__*", index="models",
+                           library="demo", index_params={"method": "exact"}, shards=1, k=4,
+                           library_params=lib_params, recognize=rec_params, device=dev, scheduler=scheduler,
+                           workers=workers, progress=True, pipeline="one-pass")
+        _demo_report(store, out, made, broken, time.perf_counter() - t0)
 
 
-def _demo_stages(store: Path, device: str, scheduler: str | None = None, workers: int | None = None) -> None:
-    """Later stages of the demo on the ingested store: one pipeline, as the archive flow runs it
-    (the library first, the scenes described as recognition describes them and matched against an
-    index over the library, recognition from those stored outputs), on ``scheduler``'s cluster or
-    a local one of ``workers`` workers."""
-    from scanforest.flows.describe import run_describe
-    from scanforest.flows.match import run_index_build, run_match
-    from scanforest.flows.recognize import run_recognize
-    from scanforest.kernels.backend import resolve_device
-    from scanforest.kernels.synthetic.scenes import recognition_presets
-    from scanforest.tasks.recognize import build_library, describe_params_for
+def demo_folder() -> Path:
+    """The demo's default folder: ``$XDG_CACHE_HOME/scanforest/demo`` (``~/.cache/...`` without it),
+    never the current folder (a clone's work tree)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "scanforest" / "demo"
+
+
+def _demo_workdir(folder: Optional[Path]) -> Path:
+    """``--workdir`` callback: the folder given, or :func:`demo_folder`, checked as it is parsed
+    (``_store.output_folder``), as an absolute path."""
+    from scanforest.flows._runner import absolute_path
+
+    folder = output_folder(folder if folder is not None else demo_folder())
+    return Path(absolute_path(str(folder)))
+
+
+def _demo_report(store: Path, out: dict, made: dict, broken: Path, seconds: float) -> None:
+    """Print what each stage of the demo's archive run did, then check the README's promise against
+    the store: ingest quarantined exactly the corrupt file and holds every other one, the library and
+    its index are there, and every scene is described, matched and recognised with no failure. Any
+    shortfall is named on stderr and the command exits 1."""
     from scanforest.tasks.store import ScanStore
 
-    info = ScanStore(str(store), mode="r").info()
-    typer.echo(f"store {store}: {info['scans']} scans, {info['points']:,} points, "
-               f"{info['quarantined']} quarantined")
+    ing, lib, ix, p = out["ingest"], out["library"], out["index-build"], out["process"]
+    print_summary(f"ingest -> {store}", ing, keys=INGEST_KEYS)
     st = ScanStore(str(store), mode="r")
-    models = [s for s in st.scans() if s.startswith("models__")]
-    scenes = [s for s in st.scans() if not s.startswith("models__")]
-    lib_params, rec_params = recognition_presets(resolve_device(device))
-    t0 = time.perf_counter()
-    lib = build_library(str(store), models, name="demo", params=lib_params, device=device)
-    typer.echo(f"library 'demo': {len(models)} models described through rendered views "
-               f"({lib['status']}, {time.perf_counter() - t0:.1f} s)")
-    # the scenes, with the parameters recognition describes them with (synthetic models are ~0.15-0.25 m across)
-    cluster = dict(scheduler=scheduler, workers=workers)
-    d = run_describe(str(store), scans=scenes, params=describe_params_for(rec_params, lib_params), device=device,
-                     **cluster)
-    typer.echo(f"describe: {d['described']} scenes described ({d['skipped']} already done), "
-               f"{d['keypoints']:,} keypoints with SHOT352 in {d['seconds']:.1f} s on {d['workers']} workers")
-    b = run_index_build(str(store), None, library="demo", name="models", shards=2,
-                        params={"method": "exact"})  # a few thousand rows: brute force wins
-    typer.echo(f"index 'models': {b['n']:,} reference descriptors of the library 'demo', "
-               f"{b.get('shards', 2)} shards ({b['status']})")
-    m = run_match(str(store), k=4, name="models", device=device, progress=True, **cluster)
-    typer.echo(f"match: {m['queries']:,} scene descriptors x top-{m['k']} over {m['shards']} shards "
-               f"on {m['workers']} workers in {m['seconds']:.1f} s")
-    r = run_recognize(str(store), models, library="demo", device=device, progress=True, render=False,
-                      library_params=lib_params, params=rec_params, **cluster)
-    pr = (f"precision {r['precision']:.2f}, recall {r['recall']:.2f} against the ground truth"
-          if "precision" in r else "no ground truth")
-    typer.echo(f"recognize: {r['scenes']} scenes, {r.get('detections', 0)} detections of {len(models)} models "
-               f"in {r['scenes_seconds']:.1f} s on {r['workers']} workers; {pr}")
-    typer.echo(f"recognize: {r['from_stored']} scenes from their stored description and matches, "
-               f"{r['recomputed']} described and matched again"
-               + "".join(f"; {n}: {why}" for why, n in r.get("recompute_reasons", {}).items()))
-    failed = d.get("failures", []) + r.get("failures", [])
-    for f in failed:
+    info = st.info()
+    typer.echo(f"store {store}: {info['scans']} scans, {info['points']:,} points, {info['quarantined']} quarantined")
+    n_models = len(made["models"])
+    typer.echo(f"library 'demo': {n_models} models described through rendered views ({lib['status']})")
+    typer.echo(f"index 'models': {ix['n']:,} reference descriptors of the library 'demo' ({ix['status']})")
+    typer.echo(f"one pass over {p['scenes']} scenes (describe + match + recognize each, as the archive flow runs "
+               f"them): {p['described']} described, {p['matched']} matched, {p['recognized']} recognised, "
+               f"{p['skipped']} already done, in {p['scenes_seconds']:.1f} s on {p['workers']} workers")
+    pr = (f"precision {p['precision']:.2f}, recall {p['recall']:.2f} against the ground truth"
+          if p.get("precision") is not None else "no ground truth")
+    typer.echo(f"recognize: {p['scenes']} scenes, {p.get('detections', 0)} detections of {n_models} models "
+               f"in {p['scenes_seconds']:.1f} s on {p['workers']} workers; {pr}")
+    typer.echo(f"recognize: {p['from_stored']} scenes from their stored description and matches, "
+               f"{p['recomputed']} described and matched again"
+               + "".join(f"; {n}: {why}" for why, n in p.get("recompute_reasons", {}).items()))
+    for f in p.get("failures", []):
         typer.secho(f"failed: {f['scan_id']}: {f['reason']}", fg=typer.colors.RED, err=True)
-    if failed:
+
+    problems = []
+    quarantined = [q.get("source", "") for q in st.quarantined()]
+    if len(quarantined) != 1 or not quarantined[0].endswith(broken.name):
+        problems.append(f"ingest quarantined {quarantined or 'nothing'}, not exactly the corrupt file {broken.name}")
+    ids = st.scans()
+    model_ids = [s for s in ids if s.startswith("models__")]
+    scene_ids = [s for s in ids if not s.startswith("models__")]
+    if len(model_ids) != n_models or len(scene_ids) != len(made["scenes"]):
+        problems.append(f"the store holds {len(model_ids)} models and {len(scene_ids)} scenes, not the archive's "
+                        f"{n_models} and {len(made['scenes'])}")
+    if lib.get("status") not in ("built", "unchanged") or lib.get("models") != n_models:
+        problems.append(f"the library has {lib.get('models')} of {n_models} models ({lib.get('status')})")
+    if ix.get("status") not in ("built", "unchanged") or not ix.get("n"):
+        problems.append(f"the index over the library has {ix.get('n', 0)} rows ({ix.get('status')})")
+    if p.get("failed"):
+        problems.append(f"{p['failed']} scenes failed")
+    for stage in ("describe", "match", "recognize"):
+        missing = [s for s in scene_ids if not st.has_stage(s, stage)]
+        if missing:
+            problems.append(f"{len(missing)} scenes lack the {stage} stage ({', '.join(missing[:3])})")
+    if p.get("precision") is None:
+        problems.append("no precision/recall: the scenes' ground truth is missing")
+    if problems:
+        for line in problems:
+            typer.secho(f"demo: {line}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
-    typer.echo(f"detections: scanforest report {store}  (HTML report with plots)")
+    typer.echo(f"demo: every stage did all its work in {seconds:.1f} s; the store: {store}")
+    typer.echo(f"report: scanforest report {store}  (HTML report with plots, written beside the store)")

@@ -22,6 +22,25 @@ def _parse_params(items: list[str] | None) -> dict:
     return out
 
 
+def report_path(store: str) -> str:
+    """Where ``report STORE`` writes without ``-o``: beside the store (``scans.zarr`` ->
+    ``scans-report.html``), never into the current folder; where the store's folder cannot be
+    written (a read-only mount, a URL), in ``$XDG_CACHE_HOME/scanforest/reports``."""
+    import os
+
+    from scanforest.flows._runner import absolute_path
+
+    path = absolute_path(store).rstrip("/")
+    name = os.path.basename(path) or "store"
+    stem = name[:-5] if name.endswith(".zarr") and len(name) > 5 else name
+    folder = os.path.dirname(path)
+    if "://" not in path and os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK):
+        return os.path.join(folder, f"{stem}-report.html")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.makedirs(os.path.join(cache, "scanforest", "reports"), exist_ok=True)
+    return os.path.join(cache, "scanforest", "reports", f"{stem}-report.html")
+
+
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command()
     def serve(
@@ -68,13 +87,15 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command()
     def report(
         store: str = typer.Argument(..., help="The Zarr scan store."),
-        out: str = typer.Option("scanforest-report.html", "--out", "-o", help="HTML file to write."),
+        out: Optional[str] = typer.Option(None, "--out", "-o", help="HTML file to write (default: beside the "
+                                          "store, STORE's name + '-report.html'; in ~/.cache/scanforest/reports "
+                                          "where the store's folder cannot be written)."),
         bench_dir: str = typer.Option("bench-results", help="Folder of `scanforest bench` JSON files."),
     ):
         """Write an HTML report: runs, throughput over time, benchmark curves, detections, failures."""
         from scanforest.flows.report import write_report
 
-        typer.echo(f"wrote {write_report(store, out, bench_dir=bench_dir)}")
+        typer.echo(f"wrote {write_report(store, out or report_path(store), bench_dir=bench_dir)}")
 
     @app.command("run")
     def run_(

@@ -1,0 +1,101 @@
+"""A stage with nothing to do answers from the store, before Prefect or Dask start.
+
+``describe STORE`` on a store whose every scan is described (with these parameters), or ``match``
+with every query scan matched against the current index, used to spend 7-8 s on 2 cores starting
+Prefect's local API, a Dask cluster and Prefect's flow engine to find that out, and added a run
+record each time. These checks read stage records only (the same tests the stages' units of work
+make before they skip a scan), import neither Prefect nor the kernels, and return the summary a
+run with zero work prints (the same keys; ``workers`` 0: none was started), or None when there is
+work, or when anything is not as the check expects (the run then finds it, and any user error, as
+it always did).
+
+A no-op run is not stored as a run record: :func:`scanforest.flows._runner.record_run` counts it
+in the store's ``runs`` group attributes (``noop_runs``: per flow, how many and the last one), so a
+schedule that fires every minute on an idle store does not add 1,440 records a day.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from scanforest.flows._runner import absolute_path
+
+
+def _store(store: str):
+    from scanforest.tasks.store import ScanStore
+
+    return ScanStore(absolute_path(store), mode="r")
+
+
+def describe_noop(store: str, scans: list[str] | None, params) -> dict[str, Any] | None:
+    """The describe summary when every scan in ``scans`` (default: every scan) has its describe
+    stage with ``params`` (a :class:`~scanforest.tasks.describe.DescribeParams`); else None."""
+    t0 = time.perf_counter()
+    try:
+        st = _store(store)
+        have = st.scans()
+        ids = have if scans is None else list(scans)
+        if not set(ids) <= set(have):
+            return None  # a user error: the run says it
+        p = params.as_dict()
+        if not all(st.has_stage(s, "describe", **p) for s in ids):
+            return None
+    except Exception:
+        return None
+    return {"scans": len(ids), "described": 0, "skipped": len(ids), "held": 0, "failed": 0, "failures": [],
+            "keypoints": 0, "task_seconds": 0.0, "seconds": time.perf_counter() - t0, "workers": 0}
+
+
+def match_noop(store: str, queries: list[str] | None, k: int, name: str) -> dict[str, Any] | None:
+    """The match summary when every query scan (default: every described scan the index ``name``
+    was not built over) is matched against the index as it is now, with ``k``; else None."""
+    from scanforest.tasks.store import stage_digest
+
+    t0 = time.perf_counter()
+    try:
+        st = _store(store)
+        idx = st.root["indexes"] if "indexes" in st.root else None
+        if idx is None or name not in idx or not idx[name].attrs.get("complete") or int(k) < 1:
+            return None
+        attrs = dict(idx[name].attrs)
+        have = st.scans()
+        if queries is None:
+            ref = set(attrs.get("scans", []))
+            ids = [s for s in have if s not in ref and st.has_stage(s, "describe")]
+        else:
+            ids = list(queries)
+            if not set(ids) <= set(have) or not all(st.has_stage(s, "describe") for s in ids):
+                return None
+        tag = attrs["content_hash"]
+        for sid in ids:
+            described = stage_digest(st.stage(sid, "describe"))
+            if not st.has_stage(sid, "match", index=name, content_hash=tag, k=int(k), describe=described):
+                return None
+    except Exception:
+        return None
+    return {"scans": len(ids), "matched": 0, "queries": 0, "k": int(k), "shards": len(attrs.get("shards", [])),
+            "workers": 0, "batch": 0, "lanes": 0, "placement": "none: nothing to match", "plan": "",
+            "scans_seconds": 0.0, "task_seconds": 0.0, "seconds": time.perf_counter() - t0}
+
+
+def _answer(flow: str, store: str, summary: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A command's no-op answer, counted in the store (:func:`~scanforest.flows._runner.count_noop`);
+    with work to do (None), Prefect's local API starts now, in the background, to boot while the
+    command imports its flow (the command line does not start it for these commands)."""
+    from scanforest.flows._runner import count_noop, start_prefect_api
+
+    if summary is None:
+        start_prefect_api()
+        return None
+    count_noop(store, flow, summary)
+    return summary
+
+
+def quick_describe(store: str, scans: list[str] | None, params) -> dict[str, Any] | None:
+    """``describe`` on the command line: :func:`describe_noop`'s answer, or None (the API started)."""
+    return _answer("describe", store, describe_noop(store, scans, params))
+
+
+def quick_match(store: str, queries: list[str] | None, k: int, name: str) -> dict[str, Any] | None:
+    """``match`` on the command line: :func:`match_noop`'s answer, or None (the API started)."""
+    return _answer("match", store, match_noop(store, queries, k, name))
