@@ -73,7 +73,7 @@ def match_noop(store: str, queries: list[str] | None, k: int, name: str) -> dict
                 return None
     except Exception:
         return None
-    return {"scans": len(ids), "matched": 0, "queries": 0, "k": int(k), "shards": len(attrs.get("shards", [])),
+    return {"scans": len(ids), "matched": 0, "held": 0, "queries": 0, "k": int(k), "shards": len(attrs.get("shards", [])),
             "workers": 0, "batch": 0, "lanes": 0, "placement": "none: nothing to match", "plan": "",
             "scans_seconds": 0.0, "task_seconds": 0.0, "seconds": time.perf_counter() - t0}
 

@@ -66,8 +66,19 @@ def _match_batch(di: DistributedIndex, store: str, scan_ids: list[str], k: int) 
     pays one round of Dask tasks instead of one per scan; each scan's results are written on
     their own and skipped when already there. Each record's ``seconds`` is the time inside store
     I/O and (its share by rows of) the shard searches and merges: the busy time the archive
-    bench's overhead figure is computed from."""
-    st = ScanStore(store)
+    bench's overhead figure is computed from.
+
+    A scan whose match claim another run holds (:meth:`ScanStore.claim_stage`) is left to it
+    (``held``); this batch holds its own scans' claims from the check to the writes."""
+    from contextlib import ExitStack
+
+    from scanforest.tasks.units import current_run, held
+
+    with ExitStack() as claims:
+        return _match_claimed(di, ScanStore(store), scan_ids, k, claims, held, current_run())
+
+
+def _match_claimed(di, st, scan_ids, k, claims, held, run) -> list[dict[str, Any]]:
     tag = di.attrs["content_hash"]
     recs: dict[str, dict[str, Any]] = {}
     todo = []
@@ -75,7 +86,14 @@ def _match_batch(di: DistributedIndex, store: str, scan_ids: list[str], k: int) 
         t0 = time.perf_counter()
         # the describe record the matches belong to: a scan described again is matched again
         described = stage_digest(st.stage(sid, "describe"))
-        if st.has_stage(sid, "match", index=di.name, content_hash=tag, k=k, describe=described):
+        done = {"index": di.name, "content_hash": tag, "k": k, "describe": described}
+        if st.has_stage(sid, "match", **done):
+            recs[sid] = {"scan_id": sid, "status": "skipped", "seconds": time.perf_counter() - t0}
+            continue
+        if not claims.enter_context(st.claim_stage(sid, "match")):
+            recs[sid] = held(sid, t0)
+            continue
+        if st.has_stage(sid, "match", **done):  # finished by another run between the two looks
             recs[sid] = {"scan_id": sid, "status": "skipped", "seconds": time.perf_counter() - t0}
             continue
         Q = st.read(sid, "kp_shot")
@@ -98,7 +116,8 @@ def _match_batch(di: DistributedIndex, store: str, scan_ids: list[str], k: int) 
                 dist[ok], ids[ok] = d_all[a:a + n], i_all[a:a + n]
             a += n
             st.write_stage(sid, "match", {"match_ids": ids, "match_dist": dist},
-                           {"index": di.name, "content_hash": tag, "k": k, "queries": n, "describe": described})
+                           {"index": di.name, "content_hash": tag, "k": k, "queries": n, "describe": described,
+                            **({"run": run} if run else {})})
             share = compute * n / max(1, n_rows)
             recs[sid] = {"scan_id": sid, "status": "matched", "queries": n,
                          "seconds": t_read + time.perf_counter() - t0 + share}
@@ -145,6 +164,7 @@ def match_flow(store: str, queries: list[str] | None = None, k: int = 4, name: s
                            progress=progress)
         t_scans = time.perf_counter() - t1
         summary = {"scans": len(ids), "matched": sum(r["status"] == "matched" for r in recs),
+                   "held": sum(r["status"] == "held" for r in recs),
                    "queries": int(sum(r.get("queries", 0) for r in recs)), "k": k,
                    "shards": len(attrs["shards"]), "workers": n_workers(client), "batch": nb,
                    # the workers that hold shards: the ones the stage's compute can use
