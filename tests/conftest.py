@@ -30,9 +30,9 @@ def _gpu() -> bool:
 #: the files that take longest on CI's 2 cores (subprocesses as a user runs them), longest first:
 #: ``-n 2 --dist loadfile`` hands files to the workers in collection order, so these start first
 #: and the short files fill in behind them instead of one long file running alone at the end
-SLOW_FILES = ("test_user_paths.py", "test_archive_resume.py", "test_prefect_server.py", "test_library_path.py",
-              "test_noop_and_demo.py", "test_store_integrity.py", "test_user_errors.py", "test_concurrent_stages.py",
-              "test_flow.py", "test_deployments.py")
+SLOW_FILES = ("test_user_paths.py", "test_archive_resume.py", "test_prefect_server.py", "test_noop_and_demo.py",
+              "test_store_integrity.py", "test_user_errors.py", "test_concurrent_stages.py", "test_flow.py",
+              "test_deployments.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -41,7 +41,14 @@ def env(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def done(env, tmp_path_factory) -> dict:
     """A store whose 2 scans are described and matched (against an index over the first), and
-    the real runs' JSON summaries."""
+    the real runs' summaries (what their commands print with ``--json``). Made by the flows in
+    this process on one shared cluster: the state is the tests' input, the commands under test run
+    in subprocesses (four commands here took 62 s of CI's 2 cores)."""
+    from scanforest.flows._runner import cluster_scope, ensure_prefect_api
+    from scanforest.flows.describe import run_describe
+    from scanforest.flows.ingest import run_ingest
+    from scanforest.flows.match import run_index_build, run_match
+    from scanforest.tasks.describe import DescribeParams
     from scanforest.tasks.readers import write_cloud
 
     work = tmp_path_factory.mktemp("noop")
@@ -50,14 +57,19 @@ def done(env, tmp_path_factory) -> dict:
     rng = np.random.default_rng(0)
     for i in range(2):
         write_cloud(src / f"s{i}.pcd", rng.random((3_000, 3)).astype(np.float32))
-    store = work / "s.zarr"
-    ok(sf("ingest", str(src), str(store), "--workers", "1", env=env, cwd=work))
-    described = json.loads(ok(sf("describe", str(store), *DESCRIBE, "--workers", "1", "--json", env=env, cwd=work)))
-    assert described["described"] == 2, described
-    ok(sf("index", "build", str(store), "-r", "s0.pcd", "--name", "i", "--method", "exact", env=env, cwd=work))
-    matched = json.loads(ok(sf("match", str(store), "--name", "i", "--workers", "1", "--json", env=env, cwd=work)))
+    store = str(work / "s.zarr")
+    ensure_prefect_api()
+    # the describe command's parameters for DESCRIBE (its defaults otherwise)
+    params = DescribeParams(normal_k=10, normal_radius=None, keypoint_radius=0.2, shot_radius=0.2, approximate=False)
+    with cluster_scope(device="cpu", workers=1):
+        run_ingest(str(src), store, workers=1, progress=False)
+        described = run_describe(store, params=params, device="cpu", workers=1, progress=False)
+        assert described["described"] == 2, described
+        run_index_build(store, ["s0.pcd"], name="i", params={"method": "exact"}, device="cpu")
+        matched = run_match(store, name="i", device="cpu", workers=1, progress=False)
     assert matched["matched"] == 1, matched
-    return {"store": store, "work": work, "describe": described, "match": matched}
+    as_printed = lambda summary: json.loads(json.dumps(summary, default=str))  # noqa: E731
+    return {"store": Path(store), "work": work, "describe": as_printed(described), "match": as_printed(matched)}
 
 
 def _runs(store: Path) -> tuple[int, dict]:

@@ -64,8 +64,10 @@ def _stop(proc):
     proc.wait(10)
 
 
-@pytest.fixture
-def prefect_server(tmp_path):
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """One real server for the module's tests (each keeps to its own deployment, store and runs)."""
+    tmp_path = tmp_path_factory.mktemp("prefect-server")
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_API_URL=api,

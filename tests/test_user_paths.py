@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _userpath import fresh_env, ok as _ok, sf
+from _userpath import fresh_env, one_line_error, ok as _ok, sf
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,10 @@ def test_pcl_clouds_through_every_stage_and_the_report(cold_env, tmp_path, pcl_d
     scene = "milk_cartoon_all_small_clorox.pcd"
     _ok(sf("describe", store, "--scan", scene, env=cold_env, cwd=tmp_path))
     lib = json.loads(_ok(sf("library", "build", store, "-m", "milk.pcd", "--json", env=cold_env, cwd=tmp_path)))
-    assert lib["status"] == "built" and lib["models"] == 1, lib
+    assert lib["status"] == "built" and lib["models"] == 1 and lib["index_status"] == "built", lib
+    again = json.loads(_ok(sf("library", "build", store, "-m", "milk.pcd", "--json", env=cold_env, cwd=tmp_path)))
+    assert again["status"] == "unchanged" and again["index_status"] == "unchanged", again  # a no-op
+    one_line_error(sf("match", store, "--library", "nope", env=cold_env, cwd=tmp_path), "nope", "library build")
     mt = json.loads(_ok(sf("match", store, "--library", "default", "-q", scene, "--json", env=cold_env,
                            cwd=tmp_path)))
     assert mt["matched"] == 1 and mt["queries"] > 100, mt
