@@ -65,10 +65,13 @@ def test_pcl_clouds_through_every_stage_and_the_report(cold_env, tmp_path, pcl_d
     import json
 
     store = str(tmp_path / "pcl.zarr")
-    ing = json.loads(_ok(sf("ingest", str(pcl_dir), store, "--json", env=cold_env, cwd=tmp_path)))
-    n_pcd = len(list(pcl_dir.glob("*.pcd")))
-    assert ing["ingested"] == n_pcd and ing["quarantined"] == 0, ing
     scene = "milk_cartoon_all_small_clorox.pcd"
+    clouds = tmp_path / "pcl"  # the model, its scene and the README (test_readers reads every cloud)
+    clouds.mkdir()
+    for name in ("milk.pcd", scene, "README.md"):
+        (clouds / name).symlink_to(pcl_dir / name)
+    ing = json.loads(_ok(sf("ingest", str(clouds), store, "--json", env=cold_env, cwd=tmp_path)))
+    assert ing["ingested"] == 2 and ing["quarantined"] == 0 and ing["ignored"] == 1, ing
     _ok(sf("describe", store, "--scan", scene, env=cold_env, cwd=tmp_path))
     lib = json.loads(_ok(sf("library", "build", store, "-m", "milk.pcd", "--json", env=cold_env, cwd=tmp_path)))
     assert lib["status"] == "built" and lib["models"] == 1 and lib["index_status"] == "built", lib
