@@ -715,13 +715,14 @@ def _on_running(flow, flow_run, state) -> None:
 
         _mark_interrupted(st)
         run_id = _run_id(_flow_key(flow), flow_run)
+        # the watchdog first: a process killed once its record says running is noticed at once (not
+        # when the next flow opens the store); killed before that, its watchdog finds no such record
+        local = _server is not None and os.environ.get("PREFECT_API_URL") == _server.url
+        _watchdog.watch(st.path, run_id, str(flow_run.id), _server.proc.pid if local else None)
         st.write_run(run_id,
                      {"flow": _flow_key(flow), "status": "running", "started": _iso(),
                       "host": socket.gethostname(), "pid": os.getpid(), "flow_run_id": str(flow_run.id),
                       "parameters": _public_params(flow_run.parameters), "versions": versions()})
-        # a process killed from here on is noticed at once, not when the next flow opens the store
-        local = _server is not None and os.environ.get("PREFECT_API_URL") == _server.url
-        _watchdog.watch(st.path, run_id, str(flow_run.id), _server.proc.pid if local else None)
 
 
 def _on_failure(flow, flow_run, state, status: str = "failed") -> None:
