@@ -73,6 +73,7 @@ class DistributedIndex:
         self.store_path = store_path
         self.name = name = source.key
         self.device = device
+        self.method = method
         self._blocks: dict[int, int] = {}
         self._turn = itertools.count()  # the replica group of the next query block
         self.attrs = dict(source.attrs)
@@ -123,40 +124,37 @@ class DistributedIndex:
 
     def _fitting_copies(self, devices: list[list[str]], n_shards: int, method: str | None) -> int:
         """Copies of the index the devices hold: one per ``n_shards`` devices, fewer where host
-        worker processes, which share the host's memory, cannot all hold one beside a query block."""
+        worker processes, which share the host's memory, cannot all hold one beside a query block
+        (:meth:`_plan` on the host's memory split between the copies)."""
         copies = max(1, len(devices) // n_shards)
         host = [d[0] for d in devices if len(d) == 1 and d[0] in self._free]
         if copies > 1 and host and self.device != "gpu":
-            from scanforest.kernels.knn.sharded import GOOD_BLOCK, search_working_bytes, shard_resident_bytes
-
-            a = self.attrs
-            rows = max(b - a0 for a0, b in a["shards"])
-            p = a.get("params") or {}
-            per_copy = n_shards * (shard_resident_bytes(rows, int(a["d"]), n_trees=int(p.get("n_trees") or 1),
-                                                        leaf_size=int(p.get("leaf_size") or 64),
-                                                        method=method or p.get("method") or "banns")
-                                   + search_working_bytes(rows, int(a["d"]), GOOD_BLOCK["cpu"], 4, device="cpu"))
             free = min(self._free[w] for w in host)  # every host worker reports the same machine's memory
-            copies = max(1, min(copies, int(0.85 * free // max(1, per_copy))))
+            while copies > 1 and not self._plan([free // (copies * n_shards)] * (copies * n_shards), n_shards, method).fits:
+                copies -= 1
         return copies
+
+    def _plan(self, memory: list[int], n_shards: int, method: str | None = None):
+        """:func:`plan_shards` of this index's ``n_shards`` shards on workers of ``memory``."""
+        from scanforest.kernels.knn.sharded import plan_shards
+
+        a, p = self.attrs, self.attrs.get("params") or {}
+        return plan_shards(int(a["n"]), int(a["d"]), memory, shards=n_shards, n_trees=int(p.get("n_trees") or 1),
+                           leaf_size=int(p.get("leaf_size") or 64), method=method or p.get("method") or "banns",
+                           device=self._dev,
+                           row_bytes=idx.resident_row_bytes(str(a.get("dtype", "float32")), self._dev))
 
     def describe(self) -> dict:
         """Where the index lives: shards, replicas, the workers of each copy, and the memory plan
         of that placement on the devices' free memory (:func:`plan_shards`: figures and reason)."""
-        from scanforest.kernels.knn.sharded import plan_shards
+        from scanforest.kernels.knn.sharded import placement_mode
 
         s = len(self.groups[0]) if self.groups else 0
-        mode = (("replicate" if self.replicas > 1 else "single") if s == 1 else
-                ("shard+replicate" if self.replicas > 1 else "shard"))
-        out = {"shards": s, "replicas": self.replicas, "mode": mode,
+        out = {"shards": s, "replicas": self.replicas, "mode": placement_mode(s, self.replicas),
                "workers": [[self.placement[r * s + i] for i in range(s)] for r in range(self.replicas)]}
-        a, p = self.attrs, self.attrs.get("params") or {}
         free = [max(self._free.get(w, 0) for w in dev) for dev in self._device_list] if self._free else []
         if free and min(free) > 0:
-            plan = plan_shards(int(a["n"]), int(a["d"]), free, shards=s, n_trees=int(p.get("n_trees") or 1),
-                               leaf_size=int(p.get("leaf_size") or 64), method=p.get("method") or "banns",
-                               device=self._dev, row_bytes=idx.resident_row_bytes(str(a.get("dtype", "float32")),
-                                                                                  self._dev))
+            plan = self._plan(free, s, self.method)
             out["plan"] = plan.describe()  # the planner's view of these devices (``replicas``: what was placed)
             out["resident_bytes"] = plan.resident_bytes
         return out

@@ -167,6 +167,14 @@ def fit_block(rows: int, d: int, k: int, cap: float, *, block: int | None = None
 GOOD_BLOCK = {"gpu": 65_536, "cpu": 4_096}
 
 
+def placement_mode(shards: int, replicas: int) -> str:
+    """``single``, ``replicate``, ``shard`` or ``shard+replicate``: how an index of ``shards``
+    row ranges in ``replicas`` copies lives on its workers."""
+    if shards == 1:
+        return "replicate" if replicas > 1 else "single"
+    return "shard+replicate" if replicas > 1 else "shard"
+
+
 @dataclass
 class ShardPlan:
     """Where an index lives on a cluster: ``shards`` row ranges, each held by ``replicas`` workers
@@ -188,9 +196,7 @@ class ShardPlan:
 
     @property
     def mode(self) -> str:
-        if self.shards == 1:
-            return "replicate" if self.replicas > 1 else "single"
-        return "shard+replicate" if self.replicas > 1 else "shard"
+        return placement_mode(self.shards, self.replicas)
 
     def describe(self) -> str:
         g = 2 ** 30
