@@ -688,21 +688,11 @@ def process_gone(run: dict) -> bool | None:
 def _mark_interrupted(st) -> None:
     """Runs of this store that a killed process left ``running`` (on this host) become
     ``interrupted`` in the store and ``Crashed`` in Prefect (when that API holds them), so an
-    operator sees them as failures, not as runs still going."""
+    operator sees them as failures, not as runs still going (what the run's watchdog does at once;
+    this catches runs whose watchdog was killed too)."""
     for run in st.runs():
-        if run.get("status") != "running" or not process_gone(run):
-            continue
-        msg = f"interrupted: its process ({run['host']}, pid {run['pid']}) ended without finishing (killed)"
-        st.write_run(run["id"], {"status": "interrupted", "error": msg, "noticed": _iso()})
-        if run.get("flow_run_id"):
-            with contextlib.suppress(Exception):  # another API, or the run is gone: the store says it
-                from prefect.client.orchestration import get_client
-                from prefect.states import Crashed
-
-                with get_client(sync_client=True) as client:
-                    fr = client.read_flow_run(run["flow_run_id"])
-                    if fr.state is not None and fr.state.is_running():
-                        client.set_flow_run_state(fr.id, Crashed(message=msg), force=True)
+        if run.get("status") == "running" and process_gone(run):
+            _watchdog.interrupt(st, run)
 
 
 def _on_running(flow, flow_run, state) -> None:

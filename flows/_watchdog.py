@@ -53,29 +53,37 @@ def release(run_id: str) -> None:
         os.close(w)
 
 
-def _crashed(store: str, run_id: str, flow_run_id: str | None) -> bool:
-    """Mark the run interrupted (and Crashed) if its record still says ``running``; whether it did."""
+def interrupt(st, run: dict) -> None:
+    """Record run ``run`` (its attributes, with ``id``) of store ``st``, whose process was killed,
+    as ``interrupted``, and its Prefect flow run as Crashed when that API still has it running
+    (another API, or a run gone from it: the store says it)."""
+    import contextlib
     import datetime
 
+    msg = (f"interrupted: its process ({run.get('host')}, pid {run.get('pid')}) ended without finishing "
+           "(killed)")
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    st.write_run(run["id"], {"status": "interrupted", "error": msg, "noticed": now})
+    if run.get("flow_run_id"):
+        with contextlib.suppress(Exception):
+            from prefect.client.orchestration import get_client
+            from prefect.states import Crashed
+
+            with get_client(sync_client=True) as client:
+                fr = client.read_flow_run(run["flow_run_id"])
+                if fr.state is not None and fr.state.is_running():
+                    client.set_flow_run_state(fr.id, Crashed(message=msg), force=True)
+
+
+def _crashed(store: str, run_id: str, flow_run_id: str | None) -> bool:
+    """Mark the run interrupted (and Crashed) if its record still says ``running``; whether it did."""
     from scanforest.tasks.store import ScanStore
 
     st = ScanStore(store, mode="a")
     runs = st.root["runs"] if "runs" in st.root else None
     if runs is None or run_id not in runs or runs[run_id].attrs.get("status") != "running":
         return False  # ended on its own, or a no-op whose record was summarised
-    run = dict(runs[run_id].attrs)
-    msg = (f"interrupted: its process ({run.get('host')}, pid {run.get('pid')}) ended without finishing "
-           "(killed)")
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    st.write_run(run_id, {"status": "interrupted", "error": msg, "noticed": now})
-    if flow_run_id:
-        from prefect.client.orchestration import get_client
-        from prefect.states import Crashed
-
-        with get_client(sync_client=True) as client:
-            fr = client.read_flow_run(flow_run_id)
-            if fr.state is not None and fr.state.is_running():
-                client.set_flow_run_state(fr.id, Crashed(message=msg), force=True)
+    interrupt(st, {**runs[run_id].attrs, "id": run_id, "flow_run_id": flow_run_id})
     return True
 
 

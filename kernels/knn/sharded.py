@@ -296,7 +296,6 @@ def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int | None =
 
 def build_bytes(rows: int, d: int, *, leaf_size: int = 64, row_bytes: int = 4) -> int:
     """Bytes on a device while a shard's tree is built there: its rows at ``row_bytes`` per value
-    (the build works on float32 rows), the permutation and the nodes."""
-    rows, d = int(rows), int(d)
-    nodes = 4 * -(-rows // int(leaf_size))
-    return rows * d * int(row_bytes) + rows * 16 + nodes * (28 + 8 * d)
+    (the build works on float32 rows), the permutation and the nodes: a resident shard's bytes
+    at those rows, and the build's second 8 bytes a row."""
+    return shard_resident_bytes(rows, d, leaf_size=leaf_size, row_bytes=row_bytes) + 8 * int(rows)
