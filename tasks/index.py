@@ -196,18 +196,21 @@ def resident_row_bytes(dtype: str, device: str) -> int:
 
 
 def plan_for(n: int, d: int, params: dict[str, Any], device: str, *, k: int = 4, memory=None,
-             dtype: str = "float32"):
-    """The shard plan of an ``n`` x ``d`` reference stored as ``dtype`` on this machine's devices
-    (one shard per GPU, or one on the CPU); raises :class:`InputError` when the index cannot fit
-    them."""
+             dtype: str = "float32", shards: int | None = None, block: int | None = None):
+    """The placement plan of an ``n`` x ``d`` reference stored as ``dtype`` on this machine's
+    devices (or on workers of ``memory``: one value each), :func:`plan_shards`: as few shards as
+    fit, in as many copies as the devices allow (``shards``: a fixed count, copies only). Trees
+    built on a GPU count their float32 rows there. Raises :class:`InputError` when the index
+    cannot fit them."""
     from scanforest.kernels.backend import device_memory, resolve_device
     from scanforest.kernels.knn.sharded import plan_shards
 
     dev = resolve_device(device)
     mem = memory if memory is not None else device_memory(dev)
-    plan = plan_shards(n, d, mem, k=k, n_trees=int(params.get("n_trees") or 1),
+    plan = plan_shards(n, d, mem, k=k, block=block, n_trees=int(params.get("n_trees") or 1),
                        leaf_size=int(params.get("leaf_size") or 64), method=params.get("method") or "banns",
-                       device=dev, row_bytes=resident_row_bytes(dtype, dev))
+                       device=dev, row_bytes=resident_row_bytes(dtype, dev),
+                       build_row_bytes=4 if dev == "gpu" else 0, shards=shards)
     if not plan.fits:
         raise InputError(f"an index of {n:,} x {d} rows does not fit {len(mem)} {dev} device(s) of "
                          f"{min(mem) / 2**30:.1f} GiB: {plan.describe()}; it needs at least {plan.min_workers} "

@@ -399,16 +399,13 @@ def _plan(w: int, n: int, d: int, k: int, dev: str, *, shards, n_trees, leaf_siz
     """The placement plan of an ``n``-row bench index on ``w`` workers, one per GPU (workers
     beyond the GPUs share them, and their memory), or on the host (its memory split ``w`` ways)."""
     from scanforest.kernels.backend import device_memory
-    from scanforest.kernels.knn.sharded import plan_shards
     from scanforest.tasks import index as idx
 
     mem = device_memory(dev)
     per = -(-w // len(mem))  # workers per device
     mem = [mem[i % len(mem)] // per for i in range(w)]
-    return plan_shards(n, d, mem, k=k, block=block, n_trees=n_trees, leaf_size=leaf_size, method=method, device=dev,
-                       row_bytes=idx.resident_row_bytes(store_dtype, dev),
-                       build_row_bytes=4 if dev == "gpu" else 0,  # trees built on float32 rows on the GPU
-                       shards=shards)
+    return idx.plan_for(n, d, {"n_trees": n_trees, "leaf_size": leaf_size, "method": method}, dev, k=k, memory=mem,
+                        dtype=store_dtype, shards=shards, block=block)
 
 
 def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, backtracks,
