@@ -201,7 +201,7 @@ class DistributedIndex:
         self._blocks[k] = fit_block(rows, d, k, headroom * share, block=block, min_block=min_block, device=dev)
         return self._blocks[k]
 
-    def split(self, m: int, block: int) -> list[tuple[int, int]]:
+    def split(self, m: int, block: int, *, ramp: bool = True) -> list[tuple[int, int]]:
         """``m`` queries as ``[a, b)`` blocks of at most ``block``, in waves of one block per
         replica group (block ``j`` goes to group ``j mod R``), every group the same share.
 
@@ -209,15 +209,18 @@ class DistributedIndex:
         share, at least half a ``GOOD_BLOCK``) up to ``block``: every device starts as soon as
         its first, small block has arrived, and each next block travels while the one before
         is searched. All the queries leave one client, so with R groups the first wave is what
-        every device waits for."""
+        every device waits for. ``ramp=False`` (queries the workers read themselves): equal
+        blocks of at most ``block`` from the start."""
         from scanforest.kernels.knn.sharded import GOOD_BLOCK
 
         if m == 0:
             return []
         r = min(self.replicas, m)
         share = -(-m // r)
-        least, part, growth = self.ramp
+        least, part, growth = self.ramp if ramp else (0, 1, 1.0)
         b = max(1, min(block, max(int(GOOD_BLOCK[self._dev] * least), -(-share // part))))
+        if not ramp:  # equal blocks: the share in as few as ``block`` allows
+            b = -(-share // -(-share // b))
         sizes = []
         left = share
         while left > 0:
@@ -280,7 +283,8 @@ class DistributedIndex:
                     group: int | None = None):
         """Submit one query block to every shard of one replica group and tree-reduce.
 
-        ``Q``: the block (an array, sent inside a task), or a future of it (:meth:`_put_wave`).
+        ``Q``: the block (an array, sent inside a task), a future of it (:meth:`_put_wave`), or
+        ``(QueryFile, a, b)``: rows ``[a, b)`` of a query file, read by each shard's worker.
         ``group``: the replica group (default: the next in turn). Returns a future of
         ``(dist2, ids, stats)``; ``stats``: ``{"leaves": leaves scanned by all shards, "seconds":
         time spent in the searches and merges}``.
@@ -298,10 +302,17 @@ class DistributedIndex:
         c = self.client
         g = next(self._turn) % self.replicas if group is None else int(group) % self.replicas
         s = len(self.groups[g])
-        qf = Q if hasattr(Q, "key") else c.submit(_identity, np.ascontiguousarray(Q, dtype=np.float32), pure=False)
+        if isinstance(Q, tuple):  # (QueryFile, a, b): each shard's worker reads the block itself
+            src, a, b = Q
+            qf = [c.submit(idx.read_queries, src, a, b, workers=[self.placement[g * s + i]],
+                           allow_other_workers=True, pure=False) for i in range(s)]
+        else:
+            one = Q if hasattr(Q, "key") else c.submit(_identity, np.ascontiguousarray(Q, dtype=np.float32),
+                                                       pure=False)
+            qf = [one] * s
 
         def on_shards(**kw):  # each search runs where its shard lives (loose: a lost worker's shard moves)
-            return [c.submit(idx.search_shard, f, qf, k, stats=True, workers=[self.placement[g * s + i]],
+            return [c.submit(idx.search_shard, f, qf[i], k, stats=True, workers=[self.placement[g * s + i]],
                              allow_other_workers=True, pure=False, **kw) for i, f in enumerate(self.groups[g])]
 
         full = {} if backtracks is None else {"backtracks": int(backtracks)}
@@ -320,6 +331,10 @@ class DistributedIndex:
         and 65,536 on CPUs, fitted to the workers' free memory). The queries go in equal blocks,
         as many for every replica group (:meth:`split`), a wave of one block per group at a time.
 
+        ``Q``: an ``(M, d)`` array (its blocks leave this client), or a
+        :class:`~scanforest.tasks.index.QueryFile` whose blocks the workers read themselves (the
+        way past the client's one connection on several GPUs).
+
         ``backtracks``: the leaf budget of every shard for this query (default: the index's own,
         set at build time); a recall/speed trade-off chosen per query, with no rebuild.
 
@@ -335,13 +350,16 @@ class DistributedIndex:
             raise InputError(f"sync_after must be a positive number of leaves or None, got {sync_after!r}")
         if backtracks is not None and (isinstance(backtracks, bool) or int(backtracks) < 1):
             raise InputError(f"backtracks must be a positive number of leaves or None, got {backtracks!r}")
-        Q = np.asarray(Q, dtype=np.float32)
-        if Q.ndim != 2 or Q.shape[1] != int(self.attrs["d"]):
-            raise InputError(f"queries must be (M, {self.attrs['d']}), got {Q.shape}")
+        src = Q if isinstance(Q, idx.QueryFile) else None
+        if src is None:
+            Q = np.asarray(Q, dtype=np.float32)
+        if len(Q.shape) != 2 or Q.shape[1] != int(self.attrs["d"]):
+            raise InputError(f"queries{'' if src is None else ' in ' + src.path} must be (M, {self.attrs['d']}), "
+                             f"got {Q.shape}")
         if block is not None and int(block) < 1:
             raise InputError(f"block must be >= 1, got {block}")
         block = self.plan_block(int(k)) if block is None else int(block)
-        spans = self.split(len(Q), block)
+        spans = self.split(int(Q.shape[0]), block, ramp=src is None)
         r = self.replicas
         first = next(self._turn)  # concurrent queries (the match flow's lanes) start on different groups
         groups = [(first + j) % r for j in range(len(spans))]
@@ -349,6 +367,10 @@ class DistributedIndex:
         def run(direct: bool):  # one failed scatter clears ``ok``: the remaining blocks go inside tasks
             ok = [direct]
             futs = []
+            if src is not None:  # the workers read their blocks: nothing to send (a lost read is redone)
+                return self.client.gather([self.query_block((src, a, b), int(k), sync_after=sync_after,
+                                                            backtracks=backtracks, group=g)
+                                           for (a, b), g in zip(spans, groups)])
             alive = set(self._holders()) if direct else set()  # looked up once a query
             for w in range(0, len(spans), r):  # a wave: one block per replica group
                 blocks = [np.ascontiguousarray(Q[a:b]) for a, b in spans[w:w + r]]
@@ -366,7 +388,7 @@ class DistributedIndex:
             out = run(False)
         stats = {"leaves": int(sum(o[2]["leaves"] for o in out)),
                  "compute_seconds": float(sum(o[2]["seconds"] for o in out)),
-                 "queries": int(len(Q)), "sync_after": sync_after, "backtracks": backtracks,
+                 "queries": int(Q.shape[0]), "sync_after": sync_after, "backtracks": backtracks,
                  "blocks": len(spans), "replicas": r}
         self.stats_ = stats
         if not out:

@@ -295,3 +295,57 @@ def test_count_lists_of_the_bench_options_refuse_what_is_not_a_count():
     for bad in ("4,x", "1q", "inf", "nan"):
         with pytest.raises(InputError, match="is not a count"):
             parse_counts(bad)
+
+
+def test_gpu_busy_is_sampled_for_the_visible_cards_only(monkeypatch):
+    """nvidia-smi lists every card of the host: a run on GPUs 1 and 3 reports those two."""
+    import subprocess
+    import types
+
+    from scanforest.deploy.bench._common import Utilization
+
+    smi = "0, GPU-aaaa, 90\n1, GPU-bbbb, 40\n2, GPU-cccc, 80\n3, GPU-dddd, 60\n"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=smi))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,GPU-dddd")
+    u = Utilization()
+    u._smi, u._visible = "nvidia-smi", ["1", "GPU-dddd"]
+    assert u._gpu_sample() == {"1": 40.0, "3": 60.0}
+    u._visible = None  # unset: every card
+    assert u._gpu_sample() == {"0": 90.0, "1": 40.0, "2": 80.0, "3": 60.0}
+    u._gpu, u._cpu, u._stop, u._thread = {"1": [40.0, 20.0], "3": [60.0]}, [], types.SimpleNamespace(set=lambda: 0), \
+        types.SimpleNamespace(join=lambda timeout: 0)
+    u.__exit__(None, None, None)
+    assert u.gpus == {"1": 30.0, "3": 60.0} and u.gpu == 45.0
+    assert u.extra()["gpu_busy_pct_each"] == {"1": 30.0, "3": 60.0} and u.extra()["gpu_busy_pct_min"] == 30.0
+
+
+def test_gpu_scaling_rows_compare_with_the_smallest_count(capsys):
+    def rec(e2e, pro, each, ov):
+        rows = [{"figure": "archive end to end: scans/s", "value": e2e, "extra": {}},
+                {"figure": "process: scans/s", "value": pro,
+                 "extra": {"gpu_busy_pct": sum(each) / len(each), "gpu_busy_pct_min": min(each),
+                           "gpu_busy_pct_each": {str(i): v for i, v in enumerate(each)}}},
+                {"figure": "whole archive (all stages): orchestration overhead", "value": ov, "extra": {}}]
+        return {"rows": rows, "environment": {"gpu": "Card"}}
+
+    rep = BenchReport("archive-gpus")
+    ba.scaling_rows(rep, [(1, 100, rec(20.0, 30.0, [80.0], 3.0)), (4, 400, rec(60.0, 96.0, [70, 72, 74, 76], 6.0))])
+    rows = {r.figure: r for r in rep.rows}
+    four = rows["end to end on 4 GPUs: scans/s"]
+    assert four.ratio == pytest.approx(3.0) and four.extra["efficiency"] == pytest.approx(0.75)
+    assert rows["process stage on 4 GPUs: scans/s"].ratio == pytest.approx(3.2)
+    assert rows["process stage on 4 GPUs: scans/s"].extra["gpu_busy_pct_min"] == 70
+    assert rows["whole-archive overhead on 4 GPUs"].value == 6.0
+    table = capsys.readouterr().out
+    assert "3.00" in table and "0.80" in table and "70% 72% 74% 76%" in table
+
+
+def test_gpu_scaling_needs_gpus(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr("scanforest.kernels.backend.gpu_count", lambda: 0)
+    with pytest.raises(InputError, match="needs GPUs"):
+        ba.run_gpu_scaling([1, 2], 10, 1000, 2, None, tmp_path, None)
+    monkeypatch.setattr("scanforest.kernels.backend.gpu_count", lambda: 2)
+    with pytest.raises(InputError, match=r"each count must be 1\.\.2"):
+        ba.run_gpu_scaling([1, 4], 10, 1000, 2, None, tmp_path, None)
+    assert not any(tmp_path.iterdir())  # refused before any archive is written

@@ -72,6 +72,12 @@ def test_distributed_equals_bruteforce(tmp_path, rng, local_client, shards):
     di = DistributedIndex(local_client, store, "t")
     d2, i2 = di.query(Q, 4, block=97)
     np.testing.assert_array_equal(i2, bi)
+    # the queries read by the workers from a file: the same answer, blocks and all
+    d3, i3 = di.query(idx.QueryFile.write(tmp_path / "q.npy", Q), 4, block=97)
+    np.testing.assert_array_equal(i3, bi)
+    np.testing.assert_array_equal(d3, bd)
+    with pytest.raises(InputError, match="must be"):
+        di.query(idx.QueryFile.write(tmp_path / "q2.npy", Q[:, :5]), 4)
     di.close()
 
 

@@ -210,22 +210,28 @@ def run_baseline(rep: "BenchReport", cmd: list[str]) -> tuple[dict, int] | None:
 class Utilization:
     """Host CPU and GPU utilisation sampled in a background thread while the block runs.
 
-    ``cpu`` is the mean busy share of all host cores (psutil), ``gpu`` the mean of
-    ``nvidia-smi``'s utilisation of the visible GPUs (None without nvidia-smi), both in percent:
-    which resource a stage is bound by."""
+    ``cpu`` is the mean busy share of all host cores (psutil); ``gpus`` maps each GPU this
+    process may use (``CUDA_VISIBLE_DEVICES``, by index or UUID; all of them when unset) to the
+    mean of ``nvidia-smi``'s utilisation of it, and ``gpu`` is their mean (None without
+    nvidia-smi), all in percent: which resource a stage is bound by, and whether every GPU
+    of a run did its share. ``nvidia-smi`` lists every card of the host whatever the process
+    sees, so the cards are picked out by index or UUID."""
 
     def __init__(self, period: float = 1.0):
         self.period = period
         self.cpu: float | None = None
         self.gpu: float | None = None
+        self.gpus: dict[str, float] = {}
 
     def __enter__(self):
         import shutil
         import threading
 
-        self._cpu, self._gpu = [], []
+        self._cpu, self._gpu = [], {}
         self._stop = threading.Event()
         self._smi = shutil.which("nvidia-smi")
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self._visible = None if vis is None else [v.strip() for v in vis.split(",") if v.strip()]
         try:
             import psutil
 
@@ -237,14 +243,21 @@ class Utilization:
         self._thread.start()
         return self
 
-    def _gpu_sample(self) -> float | None:
+    def _gpu_sample(self) -> dict[str, float] | None:
+        """``{index: busy %}`` of the visible GPUs, or None."""
         import subprocess
 
         try:
-            out = subprocess.run([self._smi, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=5).stdout.split()
-            vals = [float(x) for x in out]
-            return sum(vals) / len(vals) if vals else None
+            out = subprocess.run([self._smi, "--query-gpu=index,uuid,utilization.gpu",
+                                  "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=5).stdout.splitlines()
+            rows = [[c.strip() for c in line.split(",")] for line in out if line.count(",") == 2]
+            got = {}
+            for idx, uuid, util in rows:
+                if self._visible is None or any(v == idx or (v.startswith("GPU-") and uuid.startswith(v))
+                                                for v in self._visible):
+                    got[idx] = float(util)
+            return got or None
         except (OSError, ValueError, subprocess.SubprocessError):
             return None
 
@@ -254,18 +267,23 @@ class Utilization:
                 self._cpu.append(self._psutil.cpu_percent(None))
             if self._smi:
                 g = self._gpu_sample()
-                if g is not None:
-                    self._gpu.append(g)
+                for idx, v in (g or {}).items():
+                    self._gpu.setdefault(idx, []).append(v)
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(timeout=10)
         self.cpu = sum(self._cpu) / len(self._cpu) if self._cpu else None
-        self.gpu = sum(self._gpu) / len(self._gpu) if self._gpu else None
+        self.gpus = {idx: sum(v) / len(v) for idx, v in sorted(self._gpu.items(), key=lambda kv: int(kv[0]))}
+        self.gpu = sum(self.gpus.values()) / len(self.gpus) if self.gpus else None
 
-    def extra(self) -> dict[str, float]:
-        return {k: round(v, 1) for k, v in (("host_cpu_busy_pct", self.cpu), ("gpu_busy_pct", self.gpu))
-                if v is not None}
+    def extra(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: round(v, 1) for k, v in (("host_cpu_busy_pct", self.cpu),
+                                                           ("gpu_busy_pct", self.gpu)) if v is not None}
+        if len(self.gpus) > 1:  # each card's share: one idle GPU hides in a mean
+            out["gpu_busy_pct_each"] = {idx: round(v, 1) for idx, v in self.gpus.items()}
+            out["gpu_busy_pct_min"] = round(min(self.gpus.values()), 1)
+        return out
 
 
 def read_record(path, config: dict) -> dict | None:

@@ -279,6 +279,134 @@ def _archive_rows(rep: BenchReport, done: dict, scans: int, devname: str, total:
         rep.add("recognize recall", rec["recall"], "", devname)
 
 
+def _link_archive(src: Path, dst: Path, scenes: int) -> None:
+    """``dst`` holds the models and the first ``scenes`` scenes of the archive ``src`` (with their
+    sidecars) as hard links (copies where links fail): every GPU count ingests the same files."""
+    for sub in ("models", "scenes"):
+        (dst / sub).mkdir(parents=True, exist_ok=True)
+    names = [p.name for p in sorted((src / "models").iterdir())]
+    names = [("models", n) for n in names] + [("scenes", f"scene_{i:04d}{ext}") for i in range(scenes)
+                                               for ext in (".pcd", ".gt.json")]
+    for sub, name in names:
+        a, b = src / sub / name, dst / sub / name
+        if a.exists() and not b.exists():
+            try:
+                os.link(a, b)
+            except OSError:
+                shutil.copy2(a, b)
+
+
+def scaling_rows(rep: BenchReport, runs: list[tuple[int, int, dict]]) -> None:
+    """Rows of a GPU-count scaling run from each count's ``bench archive`` record: end-to-end and
+    process-stage scans/s with their speed-up over the smallest count (per GPU: the efficiency),
+    every GPU's busy share in the pass, the whole-archive overhead and the recognition quality."""
+    def rows_of(rec):
+        return {r["figure"]: r for r in rec["rows"]}
+
+    g0, _, base = runs[0]
+    b = rows_of(base)
+    for g, scans, rec in runs:
+        r = rows_of(rec)
+        what = f"{rec['environment'].get('gpu') or 'gpu'} x{g}"
+        for fig, key in (("archive end to end: scans/s", "end to end"), ("process: scans/s", "process stage"),
+                         ("ingest: scans/s", "ingest")):
+            if fig not in r:
+                continue
+            v, v0 = r[fig]["value"], b.get(fig, {}).get("value")
+            extra = {k: r[fig]["extra"][k] for k in ("gpu_busy_pct", "gpu_busy_pct_each", "gpu_busy_pct_min",
+                                                       "host_cpu_busy_pct") if k in r[fig]["extra"]}
+            eff = None if not v0 else v / v0 * g0 / g
+            rep.add(f"{key} on {g} GPU{'s' if g > 1 else ''}: scans/s", v, "scans/s", what,
+                    baseline=None if g == g0 else f"{key} on {g0} GPU{'s' if g0 > 1 else ''}",
+                    baseline_value=None if g == g0 else v0, gpus=g, scans=scans, efficiency=eff, **extra)
+        ov = r.get("whole archive (all stages): orchestration overhead")
+        if ov:
+            rep.add(f"whole-archive overhead on {g} GPU{'s' if g > 1 else ''}", ov["value"], "%", what,
+                    higher_is_better=False, gpus=g)
+        for q in ("recognize precision", "recognize recall"):
+            if q in r:
+                rep.add(f"{q} on {g} GPU{'s' if g > 1 else ''}", r[q]["value"], "", what, gpus=g)
+    head = f"{'GPUs':>4}  {'scans':>6}  {'end to end':>10}  {'x':>5}  {'eff':>4}  {'process':>8}  {'x':>5}  " \
+           f"{'eff':>4}  {'GPU busy in the pass (each)':<28}  overhead"
+    lines = [head]
+    for g, scans, rec in runs:
+        r = rows_of(rec)
+        e2e, pro = r.get("archive end to end: scans/s", {}), r.get("process: scans/s", {})
+        e0 = b.get("archive end to end: scans/s", {}).get("value")
+        p0 = b.get("process: scans/s", {}).get("value")
+        ex = pro.get("extra", {})
+        each = ex.get("gpu_busy_pct_each") or ({"": ex["gpu_busy_pct"]} if "gpu_busy_pct" in ex else {})
+        ov = r.get("whole archive (all stages): orchestration overhead", {}).get("value")
+        sp = lambda v, v0: (v / v0) if v and v0 else float("nan")  # noqa: E731
+        lines.append(f"{g:>4}  {scans:>6}  {e2e.get('value', float('nan')):>10.2f}  {sp(e2e.get('value'), e0):>5.2f}  "
+                     f"{sp(e2e.get('value'), e0) * g0 / g:>4.2f}  {pro.get('value', float('nan')):>8.2f}  "
+                     f"{sp(pro.get('value'), p0):>5.2f}  {sp(pro.get('value'), p0) * g0 / g:>4.2f}  "
+                     f"{' '.join(f'{v:.0f}%' for v in each.values()):<28}  "
+                     f"{'-' if ov is None else f'{ov:.1f}%'}")
+    rep.note("scaling (scans per GPU fixed; x: speed-up over the first row, eff: per GPU):\n" + "\n".join(lines))
+    print("\n".join(lines), flush=True)
+
+
+def run_gpu_scaling(gpus: list[int], scans: int, points: int, models: int, workers_per_gpu: int | None,
+                    workdir: Path, out, keep: bool = False, pipeline: str = "one-pass", warmup: int = 16) -> BenchReport:
+    """``bench archive --gpus 1,2,4``: the archive on the first G GPUs for each G, ``scans`` scenes
+    per GPU (so 2,000 on one GPU, 8,000 on four), each count a fresh ``bench archive`` process of
+    its own (``CUDA_VISIBLE_DEVICES`` naming those cards, its own local cluster: one worker set
+    per GPU) over the same files. A warm-up archive of ``warmup`` scenes (one GPU, two workers) runs first
+    (not counted) so that no count pays the compilers' caches."""
+    import subprocess
+    import sys
+
+    from scanforest.kernels.backend import gpu_count
+    from scanforest.kernels.errors import InputError
+    from scanforest.tasks.synth import write_archive
+
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devs = [d.strip() for d in vis.split(",") if d.strip()] if vis else [str(i) for i in range(gpu_count())]
+    if not devs:
+        raise InputError("--gpus needs GPUs, and this machine has none visible")
+    gpus = sorted(set(gpus))
+    if not gpus or gpus[0] < 1 or gpus[-1] > len(devs):
+        raise InputError(f"--gpus {','.join(map(str, gpus))}: each count must be 1..{len(devs)} "
+                         f"(the GPUs this machine shows)")
+    rep = BenchReport("archive-gpus", {"gpus": gpus, "scans_per_gpu": scans, "points": points, "models": models,
+                                       "workers_per_gpu": workers_per_gpu, "pipeline": pipeline}, echo=True)
+    shared = workdir / "archive-all"
+    t0 = time.perf_counter()
+    write_archive(shared, n_models=models, n_scenes=scans * gpus[-1], points_per_scene=points,
+                  points_per_model=12_000, jobs=os.cpu_count() or 1)
+    rep.note(f"archive of {scans * gpus[-1]} scenes made in {time.perf_counter() - t0:.1f} s (not counted)")
+
+    def one(g: int, n: int, tag: str, workers: int | None = None) -> dict:
+        wd = workdir / tag
+        shutil.rmtree(wd, ignore_errors=True)
+        _link_archive(shared, wd / "archive", n)
+        cmd = [sys.executable, "-m", "scanforest.deploy.cli", "bench", "archive", "--scans", str(n),
+               "--points", str(points), "--models", str(models), "--device", "gpu", "--pipeline", pipeline,
+               "--workdir", str(wd), "--out", str(wd.with_suffix(".json"))]
+        if workers or workers_per_gpu:
+            cmd += ["--workers", str(workers or workers_per_gpu * g)]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devs[:g])}
+        print(f"--- {tag}: {n} scans on GPU(s) {env['CUDA_VISIBLE_DEVICES']}", flush=True)
+        res = subprocess.run(cmd, env=env)
+        if res.returncode != 0:
+            raise InputError(f"bench archive on {g} GPU(s) ({tag}) exited {res.returncode}; its output is above")
+        rec = json.loads(wd.with_suffix(".json").read_text())
+        if not keep:
+            shutil.rmtree(wd, ignore_errors=True)
+        return rec
+
+    if warmup:  # two workers on one GPU fill the kernel caches every count then reads
+        one(1, min(warmup, scans), "warmup", workers=2)
+        rep.note(f"warm-up: {min(warmup, scans)} scenes on one GPU, 2 workers (not counted)")
+    runs = [(g, scans * g, one(g, scans * g, f"gpus{g}")) for g in gpus]
+    scaling_rows(rep, runs)
+    rep.finish(out)
+    if not keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return rep
+
+
 def register(app, bench) -> None:
     """Add this bench to ``scanforest bench`` (found by :mod:`scanforest.deploy.cli`)."""
     import typer
@@ -298,7 +426,22 @@ def register(app, bench) -> None:
                                    "in a second invocation on the same --workdir (kept until the last stage has run)."),
         pipeline: str = typer.Option("one-pass", help="one-pass (ingest, then describe + match + recognize "
                                      "in one pass: stage 'process') or staged (three passes)."),
+        gpus: Optional[str] = typer.Option(None, "--gpus", help="GPU counts, e.g. 1,2,4: the archive on the first "
+                                           "G GPUs for each G with --scans scenes PER GPU (weak scaling), each "
+                                           "count its own process and cluster; a scaling table with each GPU's "
+                                           "busy share. --workers is then per GPU."),
+        warmup: int = typer.Option(16, help="With --gpus: scenes of an uncounted warm-up run first (one GPU, "
+                                   "2 workers: it fills the compilers' caches)."),
         out: Optional[str] = typer.Option(None, "--out"),
     ):
         """Archive throughput through every stage and the orchestration overhead per stage."""
+        if gpus is not None:
+            from ._common import parse_counts
+            from scanforest.kernels.errors import InputError
+
+            if stages.strip() not in ("", "all"):
+                raise InputError("--gpus runs every stage; leave --stages out")
+            run_gpu_scaling(parse_counts(gpus), scans, points, models, workers, workdir, out, keep, pipeline,
+                            warmup)
+            return
         run(scans, points, models, workers, device, workdir, out, keep, parse_stages(stages, pipeline), pipeline)

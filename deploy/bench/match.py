@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import contextlib
 import tempfile
 import time
 from dataclasses import dataclass
@@ -66,10 +67,31 @@ PASSES = 2
 GPU_WORKER_THREADS = 2
 
 
+#: where the timed queries come from: "client" (blocks sent from this process) or "file" (an
+#: .npy in the workdir that each worker reads its blocks from: :class:`~scanforest.tasks.index.
+#: QueryFile`); set by :func:`run` for every row of a run, the brute force's included
+QUERIES = {"mode": "client", "dir": None}
+
+
+def _source(Q):
+    """``Q`` as the timed passes take it (:data:`QUERIES`): the array, or a query file holding it
+    (written once per array, before any clock starts)."""
+    if QUERIES["mode"] != "file":
+        return Q
+    from scanforest.tasks.index import QueryFile
+
+    cache = QUERIES.setdefault("files", {})
+    key = (Q.shape, Q.__array_interface__["data"][0])
+    if key not in cache:
+        cache[key] = QueryFile.write(os.path.join(QUERIES["dir"], f"queries-{len(cache)}.npy"), Q)
+    return cache[key]
+
+
 def _timed_query(di, Q, k, block, sync_after=None, backtracks=None, passes: int = PASSES):
     """(seconds, dist, ids, leaves, bytes moved) of the fastest of ``passes`` full query passes
     after a warm-up block."""
     client = di.client
+    src = _source(Q)
     di.wait()  # resident on the workers (a gather would copy every shard into this process)
     # warm-up (kernels compiled, pools grown): a few thousand queries, not a whole block (at 100M
     # rows a 65,536-query block of the brute force takes as long as the 20,000 timed ones), split
@@ -79,7 +101,7 @@ def _timed_query(di, Q, k, block, sync_after=None, backtracks=None, passes: int 
     for _ in range(max(1, int(passes))):
         b0 = _transfer_bytes(client)
         t0 = time.perf_counter()
-        dist, ids = di.query(Q, k, block=block, sync_after=sync_after, backtracks=backtracks)
+        dist, ids = di.query(src, k, block=block, sync_after=sync_after, backtracks=backtracks)
         t = time.perf_counter() - t0
         if best is None or t < best[0]:
             best = (t, dist, ids, di.stats_["leaves"], _transfer_bytes(client) - b0, dict(di.stats_))
@@ -413,7 +435,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         sync_after: int | None = None, bf_queries: int | None = None, n_trees: int = 1,
         workdir: str | None = None, store_dtype: str = "float32", reference: str = "store",
         faiss_nprobes=(), faiss_nlist: int = 0, leaves_per_round: int | None = None,
-        rows_per_worker: int | None = None) -> BenchReport:
+        rows_per_worker: int | None = None, queries: str = "client") -> BenchReport:
     """One table: for each worker count, the forest (with and without the global bound
     synchronisation when ``sync_after`` is given) and the exact brute force over the same
     resident shards; recall against the exact answer of the first ``bf_queries`` queries.
@@ -444,12 +466,19 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
 
     ``leaves_per_round``: the forests' P-BANNS leaves per query and round (None: the default).
 
+    ``queries="file"``: the queries are written to an ``.npy`` in the workdir before any clock
+    starts, and every timed pass (forest and brute force alike) has the workers read their
+    blocks from it (:class:`~scanforest.tasks.index.QueryFile`) instead of receiving them from
+    this process; ``"client"``: the blocks leave this process.
+
     ``faiss_nprobes`` (GPU): FAISS GPU IVF-Flat over the same reference (``faiss_nlist`` lists,
     0: 4 sqrt(N)) and queries after the workers are gone, on the same GPU, and the forest against
     it at matched recall (:func:`_faiss_ivf_rows`).
     """
     if reference not in ("store", "workers"):
         raise InputError(f"reference must be 'store' or 'workers', got {reference!r}")
+    if queries not in ("client", "file"):
+        raise InputError(f"--queries must be 'client' or 'file', got {queries!r}")
     if rows_per_worker is not None and int(rows_per_worker) < 1:
         raise InputError(f"--rows-per-worker must be a positive number of rows, got {rows_per_worker}")
     if block is not None and int(block) < 1:
@@ -475,7 +504,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                                 "n_trees": n_trees, "clusters": clusters,
                                 **({"leaves_per_round": leaves_per_round} if leaves_per_round else {}),
                                 **({"store_dtype": store_dtype} if store_dtype != "float32" else {}),
-                                **({"reference": reference} if reference != "store" else {})}, echo=True)
+                                **({"reference": reference} if reference != "store" else {}),
+                                **({"queries": queries} if queries != "client" else {})}, echo=True)
     t0 = time.perf_counter()
     if dev == "gpu":
         import cupy as cp
@@ -491,6 +521,9 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     devname = describe_device(dev)
     tmp = workdir or tempfile.mkdtemp(prefix="sf-bench-match-")
     os.makedirs(tmp, exist_ok=True)
+    QUERIES.update(mode=queries, dir=tmp, files={})
+    if queries == "file":
+        rep.note(f"queries read by the workers from .npy files in {tmp} (written before the clocks start)")
     # budgets are set per query, so one stored index serves every budget (and every later run)
     params = {"method": method, "leaf_size": leaf_size, "backtracks": None, "n_trees": n_trees}
     if leaves_per_round:
@@ -608,6 +641,9 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         rep.finish(out)
         return rep
     finally:
+        for f in QUERIES.pop("files", {}).values():  # the query files are scratch, kept workdir or not
+            with contextlib.suppress(OSError):
+                os.unlink(f.path)
         if not workdir:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -650,6 +686,9 @@ def register(app, bench) -> None:
         faiss_nprobe: str = typer.Option("", "--faiss-nprobe", help="FAISS GPU IVF-Flat over the same data in "
                                          "the same run, these probes (comma list; --device gpu, faiss-gpu)."),
         faiss_nlist: int = typer.Option(0, "--faiss-nlist", help="FAISS IVF lists (0: 4 sqrt(N))."),
+        queries: str = typer.Option("client", help="client: query blocks sent from this process; file: the "
+                                    "workers read their blocks from an .npy in the workdir (no client "
+                                    "in the data path)."),
         out: str = typer.Option(None, "--out"),
     ):
         """Distributed matching: queries/s on 1..W workers, efficiency, bytes moved, vs brute force."""
@@ -661,6 +700,6 @@ def register(app, bench) -> None:
             shards=shards or None, rows_per_worker=rows_per_worker or None,
             sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees, workdir=workdir,
             leaves_per_round=None if leaves_per_round == 0 else leaves_per_round,
-            store_dtype=store_dtype, reference=reference,
+            store_dtype=store_dtype, reference=reference, queries=queries,
             faiss_nprobes=parse_counts(faiss_nprobe), faiss_nlist=faiss_nlist)
 
