@@ -1,7 +1,8 @@
 """A stage with nothing to do answers from the store, before Prefect or Dask start.
 
-``describe STORE`` on a store whose every scan is described (with these parameters), or ``match``
-with every query scan matched against the current index, used to spend 7-8 s on 2 cores starting
+``describe STORE`` on a store whose every scan is described (with these parameters), ``match``
+with every query scan matched against the current index, or ``ingest`` of an empty drop folder
+into an existing store, used to spend 7-8 s on 2 cores starting
 Prefect's local API, a Dask cluster and Prefect's flow engine to find that out, and added a run
 record each time. These checks read stage records only (the same tests the stages' units of work
 make before they skip a scan), import neither Prefect nor the kernels, and return the summary a
@@ -78,6 +79,39 @@ def match_noop(store: str, queries: list[str] | None, k: int, name: str) -> dict
             "scans_seconds": 0.0, "task_seconds": 0.0, "seconds": time.perf_counter() - t0}
 
 
+def ingest_noop(source: str, store: str) -> dict[str, Any] | None:
+    """The ingest summary when ``source`` is a folder holding no scan file and no archive (a drop
+    folder between deliveries) and ``store`` exists; else None (a glob, an archive, anything to
+    ingest, or a store to create: the run says what it finds)."""
+    import os
+    import tempfile
+
+    from scanforest.tasks.ingest import discover, ignored_note, is_archive
+    from scanforest.tasks.store import ScanStore
+
+    t0 = time.perf_counter()
+    try:
+        src, dst = absolute_path(source), absolute_path(store)
+        if not os.path.isdir(src) or not ScanStore.exists(dst):
+            return None
+        for _, _, files in os.walk(src):  # an archive is extracted to be looked into: the run does that
+            if any(is_archive(f) for f in files):
+                return None
+        ignored: list[dict[str, str]] = []
+        with tempfile.TemporaryDirectory() as staging:
+            sources, problems = discover(src, staging, ignored=ignored)
+        if sources or problems:
+            return None
+    except Exception:
+        return None
+    summary = {"ingested": 0, "skipped": 0, "quarantined": 0, "files": 0, "points": 0, "bytes": 0,
+               "seconds": time.perf_counter() - t0, "task_seconds": 0.0, "quarantine_reasons": [],
+               "ignored": len(ignored), "workers": 0}
+    if ignored:
+        summary["ignored_note"] = ignored_note(ignored)
+    return summary
+
+
 def _answer(flow: str, store: str, summary: dict[str, Any] | None) -> dict[str, Any] | None:
     """A command's no-op answer, counted in the store (:func:`~scanforest.flows._runner.count_noop`);
     with work to do (None), Prefect's local API starts now, in the background, to boot while the
@@ -94,6 +128,12 @@ def _answer(flow: str, store: str, summary: dict[str, Any] | None) -> dict[str, 
 def quick_describe(store: str, scans: list[str] | None, params) -> dict[str, Any] | None:
     """``describe`` on the command line: :func:`describe_noop`'s answer, or None (the API started)."""
     return _answer("describe", store, describe_noop(store, scans, params))
+
+
+def quick_ingest(source: str, store: str) -> dict[str, Any] | None:
+    """``ingest`` of an empty drop folder into an existing store: :func:`ingest_noop`'s answer,
+    counted in the store, or None (the API started)."""
+    return _answer("ingest", store, ingest_noop(source, store))
 
 
 def quick_match(store: str, queries: list[str] | None, k: int, name: str) -> dict[str, Any] | None:

@@ -660,7 +660,9 @@ def _existing_store(path) -> "object | None":
 
     try:
         return ScanStore(absolute_path(path), mode="a")
-    except Exception:
+    except Exception as exc:  # noqa: BLE001 - the run goes on; its record is lost, and that is said
+        logging.getLogger("scanforest").warning("run records not written to %s: %s: %s", path,
+                                                type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
 
 

@@ -140,7 +140,9 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
                    scenes_seconds=t_scenes,
                    task_seconds=float(sum(r.get("task_seconds", r.get("seconds", 0.0)) for r in recs)),
                    described=sum(bool(r.get("described")) for r in recs),
-                   matched=sum(bool(r.get("matched")) for r in recs))
+                   matched=sum(bool(r.get("matched")) for r in recs),
+                   # scans whose chunk's batched recognition failed and that were recognised one by one
+                   batched_fallbacks=sum(bool(r.get("batched_fallback")) for r in recs))
     record_run(ScanStore(store), "process", {"library": library, "index": index, "k": int(k), "params": params,
                                              "device": device, "batch": nb}, summary, recs)
     return summary

@@ -1,7 +1,6 @@
 """The ingest flow: a folder, glob or archive of scans -> the Zarr scan store."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 import uuid
@@ -15,7 +14,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
-from scanforest.tasks.ingest import Staging, check_source, discover
+from scanforest.tasks.ingest import Staging, check_source, discover, ignored_note
 from scanforest.tasks.prefect_tasks import ingest_scan
 from scanforest.tasks.store import ScanStore, scan_id_for
 
@@ -81,14 +80,6 @@ def _ingest(source: str, store: str, units: str, progress: bool, batch: int | No
     return summary
 
 
-def ignored_note(ignored: list[dict[str, str]], show: int = 3) -> str:
-    """One line about the files that were passed over, e.g. 'ignored 4 files that are not scans: ...'."""
-    names = ", ".join(os.path.basename(i["source"]) for i in ignored[:show])
-    more = f" and {len(ignored) - show} more" if len(ignored) > show else ""
-    reasons = sorted({i["reason"].split(" (")[0] for i in ignored})
-    return f"ignored {len(ignored)} file(s) ({'; '.join(reasons)}): {names}{more}"
-
-
 def summarize(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     by = {"ingested": 0, "skipped": 0, "quarantined": 0}
     for r in records:
@@ -111,6 +102,13 @@ def run_ingest(source: str, store: str, *, scheduler: str | None = None, workers
     """Ingest with the embedded defaults: a local Dask cluster (or ``scheduler``) and Prefect's API."""
     # a bad source is one line, before Prefect or Dask start
     check_source(absolute_path(str(source)), allow_empty=_is_store(absolute_path(str(store))))
+    from ._noop import quick_ingest
+
+    summary = quick_ingest(str(source), str(store))  # an empty drop folder: answered before Prefect or Dask
+    if summary is not None:
+        if progress and summary.get("ignored_note"):
+            print(summary["ignored_note"], file=sys.stderr)
+        return summary
     check_scheduler(scheduler)
     ensure_prefect_api()
     quiet_prefect_logs()

@@ -212,6 +212,14 @@ def check_source(source: str | os.PathLike, *, allow_empty: bool = False) -> Non
                          f"supported: {', '.join(sorted(FORMATS))} and archives ({', '.join(ARCHIVE_SUFFIXES)})")
 
 
+def ignored_note(ignored: list[dict[str, str]], show: int = 3) -> str:
+    """One line about the files that were passed over, e.g. 'ignored 4 files that are not scans: ...'."""
+    names = ", ".join(os.path.basename(i["source"]) for i in ignored[:show])
+    more = f" and {len(ignored) - show} more" if len(ignored) > show else ""
+    reasons = sorted({i["reason"].split(" (")[0] for i in ignored})
+    return f"ignored {len(ignored)} file(s) ({'; '.join(reasons)}): {names}{more}"
+
+
 def discover(source: str | os.PathLike, staging: str | os.PathLike, *,
              ignored: list[dict[str, str]] | None = None) -> tuple[list[Source], list[dict[str, str]]]:
     """Expand a folder, a glob, a single file or an archive into the files to ingest.

@@ -27,6 +27,7 @@ description (or matches) is current is recognised from it (it is read, not recom
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -110,6 +111,8 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
             for res, dets in zip(ready, _recognize_chunk(ready, ctx)):
                 sid = res["scan_id"]
                 out[sid] = dets if isinstance(dets, dict) else isolated(_finish_scan, sid, ctx, res, dets, writer)
+                if res.get("batched_fallback"):
+                    out[sid]["batched_fallback"] = res["batched_fallback"]
                 if "write" in out[sid]:
                     pending.append(out[sid])
         for res in pending:  # the batch is done when its writes are
@@ -205,8 +208,14 @@ def _recognize_chunk(ready: list[dict[str, Any]], ctx: dict[str, Any]) -> list:
         for r in ready:
             r["seconds"] += share
         return dets
-    except Exception:  # noqa: BLE001 - found again below, on the scan it belongs to
-        pass
+    except Exception as exc:  # noqa: BLE001 - found again below, on the scan it belongs to
+        # said and counted (a GPU fault must not show up only as a slowdown): each scan's record
+        # carries it, the process summary counts the scans recognised one by one
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        logging.getLogger("scanforest").warning("batched recognition of %d scans failed (%s); recognising "
+                                                "them one by one", len(ready), why)
+        for r in ready:
+            r["batched_fallback"] = why
     out = []
     for r in ready:
         t = time.perf_counter()

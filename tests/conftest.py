@@ -30,14 +30,24 @@ def _gpu() -> bool:
 #: the files that take longest on CI's 2 cores (subprocesses as a user runs them), longest first:
 #: ``-n 2 --dist loadfile`` hands files to the workers in collection order, so these start first
 #: and the short files fill in behind them instead of one long file running alone at the end
-SLOW_FILES = ("test_user_paths.py", "test_archive_resume.py", "test_prefect_server.py", "test_noop_and_demo.py",
+SLOW_FILES = ("test_user_paths.py", "test_prefect_server.py", "test_noop_and_demo.py",
               "test_store_integrity.py", "test_user_errors.py", "test_concurrent_stages.py", "test_flow.py",
               "test_deployments.py")
+
+#: files that run the archive with the test run's numba cache (not a cold one): scheduled after the
+#: in-process files that compile the same kernels (recognition, matching), so that they load them
+#: instead of compiling them in three processes at once at the start (127 -> about 50 s on CI)
+AFTER = {"test_archive_resume.py": "test_recognize_flow.py"}
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda it: rank.get(it.path.name, len(SLOW_FILES)))  # stable: in-file order kept
+
+    def key(it):
+        name = it.path.name
+        return rank.get(name, len(SLOW_FILES)), (AFTER[name] + "~") if name in AFTER else name
+
+    items.sort(key=key)  # stable: in-file order kept
     if _gpu():
         return
     skip = pytest.mark.skip(reason="needs CuPy and a CUDA GPU")

@@ -212,3 +212,24 @@ def test_index_build_refuses_both_or_neither_reference(world):
     with pytest.raises(InputError, match="no reference scans"):
         check_index_build(world["store"], None, 1, {}, "float32")
     check_index_build(world["store"], None, 1, {}, "float32", library="lib")
+
+
+def test_a_failed_batched_recognition_is_said_and_counted(world, monkeypatch, caplog):
+    """The one pass recognises a chunk of scans together; when that fails, the scans are
+    recognised one by one (the same detections) and the failure is logged and kept on each scan's
+    record: a GPU fault must not show up only as a slowdown."""
+    import logging
+
+    from scanforest.tasks import pipeline, recognize as rz
+
+    def broken(*a, **k):
+        raise RuntimeError("injected batch fault")
+
+    monkeypatch.setattr(rz, "_recognize_stored_many", broken)
+    sid = _scene(world, "scene_fallback")
+    with caplog.at_level(logging.WARNING, logger="scanforest"):
+        recs = pipeline.process_batch(world["store"], [sid], library="lib", index="ix", params=REC, k=4, device="cpu")
+    assert recs[0]["status"] == "recognized", recs[0]
+    assert recs[0]["batched_fallback"] == "RuntimeError: injected batch fault"
+    assert "batched recognition of 1 scans failed (RuntimeError: injected batch fault)" in caplog.text
+    _same(world, sid, _want(world, sid))

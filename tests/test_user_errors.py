@@ -87,15 +87,20 @@ def test_ingest_of_a_missing_source_creates_no_store(user_env, tmp_path):
 
 def test_an_empty_drop_folder_into_an_existing_store_is_not_an_error(small_store, user_env, tmp_path):
     """A scheduled ingest of a drop folder between deliveries finds nothing: exit 0, nothing
-    ingested, the store unchanged but for the run record; into a new store it is an error that
-    creates nothing (a mistyped source)."""
+    ingested, answered before a cluster or Prefect's API starts (no workers), the store unchanged
+    but for its count of no-op runs; into a new store it is an error that creates nothing (a
+    mistyped source)."""
     drop = tmp_path / "drop"
     drop.mkdir()
     (drop / "README.md").write_text("scans arrive here")
     import json
 
     out = json.loads(_ok(sf("ingest", str(drop), str(small_store), "--json", env=user_env, cwd=tmp_path)))
-    assert out["files"] == 0 and out["ingested"] == 0 and out["ignored"] == 1
+    assert out["files"] == 0 and out["ingested"] == 0 and out["ignored"] == 1 and out["workers"] == 0, out
+    from scanforest.tasks.store import ScanStore
+
+    noop = ScanStore(str(small_store), mode="r").root["runs"].attrs["noop_runs"]["ingest"]
+    assert noop["count"] >= 1 and noop["summary"]["files"] == 0
     _one_line_error(sf("ingest", str(drop), "new.zarr", env=user_env, cwd=tmp_path), str(drop))
     assert not (tmp_path / "new.zarr").exists()
 

@@ -100,7 +100,6 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
         raise InputError(f"{workdir}: stage(s) {missing} were not run on this workdir with this configuration "
                          f"({config}); run them first (--stages {','.join(missing)}) or run all stages")
     rep = BenchReport("archive", {**config, "stages": todo}, echo=True)
-    ensure_prefect_api()
     archive = workdir / "archive"
     t0 = time.perf_counter()
     write_archive(archive, n_models=models, n_scenes=scans, points_per_scene=points, points_per_model=12_000,
@@ -131,7 +130,8 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
         record_path.write_text(json.dumps({"config": config, "stages": done}, indent=1))
 
     lib_params, rec_params = recognition_presets(dev, points)
-    t_all = time.perf_counter()
+    t_all = time.perf_counter()  # the end-to-end clock: every start-up it needs is inside it
+    ensure_prefect_api()
     # the stages share one local cluster, as the archive flow's do
     with cluster_scope(device=dev, workers=workers), dask_client(None, n_workers=workers, device=dev) as client:
         timeline = _Timeline(client)
@@ -271,8 +271,11 @@ def _archive_rows(rep: BenchReport, done: dict, scans: int, devname: str, total:
         rep.add("whole archive (all stages): orchestration overhead", 100 * max(0.0, 1.0 - busy / span), "%",
                 devname, higher_is_better=False, wall=span, busy=busy)
     walls = sum(done[x]["wall"] for x in order)
-    rep.add("archive end to end: scans/s", scans / (total if total is not None else walls), "scans/s", devname,
-            stages_wall=walls, total_wall=total)
+    if total is not None:  # one invocation's clock, start-ups included
+        rep.add("archive end to end: scans/s", scans / total, "scans/s", devname, stages_wall=walls, total_wall=total)
+    else:  # stages measured by several invocations: labelled as the sum it is
+        rep.add("archive, sum of the stages' walls (start-ups and builds not included): scans/s", scans / walls,
+                "scans/s", devname, stages_wall=walls, total_wall=None)
     rec = done[order[-1]]
     if rec.get("precision") is not None:
         rep.add("recognize precision", rec["precision"], "", devname)

@@ -20,6 +20,7 @@ from scanforest.kernels.errors import InputError
 from scanforest.kernels.knn.bruteforce import recall
 
 from ._common import BenchReport, read_record
+from ._data import id_recall
 
 # synthetic references up to WHOLE_MAX rows are drawn in one piece (the data of earlier runs),
 # larger ones in PIECE-row parts of their own seeds
@@ -339,8 +340,8 @@ def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, met
     """One timed pass over all queries (sync ``sa``, leaf budget ``budget`` per shard, None:
     unlimited), its rows, and its ``(queries/s, recall)`` in ``qps[(w, sa, budget or 0)]``."""
     m = len(Q)
-    t, dist, _, leaves, moved = _timed_query(di, Q, k, block, sa, budget)
-    r = recall(dist[:mb], ref, k)
+    t, _, ids, leaves, moved = _timed_query(di, Q, k, block, sa, budget)
+    r = id_recall(ids[:mb], ref, k)  # by the ids it returned, never by the distances it reports
     tag = (f", {budget} leaves per shard" if tag_budget else "") + \
         ("" if sa is None else f", bound sync after {sa} leaves")
     qps[(w, sa, int(budget or 0))] = (m / t, r)
@@ -571,7 +572,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
             if reference == "store":
                 store_for(w)
         data.clear()
-        ref = None
+        ref = ref_dist = None  # the exact search's ids (the recall of the forest) and distances (FAISS's)
         qps = {}
         bf_rate = {}  # workers -> the exact brute force's queries/s
         for w in workers:
@@ -583,10 +584,10 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                 where = f"{devname} x{w}"
                 # exact brute force over the same resident shards: the baseline and the recall reference
                 bf = DistributedIndex(client, source=src, device=dev, method="exact", replicas=plan.replicas)
-                t_bf, bd, _, _, _ = _timed_query(bf, Q[:mb], k, block)
+                t_bf, bd, bi, _, _ = _timed_query(bf, Q[:mb], k, block)
                 _release(client, bf)
                 if ref is None or rows_per_worker:  # weak scaling: another reference each
-                    ref = bd
+                    ref, ref_dist = bi, bd
                 bf_rate[w] = mb / t_bf
                 rep.add(f"exact brute force queries/s, {w} worker{'s' if w > 1 else ''}", mb / t_bf, "queries/s",
                         where, workers=w)
@@ -622,7 +623,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
             else:
                 X = _reference(n, d, clusters, dev, store_dtype)
             rep.note(f"reference generated again for FAISS in {time.perf_counter() - t1:.1f} s")
-            _faiss_ivf_rows(rep, X, Q, k, mb, ref, qps, nlist=faiss_nlist, nprobes=list(faiss_nprobes),
+            _faiss_ivf_rows(rep, X, Q, k, mb, ref_dist, qps, nlist=faiss_nlist, nprobes=list(faiss_nprobes),
                             where=f"{devname} x1", bf_qps=bf_rate.get(1))
             del X
         elif faiss_nprobes:

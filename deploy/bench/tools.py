@@ -36,10 +36,11 @@ from ._data import _best_at, _ivf_lists, _ivf_train_rows, _timeit, clustered
 
 
 def _recall_of(X, Q, ids, ed, k):
-    """Recall@k of another tool's ids, by the brute force's own distances of those pairs."""
-    from scanforest.kernels.knn.bruteforce import pair_distances, recall
+    """Recall@k of a tool's ids (scanforest's included), by the brute force's own distances of
+    those pairs (:func:`~._data.canonical_recall`)."""
+    from ._data import canonical_recall
 
-    return recall(pair_distances(X, Q, ids, device="cpu"), ed, k)
+    return canonical_recall(X, Q, ids, ed, k)
 
 
 def _recorder(rep, faiss, X, Q, k, ed, where, prefix, sync, repeat, base, curves):
@@ -306,8 +307,8 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                     higher_is_better=False)
             forest.query(Q[:8], k, backtracks=int(bs[0]))  # JIT / kernel warm-up
             for b in bs:
-                t, (fd, _) = _timeit(lambda: forest.query(Q, k, backtracks=int(b)), sync, repeat)
-                r = recall(fd, ed, k)
+                t, (_, fi) = _timeit(lambda: forest.query(Q, k, backtracks=int(b)), sync, repeat)
+                r = _recall_of(X, Q, fi, ed, k)
                 rep.add(f"{name} {method} queries/s, {trees} trees, {b} leaves", m / t, "queries/s", gdev,
                         baseline=base[0], baseline_value=base[1], recall=r, build_s=build, leaf_size=ls)
                 rep.add(f"{name} recall@{k}, {trees} trees, {b} leaves", r, "", gdev)
