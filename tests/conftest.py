@@ -19,6 +19,11 @@ def pytest_configure(config):
 
     if "PREFECT_API_URL" not in os.environ:
         os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="scanforest-test-prefect-")
+    # ``--dist loadfile`` hands out files in the order of :func:`pytest_collection_modifyitems`
+    # only without pytest-xdist's reordering by test count (on by default since xdist 3.6), which
+    # put the one-test files that run the archive (minutes each) last, after every short file
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def _gpu() -> bool:
