@@ -113,7 +113,7 @@ def motion_flow(store: str, sequences: list[str] | None = None, source: str | No
 
 def check_flow(methods=None, tracker: str = "builtin", source: str | None = None) -> list[str]:
     """The cheap checks of a flow run's arguments, before a Prefect API or a cluster starts (a
-    frame folder's frames are read on the cluster). Returns the methods."""
+    frame folder's frame headers here, the frames on the cluster). Returns the methods."""
     methods = list(methods or METHODS)
     for m in methods:
         if m not in METHODS:
@@ -121,10 +121,12 @@ def check_flow(methods=None, tracker: str = "builtin", source: str | None = None
     if tracker not in TRACKERS:
         raise InputError(f"tracker must be one of {TRACKERS}, got {tracker!r}")
     if source:
-        n = len(T.list_frames(source))
-        if n < 2:
-            raise InputError(f"{source}: a sequence needs at least 2 frames, found {n} "
+        frames = T.list_frames(source)
+        if len(frames) < 2:
+            raise InputError(f"{source}: a sequence needs at least 2 frames, found {len(frames)} "
                              f"(extensions {', '.join(T.FRAME_EXTS)})")
+        for f in frames:  # headers only: a file that is not an image is one line before anything starts
+            T.check_frame(f)
     return methods
 
 

@@ -58,6 +58,27 @@ def list_frames(folder: str | Path) -> list[Path]:
     return files
 
 
+def check_frame(path: str | Path) -> None:
+    """A frame's header is readable (an ``.npy`` array's, an image's through Pillow, which reads
+    the header only): the cheap look a run takes at every frame before a cluster starts, so that
+    a file that is not an image is one line at once instead of a failed task."""
+    path = Path(path)
+    try:
+        if path.suffix.lower() == ".npy":
+            np.load(path, mmap_mode="r", allow_pickle=False)
+            return
+        from PIL import Image
+    except ImportError:  # pragma: no cover - the read says it, as it always did
+        return
+    except Exception as exc:
+        raise ScanReadError(path, f"not a readable .npy array: {exc}") from exc
+    try:
+        with Image.open(path):
+            pass
+    except Exception as exc:
+        raise ScanReadError(path, f"not a readable image: {exc}") from exc
+
+
 def read_frame(path: str | Path) -> np.ndarray:
     """One frame as (H, W) or (H, W, 3): NPY via numpy, images via Pillow (RGBA -> RGB)."""
     path = Path(path)
