@@ -12,7 +12,7 @@ PCL_DIR = Path(os.environ.get("SCANFOREST_PCL_DATA", REPO.parent / "shared" / "d
 
 
 def pytest_configure(config):
-    """Each test process (``-n 3`` runs three) gets its own Prefect home: the temporary Prefect APIs
+    """Each test process (``-n 2`` runs two) gets its own Prefect home: the temporary Prefect APIs
     that flows start keep their SQLite database there, and two servers writing one file at once
     can fail with "database is locked"."""
     import tempfile
@@ -33,7 +33,7 @@ def _gpu() -> bool:
 
 
 #: the files that take longest on CI's 2 cores (subprocesses as a user runs them), longest first:
-#: ``-n 3 --dist loadfile`` hands files to the workers in collection order, so these start first
+#: ``-n 2 --dist loadfile`` hands files to the workers in collection order, so these start first
 #: and the short files fill in behind them instead of one long file running alone at the end
 SLOW_FILES = ("test_user_paths.py", "test_prefect_server.py", "test_noop_and_demo.py",
               "test_store_integrity.py", "test_user_errors.py", "test_concurrent_stages.py", "test_flow.py",
