@@ -218,9 +218,10 @@ class DistributedIndex:
         r = min(self.replicas, m)
         share = -(-m // r)
         least, part, growth = self.ramp if ramp else (0, 1, 1.0)
-        b = max(1, min(block, max(int(GOOD_BLOCK[self._dev] * least), -(-share // part))))
-        if not ramp:  # equal blocks: the share in as few as ``block`` allows
-            b = -(-share // -(-share // b))
+        if ramp:
+            b = max(1, min(block, max(int(GOOD_BLOCK[self._dev] * least), -(-share // part))))
+        else:  # equal blocks: the share in as few as ``block`` allows
+            b = -(-share // -(-share // block))
         sizes = []
         left = share
         while left > 0:
@@ -304,7 +305,7 @@ class DistributedIndex:
         s = len(self.groups[g])
         if isinstance(Q, tuple):  # (QueryFile, a, b): each shard's worker reads the block itself
             src, a, b = Q
-            qf = [c.submit(idx.read_queries, src, a, b, workers=[self.placement[g * s + i]],
+            qf = [c.submit(src.read, a, b, workers=[self.placement[g * s + i]],
                            allow_other_workers=True, pure=False) for i in range(s)]
         else:
             one = Q if hasattr(Q, "key") else c.submit(_identity, np.ascontiguousarray(Q, dtype=np.float32),
@@ -353,13 +354,14 @@ class DistributedIndex:
         src = Q if isinstance(Q, idx.QueryFile) else None
         if src is None:
             Q = np.asarray(Q, dtype=np.float32)
-        if len(Q.shape) != 2 or Q.shape[1] != int(self.attrs["d"]):
+        shape = tuple(Q.shape)  # a query file's header, read once
+        if len(shape) != 2 or shape[1] != int(self.attrs["d"]):
             raise InputError(f"queries{'' if src is None else ' in ' + src.path} must be (M, {self.attrs['d']}), "
-                             f"got {Q.shape}")
+                             f"got {shape}")
         if block is not None and int(block) < 1:
             raise InputError(f"block must be >= 1, got {block}")
         block = self.plan_block(int(k)) if block is None else int(block)
-        spans = self.split(int(Q.shape[0]), block, ramp=src is None)
+        spans = self.split(shape[0], block, ramp=src is None)
         r = self.replicas
         first = next(self._turn)  # concurrent queries (the match flow's lanes) start on different groups
         groups = [(first + j) % r for j in range(len(spans))]
@@ -388,7 +390,7 @@ class DistributedIndex:
             out = run(False)
         stats = {"leaves": int(sum(o[2]["leaves"] for o in out)),
                  "compute_seconds": float(sum(o[2]["seconds"] for o in out)),
-                 "queries": int(Q.shape[0]), "sync_after": sync_after, "backtracks": backtracks,
+                 "queries": shape[0], "sync_after": sync_after, "backtracks": backtracks,
                  "blocks": len(spans), "replicas": r}
         self.stats_ = stats
         if not out:

@@ -105,15 +105,12 @@ def run_ingest(source: str, store: str, *, scheduler: str | None = None, workers
     from ._noop import quick_ingest
 
     summary = quick_ingest(str(source), str(store))  # an empty drop folder: answered before Prefect or Dask
-    if summary is not None:
-        if progress and summary.get("ignored_note"):
-            print(summary["ignored_note"], file=sys.stderr)
-        return summary
-    check_scheduler(scheduler)
-    ensure_prefect_api()
-    quiet_prefect_logs()
-    summary = ingest_flow(source=str(source), store=str(store), units=units, scheduler=scheduler,
-                          workers=workers, progress=progress, batch=batch)
+    if summary is None:
+        check_scheduler(scheduler)
+        ensure_prefect_api()
+        quiet_prefect_logs()
+        summary = ingest_flow(source=str(source), store=str(store), units=units, scheduler=scheduler,
+                              workers=workers, progress=progress, batch=batch)
     if progress and summary.get("ignored_note"):
         print(summary["ignored_note"], file=sys.stderr)
     return summary

@@ -63,15 +63,16 @@ def check_frame(path: str | Path) -> None:
     the header only): the cheap look a run takes at every frame before a cluster starts, so that
     a file that is not an image is one line at once instead of a failed task."""
     path = Path(path)
-    try:
-        if path.suffix.lower() == ".npy":
+    if path.suffix.lower() == ".npy":
+        try:
             np.load(path, mmap_mode="r", allow_pickle=False)
-            return
+        except Exception as exc:
+            raise ScanReadError(path, f"not a readable .npy array: {exc}") from exc
+        return
+    try:
         from PIL import Image
     except ImportError:  # pragma: no cover - the read says it, as it always did
         return
-    except Exception as exc:
-        raise ScanReadError(path, f"not a readable .npy array: {exc}") from exc
     try:
         with Image.open(path):
             pass

@@ -576,29 +576,19 @@ class QueryFile:
         return QueryFile(path)
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(_query_map(self.path).shape)
+    def shape(self) -> tuple[int, ...]:
+        """The array's shape, from the file's header."""
+        return tuple(self._map().shape)
 
     def read(self, a: int, b: int) -> np.ndarray:
-        """Rows ``[a, b)`` as contiguous float32."""
-        return np.ascontiguousarray(_query_map(self.path)[a:b], dtype=np.float32)
+        """Rows ``[a, b)`` as contiguous float32 (a block read where it is searched)."""
+        return np.ascontiguousarray(self._map()[a:b], dtype=np.float32)
 
-
-def _query_map(path: str):
-    from scanforest.kernels.errors import InputError
-
-    try:
-        q = np.load(path, mmap_mode="r")
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{path}: cannot read the queries ({exc})") from None
-    if q.ndim != 2:
-        raise InputError(f"{path}: queries must be an (M, d) array, got shape {q.shape}")
-    return q
-
-
-def read_queries(src: QueryFile, a: int, b: int) -> np.ndarray:
-    """A query block read where it is searched (a Dask task pinned to the shard's worker)."""
-    return src.read(a, b)
+    def _map(self):
+        try:
+            return np.load(self.path, mmap_mode="r")
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{self.path}: cannot read the queries ({exc})") from None
 
 
 def merge_parts(*parts, k: int):

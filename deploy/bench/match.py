@@ -3,11 +3,11 @@ dask-cuda), parallel efficiency, bytes moved between workers, against the exact 
 the same devices in the same run."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
-import contextlib
 import tempfile
 import time
 from dataclasses import dataclass
@@ -68,31 +68,12 @@ PASSES = 2
 GPU_WORKER_THREADS = 2
 
 
-#: where the timed queries come from: "client" (blocks sent from this process) or "file" (an
-#: .npy in the workdir that each worker reads its blocks from: :class:`~scanforest.tasks.index.
-#: QueryFile`); set by :func:`run` for every row of a run, the brute force's included
-QUERIES = {"mode": "client", "dir": None}
-
-
-def _source(Q):
-    """``Q`` as the timed passes take it (:data:`QUERIES`): the array, or a query file holding it
-    (written once per array, before any clock starts)."""
-    if QUERIES["mode"] != "file":
-        return Q
-    from scanforest.tasks.index import QueryFile
-
-    cache = QUERIES.setdefault("files", {})
-    key = (Q.shape, Q.__array_interface__["data"][0])
-    if key not in cache:
-        cache[key] = QueryFile.write(os.path.join(QUERIES["dir"], f"queries-{len(cache)}.npy"), Q)
-    return cache[key]
-
-
-def _timed_query(di, Q, k, block, sync_after=None, backtracks=None, passes: int = PASSES):
+def _timed_query(di, Q, k, block, sync_after=None, backtracks=None, passes: int = PASSES, src=None):
     """(seconds, dist, ids, leaves, bytes moved) of the fastest of ``passes`` full query passes
-    after a warm-up block."""
+    after a warm-up block. ``src``: what the timed passes query (a
+    :class:`~scanforest.tasks.index.QueryFile` holding ``Q``; default ``Q`` itself)."""
     client = di.client
-    src = _source(Q)
+    src = Q if src is None else src
     di.wait()  # resident on the workers (a gather would copy every shard into this process)
     # warm-up (kernels compiled, pools grown): a few thousand queries, not a whole block (at 100M
     # rows a 65,536-query block of the brute force takes as long as the 20,000 timed ones), split
@@ -336,11 +317,11 @@ class GeneratedShards:
 
 
 def _query_rows(rep, di, Q, k, block, sa, budget, mb, ref, qps, *, w, where, method, bf_qps, tag_budget,
-                plan=None):
+                plan=None, src=None):
     """One timed pass over all queries (sync ``sa``, leaf budget ``budget`` per shard, None:
     unlimited), its rows, and its ``(queries/s, recall)`` in ``qps[(w, sa, budget or 0)]``."""
     m = len(Q)
-    t, _, ids, leaves, moved = _timed_query(di, Q, k, block, sa, budget)
+    t, _, ids, leaves, moved = _timed_query(di, Q, k, block, sa, budget, src=src)
     r = id_recall(ids[:mb], ref, k)  # by the ids it returned, never by the distances it reports
     tag = (f", {budget} leaves per shard" if tag_budget else "") + \
         ("" if sa is None else f", bound sync after {sa} leaves")
@@ -522,8 +503,12 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
     devname = describe_device(dev)
     tmp = workdir or tempfile.mkdtemp(prefix="sf-bench-match-")
     os.makedirs(tmp, exist_ok=True)
-    QUERIES.update(mode=queries, dir=tmp, files={})
+    files = {}  # the timed queries (all, and the brute force's) as files the workers read
     if queries == "file":
+        from scanforest.tasks.index import QueryFile
+
+        files = {"all": QueryFile.write(os.path.join(tmp, "queries.npy"), Q),
+                 "bf": QueryFile.write(os.path.join(tmp, "queries-bf.npy"), Q[:mb])}
         rep.note(f"queries read by the workers from .npy files in {tmp} (written before the clocks start)")
     # budgets are set per query, so one stored index serves every budget (and every later run)
     params = {"method": method, "leaf_size": leaf_size, "backtracks": None, "n_trees": n_trees}
@@ -584,7 +569,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                 where = f"{devname} x{w}"
                 # exact brute force over the same resident shards: the baseline and the recall reference
                 bf = DistributedIndex(client, source=src, device=dev, method="exact", replicas=plan.replicas)
-                t_bf, bd, bi, _, _ = _timed_query(bf, Q[:mb], k, block)
+                t_bf, bd, bi, _, _ = _timed_query(bf, Q[:mb], k, block, src=files.get("bf"))
                 _release(client, bf)
                 if ref is None or rows_per_worker:  # weak scaling: another reference each
                     ref, ref_dist = bi, bd
@@ -609,7 +594,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                 for b in budgets:
                     for sa in variants:
                         _query_rows(rep, di, Q, k, block, sa, b, mb, ref, qps, w=w, where=where, method=method,
-                                    bf_qps=mb / t_bf, tag_budget=len(budgets) > 1, plan=plan.as_dict())
+                                    bf_qps=mb / t_bf, tag_budget=len(budgets) > 1, plan=plan.as_dict(),
+                                    src=files.get("all"))
                 _release(client, di)
         if faiss_nprobes and dev == "gpu" and ref is not None and not rows_per_worker:
             t1 = time.perf_counter()  # the workers (and their GPU memory) are gone
@@ -642,7 +628,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         rep.finish(out)
         return rep
     finally:
-        for f in QUERIES.pop("files", {}).values():  # the query files are scratch, kept workdir or not
+        for f in files.values():  # the query files are scratch, kept workdir or not
             with contextlib.suppress(OSError):
                 os.unlink(f.path)
         if not workdir:

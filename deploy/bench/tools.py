@@ -32,15 +32,7 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError
 
-from ._data import _best_at, _ivf_lists, _ivf_train_rows, _timeit, clustered
-
-
-def _recall_of(X, Q, ids, ed, k):
-    """Recall@k of a tool's ids (scanforest's included), by the brute force's own distances of
-    those pairs (:func:`~._data.canonical_recall`)."""
-    from ._data import canonical_recall
-
-    return canonical_recall(X, Q, ids, ed, k)
+from ._data import _best_at, _ivf_lists, _ivf_train_rows, _timeit, canonical_recall, clustered
 
 
 def _recorder(rep, faiss, X, Q, k, ed, where, prefix, sync, repeat, base, curves):
@@ -51,7 +43,7 @@ def _recorder(rep, faiss, X, Q, k, ed, where, prefix, sync, repeat, base, curves
     def record(go, label, setting, build_s):
         t, (_, ids) = _timeit(go, sync, repeat)
         ids = ids.cpu().numpy() if hasattr(ids, "cpu") else np.asarray(ids)
-        r = _recall_of(X, Q, ids.astype(np.int64), ed, k)
+        r = canonical_recall(X, Q, ids.astype(np.int64), ed, k)
         rep.add(f"{prefix} {label} queries/s, {setting}", m / t, "queries/s", where, baseline=base[0],
                 baseline_value=base[1], recall=r, build_s=build_s, faiss=faiss.__version__)
         rep.add(f"{prefix} {label} recall@{k}, {setting}", r, "", where)
@@ -205,7 +197,7 @@ def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, 
         curve = []
         for ln in lines:
             ids = np.fromfile(ln["ids"], np.int64).reshape(m, k)
-            r = _recall_of(X, Q, ids, ed, k)
+            r = canonical_recall(X, Q, ids, ed, k)
             rep.add(f"FLANN KDTreeIndex queries/s, {trees} trees, checks={ln['checks']}", ln["queries_per_s"],
                     "queries/s", cdev, baseline=base[0], baseline_value=base[1], recall=r, build_s=ln["build_s"])
             rep.add(f"FLANN KDTreeIndex recall@{k}, {trees} trees, checks={ln['checks']}", r, "", cdev)
@@ -236,7 +228,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     ``forests``: several scanforest forests, ``[(leaf_size, budgets), ...]`` (a curve each; the
     fastest point at a recall is scanforest's); default one, ``leaf_size`` with ``budgets``."""
     from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
-    from scanforest.kernels.knn.bruteforce import knn_bruteforce, recall
+    from scanforest.kernels.knn.bruteforce import knn_bruteforce
     from scanforest.kernels.knn.kdforest import KDForest
 
     from ._common import BenchReport, numba_threads
@@ -308,7 +300,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
             forest.query(Q[:8], k, backtracks=int(bs[0]))  # JIT / kernel warm-up
             for b in bs:
                 t, (_, fi) = _timeit(lambda: forest.query(Q, k, backtracks=int(b)), sync, repeat)
-                r = _recall_of(X, Q, fi, ed, k)
+                r = canonical_recall(X, Q, fi, ed, k)
                 rep.add(f"{name} {method} queries/s, {trees} trees, {b} leaves", m / t, "queries/s", gdev,
                         baseline=base[0], baseline_value=base[1], recall=r, build_s=build, leaf_size=ls)
                 rep.add(f"{name} recall@{k}, {trees} trees, {b} leaves", r, "", gdev)
