@@ -139,6 +139,7 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
     summary.update(scenes=len(scenes), workers=nw, batch=nb, seconds=time.perf_counter() - t0,
                    scenes_seconds=t_scenes,
                    task_seconds=float(sum(r.get("task_seconds", r.get("seconds", 0.0)) for r in recs)),
+                   cpu_seconds=float(sum(r.get("cpu_seconds", 0.0) for r in recs)),
                    described=sum(bool(r.get("described")) for r in recs),
                    matched=sum(bool(r.get("matched")) for r in recs),
                    # scans whose chunk's batched recognition failed and that were recognised one by one

@@ -73,8 +73,9 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
     equal share of the batch's wall time on the worker (loading the library and the index
     included). The writes overlap the next scans' compute, so the ``seconds`` add up to more
     than the worker was busy, and the shares to exactly that (the busy time an orchestration
-    overhead is measured against)."""
-    t_task = time.perf_counter()
+    overhead is measured against). ``cpu_seconds``: an equal share of the CPU time the worker
+    process (all its threads: writers, CUDA's waits) spent while the batch ran."""
+    t_task, c_task = time.perf_counter(), time.process_time()
     from scanforest.kernels.backend import resolve_device
 
     from .index import index_attrs
@@ -95,6 +96,7 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
         "dparams": describe_params_for(params, lib_attrs.get("params")), "params": dict(params or {}),
         "k": int(k), "dev": dev,
     }
+    setup = time.perf_counter() - t_task  # the store, the library and the index (cached once loaded)
     out: dict[str, dict[str, Any]] = {}
     with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="sf-writeback") as writer:
         pending = []
@@ -115,17 +117,24 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
                     out[sid]["batched_fallback"] = res["batched_fallback"]
                 if "write" in out[sid]:
                     pending.append(out[sid])
+        t_wait = time.perf_counter()
         for res in pending:  # the batch is done when its writes are
             fut = res.pop("write")
             try:
-                res["seconds"] += fut.result()
+                w = fut.result()
+                res["seconds"] += w
+                res["timings"]["write"] = w  # in the writer thread, beside the next scans' compute
             except Exception as exc:  # noqa: BLE001 - the scan's own failure, the others stand
                 sid = res["scan_id"]
                 res.clear()
                 res.update(isolated(_raise, sid, exc))
-    share = (time.perf_counter() - t_task) / max(1, len(scan_ids))
+    t_end = time.perf_counter()
+    n = max(1, len(scan_ids))
+    share, cpu = (t_end - t_task) / n, (time.process_time() - c_task) / n
     for sid in scan_ids:
-        out[sid]["task_seconds"] = share
+        out[sid]["task_seconds"], out[sid]["cpu_seconds"] = share, cpu
+        if "timings" in out[sid]:  # the batch's own shares: its set-up, and its end waiting on the writes
+            out[sid]["timings"].update(batch_setup=setup / n, write_wait=(t_end - t_wait) / n)
     return [out[s] for s in scan_ids]
 
 

@@ -243,7 +243,15 @@ def test_local_workers_import_the_store_and_readers_as_they_start():
 
         return [n for n in names if n in _sys.modules]
 
+    def profiling():
+        import dask
+
+        return dask.config.get("distributed.worker.profile.enabled")
+
     with dask_client(None, n_workers=1, device="cpu") as client:
         found = client.run(loaded, list(WORKER_PRELOAD))
+        profiled = client.run(profiling)
     assert found and all(v == list(WORKER_PRELOAD) for v in found.values()), found
+    # Dask's stack sampler is off in local workers (no dashboard to show it; it costs CPU)
+    assert profiled and not any(profiled.values()), profiled
     assert {"zarr", "scanforest.tasks.ingest", "pypcd4"} <= set(WORKER_PRELOAD)

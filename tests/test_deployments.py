@@ -148,6 +148,7 @@ def test_archive_flow_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     assert (p["recognized"], p["described"], p["matched"], p["failed"]) == (2, 2, 2, 0)
     # the busy time is the tasks' wall time on the workers: never more than the workers had
     assert 0 < p["task_seconds"] <= p["scenes_seconds"] * p["workers"]
+    assert p["cpu_seconds"] > 0  # the workers' CPU while their batches ran (the host's share of a scene)
     o = ScanStore(one, mode="r")
     for sid in scenes:
         for name in ("kp_index", "kp_shot", "match_ids", "match_dist", "det_model", "det_pose"):

@@ -166,7 +166,12 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
                      + "".join(f"; {n}: {why}" for why, n in s.get("recompute_reasons", {}).items()))
             print(rep.notes[-1], flush=True)
             per_scene = {k: v / max(1, s["recognized"]) for k, v in s.get("phase_seconds", {}).items()}
-            return dict(phase_seconds_per_scene=per_scene,
+            cpu = s.get("cpu_seconds")
+            if cpu:  # the host's share of a scene: where the host, not the GPU, bounds a pass
+                rep.note(f"{name}: worker CPU {cpu / max(1, s['scenes']):.3f} core-seconds a scene "
+                         f"({cpu / max(1e-9, s['task_seconds']):.2f} cores a busy worker)")
+                print(rep.notes[-1], flush=True)
+            return dict(phase_seconds_per_scene=per_scene, cpu_seconds=cpu,
                         precision=s.get("precision"), recall=s.get("recall"), from_stored=s["from_stored"],
                         recomputed=s["recomputed"])
 
