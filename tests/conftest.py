@@ -36,7 +36,7 @@ def _gpu() -> bool:
 #: ``-n 2 --dist loadfile`` hands files to the workers in collection order, so these start first
 #: and the short files fill in behind them instead of one long file running alone at the end
 SLOW_FILES = ("test_user_paths.py", "test_prefect_server.py", "test_noop_and_demo.py",
-              "test_store_integrity.py", "test_user_errors.py", "test_concurrent_stages.py", "test_flow.py",
+              "test_store_integrity.py", "test_user_errors.py", "test_concurrent_stages.py", "test_motion.py",
               "test_deployments.py")
 
 #: files that run the archive with the test run's numba cache (not a cold one): scheduled after the

@@ -260,11 +260,11 @@ def test_bench_tools_several_forests_compete_as_one_tool(tmp_path):
         bench_tools.run(500, 10, 8, 2, device="cpu", forests=[(0, [4])], nprobes=[], ef_search=[], repeat=1)
 
 
-def test_bench_flow_accuracy_reports_tracked_epe_next_to_exact():
-    """``bench flow``'s accuracy table: per sequence and method the EPE / coverage with exact
+def test_bench_motion_accuracy_reports_tracked_epe_next_to_exact():
+    """``bench motion``'s accuracy table: per sequence and method the EPE / coverage with exact
     tracks and with ``tracks=None`` (the built-in tracker; OpenCV's when importable), the ratio
     and a summary line; without cv2 the OpenCV columns are dashes."""
-    from scanforest.deploy.bench import flow as bf
+    from scanforest.deploy.bench import motion as bf
 
     have_cv2 = __import__("importlib").util.find_spec("cv2") is not None
     rows = bf.accuracy_rows("cpu", features=40, size=(96, 128))

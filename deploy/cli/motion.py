@@ -1,16 +1,19 @@
-"""``scanforest flow ...``: dense motion from sparse tracks.
+"""``scanforest motion ...``: dense motion from sparse tracks.
 
-``scanforest flow run STORE --frames DIR`` ingests a folder of frames (PNG/TIFF/JPEG/NPY) as a
+``scanforest motion run STORE --frames DIR`` ingests a folder of frames (PNG/TIFF/JPEG/NPY) as a
 sequence of the store and writes the (H, W, 2) flow of every consecutive pair with both methods
 (or ``--method``), plus a colour-wheel PNG per pair under ``--png-dir``; without ``--frames`` it
 works on the sequences already in the store. Pairs already written with the same parameters
 are skipped.
 
-``scanforest flow pair FRAME0 FRAME1 -o FLOW.npy`` computes one pair without a store or Prefect
+``scanforest motion pair FRAME0 FRAME1 -o FLOW.npy`` computes one pair without a store or Prefect
 (``--tracks T.npy``: caller-given ``(M, 4)`` tracks; otherwise KLT through OpenCV).
 
-``scanforest bench flow`` (both methods timed on the GPU against the CPU backend) is
-:mod:`scanforest.deploy.bench.flow`.
+``scanforest bench motion`` (both methods timed on the GPU against the CPU backend) is
+:mod:`scanforest.deploy.bench.motion`.
+
+``scanforest flow ...``, the group's name before issue 40, is a deprecated alias for one release:
+the same commands, after one line on stderr that names the new one (:data:`RENAMED`).
 
 Prefect, OpenCV and CuPy are imported only inside the commands that need them.
 """
@@ -20,10 +23,23 @@ import json
 from pathlib import Path
 
 import typer
+import typer.core
 
 from scanforest.flows._runner import check_workers
 
 from ._store import new_or_existing_store
+
+#: the line the deprecated ``scanforest flow`` prints (on stderr) before it runs as ``motion``
+RENAMED = "`scanforest flow` is renamed `scanforest motion`; the old name goes in the next release"
+
+
+class _RenamedGroup(typer.core.TyperGroup):
+    """The ``flow`` alias: ``motion``'s commands, after the rename line (before the arguments are
+    parsed, so ``--help`` and a usage error print it too)."""
+
+    def parse_args(self, ctx, args):
+        typer.echo(RENAMED, err=True)
+        return super().parse_args(ctx, args)
 
 
 def _params(sigma_c, sigma_x, sigma_f, tau, no_test, max_labels) -> dict:
@@ -44,13 +60,23 @@ def _params(sigma_c, sigma_x, sigma_f, tau, no_test, max_labels) -> dict:
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
-    flow_app = typer.Typer(help="Dense optical flow from sparse tracks (interpolation and "
-                                "multiple hypotheses, Kim/Hwangbo/Kanade), CPU or GPU.",
-                           no_args_is_help=True)
-    app.add_typer(flow_app, name="flow")
+    help_text = ("Dense optical flow from sparse tracks (interpolation and multiple hypotheses, "
+                 "Kim/Hwangbo/Kanade), CPU or GPU.")
+    motion_app = typer.Typer(help=help_text, no_args_is_help=True)
+    flow_alias = typer.Typer(cls=_RenamedGroup, no_args_is_help=True,
+                             help="Deprecated: renamed `scanforest motion`. " + help_text)
+    app.add_typer(motion_app, name="motion")
+    app.add_typer(flow_alias, name="flow", hidden=True)
 
-    @flow_app.command("run")
-    def flow_run(
+    def command(name: str):
+        """Register one command under ``motion`` and under its deprecated alias ``flow``."""
+        def deco(fn):
+            flow_alias.command(name)(fn)
+            return motion_app.command(name)(fn)
+        return deco
+
+    @command("run")
+    def motion_run(
         store: str = typer.Argument(..., callback=new_or_existing_store, help="scan store (created if missing)"),
         frames: str = typer.Option(None, "--frames", help="folder of frames to ingest first"),
         seq: str = typer.Option(None, "--seq", help="sequence id (default: the folder name; "
@@ -76,7 +102,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         force: bool = typer.Option(False, "--force", help="recompute pairs already written"),
     ):
         """Flow of every consecutive frame pair of the store's sequences (idempotent)."""
-        from scanforest.flows.flow import run_flow
+        from scanforest.flows.motion import run_motion
         from scanforest.kernels.errors import InputError
         from scanforest.kernels.motion.optical_flow import METHODS
 
@@ -86,20 +112,20 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         if tracks and not frames:
             raise InputError("--tracks goes with --frames (tracks are stored with the frames)")
         pd = (png_dir or f"{str(store).rstrip('/')}.flow-png") if png else None
-        res = run_flow(store, sequences=None if (frames or not seq) else [seq], source=frames,
-                       seq_id=seq, tracks_dir=tracks, methods=methods,
-                       params=_params(sigma_c, sigma_x, sigma_f, tau, no_test, max_labels),
-                       tracker=tracker, device=device, png_dir=pd, scheduler=scheduler,
-                       workers=workers, batch=batch, force=force)
+        res = run_motion(store, sequences=None if (frames or not seq) else [seq], source=frames,
+                         seq_id=seq, tracks_dir=tracks, methods=methods,
+                         params=_params(sigma_c, sigma_x, sigma_f, tau, no_test, max_labels),
+                         tracker=tracker, device=device, png_dir=pd, scheduler=scheduler,
+                         workers=workers, batch=batch, force=force)
         cov = res["mean_coverage"]
-        typer.echo(f"flow: {res['sequences']} sequence(s), {res['written']} pair flows written, "
+        typer.echo(f"motion: {res['sequences']} sequence(s), {res['written']} pair flows written, "
                    f"{res['skipped']} already done, methods {', '.join(res['methods'])}"
                    + (f", mean coverage {cov:.3f}" if cov is not None else "")
                    + f", {res['seconds']:.1f} s on {res['workers']} workers"
                    + (f"; PNGs in {pd}" if pd else ""))
 
-    @flow_app.command("pair")
-    def flow_pair(
+    @command("pair")
+    def motion_pair(
         frame0: str = typer.Argument(..., help="first frame (PNG/TIFF/JPEG/NPY)"),
         frame1: str = typer.Argument(..., help="second frame"),
         out: str = typer.Option(..., "-o", "--out", help="output .npy: (H, W, 2) float32 flow"),
@@ -121,7 +147,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from scanforest.kernels.backend import resolve_device, to_numpy
         from scanforest.kernels.motion.metrics import flow_to_rgb, png_bytes
         from scanforest.kernels.motion.optical_flow import dense_flow
-        from scanforest.tasks.flow import read_frame
+        from scanforest.tasks.motion import read_frame
 
         a, b = read_frame(frame0), read_frame(frame1)
         tr = None

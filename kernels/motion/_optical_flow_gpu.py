@@ -29,7 +29,7 @@ Design (the paper's CUDA rules, Sec. 5, carried to a current GPU):
   offsets, DFS per pair, track->pair map) and one of the tracks; feature colours are sampled on
   the device (``flow_features``); results stay on the device.
 
-Measured (``scanforest bench flow``, NVIDIA H200, 156 tracks, 8 pairs per launch): the
+Measured (``scanforest bench motion``, NVIDIA H200, 156 tracks, 8 pairs per launch): the
 interpolation kernel takes 0.020 ms per 320x240 pair and 0.39 ms per 1920x1080 pair (about
 0.8e12 pixel-track pairs per second), the hypotheses kernel with 8 labels 0.025 and 0.54 ms;
 hypotheses time grows about linearly beyond 8 labels (8.3 ms per 1080p pair at 256 labels,

@@ -1,4 +1,4 @@
-"""``scanforest bench flow``: dense motion from sparse tracks, GPU against the CPU backend.
+"""``scanforest bench motion``: dense motion from sparse tracks, GPU against the CPU backend.
 
 Prefect-free and OpenCV-free (tracks are the synthetic generator's exact tracks; KLT is timed
 separately when OpenCV is importable), so it runs on a bare GPU machine.
@@ -36,6 +36,10 @@ call with ``tracks=None`` on the bench's device: tracks from the built-in tracke
 OpenCV (when importable), ``--features`` each, with their EPE ratio (built-in / OpenCV) per row
 and a one-line summary (the issue's "no worse than with OpenCV's tracks"); the rows go to the
 JSON (``params.accuracy``; ``epe_builtin``, ``epe_opencv``, ``builtin_over_opencv_epe``, ...).
+
+``scanforest bench flow``, the bench's name before issue 40, is a deprecated alias for one release:
+the same command after one line on stderr (:data:`RENAMED`). Its records before the rename say
+``"bench": "flow"``; this one writes ``motion``.
 """
 from __future__ import annotations
 
@@ -45,8 +49,13 @@ import time
 
 import numpy as np
 import typer
+import typer.core
 
 from ._common import parse_counts
+
+#: the line the deprecated ``scanforest bench flow`` prints (on stderr) before it runs
+RENAMED = ("`scanforest bench flow` is renamed `scanforest bench motion`; the old name goes in the "
+           "next release")
 
 #: (background, foreground) flows giving DFS sizes for the label sweep
 _SWEEP = {8: ((-1.2, 0.3), (2.1, 0.8)), 25: ((0.0, 0.0), (4.0, 4.0)), 64: ((0.0, 0.0), (7.0, 7.0)),
@@ -231,9 +240,9 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
     from ._common import BenchReport
 
     dev = resolve_device(device)
-    rep = BenchReport("flow", dict(sizes=[f"{w}x{h}" for w, h in sizes], features=features,
-                                   batch=batch, repeat=repeat, device=dev, cpu=cpu,
-                                   label_sweep=list(label_sweep), tracking=tracking))
+    rep = BenchReport("motion", dict(sizes=[f"{w}x{h}" for w, h in sizes], features=features,
+                                     batch=batch, repeat=repeat, device=dev, cpu=cpu,
+                                     label_sweep=list(label_sweep), tracking=tracking))
     _add = rep.add
 
     def add(*a, **k):  # print each row as it is measured
@@ -493,9 +502,18 @@ def _sizes(text: str) -> list[tuple[int, int]]:
     return out
 
 
+class _RenamedCommand(typer.core.TyperCommand):
+    """The ``bench flow`` alias: ``bench motion`` after the rename line (printed before the
+    arguments are parsed, so ``--help`` and a usage error print it too)."""
+
+    def parse_args(self, ctx, args):
+        typer.echo(RENAMED, err=True)
+        return super().parse_args(ctx, args)
+
+
 def register(app: typer.Typer, bench: typer.Typer) -> None:
-    @bench.command("flow")
-    def bench_flow(
+    @bench.command("motion")
+    def bench_motion(
         sizes: str = typer.Option("320x240,1920x1080", "--sizes", help="WIDTHxHEIGHT list"),
         features: int = typer.Option(156, "--features", help="tracks per pair (paper: 156)"),
         batch: int = typer.Option(8, "--batch", help="pairs per call in the batched rows"),
@@ -519,10 +537,13 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                   out=out, cpu=cpu, label_sweep=parse_counts(labels), accuracy=accuracy,
                   time_limit=time_limit, tracking=tracking, accuracy_tracked=accuracy_tracked)
 
+    bench.command("flow", cls=_RenamedCommand, hidden=True,
+                  help=f"Deprecated: renamed `scanforest bench motion`. {bench_motion.__doc__}")(bench_motion)
 
-if __name__ == "__main__":  # standalone: python -m scanforest.deploy.bench.flow --sizes ...
+
+if __name__ == "__main__":  # standalone: python -m scanforest.deploy.bench.motion --sizes ...
     _app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     _bench = typer.Typer()
     _app.add_typer(_bench, name="bench")
     register(_app, _bench)
-    _app(["bench", "flow", *__import__("sys").argv[1:]])
+    _app(["bench", "motion", *__import__("sys").argv[1:]])

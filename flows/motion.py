@@ -1,10 +1,12 @@
-"""The dense-motion flow: image sequences in the store -> (H, W, 2) flow per frame pair.
+"""The motion flow (Prefect flow ``scanforest-motion``): image sequences in the store -> (H, W, 2)
+flow field per frame pair.
 
 Each sequence's consecutive pairs are split into batches; one Prefect task per batch hands the
-work unit :func:`scanforest.tasks.flow.flow_pairs` to the Dask cluster, which computes the
+work unit :func:`scanforest.tasks.motion.motion_pairs` to the Dask cluster, which computes the
 batch in one kernel launch and writes every pair into its own group (idempotent: pairs already
 written with the same parameters are skipped). A frame folder given as ``source`` is ingested
-first (itself skipped when the folder's bytes are unchanged).
+first (itself skipped when the folder's bytes are unchanged). The run's record in the store is of
+kind ``motion`` (stores written before the rename keep their ``flow`` records, listed as they are).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
 from scanforest.kernels.motion.optical_flow import METHODS, TRACKERS
-from scanforest.tasks import flow as T
+from scanforest.tasks import motion as T
 from scanforest.tasks.prefect_tasks import RETRY_DELAYS, not_a_user_error, on_cluster
 from scanforest.tasks.store import ScanStore
 
@@ -31,7 +33,7 @@ def _checked(result):
     return result
 
 
-@task(name="flow-ingest", retries=2, retry_delay_seconds=RETRY_DELAYS,
+@task(name="motion-ingest", retries=2, retry_delay_seconds=RETRY_DELAYS,
       retry_condition_fn=not_a_user_error, task_run_name="ingest frames {source}")
 def ingest_sequence_task(store: str, source: str, seq_id: str | None = None,
                          tracks_dir: str | None = None, force: bool = False) -> dict[str, Any]:
@@ -40,18 +42,18 @@ def ingest_sequence_task(store: str, source: str, seq_id: str | None = None,
                                tracks_dir=tracks_dir, force=force))
 
 
-@task(name="flow-pairs", retries=2, retry_delay_seconds=RETRY_DELAYS,
+@task(name="motion-pairs", retries=2, retry_delay_seconds=RETRY_DELAYS,
       retry_condition_fn=not_a_user_error,
-      task_run_name="flow {seq_id} pairs {first}..{last} ({method})")
-def flow_pairs_task(store: str, seq_id: str, pairs: list[int], first: int, last: int,
+      task_run_name="motion {seq_id} pairs {first}..{last} ({method})")
+def motion_pairs_task(store: str, seq_id: str, pairs: list[int], first: int, last: int,
                     method: str, options: dict) -> list[dict[str, Any]]:
-    """Flow of a batch of pairs of one sequence (pairs already written are skipped)."""
-    return _checked(on_cluster(T.catching_user_errors, T.flow_pairs, store, seq_id, pairs,
+    """Flow fields of a batch of pairs of one sequence (pairs already written are skipped)."""
+    return _checked(on_cluster(T.catching_user_errors, T.motion_pairs, store, seq_id, pairs,
                                method=method, **options,
-                               key=f"flow-{seq_id}-{method}-{first}-{last}-{id(options):x}"))
+                               key=f"motion-{seq_id}-{method}-{first}-{last}-{id(options):x}"))
 
 
-@flow(name="scanforest-flow", task_runner=ThreadPoolTaskRunner(max_workers=32))
+@flow(name="scanforest-motion", task_runner=ThreadPoolTaskRunner(max_workers=32))
 def motion_flow(store: str, sequences: list[str] | None = None, source: str | None = None,
                 seq_id: str | None = None, tracks_dir: str | None = None,
                 methods: list[str] | None = None, params: dict | None = None,
@@ -68,7 +70,7 @@ def motion_flow(store: str, sequences: list[str] | None = None, source: str | No
     colour-wheel images; ``batch`` pairs per task (and per kernel launch).
     """
     t0 = time.perf_counter()
-    methods = check_flow(methods, tracker, source)
+    methods = check_motion(methods, tracker, source)
     with dask_client(scheduler, n_workers=workers, device=device) as client:
         nw = n_workers(client)
         ingested = None
@@ -94,7 +96,7 @@ def motion_flow(store: str, sequences: list[str] | None = None, source: str | No
                     ts = list(range(i, min(n, i + b)))
                     units.append(dict(store=store, seq_id=sid, pairs=ts, first=ts[0], last=ts[-1],
                                       method=m, options=options))
-        out = map_units(flow_pairs_task, units, label="flow", progress=progress,
+        out = map_units(motion_pairs_task, units, label="motion", progress=progress,
                         weights=[len(u["pairs"]) for u in units])
     recs = [r for rs in out for r in rs]
     written = [r for r in recs if r["status"] == "written"]
@@ -104,15 +106,15 @@ def motion_flow(store: str, sequences: list[str] | None = None, source: str | No
                "seconds": time.perf_counter() - t0}
     if ingested is not None:
         summary["ingest"] = ingested.get("status")
-    record_run(ScanStore(store), "flow", {"methods": methods, "params": params or {},
-                                          "device": device, "png_dir": png_dir}, summary,
+    record_run(ScanStore(store), "motion", {"methods": methods, "params": params or {},
+                                            "device": device, "png_dir": png_dir}, summary,
                [dict(r, scan_id=f"{r['seq_id']}:{r['pair']}:{r['method']}") for r in recs])
     summary["results"] = recs
     return summary
 
 
-def check_flow(methods=None, tracker: str = "builtin", source: str | None = None) -> list[str]:
-    """The cheap checks of a flow run's arguments, before a Prefect API or a cluster starts (a
+def check_motion(methods=None, tracker: str = "builtin", source: str | None = None) -> list[str]:
+    """The cheap checks of a motion run's arguments, before a Prefect API or a cluster starts (a
     frame folder's frame headers here, the frames on the cluster). Returns the methods."""
     methods = list(methods or METHODS)
     for m in methods:
@@ -130,8 +132,8 @@ def check_flow(methods=None, tracker: str = "builtin", source: str | None = None
     return methods
 
 
-def run_flow(store, **kw) -> dict[str, Any]:
+def run_motion(store, **kw) -> dict[str, Any]:
     """Start a Prefect API if none is configured and run :func:`motion_flow`."""
-    check_flow(kw.get("methods"), kw.get("tracker", "builtin"), kw.get("source"))
+    check_motion(kw.get("methods"), kw.get("tracker", "builtin"), kw.get("source"))
     ensure_prefect_api()
     return motion_flow(store=str(store), **kw)

@@ -439,8 +439,8 @@ def test_masked_argmax_gpu_same_rule():
 # ---------------------------------------------------------------------------------------------
 # store task, Prefect flow, CLI
 # ---------------------------------------------------------------------------------------------
-def test_flow_task_writes_pairs_idempotently(tmp_path):
-    from scanforest.tasks.flow import flow_pairs, read_flow, sequences, write_sequence
+def test_motion_task_writes_pairs_idempotently(tmp_path):
+    from scanforest.tasks.motion import motion_pairs, read_flow, sequences, write_sequence
 
     seq = sequence("layers", height=32, width=40, n_frames=3, seed=5)
     tr = [tracks_from_flow(seq, t, n=40, seed=t) for t in range(2)]
@@ -448,7 +448,7 @@ def test_flow_task_writes_pairs_idempotently(tmp_path):
     write_sequence(store, "seq", seq.frames, tracks=tr)
     assert sequences(store) == ["seq"]
     png = tmp_path / "png"
-    recs = flow_pairs(store, "seq", [0, 1], method="interpolation", device="cpu", png_dir=str(png))
+    recs = motion_pairs(store, "seq", [0, 1], method="interpolation", device="cpu", png_dir=str(png))
     assert [r["status"] for r in recs] == ["written", "written"]
     flow, valid = read_flow(store, "seq", 1, "interpolation")
     want = interpolate_flow(seq.frames[1], seq.frames[2], tr[1], device="cpu")
@@ -456,20 +456,20 @@ def test_flow_task_writes_pairs_idempotently(tmp_path):
     np.testing.assert_array_equal(valid, want.valid)
     assert flow.dtype == np.float32 and flow.shape == (32, 40, 2)
     assert (png / "seq" / "interpolation" / "000001.png").read_bytes()[:4] == b"\x89PNG"
-    again = flow_pairs(store, "seq", [0, 1], method="interpolation", device="cpu")
+    again = motion_pairs(store, "seq", [0, 1], method="interpolation", device="cpu")
     assert [r["status"] for r in again] == ["skipped", "skipped"]
-    changed = flow_pairs(store, "seq", [1], method="interpolation", device="cpu",
+    changed = motion_pairs(store, "seq", [1], method="interpolation", device="cpu",
                          params={"tau": 5.0})
     assert changed[0]["status"] == "written"          # other parameters: recomputed
     with pytest.raises(InputError, match="pairs 0..1"):
-        flow_pairs(store, "seq", [2], device="cpu")
+        motion_pairs(store, "seq", [2], device="cpu")
 
 
 def test_ingest_frames_folder(tmp_path):
     from PIL import Image
 
     from scanforest.kernels.errors import ScanReadError
-    from scanforest.tasks.flow import ingest_sequence, read_frames
+    from scanforest.tasks.motion import ingest_sequence, read_frames
 
     seq = sequence("translation", height=16, width=20, n_frames=3, seed=0)
     d = tmp_path / "frames"
@@ -489,11 +489,12 @@ def test_ingest_frames_folder(tmp_path):
         ingest_sequence(store, str(d))
 
 
-def test_flow_cli_pair_and_run(tmp_path):
+def test_motion_cli_pair_and_run(tmp_path):
     from typer.testing import CliRunner
 
     from scanforest.deploy.cli import app
-    from scanforest.tasks.flow import read_flow
+    from scanforest.tasks.motion import read_flow
+    from scanforest.tasks.store import ScanStore
 
     seq = sequence("layers", height=32, width=40, n_frames=3, seed=6)
     fr, td = tmp_path / "frames", tmp_path / "tracks"
@@ -504,14 +505,14 @@ def test_flow_cli_pair_and_run(tmp_path):
     for t in range(2):
         np.save(td / f"{t:03d}.npy", tracks_from_flow(seq, t, n=40, seed=t))
     runner = CliRunner()
-    res = runner.invoke(app, ["flow", "pair", str(fr / "000.npy"), str(fr / "001.npy"),
+    res = runner.invoke(app, ["motion", "pair", str(fr / "000.npy"), str(fr / "001.npy"),
                               "--tracks", str(td / "000.npy"), "-o", str(tmp_path / "f.npy"),
                               "--png", str(tmp_path / "f.png"), "--device", "cpu"])
     assert res.exit_code == 0, res.output
     assert np.load(tmp_path / "f.npy").shape == (32, 40, 2)
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
     store = str(tmp_path / "s.zarr")
-    res = runner.invoke(app, ["flow", "run", store, "--frames", str(fr), "--seq", "cam",
+    res = runner.invoke(app, ["motion", "run", store, "--frames", str(fr), "--seq", "cam",
                               "--tracks", str(td), "--device", "cpu", "--workers", "1",
                               "--png-dir", str(tmp_path / "png")])
     assert res.exit_code == 0, res.output
@@ -520,13 +521,56 @@ def test_flow_cli_pair_and_run(tmp_path):
     want = hypothesis_flow(seq.frames[1], seq.frames[2], np.load(td / "001.npy"), device="cpu")
     np.testing.assert_array_equal(flow, want.flow)
     assert (tmp_path / "png" / "cam" / "hypotheses" / "000001.png").exists()
-    res = runner.invoke(app, ["flow", "run", store, "--seq", "cam", "--device", "cpu",
+    # a run record of the version before the rename (kind "flow") stays in the store as it is
+    ScanStore(store).write_run("flow-20261101T000000-0a1b2c", {"flow": "flow", "status": "completed"})
+    res = runner.invoke(app, ["motion", "run", store, "--seq", "cam", "--device", "cpu",
                               "--workers", "1", "--no-png"])
     assert res.exit_code == 0 and "0 pair flows written, 4 already done" in res.output
+    assert [r["flow"] for r in ScanStore(store, mode="r").runs()] == ["flow", "motion", "motion"]
 
 
-def test_flow_run_bad_frames_fail_in_one_line_without_retries(tmp_path_factory, tmp_path):
-    """``scanforest flow run`` as a user runs it: a folder with one frame, a non-image among the
+def test_flow_is_a_deprecated_alias_of_motion(tmp_path_factory, tmp_path):
+    """``scanforest flow pair`` as a user runs it (issue 40): the same result as ``scanforest
+    motion pair`` and one line on stderr naming the new command; ``scanforest motion --help``
+    lists run and pair without that line; ``bench flow`` is ``bench motion`` the same way."""
+    from _userpath import fresh_env, ok, sf
+
+    from scanforest.deploy.bench.motion import RENAMED as BENCH_RENAMED
+    from scanforest.deploy.cli.motion import RENAMED
+
+    env = fresh_env(tmp_path_factory, cold=False)
+    seq = sequence("layers", height=32, width=40, n_frames=2, seed=6)
+    for i, f in enumerate(seq.frames):
+        np.save(tmp_path / f"{i}.npy", f)
+    np.save(tmp_path / "t.npy", tracks_from_flow(seq, 0, n=40, seed=0))
+    pair = (str(tmp_path / "0.npy"), str(tmp_path / "1.npy"), "--tracks", str(tmp_path / "t.npy"),
+            "--device", "cpu", "--method", "interpolation")
+    old = sf("flow", "pair", *pair, "-o", str(tmp_path / "old.npy"), env=env, cwd=tmp_path)
+    ok(old)
+    assert old.stderr.splitlines().count(RENAMED) == 1, old.stderr
+    assert RENAMED == "`scanforest flow` is renamed `scanforest motion`; the old name goes in the next release"
+    new = sf("motion", "pair", *pair, "-o", str(tmp_path / "new.npy"), env=env, cwd=tmp_path)
+    ok(new)
+    assert RENAMED not in new.stderr
+    want = interpolate_flow(seq.frames[0], seq.frames[1], np.load(tmp_path / "t.npy"), device="cpu")
+    for name in ("old", "new"):
+        np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), want.flow)
+        np.testing.assert_array_equal(np.load(tmp_path / f"{name}.valid.npy"), want.valid)
+
+    helped = sf("motion", "--help", env=env, cwd=tmp_path)
+    text = ok(helped)
+    assert "run" in text.split() and "pair" in text.split() and RENAMED not in helped.stderr
+    assert "motion" in ok(sf("--help", env=env, cwd=tmp_path)).split()
+    old_help = sf("flow", "--help", env=env, cwd=tmp_path)
+    assert "pair" in ok(old_help).split() and old_help.stderr.splitlines().count(RENAMED) == 1
+    bench_old = sf("bench", "flow", "--help", env=env, cwd=tmp_path)
+    assert "--sizes" in ok(bench_old) and bench_old.stderr.splitlines().count(BENCH_RENAMED) == 1
+    bench_new = sf("bench", "motion", "--help", env=env, cwd=tmp_path)
+    assert "--sizes" in ok(bench_new) and BENCH_RENAMED not in bench_new.stderr
+
+
+def test_motion_run_bad_frames_fail_in_one_line_without_retries(tmp_path_factory, tmp_path):
+    """``scanforest motion run`` as a user runs it: a folder with one frame, a non-image among the
     frames and frames smaller than the built-in tracker's window each end in exit 2 and one
     ``error:`` line (no worker traceback, no retries), and a bad ``--tracker`` before anything
     starts."""
@@ -546,7 +590,7 @@ def test_flow_run_bad_frames_fail_in_one_line_without_retries(tmp_path_factory, 
     for i in range(3):
         Image.fromarray((rng.random((16, 20)) * 255).astype(np.uint8)).save(tiny / f"{i}.png")
     store = str(tmp_path / "s.zarr")
-    run = ("flow", "run", store, "--device", "cpu", "--workers", "1", "--no-png")
+    run = ("motion", "run", store, "--device", "cpu", "--workers", "1", "--no-png")
     one_line_error(sf(*run, "--frames", str(one), env=env, cwd=tmp_path), "at least 2 frames, found 1")
     one_line_error(sf(*run, "--frames", str(one), "--tracker", "klt", env=env, cwd=tmp_path),
                    "tracker must be one of")
@@ -558,23 +602,23 @@ def test_flow_run_bad_frames_fail_in_one_line_without_retries(tmp_path_factory, 
     assert "Crash" not in res.stderr, res.stderr
 
 
-def test_flow_task_klt_options_are_part_of_the_key(tmp_path):
+def test_motion_task_klt_options_are_part_of_the_key(tmp_path):
     """Pairs tracked with other tracker options are recomputed, not skipped; the default
     options keep the key they had; a user error on a worker comes back whole (ScanReadError)."""
     import pickle
 
     from scanforest.kernels.errors import ScanReadError
-    from scanforest.tasks.flow import UserError, catching_user_errors, flow_pairs, write_sequence
+    from scanforest.tasks.motion import UserError, catching_user_errors, motion_pairs, write_sequence
 
     seq = sequence("layers", height=64, width=80, n_frames=2, seed=5)
     store = str(tmp_path / "s.zarr")
     write_sequence(store, "seq", seq.frames)
     kw = dict(method="interpolation", device="cpu")
-    assert flow_pairs(store, "seq", [0], **kw)[0]["status"] == "written"
-    assert flow_pairs(store, "seq", [0], klt=None, **kw)[0]["status"] == "skipped"
-    r = flow_pairs(store, "seq", [0], klt={"max_features": 30}, **kw)[0]
+    assert motion_pairs(store, "seq", [0], **kw)[0]["status"] == "written"
+    assert motion_pairs(store, "seq", [0], klt=None, **kw)[0]["status"] == "skipped"
+    r = motion_pairs(store, "seq", [0], klt={"max_features": 30}, **kw)[0]
     assert r["status"] == "written" and r["n_features"] <= 30
-    assert flow_pairs(store, "seq", [0], klt={"max_features": 30}, **kw)[0]["status"] == "skipped"
+    assert motion_pairs(store, "seq", [0], klt={"max_features": 30}, **kw)[0]["status"] == "skipped"
 
     def fail():
         raise ScanReadError("/x/f.png", "not a readable image")

@@ -15,8 +15,11 @@ groups alone)::
             label     (H, W) int32      Method 2: index into ``labels``
             labels    (L, 2) int32      Method 2: the discretised flow space of the pair
 
+The ``flow`` groups and arrays hold flow *fields* (the standard term) and keep that name: a store
+written before the subsystem was called motion reads as it is.
+
 Idempotency: a pair is done when its group is complete with the same parameters; the work
-unit :func:`flow_pairs` skips those, writes each remaining pair into its own group (so Dask
+unit :func:`motion_pairs` skips those, writes each remaining pair into its own group (so Dask
 workers never share a group) and marks it complete after the arrays and its colour-wheel PNG
 are written. Frames come from a folder of PNG/TIFF/JPEG (Pillow) or NPY files, sorted in
 natural order (``f2`` before ``f10``).
@@ -310,11 +313,12 @@ def prepare_outputs(store: str, seq_id: str, methods) -> int:
     return int(g.attrs["n_frames"]) - 1
 
 
-def flow_pairs(store: str, seq_id: str, pairs: list[int], *, method: str = "hypotheses",
-               params: dict | None = None, klt: dict | None = None, device: str = "auto",
-               png_dir: str | None = None, force: bool = False,
-               tracker: str = "builtin") -> list[dict[str, Any]]:
-    """Flow of the pairs ``t -> t + 1`` for ``t`` in ``pairs`` of one sequence (idempotent).
+def motion_pairs(store: str, seq_id: str, pairs: list[int], *, method: str = "hypotheses",
+                 params: dict | None = None, klt: dict | None = None, device: str = "auto",
+                 png_dir: str | None = None, force: bool = False,
+                 tracker: str = "builtin") -> list[dict[str, Any]]:
+    """The (H, W, 2) flow fields of the pairs ``t -> t + 1`` for ``t`` in ``pairs`` of one
+    sequence (idempotent).
 
     All pending pairs of the call run in one batched kernel launch. Tracks: the sequence's
     stored tracks for a pair when present, else KLT by ``tracker`` inside the flow call
