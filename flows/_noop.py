@@ -10,7 +10,7 @@ run with zero work prints (the same keys; ``workers`` 0: none was started), or N
 work, or when anything is not as the check expects (the run then finds it, and any user error, as
 it always did).
 
-A no-op run is not stored as a run record: :func:`scanforest.flows._runner.record_run` counts it
+A no-op run is not stored as a run record: :func:`scanforest.flows.records.record_run` counts it
 in the store's ``runs`` group attributes (``noop_runs``: per flow, how many and the last one), so a
 schedule that fires every minute on an idle store does not add 1,440 records a day.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from scanforest.flows._runner import absolute_path
+from scanforest.flows.inputs import absolute_path
 
 
 def _store(store: str):
@@ -113,10 +113,11 @@ def ingest_noop(source: str, store: str) -> dict[str, Any] | None:
 
 
 def _answer(flow: str, store: str, summary: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A command's no-op answer, counted in the store (:func:`~scanforest.flows._runner.count_noop`);
+    """A command's no-op answer, counted in the store (:func:`~scanforest.flows.records.count_noop`);
     with work to do (None), Prefect's local API starts now, in the background, to boot while the
     command imports its flow (the command line does not start it for these commands)."""
-    from scanforest.flows._runner import count_noop, start_prefect_api
+    from scanforest.flows.prefect_api import start_prefect_api
+    from scanforest.flows.records import count_noop
 
     if summary is None:
         start_prefect_api()

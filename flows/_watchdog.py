@@ -2,7 +2,7 @@
 
 A flow process killed with SIGKILL (or by the OOM killer, or with its machine's power) runs no
 hook: its run stays ``running`` in the store and Running in Prefect until another flow on the
-same store notices (:func:`scanforest.flows._runner._mark_interrupted`). So every flow run
+same store notices (:func:`scanforest.flows.records.mark_interrupted`). So every flow run
 starts this watchdog (:func:`watch`) in a session of its own, holding the read end of a pipe
 whose write end only the flow process holds. The read returns when that process closes the
 pipe at the run's end (:func:`release`), or when the process is gone, however it ended (the

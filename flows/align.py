@@ -11,8 +11,11 @@ from scanforest.kernels.errors import InputError
 from scanforest.tasks.prefect_tasks import align_pair_task
 from scanforest.tasks.store import ScanStore
 
-from ._runner import (RUN_HOOKS, absolute_path, check_scheduler, dask_client, ensure_prefect_api, failures, map_units,
-                      n_workers, open_store, record_run)
+from .batching import map_units
+from .cluster import check_scheduler, dask_client, n_workers
+from .inputs import absolute_path, open_store
+from .prefect_api import ensure_prefect_api
+from .records import RUN_HOOKS, failures, record_run
 
 
 @flow(name="scanforest-align", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)

@@ -33,12 +33,14 @@ from scanforest.tasks.describe import DescribeParams
 from scanforest.tasks.recognize import build_library, describe_params_for, description_key, library_attrs
 from scanforest.tasks.store import ScanStore
 
-from ._runner import (RUN_HOOKS, absolute_path, auto_batch, cluster_scope, count_redone, dask_client, map_batches,
-                      n_workers, record_run)
+from .batching import auto_batch, map_batches
+from .cluster import cluster_scope, dask_client, n_workers
 from .describe import describe_flow
 from .ingest import ingest_flow
+from .inputs import absolute_path
 from .match import index_build_flow, match_flow
 from .recognize import check_recognize, recognize_flow, summarize
+from .records import RUN_HOOKS, count_redone, record_run
 
 PIPELINES = ("one-pass", "staged")
 

@@ -14,8 +14,11 @@ from scanforest.tasks.store import ScanStore, _now
 from scanforest.tasks.units import HELD, current_run
 
 from ._noop import describe_noop
-from ._runner import (RUN_HOOKS, absolute_path, auto_batch, check_scheduler, count_redone, dask_client,
-                      ensure_prefect_api, failures, map_batches, n_workers, open_store, record_run, require_scans)
+from .batching import auto_batch, map_batches
+from .cluster import check_scheduler, dask_client, n_workers
+from .inputs import absolute_path, open_store, require_scans
+from .prefect_api import ensure_prefect_api
+from .records import RUN_HOOKS, count_redone, failures, record_run
 
 
 @flow(name="scanforest-describe", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)

@@ -24,7 +24,7 @@ from scanforest.kernels.errors import InputError
 from scanforest.kernels.knn.kdforest import METHODS as KDFOREST_METHODS
 from scanforest.tasks import index as idx
 
-from ._runner import dask_client
+from .cluster import dask_client
 
 
 def _identity(x):

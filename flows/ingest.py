@@ -18,8 +18,11 @@ from scanforest.tasks.ingest import Staging, check_source, discover, ignored_not
 from scanforest.tasks.prefect_tasks import ingest_scan
 from scanforest.tasks.store import ScanStore, scan_id_for
 
-from ._runner import (RUN_HOOKS, absolute_path, auto_batch, check_scheduler, dask_client, ensure_prefect_api,
-                      map_batches, n_workers, quiet_prefect_logs, record_run)
+from .batching import auto_batch, map_batches
+from .cluster import check_scheduler, dask_client, n_workers
+from .inputs import absolute_path
+from .prefect_api import ensure_prefect_api, quiet_prefect_logs
+from .records import RUN_HOOKS, record_run
 
 
 @flow(name="scanforest-ingest", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)

@@ -20,7 +20,9 @@ from scanforest.tasks.library import index_params as _index
 from scanforest.tasks.recognize import build_library, library_index_name
 from scanforest.tasks.store import ScanStore
 
-from ._runner import RUN_HOOKS, absolute_path, ensure_prefect_api, record_run
+from .inputs import absolute_path
+from .prefect_api import ensure_prefect_api
+from .records import RUN_HOOKS, record_run
 
 
 @flow(name="scanforest-library-build", **RUN_HOOKS)

@@ -16,9 +16,12 @@ from scanforest.tasks.prefect_tasks import _run_label
 from scanforest.tasks.store import ScanStore, stage_digest
 
 from ._noop import match_noop
-from ._runner import (RUN_HOOKS, absolute_path, auto_batch, check_scheduler, dask_client, ensure_prefect_api,
-                      map_batches, n_workers, open_store, record_run, require_scans)
+from .batching import auto_batch, map_batches
+from .cluster import check_scheduler, dask_client, n_workers
 from .distributed import DistributedIndex
+from .inputs import absolute_path, open_store, require_scans
+from .prefect_api import ensure_prefect_api
+from .records import RUN_HOOKS, record_run
 
 
 # ---------------------------------------------------------------------------------- flows

@@ -22,7 +22,10 @@ from scanforest.tasks import motion as T
 from scanforest.tasks.prefect_tasks import RETRY_DELAYS, not_a_user_error, on_cluster
 from scanforest.tasks.store import ScanStore
 
-from ._runner import auto_batch, dask_client, ensure_prefect_api, map_units, n_workers, record_run
+from .batching import auto_batch, map_units
+from .cluster import dask_client, n_workers
+from .prefect_api import ensure_prefect_api
+from .records import record_run
 
 
 def _checked(result):

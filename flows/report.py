@@ -83,7 +83,7 @@ def _status(run: dict) -> str:
     """The run's state as the report shows it (records without ``status`` are completed runs). A
     ``running`` record names the host and process that wrote it: on that host, a process that is
     gone means the run was interrupted (killed); elsewhere the report cannot tell."""
-    from ._runner import process_gone
+    from .records import process_gone
 
     status = run.get("status", "completed")
     if status != "running":

@@ -72,7 +72,7 @@ def settle_numba_threads() -> int | None:
     environment its cluster gave it: a worker of a 2-core machine imported numba with 2 threads,
     ran a cached parallel kernel (threads started with 2), and its first compilation read 1 and
     failed. Called once in every worker before any task (a worker plugin, see
-    ``flows._runner``), this re-reads the environment while no thread has started. Returns the
+    ``flows.worker_setup``), this re-reads the environment while no thread has started. Returns the
     count in force, or None when numba was not imported (it then reads the environment itself).
     """
     import sys

@@ -23,7 +23,7 @@ import numpy as np
 from scanforest.kernels.errors import ScanReadError
 
 #: the format libraries, imported where a format is read (a missing optional one fails only its
-#: format); Dask workers import them as they start (``flows._runner.WORKER_PRELOAD``)
+#: format); Dask workers import them as they start (``flows.worker_setup.WORKER_PRELOAD``)
 FORMAT_LIBRARIES = ("pypcd4", "plyfile", "laspy")
 
 #: file suffix -> format name

@@ -51,7 +51,7 @@ def held(scan_id: str, t0: float, **fields) -> dict[str, Any]:
 def current_run() -> str | None:
     """The id of the Prefect flow run this code runs in (from a task run's or a flow run's
     context), or None outside one. Stage records name it (``run``), so a flow counts as its own
-    the stages its run wrote, and no other run's (:func:`scanforest.flows._runner.count_redone`)."""
+    the stages its run wrote, and no other run's (:func:`scanforest.flows.records.count_redone`)."""
     try:
         from prefect.context import FlowRunContext, TaskRunContext
     except ImportError:

@@ -220,7 +220,7 @@ def test_ingest_on_external_cluster_counts_each_scan_once_after_a_worker_kill(tm
 
 @pytest.mark.parametrize("n,batch,workers", [(1000, 15, 8), (10, 4, 3), (7, 32, 8), (100, 1, 8), (5, 2, 8), (0, 3, 2)])
 def test_split_batches_are_even_and_a_multiple_of_the_workers(n, batch, workers):
-    from scanforest.flows._runner import split_batches
+    from scanforest.flows.batching import split_batches
 
     items = list(range(n))
     out = split_batches(items, batch, workers)
@@ -236,7 +236,8 @@ def test_split_batches_are_even_and_a_multiple_of_the_workers(n, batch, workers)
 def test_local_workers_import_the_store_and_readers_as_they_start():
     """Each worker imports Zarr, the store and the format readers at its start (the worker
     plugin), not in the first task of the first stage."""
-    from scanforest.flows._runner import WORKER_PRELOAD, dask_client
+    from scanforest.flows.cluster import dask_client
+    from scanforest.flows.worker_setup import WORKER_PRELOAD
 
     def loaded(names):
         import sys as _sys

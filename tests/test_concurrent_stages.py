@@ -58,7 +58,7 @@ def _claims(folder: Path) -> list[tuple[str, str, str]]:
 def prefect_api() -> str:
     """One Prefect API for the module, the flows run here and the commands started from here (a
     user's running server: each command skips starting its own, ~3.5 s of 2 cores apiece)."""
-    from scanforest.flows._runner import ensure_prefect_api
+    from scanforest.flows.prefect_api import ensure_prefect_api
 
     return ensure_prefect_api()
 

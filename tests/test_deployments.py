@@ -102,9 +102,9 @@ def test_archive_flow_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     stage of one run uses the same local cluster, started once."""
     import shutil
 
-    import scanforest.flows._runner as runner
-    from scanforest.flows._runner import ensure_prefect_api
+    import scanforest.flows.cluster as cluster
     from scanforest.flows.archive import archive_flow
+    from scanforest.flows.prefect_api import ensure_prefect_api
     from scanforest.kernels.synthetic.scenes import recognition_presets
     from scanforest.tasks.index import index_attrs
     from scanforest.tasks.recognize import library_hash, recognize_scan
@@ -118,10 +118,10 @@ def test_archive_flow_runs_every_stage_and_resumes(tmp_path, monkeypatch):
               device="cpu", workers=1, progress=False)
     ensure_prefect_api()
     started = []
-    real_cluster = runner._local_cluster
-    monkeypatch.setattr(runner, "_local_cluster", lambda *a, **k: started.append(a) or real_cluster(*a, **k))
+    real_cluster = cluster._local_cluster
+    monkeypatch.setattr(cluster, "_local_cluster", lambda *a, **k: started.append(a) or real_cluster(*a, **k))
     first = archive_flow(source=str(tmp_path / "arch"), pipeline="staged", **kw)
-    assert len(started) == 1 and runner._scope is None  # four stages, one cluster, closed at the end
+    assert len(started) == 1 and cluster._scope is None  # four stages, one cluster, closed at the end
     assert first["ingest"]["ingested"] == 4 and first["library"]["status"] == "built"
     assert first["describe"]["described"] == 2  # the scenes: the library describes the models
     assert first["match"]["matched"] == 2 and first["recognize"]["recognized"] == 2

@@ -190,10 +190,12 @@ def test_every_kernels_family_is_a_listed_subpackage():
         assert ".".join(("scanforest.kernels", *rel)) in listed, init
 
 
-#: what ``flows/`` holds besides the flows themselves: the runner, the deployment table and the
-#: helpers the flows use (distributed matching for the match flow, the report of their runs, the
-#: runs' watchdog, the checks that answer a run with nothing to do before it starts)
-FLOW_HELPERS = {"__init__", "_noop", "_runner", "_watchdog", "deployments", "distributed", "report"}
+#: what ``flows/`` holds besides the flows themselves: the runner (Prefect's API, the Dask cluster
+#: and its workers' setup, batching, the stages' inputs and the run records), the deployment table
+#: and the helpers the flows use (distributed matching for the match flow, the report of their
+#: runs, the runs' watchdog, the checks that answer a run with nothing to do before it starts)
+FLOW_HELPERS = {"__init__", "_noop", "_watchdog", "batching", "cluster", "deployments", "distributed", "inputs",
+                "prefect_api", "records", "report", "worker_setup"}
 
 
 def _defines_flow(path: Path) -> bool:

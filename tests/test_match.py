@@ -51,7 +51,7 @@ def test_sharded_equals_bruteforce(rng, shards, method):
 
 @pytest.fixture(scope="module")
 def local_client():
-    from scanforest.flows._runner import dask_client
+    from scanforest.flows.cluster import dask_client
 
     with dask_client(None, n_workers=2, device="cpu") as c:
         yield c
@@ -553,14 +553,14 @@ def test_match_flow_batches_give_the_per_scan_answer(tmp_path, rng):
 def test_local_workers_share_the_cores_for_numba(monkeypatch):
     import os
 
-    from scanforest.flows._runner import _thread_env
+    from scanforest.flows.cluster import thread_env
 
     monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert _thread_env(2, 1) == {"NUMBA_NUM_THREADS": str(max(1, cores // 2))}
-    assert _thread_env(4 * cores, 1) == {"NUMBA_NUM_THREADS": "1"}
+    assert thread_env(2, 1) == {"NUMBA_NUM_THREADS": str(max(1, cores // 2))}
+    assert thread_env(4 * cores, 1) == {"NUMBA_NUM_THREADS": "1"}
     monkeypatch.setenv("NUMBA_NUM_THREADS", "3")
-    assert _thread_env(2, 1) == {"NUMBA_NUM_THREADS": "3"}  # the user's choice wins
+    assert thread_env(2, 1) == {"NUMBA_NUM_THREADS": "3"}  # the user's choice wins
 
 
 _THREADS_MAIN = """
@@ -581,7 +581,7 @@ def cached_then_compile():
 if __name__ == "__main__":
     import pkernel
     pkernel.psum(np.ones(1000))  # warm the cache
-    from scanforest.flows._runner import dask_client
+    from scanforest.flows.cluster import dask_client
     with dask_client(n_workers=2, device="cpu") as client:
         print(client.gather([client.submit(cached_then_compile, pure=False) for _ in range(4)]))
 """

@@ -44,10 +44,11 @@ def done(env, tmp_path_factory) -> dict:
     the real runs' summaries (what their commands print with ``--json``). Made by the flows in
     this process on one shared cluster: the state is the tests' input, the commands under test run
     in subprocesses (four commands here took 62 s of CI's 2 cores)."""
-    from scanforest.flows._runner import cluster_scope, ensure_prefect_api
+    from scanforest.flows.cluster import cluster_scope
     from scanforest.flows.describe import run_describe
     from scanforest.flows.ingest import run_ingest
     from scanforest.flows.match import run_index_build, run_match
+    from scanforest.flows.prefect_api import ensure_prefect_api
     from scanforest.tasks.describe import DescribeParams
     from scanforest.tasks.readers import write_cloud
 
@@ -117,16 +118,16 @@ def test_match_with_nothing_to_do_answers_before_any_cluster_or_api(done, env, t
 def test_a_flow_that_found_nothing_to_do_is_counted_not_recorded(done, monkeypatch):
     """Inside a flow (a served deployment's run, the describe flow's own no-op path) the record its
     start hook opened is removed and the run counted."""
-    from scanforest.flows import _runner
+    from scanforest.flows import records
     from scanforest.tasks.store import ScanStore
 
     st = ScanStore(str(done["store"]))
     n, before = _runs(done["store"])
-    monkeypatch.setattr(_runner, "_run_id", lambda flow, flow_run=None: f"{flow}-opened-by-its-hook")
+    monkeypatch.setattr(records, "_run_id", lambda flow, flow_run=None: f"{flow}-opened-by-its-hook")
     st.write_run("describe-opened-by-its-hook", {"flow": "describe", "status": "running"})
     assert _runs(done["store"])[0] == n + 1
     noop = {**done["describe"], "described": 0, "skipped": 2, "keypoints": 0}
-    _runner.record_run(st, "describe", {}, noop, [])
+    records.record_run(st, "describe", {}, noop, [])
     n_after, after = _runs(done["store"])
     assert n_after == n and after["describe"]["count"] == before.get("describe", {}).get("count", 0) + 1
 

@@ -154,7 +154,8 @@ def test_a_killed_run_is_marked_interrupted_and_crashed(tmp_path):
     from prefect import flow
     from prefect.client.orchestration import get_client
 
-    from scanforest.flows._runner import RUN_HOOKS, _mark_interrupted, ensure_prefect_api
+    from scanforest.flows.prefect_api import ensure_prefect_api
+    from scanforest.flows.records import RUN_HOOKS, mark_interrupted
 
     ensure_prefect_api()
     st = ScanStore(tmp_path / "s.zarr", create=True)
@@ -174,7 +175,7 @@ def test_a_killed_run_is_marked_interrupted_and_crashed(tmp_path):
         client.set_flow_run_state(run_id, Running(), force=True)
     rec = next(r for r in st.runs() if r.get("flow_run_id") == run_id)
     st.write_run(rec["id"], {"status": "running", "pid": dead.pid, "finished": None})
-    _mark_interrupted(st)
+    mark_interrupted(st)
     rec = next(r for r in st.runs() if r["id"] == rec["id"])
     assert rec["status"] == "interrupted" and f"pid {dead.pid}" in rec["error"]
     with get_client(sync_client=True) as client:
@@ -184,10 +185,10 @@ def test_a_killed_run_is_marked_interrupted_and_crashed(tmp_path):
 def test_local_api_starts_again_when_its_first_server_exits(tmp_path, monkeypatch):
     """Two commands started together on a new PREFECT_HOME both migrate its database and the
     loser's server exits ("table ... already exists"): the local API starts it again."""
-    from scanforest.flows import _runner
+    from scanforest.flows import prefect_api
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
-    real_spawn = _runner._LocalAPI._spawn
+    real_spawn = prefect_api._LocalAPI._spawn
     spawned = []
 
     def spawn(self):
@@ -197,8 +198,8 @@ def test_local_api_starts_again_when_its_first_server_exits(tmp_path, monkeypatc
             real_spawn(self)
         spawned.append(self.proc)
 
-    monkeypatch.setattr(_runner._LocalAPI, "_spawn", spawn)
-    api = _runner._LocalAPI()
+    monkeypatch.setattr(prefect_api._LocalAPI, "_spawn", spawn)
+    api = prefect_api._LocalAPI()
     try:
         url = api.wait_ready(timeout=120)
         assert len(spawned) == 2 and spawned[0].returncode == 3

@@ -73,11 +73,12 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     each stage is always a complete run over the whole archive, and its figures are recorded in
     ``workdir/bench-stages.json``, so a long archive can be measured stage by stage (for example
     within a per-command time limit) and the whole-archive figures combine the recorded stages."""
-    from scanforest.flows._runner import cluster_scope, dask_client, ensure_prefect_api
     from scanforest.flows.archive import process_flow
+    from scanforest.flows.cluster import cluster_scope, dask_client
     from scanforest.flows.describe import run_describe
     from scanforest.flows.ingest import run_ingest
     from scanforest.flows.match import run_index_build, run_match
+    from scanforest.flows.prefect_api import ensure_prefect_api
     from scanforest.flows.recognize import run_recognize
     from scanforest.kernels.backend import describe_device, gpu_count, resolve_device
     from scanforest.kernels.errors import InputError
@@ -419,7 +420,7 @@ def register(app, bench) -> None:
     """Add this bench to ``scanforest bench`` (found by :mod:`scanforest.deploy.cli`)."""
     import typer
 
-    from scanforest.flows._runner import check_workers
+    from scanforest.flows.cluster import check_workers
 
     @bench.command("archive")
     def bench_archive(

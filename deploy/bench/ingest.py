@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from scanforest.flows._runner import check_workers
+from scanforest.flows.cluster import check_workers
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:

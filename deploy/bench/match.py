@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scanforest.flows._runner import dask_client
+from scanforest.flows.cluster import dask_client
 from scanforest.kernels.backend import describe_device, resolve_device
 from scanforest.kernels.errors import InputError
 from scanforest.kernels.knn.bruteforce import recall

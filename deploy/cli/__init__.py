@@ -67,7 +67,7 @@ def main() -> None:
 
     args = sys.argv[1:]
     if args and args[0] in FLOW_COMMANDS - CHECK_FIRST and not {"--help", "-h"} & set(args):
-        from scanforest.flows._runner import start_prefect_api
+        from scanforest.flows.prefect_api import start_prefect_api
 
         start_prefect_api()
     try:

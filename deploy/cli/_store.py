@@ -28,7 +28,7 @@ def _keep(path: str) -> str:
 def existing_store(store: str) -> str:
     """``STORE`` callback of the commands that write into an existing store (describe, index
     build, match, recognize, align-store)."""
-    from scanforest.flows._runner import absolute_path
+    from scanforest.flows.inputs import absolute_path
     from scanforest.tasks.preflight import check_store_location
 
     check_store_location(_keep(absolute_path(store)))
@@ -38,7 +38,7 @@ def existing_store(store: str) -> str:
 def new_store(store: str) -> str:
     """``STORE`` callback of ingest, which creates the store when missing and extracts archives
     into a staging folder beside it."""
-    from scanforest.flows._runner import absolute_path
+    from scanforest.flows.inputs import absolute_path
     from scanforest.tasks.preflight import check_store_location
 
     check_store_location(_keep(absolute_path(store)), create=True, staging=True)
@@ -47,7 +47,7 @@ def new_store(store: str) -> str:
 
 def new_or_existing_store(store: str) -> str:
     """``STORE`` callback of ``flow run``, which creates the store when it ingests frames."""
-    from scanforest.flows._runner import absolute_path
+    from scanforest.flows.inputs import absolute_path
     from scanforest.tasks.preflight import check_store_location
 
     check_store_location(_keep(absolute_path(store)), create=True)
@@ -56,7 +56,7 @@ def new_or_existing_store(store: str) -> str:
 
 def output_folder(folder: Path) -> Path:
     """``--workdir`` callback of the demo, which creates the folder and its archive and store."""
-    from scanforest.flows._runner import absolute_path
+    from scanforest.flows.inputs import absolute_path
     from scanforest.tasks.preflight import check_output_folder
 
     check_output_folder(_keep(absolute_path(str(folder))))

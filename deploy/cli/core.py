@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from scanforest.flows._runner import check_workers
+from scanforest.flows.cluster import check_workers
 
 from ._store import existing_store, new_store, output_folder
 
@@ -108,7 +108,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
              scans: bool = typer.Option(False, "--scans", help="List every scan."),
              as_json: bool = JsonOpt):
         """Summarise a store: scans, points, formats, stages done, quarantine, runs."""
-        from scanforest.flows._runner import open_store
+        from scanforest.flows.inputs import open_store
 
         st = open_store(store, mode="r")
         summary = st.info()
@@ -145,8 +145,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """End to end on synthetic data, as the archive flow runs an archive: a synthetic archive (with one
         corrupt file) -> ingest -> model library -> index -> one pass of describe + match + recognize per scene,
         with precision and recall against the ground truth. Exit 0 only when every stage did all its work."""
-        from scanforest.flows._runner import ensure_prefect_api
         from scanforest.flows.archive import archive_flow
+        from scanforest.flows.prefect_api import ensure_prefect_api
         from scanforest.kernels.synthetic.scenes import recognition_presets
         from scanforest.tasks.synth import corrupt_copy, write_archive
 
@@ -189,7 +189,7 @@ def demo_folder() -> Path:
 def _demo_workdir(folder: Optional[Path]) -> Path:
     """``--workdir`` callback: the folder given, or :func:`demo_folder`, checked as it is parsed
     (``_store.output_folder``), as an absolute path."""
-    from scanforest.flows._runner import absolute_path
+    from scanforest.flows.inputs import absolute_path
 
     folder = output_folder(folder if folder is not None else demo_folder())
     return Path(absolute_path(str(folder)))

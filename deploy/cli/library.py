@@ -40,7 +40,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         the described scenes against it and `scanforest recognize STORE --library NAME` recognises
         them from those stored matches."""
         from scanforest.deploy.cli.pipeline import _pick
-        from scanforest.flows._runner import absolute_path
+        from scanforest.flows.inputs import absolute_path
         from scanforest.tasks.library import check_library_build, library_unchanged
 
         model_ids = _pick(store, models, "--models")

@@ -25,7 +25,7 @@ from pathlib import Path
 import typer
 import typer.core
 
-from scanforest.flows._runner import check_workers
+from scanforest.flows.cluster import check_workers
 
 from ._store import new_or_existing_store
 

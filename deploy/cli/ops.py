@@ -28,7 +28,7 @@ def report_path(store: str) -> str:
     written (a read-only mount, a URL), in ``$XDG_CACHE_HOME/scanforest/reports``."""
     import os
 
-    from scanforest.flows._runner import absolute_path
+    from scanforest.flows.inputs import absolute_path
 
     path = absolute_path(store).rstrip("/")
     name = os.path.basename(path) or "store"

@@ -12,7 +12,7 @@ def _pick(store: str, patterns: list[str], what: str) -> list[str]:
     """Scan ids of the store matching any of the glob ``patterns``; none is a user error."""
     import fnmatch
 
-    from scanforest.flows._runner import open_store
+    from scanforest.flows.inputs import open_store
 
     ids = open_store(store, mode="r").scans()
     chosen = sorted({s for pat in patterns for s in ids if fnmatch.fnmatchcase(s, pat)})

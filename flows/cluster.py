@@ -1,0 +1,226 @@
+"""The Dask cluster a flow's work runs on: an existing one (``scheduler=ADDRESS``) or a local one
+started for the run (:func:`dask_client`), kept for several stages by :func:`cluster_scope`, and
+the checks of the commands' cluster options (:func:`check_workers`, :func:`check_scheduler`).
+
+Execution model (measured, see README "Orchestration"): a flow's Prefect tasks run on a thread
+pool in the flow process and each hands its unit of work (a plain function from
+``scanforest.tasks``) to the Dask cluster with ``client.submit``. Prefect records every task
+run, retries and states; Dask places the work, moves data and reschedules work lost with a dead
+worker. Running the Prefect task engine itself inside Dask workers (``DaskTaskRunner``) cost
+~250 ms per task on a 2-core machine versus ~25 ms this way, so workers never need a Prefect API
+(:mod:`scanforest.flows.prefect_api`); every worker is set up by the plugin of
+:mod:`scanforest.flows.worker_setup`.
+
+The embedded default needs no infrastructure: a ``LocalCluster`` of processes (or GPU workers,
+8 per GPU by default, when dask-cuda is installed and GPUs are visible). ``scheduler=ADDRESS``
+uses an existing Dask cluster instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Iterator
+
+from .prefect_api import quiet_prefect_logs
+from .worker_setup import worker_plugin
+
+
+def check_workers(workers: int | None) -> int | None:
+    """A worker count below 1 is a user error, said in one line (the commands' ``--workers``
+    callback; None is the default count)."""
+    if workers is not None and int(workers) < 1:
+        from scanforest.kernels.errors import InputError
+
+        raise InputError(f"--workers must be at least 1, got {workers}")
+    return workers
+
+
+def check_scheduler(address: str | None, timeout: float = 5.0) -> None:
+    """An unreachable ``--scheduler`` is a user error, said in one line before anything starts
+    (a refused connection would otherwise be retried for the whole connect timeout)."""
+    if not address:
+        return
+    import socket
+    from urllib.parse import urlsplit
+
+    from scanforest.kernels.errors import InputError
+
+    url = urlsplit(address if "://" in address else f"tcp://{address}")
+    if url.scheme not in ("tcp", "tls") or not url.hostname:
+        return  # other protocols (ucx, inproc): left to Dask
+    try:
+        socket.create_connection((url.hostname, url.port or 8786), timeout=timeout).close()
+    except OSError as exc:
+        raise InputError(f"cannot reach the Dask scheduler at {address} ({exc.strerror or exc})") from None
+
+
+def _want_gpu_cluster(device: str) -> bool:
+    if device == "cpu":
+        return False
+    from scanforest.kernels.backend import gpu_available
+
+    if not gpu_available():
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("dask_cuda") is not None
+
+
+#: the local cluster kept by an open :func:`cluster_scope` (None: no scope is open)
+_scope: dict | None = None
+
+
+@contextlib.contextmanager
+def cluster_scope(*, device: str = "auto", workers: int | None = None) -> Iterator[None]:
+    """Keep one local cluster for every stage run inside: the first :func:`dask_client` call
+    without a scheduler starts it (on ``device``, with ``workers`` workers: the scope's, whatever
+    the call asks, so an archive's ingest runs on the workers its recognition will use), the
+    later ones reuse it with its workers' loaded libraries and indexes, and it closes when the
+    scope does. A run of several stages (the archive flow, the demo, ``bench archive``) starts
+    its workers once instead of once per stage. Nested scopes use the outermost one."""
+    global _scope
+    if _scope is not None:
+        yield
+        return
+    _scope = {"device": device, "workers": workers}
+    try:
+        yield
+    finally:
+        kept, _scope = _scope, None
+        for obj in (kept.get("client"), kept.get("cluster")):
+            if obj is not None:
+                with contextlib.suppress(Exception):
+                    obj.close()
+
+
+def _local_cluster(n_workers: int | None, threads_per_worker: int, device: str, memory_limit):
+    if _want_gpu_cluster(device):
+        return _gpu_cluster(n_workers, threads_per_worker)
+    from distributed import LocalCluster
+
+    n = n_workers or max(1, min(8, os.cpu_count() or 1))
+    return LocalCluster(n_workers=n, threads_per_worker=threads_per_worker, processes=True,
+                        dashboard_address=None, memory_limit=memory_limit, silence_logs=logging.ERROR,
+                        env=thread_env(n, threads_per_worker))
+
+
+@contextlib.contextmanager
+def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
+                threads_per_worker: int = 1, device: str = "auto",
+                memory_limit: str | None = "auto") -> Iterator:
+    """A Dask client: connect to ``scheduler`` or start a local cluster for the duration (inside
+    a :func:`cluster_scope`: the scope's cluster, started once).
+
+    Parameters
+    ----------
+    scheduler : str, optional
+        Address of an existing scheduler (``tcp://host:8786``). Its workers are used as they are.
+    n_workers : int, optional
+        Local workers (default: one per core, at most 8; on GPUs :func:`default_gpu_workers`,
+        8 per GPU where the host has the cores; more workers than GPUs share the GPUs, see
+        :func:`_gpu_cluster`).
+    device : {"auto", "cpu", "gpu"}
+        ``gpu``/``auto`` with dask-cuda and a visible GPU start ``LocalCUDACluster``.
+    """
+    from distributed import Client
+
+    env = {k: os.environ[k] for k in ("PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED") if k in os.environ}
+    if scheduler:
+        try:
+            client = Client(scheduler, timeout="10s")
+        except (OSError, ValueError, TypeError) as exc:  # timeouts are OSErrors; a bad address a ValueError
+            from scanforest.kernels.errors import InputError
+
+            raise InputError(f"cannot reach the Dask scheduler at {scheduler} "
+                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        cluster = None
+    elif _scope is not None:
+        if "client" not in _scope:
+            cluster = _local_cluster(_scope["workers"] or n_workers, threads_per_worker, _scope["device"],
+                                     memory_limit)
+            _scope["cluster"], _scope["client"] = cluster, Client(cluster)
+            quiet_prefect_logs()
+            _scope["client"].register_plugin(worker_plugin(env, local=True), name="scanforest-worker-setup")
+        yield _scope["client"]  # closed by the scope
+        return
+    else:
+        cluster = _local_cluster(n_workers, threads_per_worker, device, memory_limit)
+        client = Client(cluster)
+    quiet_prefect_logs()
+    try:
+        client.register_plugin(worker_plugin(env, local=cluster is not None), name="scanforest-worker-setup")
+        yield client
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def _host_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def thread_env(n_workers: int, threads_per_worker: int) -> dict[str, str]:
+    """Numba threads per local worker process: the host's cores shared out, so that W workers
+    running parallel numba kernels do not start W x cores threads (Dask already sets the BLAS and
+    OpenMP pools of its workers to one thread). ``NUMBA_NUM_THREADS`` set by the user wins."""
+    if "NUMBA_NUM_THREADS" in os.environ:
+        return {"NUMBA_NUM_THREADS": os.environ["NUMBA_NUM_THREADS"]}
+    cores = _host_cores()
+    return {"NUMBA_NUM_THREADS": str(max(1, cores // max(1, n_workers * threads_per_worker)))}
+
+
+#: default worker processes per GPU (fewer where the host has under 2 cores per worker). The
+#: archive's GPU stages are partly host-bound (Zarr I/O, launches, host syncs). On one H200 with 16
+#: cores, `bench archive --scans 1000 --device gpu` ran its one pass at 17.05 / 20.71 scans/s with
+#: 4 / 8 workers (2026-11-26, early) and 17.75 / 22.98 after the device matching and grouping got
+#: faster (the same day, later): once recognition stopped being host-bound, 8 processes overlap
+#: their host work with one another's kernels. (On 2026-11-25's host-bound code, an H100 ran
+#: 2.92 scans/s with 4 workers and 1.89 with 8.)
+GPU_WORKERS_PER_DEVICE = 8
+
+
+def default_gpu_workers(n_gpus: int) -> int:
+    """Workers for ``n_gpus`` GPUs when none is asked for: :data:`GPU_WORKERS_PER_DEVICE` per GPU,
+    at most one per 2 cores of the host."""
+    cores = _host_cores()
+    per = max(1, min(GPU_WORKERS_PER_DEVICE, cores // max(1, 2 * n_gpus)))
+    return max(1, n_gpus) * per
+
+
+def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
+    """One dask-cuda worker per GPU (``LocalCUDACluster``) when one worker per GPU is asked for.
+    More workers than GPUs share the GPUs round-robin: worker ``i`` is a plain Dask worker process
+    whose ``CUDA_VISIBLE_DEVICES`` starts with GPU ``i mod G``. That suits stages whose work per GPU
+    is partly host-bound (recognition's grouping, Zarr I/O), and it runs the multi-worker paths on a
+    one-GPU machine. Without ``n_workers``: :func:`default_gpu_workers`."""
+    from scanforest.kernels.backend import gpu_count
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devs = [d for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(gpu_count())]
+    if n_workers is None:
+        n_workers = default_gpu_workers(len(devs))
+    if n_workers <= len(devs):
+        from dask_cuda import LocalCUDACluster
+
+        return LocalCUDACluster(n_workers=n_workers, threads_per_worker=threads_per_worker, dashboard_address=None)
+    from distributed import Nanny, Scheduler, SpecCluster
+    from distributed.system import MEMORY_LIMIT
+
+    workers = {}
+    for i in range(int(n_workers)):
+        g = i % len(devs)
+        workers[f"gpu{devs[g]}-{i // len(devs)}"] = {
+            "cls": Nanny,
+            "options": {"nthreads": threads_per_worker, "memory_limit": int(MEMORY_LIMIT // n_workers),
+                        "silence_logs": logging.ERROR,
+                        "env": {"CUDA_VISIBLE_DEVICES": ",".join(devs[g:] + devs[:g]),
+                                **thread_env(n_workers, threads_per_worker)}}}
+    return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
+        "host": "127.0.0.1", "dashboard": False, "dashboard_address": None}}, silence_logs=logging.ERROR)
+
+
+def n_workers(client) -> int:
+    return len(client.scheduler_info(n_workers=-1)["workers"])

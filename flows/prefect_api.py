@@ -1,0 +1,220 @@
+"""Prefect's API for the flows: the one named by ``PREFECT_API_URL``, or a temporary local one
+started once per process (:func:`start_prefect_api`, :func:`ensure_prefect_api`), and the quieting
+of Prefect's and Dask's loggers so the terminal keeps the command's progress bar and its user
+errors in one line (:func:`quiet_prefect_logs`).
+
+Workers never need a Prefect API (the flow's Prefect tasks run in the flow process and hand their
+work to Dask, see :mod:`scanforest.flows.cluster`); they still receive the flow's API URL (the
+worker plugin, :mod:`scanforest.flows.worker_setup`) so any Prefect call made there talks to the
+flow's server instead of starting a temporary one.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+
+_server_lock = threading.Lock()
+_server: "_LocalAPI | None" = None
+
+
+class _LocalAPI:
+    """Prefect's API for this process when none is set: a uvicorn child serving
+    ``prefect.server.api.server:create_app``, which is what Prefect's own temporary server runs.
+
+    Started here rather than through ``prefect.server.api.server.SubprocessASGIServer`` because
+    importing that module loads the whole server stack (FastAPI, SQLAlchemy: 2.6 s of a 12 s
+    command on 2 cores) in the command's process, which only needs the client; and because
+    :func:`start_prefect_api` can then start it early, so it boots while the command imports
+    its flow and checks its input. Its output goes to ``PREFECT_HOME/scanforest-server.log``: when
+    the command ends the server is terminated, possibly mid-rollback, and it used to print a
+    SQLAlchemy traceback after the command's result.
+    """
+
+    def __init__(self):
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        home = os.path.expanduser(os.environ.get("PREFECT_HOME", "~/.prefect"))
+        os.makedirs(home, exist_ok=True)
+        self.log = os.path.join(home, "scanforest-server.log")
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+               "PREFECT__SERVER_FINAL": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        env.pop("PREFECT_API_URL", None)
+        self._env = env
+        self._spawn()
+
+    def _spawn(self) -> None:
+        import subprocess
+        import sys
+
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
+                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
+                env=self._env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout: float = 90.0, attempts: int = 3) -> str:
+        """Block until the API answers its health check (the first start migrates its database).
+
+        Two commands started together on a new ``PREFECT_HOME`` both migrate its database, and the
+        loser's server exits ("table ... already exists"); it is started again (same port), up
+        to ``attempts`` times, and then finds the database migrated."""
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        tries = 1
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                if tries >= attempts:
+                    break
+                tries += 1
+                time.sleep(0.5 * tries)
+                self._spawn()
+                continue
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        exited = self.proc.poll()
+        self.stop()
+        why = (f"exited with code {exited} ({tries} starts)" if exited is not None
+               else f"did not answer within {timeout:.0f} s")
+        raise RuntimeError(f"Prefect's local API {why}; its log: {self.log} "
+                           "(or set PREFECT_API_URL to a running `prefect server start`)")
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_prefect_api() -> None:
+    """Start the local Prefect API in the background when none is set (no-op otherwise), so it
+    boots while the command does other work; :func:`ensure_prefect_api` waits for it.
+
+    Its URL is exported at once (``PREFECT_API_URL``), and Prefect's settings are refreshed if
+    Prefect is already imported, so nothing starts a second temporary server."""
+    global _server
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    with _server_lock:
+        if _server is None:
+            _server = _LocalAPI()
+            import atexit
+
+            atexit.register(_stop_server)
+        os.environ["PREFECT_API_URL"] = _server.url
+        import sys
+
+        if "prefect.context" in sys.modules:
+            sys.modules["prefect.context"].refresh_global_settings_context()
+
+
+def ensure_prefect_api() -> str:
+    """The Prefect API URL the flows report to, starting a temporary local server if none is set.
+
+    The URL is exported in ``os.environ`` so worker processes started afterwards inherit it.
+    """
+    quiet_prefect_logs()
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    start_prefect_api()
+    url = os.environ["PREFECT_API_URL"]
+    if _server is not None and url == _server.url:
+        return _server.wait_ready()
+    _check_api(url)  # the user's own server
+    return url
+
+
+def _check_api(url: str, timeout: float = 5.0) -> None:
+    """A set ``PREFECT_API_URL`` that does not answer is a user error, said in one line (not the
+    connection traceback the first flow call would print after its retries)."""
+    import httpx
+
+    from scanforest.kernels.errors import InputError
+
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=timeout).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise InputError(f"cannot reach the Prefect API at PREFECT_API_URL={url} ({type(exc).__name__}); "
+                         "start it (`prefect server start`) or unset PREFECT_API_URL to use a temporary "
+                         "local one") from None
+
+
+def local_api_pid() -> int | None:
+    """The process id of the local Prefect API this process started, while it is the API in use
+    (``PREFECT_API_URL`` names it); None otherwise (a user's own server, or none started)."""
+    if _server is not None and os.environ.get("PREFECT_API_URL") == _server.url:
+        return _server.proc.pid
+    return None
+
+
+def _stop_server() -> None:
+    global _server
+    if _server is not None:
+        logging.disable(logging.INFO)  # at interpreter exit the log streams may already be closed
+        with contextlib.suppress(Exception):
+            _server.stop()
+        logging.disable(logging.NOTSET)
+        if os.environ.get("PREFECT_API_URL") == _server.url:
+            os.environ.pop("PREFECT_API_URL", None)
+        _server = None
+
+
+_USER_ERRORS = ("ScanforestError", "InputError", "ScanReadError", "DeviceError", "OutOfMemory")
+
+
+class _UserErrorFilter(logging.Filter):
+    """Drop Prefect's log lines about a run that failed with a user error (an ``InputError`` and
+    the like): the command prints that error in one line and exits 2; a traceback and the
+    run's final-state line would bury it. Unexpected errors keep their tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from scanforest.kernels.errors import ScanforestError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, ScanforestError):
+            return False
+        try:
+            msg = record.getMessage()
+        except Exception:
+            return True
+        return not (("Finished in state" in msg or "Retries are exhausted" in msg or "encountered an exception" in msg)
+                    and any(name + ":" in msg or name + "(" in msg for name in _USER_ERRORS))
+
+
+_FILTER = _UserErrorFilter()
+
+
+def quiet_prefect_logs() -> None:
+    """Keep the terminal for our progress bar: Prefect's per-task INFO lines go to the API only,
+    and runs that end in a user error say so once, through the command."""
+    import warnings
+
+    for name in ("prefect.flow_runs", "prefect.task_runs", "prefect.engine"):
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+
+    # query blocks are embedded in their tasks on purpose: a lost worker's block is recomputable
+    warnings.filterwarnings("ignore", message=".*Sending large graph.*")
+    for name in ("prefect.task_runs", "prefect.flow_runs", "prefect.engine", "httpx"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for name in ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
+                 "distributed.worker", "distributed.batched", "distributed.http.proxy"):
+        logging.getLogger(name).setLevel(logging.ERROR)
