@@ -61,12 +61,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+#: the reason of a real-data test skipped for want of the data (counted in the run's summary)
+NO_PCL = "real data folder {} is absent"
+
+
 @pytest.fixture(scope="session")
 def pcl_dir() -> Path:
-    """The PCL test clouds (../shared/data/pcl); tests using it skip when it is absent."""
+    """The PCL test clouds (../shared/data/pcl, or ``SCANFOREST_PCL_DATA``); tests using it skip
+    when it is absent, and the run's summary says how many did. ``SCANFOREST_REQUIRE_PCL=1``
+    (``.ci/gpu-check`` with ``.pcldata/``) makes the absence an error instead."""
     if not PCL_DIR.is_dir():
-        pytest.skip(f"real data folder {PCL_DIR} is absent")
+        if os.environ.get("SCANFOREST_REQUIRE_PCL") == "1":
+            pytest.fail(f"SCANFOREST_REQUIRE_PCL=1 but the real data folder {PCL_DIR} is absent")
+        pytest.skip(NO_PCL.format(PCL_DIR))
     return PCL_DIR
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Tests that did not run for want of real data or of headless Chromium, said in one line
+    each at the end of the run (a skip among hundreds is easy to miss)."""
+    for what, needle in (("on real data", NO_PCL.split("{}")[0]), ("of the report in Chromium", "Chromium")):
+        n = sum(needle in str(getattr(r, "longrepr", "")) for r in terminalreporter.stats.get("skipped", []))
+        if n:
+            terminalreporter.write_line(f"NOTE: {n} test(s) {what} did not run (see the skip reasons: pytest -rs)",
+                                        yellow=True, bold=True)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -99,8 +100,10 @@ def test_pcl_clouds_through_every_stage_and_the_report(cold_env, tmp_path, pcl_d
 def _render_in_chromium(html: Path, tmp_path: Path) -> None:
     chromium = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)),
                     None)
-    if chromium is None:
-        pytest.skip("headless Chromium is not installed (apt-get install chromium)")
+    if chromium is None:  # the path up to the report passed: say what was not checked, do not skip it all
+        warnings.warn("headless Chromium is not installed (apt-get install chromium): the report was written "
+                      "but not rendered", stacklevel=2)
+        return
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1200,1600"]
