@@ -148,6 +148,7 @@ def test_banns_rounds_of_several_leaves(rng, kind):
             np.testing.assert_array_equal(il[short], bi[short])
     # the CPU's batched rounds (leaves shared between the queries that take them) against the same
     # rounds run one query at a time: the same lists, ties included, and the same leaf counts
+    from scanforest.kernels.knn import _kdtree_cpu as kc
     from scanforest.kernels.knn import kdtree as kd
 
     m = len(Q)
@@ -158,7 +159,7 @@ def test_banns_rounds_of_several_leaves(rng, kind):
             od, oi = np.empty((m, k), np.float32), np.empty((m, k), np.int64)
             ov, vv = np.zeros(m, np.bool_), np.zeros(m, np.int32)
             budget = kd._check_budget(b)
-            kd._anns_cpu(forest.points, forest.perm, forest.child, forest.split_dim, forest.split_val, forest.start,
+            kc._anns_cpu(forest.points, forest.perm, forest.child, forest.split_dim, forest.split_val, forest.start,
                          forest.end, forest.lo, forest.hi, forest.roots, Q, np.full(m, np.inf, np.float32), k, budget,
                          kd.heap_capacity(budget), od, oi, ov, vv, kd.DESCENT_IDS[descent], min(per_round, b or 10**9))
             np.testing.assert_array_equal(i1, oi, err_msg=f"{descent} {b} {per_round}")

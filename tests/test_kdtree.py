@@ -674,7 +674,7 @@ def test_bounded_queue_keeps_the_closest_boxes():
     random push/pop sequences with many ties and every capacity from 1 to 40."""
     from numba import njit
 
-    from scanforest.kernels.knn import kdtree as K
+    from scanforest.kernels.knn import _kdtree_cpu as K
 
     @njit
     def run(ops, vals, cap, pops, evs):

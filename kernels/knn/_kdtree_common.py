@@ -13,6 +13,8 @@ from ..backend import to_numpy
 
 #: the number each search kernel (numba and CUDA) takes for a descent bound (kdtree.DESCENTS)
 DESCENT_IDS = {"box": 0, "path": 1, "incremental": 2}
+#: the number each build kernel (numba and CUDA) takes for a split rule (kdtree.SPLIT_RULES)
+RULE_IDS = {"midpoint": 0, "median": 1, "variance": 2}
 
 __all__ = ["KDTree"]
 
