@@ -1,8 +1,8 @@
 """Nearest neighbours in descriptor space: exact brute force, KD-trees and forests, shards.
 
 ``bruteforce`` (exact, the canonical distance every search shares), ``kdtree`` (the array
-KD-tree and its P-ANNS / P-BANNS search; GPU builder and search in ``_kdtree_gpu``, the tree
-structure in ``_kdtree_common``), ``kdforest`` (the scikit-learn-style index), ``topk`` (merging
+KD-tree and its P-ANNS / P-BANNS search; numba build and search in ``_kdtree_cpu``, GPU ones in
+``_kdtree_gpu`` (CUDA source in ``cuda/kdtree.cu``), the tree structure in ``_kdtree_common``), ``kdforest`` (the scikit-learn-style index), ``topk`` (merging
 per-shard top-k) and ``sharded`` (an index split into contiguous shards).
 """
 from .bruteforce import MAX_K, check_points, knn_bruteforce, pair_distances, recall

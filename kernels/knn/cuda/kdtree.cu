@@ -1,0 +1,1151 @@
+
+#define HCAP 256
+#define RQ 32
+#define RP 64
+#define QB 64
+#define PB 32
+#define DC 32
+#define SQ 4
+#define SP 32
+#define F_INF __int_as_float(0x7f800000)
+
+// leaf-ordered rows: float, or IEEE half (PT_HALF): see bruteforce._half_rows
+// @@HALF_ROWS@@ (bruteforce._half_rows("PT_HALF", "PT", "ldp") goes here: float or half rows)
+__device__ __forceinline__ float canon_dist_p(const float* __restrict__ q, const PT* __restrict__ x, int d) {
+    float acc = 0.0f;
+    for (int j = 0; j < d; ++j) {
+        float t = __fsub_rn(q[j], ldp(x[j]));
+        acc = __fadd_rn(acc, __fmul_rn(t, t));
+    }
+    return acc;
+}
+
+__device__ __forceinline__ unsigned long long sf_hash(unsigned long long seed, unsigned long long node) {
+    unsigned long long z = seed * 0x9E3779B97F4A7C15ULL + node + 0x632BE59BD9B4E019ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+__device__ __forceinline__ unsigned int f2o(float f) {
+    unsigned int u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float o2f(unsigned int e) {
+    return __uint_as_float((e & 0x80000000u) ? (e & 0x7fffffffu) : ~e);
+}
+
+__device__ void choose_split(const float* L, const float* H, int d, int i, int rand_f,
+        unsigned long long seed, int* dim_out, float* val_out) {
+    int dim = -1;
+    if (rand_f <= 1) {
+        float bext = 0.0f;
+        for (int j = 0; j < d; ++j) { float e = __fsub_rn(H[j], L[j]); if (e > bext) { bext = e; dim = j; } }
+    } else {
+        int topd[32]; float tope[32]; int cnt = 0;
+        for (int j = 0; j < d; ++j) {
+            float e = __fsub_rn(H[j], L[j]);
+            if (!(e > 0.0f)) continue;
+            int pos;
+            if (cnt < rand_f) { pos = cnt++; }
+            else if (e > tope[rand_f - 1]) { pos = rand_f - 1; }
+            else continue;
+            while (pos > 0 && tope[pos - 1] < e) { tope[pos] = tope[pos - 1]; topd[pos] = topd[pos - 1]; --pos; }
+            tope[pos] = e; topd[pos] = j;
+        }
+        if (cnt > 0) dim = topd[(int)(sf_hash(seed, (unsigned long long)i) % (unsigned long long)cnt)];
+    }
+    *dim_out = dim;
+    *val_out = 0.0f;
+    if (dim < 0) return;
+    float a = L[dim], b = H[dim];
+    float v = __fadd_rn(__fmul_rn(0.5f, a), __fmul_rn(0.5f, b));
+    if (!(v < b)) v = a;
+    *val_out = v;
+}
+
+extern "C" __global__ void split_level(const float* __restrict__ lo, const float* __restrict__ hi, int d,
+        const long long* __restrict__ start, const long long* __restrict__ end, int l0, int nl,
+        long long leaf_size, int depth, int max_depth, int rand_f, unsigned long long seed,
+        int* __restrict__ dims, float* __restrict__ vals) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= nl) return;
+    int i = l0 + t;
+    dims[t] = -1; vals[t] = 0.0f;
+    if (!(end[i] - start[i] > leaf_size && depth < max_depth)) return;
+    int dim; float v;
+    choose_split(lo + (long long)i * d, hi + (long long)i * d, d, i, rand_f, seed, &dim, &v);
+    dims[t] = dim; vals[t] = v;
+}
+
+// the sample rules of kdtree._choose_split_sample (rule 1: median, 2: variance): one block per
+// node, threads over the dimensions for the sample extents (and variances) in shared memory,
+// thread 0 picks the dimension and the cut; every sum in sample order, correctly rounded
+#define SAMPLE 64
+__device__ __forceinline__ float sample_mean(const float* __restrict__ X, int d, const long long* rows, int ns,
+        int j) {
+    float acc = 0.0f;
+    for (int k = 0; k < ns; ++k) acc = __fadd_rn(acc, X[rows[k] * d + j]);
+    return __fdiv_rn(acc, (float)ns);
+}
+extern "C" __global__ void split_level_sample(const float* __restrict__ X, int d,
+        const long long* __restrict__ perm, const float* __restrict__ lo, const float* __restrict__ hi,
+        const long long* __restrict__ start, const long long* __restrict__ end, int l0,
+        long long leaf_size, int depth, int max_depth, int rand_f, unsigned long long seed, int rule,
+        int* __restrict__ dims, float* __restrict__ vals) {
+    extern __shared__ float sh[];          // smin[d], smax[d], zero[d], buf[SAMPLE]
+    __shared__ long long rows[SAMPLE];
+    int t = blockIdx.x;
+    int i = l0 + t;
+    long long s = start[i], cnt = end[i] - s;
+    if (!(cnt > leaf_size && depth < max_depth)) {
+        if (threadIdx.x == 0) { dims[t] = -1; vals[t] = 0.0f; }
+        return;
+    }
+    int ns = cnt < SAMPLE ? (int)cnt : SAMPLE;
+    for (int k = threadIdx.x; k < ns; k += blockDim.x) rows[k] = perm[s + ((long long)k * cnt) / ns];
+    __syncthreads();
+    float* smin = sh;
+    float* smax = sh + d;
+    float* zero = sh + 2 * d;
+    float* buf = sh + 3 * d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float mn = F_INF, mx = -F_INF;
+        for (int k = 0; k < ns; ++k) {
+            float v = __fadd_rn(X[rows[k] * d + j], 0.0f);
+            if (v < mn) mn = v;
+            if (v > mx) mx = v;
+        }
+        smin[j] = mn; smax[j] = mx;
+        if (rule == 2) {  // smax[j]: the sample variance (x ns), 0 without extent
+            zero[j] = 0.0f;
+            float var = 0.0f;
+            if (mx > mn) {
+                float mean = sample_mean(X, d, rows, ns, j);
+                for (int k = 0; k < ns; ++k) {
+                    float u = __fsub_rn(X[rows[k] * d + j], mean);
+                    var = __fadd_rn(var, __fmul_rn(u, u));
+                }
+            }
+            smax[j] = var;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    const float* H = hi + (long long)i * d;
+    int dim; float v;
+    choose_split(rule == 2 ? zero : smin, smax, d, i, rand_f, seed, &dim, &v);
+    if (dim < 0) {
+        choose_split(lo + (long long)i * d, H, d, i, rand_f, seed, &dim, &v);
+        dims[t] = dim; vals[t] = v;
+        return;
+    }
+    if (rule == 2) {
+        v = sample_mean(X, d, rows, ns, dim);
+        if (!(v >= smin[dim])) v = smin[dim];
+        if (!(v < H[dim])) v = smin[dim];  // < the sample maximum <= hi: both children non-empty
+        dims[t] = dim; vals[t] = v;
+        return;
+    }
+    for (int k = 0; k < ns; ++k) buf[k] = __fadd_rn(X[rows[k] * d + dim], 0.0f);
+    for (int a = 1; a < ns; ++a) {
+        float x = buf[a]; int b = a - 1;
+        while (b >= 0 && buf[b] > x) { buf[b + 1] = buf[b]; --b; }
+        buf[b + 1] = x;
+    }
+    int h = ns / 2;
+    v = buf[h];
+    if (!(v < H[dim])) {
+        while (h > 0 && !(buf[h] < v)) --h;
+        v = buf[h];
+    }
+    dims[t] = dim; vals[t] = v;
+}
+
+extern "C" __global__ void mark_left(const float* __restrict__ X, int d, const long long* __restrict__ perm,
+        const int* __restrict__ owner, const int* __restrict__ sdim, const float* __restrict__ sval,
+        long long n, long long* __restrict__ isleft) {
+    long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= n) return;
+    int o = owner[p];
+    long long r = 0;
+    if (o >= 0) {
+        int dm = sdim[o];
+        if (dm >= 0) r = X[perm[p] * d + dm] <= sval[o] ? 1 : 0;
+    }
+    isleft[p] = r;
+}
+
+extern "C" __global__ void scatter_level(const long long* __restrict__ perm, const int* __restrict__ owner,
+        const int* __restrict__ sdim, const int* __restrict__ child, const long long* __restrict__ start,
+        const long long* __restrict__ end, const long long* __restrict__ isleft, const long long* __restrict__ C,
+        long long n, long long* __restrict__ nperm, int* __restrict__ nowner) {
+    long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= n) return;
+    int o = owner[p];
+    if (o < 0 || sdim[o] < 0) { nperm[p] = perm[p]; nowner[p] = -1; return; }
+    long long s = start[o], e = end[o];
+    long long base = C[s] - isleft[s];
+    long long lb = (C[p] - isleft[p]) - base;
+    long long nleft = C[e - 1] - base;
+    long long dest;
+    int c = child[o];
+    if (isleft[p]) { dest = s + lb; }
+    else { dest = s + nleft + (p - s - lb); c += 1; }
+    nperm[dest] = perm[p];
+    nowner[dest] = c;
+}
+
+extern "C" __global__ void ranges_level(const int* __restrict__ child, const int* __restrict__ sdim,
+        const long long* __restrict__ isleft, const long long* __restrict__ C, int l0, int nl,
+        long long* __restrict__ start, long long* __restrict__ end) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= nl) return;
+    int i = l0 + t;
+    if (sdim[i] < 0) return;
+    long long s = start[i], e = end[i];
+    long long nleft = C[e - 1] - (C[s] - isleft[s]);
+    int c = child[i];
+    start[c] = s; end[c] = s + nleft; start[c + 1] = s + nleft; end[c + 1] = e;
+}
+
+extern "C" __global__ void box_level(const float* __restrict__ X, int d, const long long* __restrict__ perm,
+        const int* __restrict__ owner, long long n, int chunk, int first,
+        unsigned int* __restrict__ elo, unsigned int* __restrict__ ehi) {
+    long long p0 = (long long)blockIdx.x * chunk;
+    long long p1 = p0 + chunk < n ? p0 + chunk : n;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        int cur = -1; float mn = F_INF, mx = -F_INF;
+        for (long long p = p0; p < p1; ++p) {
+            int o = owner[p];
+            if (o != cur) {
+                if (cur >= 0) {
+                    atomicMin(elo + (long long)(cur - first) * d + j, f2o(mn));
+                    atomicMax(ehi + (long long)(cur - first) * d + j, f2o(mx));
+                }
+                cur = o; mn = F_INF; mx = -F_INF;
+            }
+            if (o >= 0) {
+                float v = __fadd_rn(X[perm[p] * d + j], 0.0f);
+                mn = fminf(mn, v); mx = fmaxf(mx, v);
+            }
+        }
+        if (cur >= 0) {
+            atomicMin(elo + (long long)(cur - first) * d + j, f2o(mn));
+            atomicMax(ehi + (long long)(cur - first) * d + j, f2o(mx));
+        }
+    }
+}
+
+extern "C" __global__ void decode_box(const unsigned int* __restrict__ e, long long n, float* __restrict__ out) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < n) out[t] = o2f(e[t]);
+}
+
+// ---------------------------------------------------------------------------- search helpers
+__device__ __forceinline__ float box_term(float v, float l, float h) {
+    float t;
+    if (v < l) t = __fsub_rn(l, v);
+    else if (v > h) t = __fsub_rn(v, h);
+    else t = 0.0f;
+    return __fmul_rn(t, t);
+}
+// squared distance from q to the box [L, H], summed in dimension order (float4 loads when the
+// rows are 16-byte aligned: the same sum, bit for bit)
+__device__ __forceinline__ float box_dist(const float* __restrict__ q, const float* __restrict__ L,
+                                          const float* __restrict__ H, int d) {
+    float acc = 0.0f;
+    if (((d & 3) | (((unsigned long long)q | (unsigned long long)L | (unsigned long long)H) & 15)) == 0) {
+        const float4* q4 = (const float4*)q;
+        const float4* L4 = (const float4*)L;
+        const float4* H4 = (const float4*)H;
+#pragma unroll 2
+        for (int j = 0; j < (d >> 2); ++j) {
+            float4 v = __ldg(q4 + j), l = __ldg(L4 + j), h = __ldg(H4 + j);
+            acc = __fadd_rn(acc, box_term(v.x, l.x, h.x));
+            acc = __fadd_rn(acc, box_term(v.y, l.y, h.y));
+            acc = __fadd_rn(acc, box_term(v.z, l.z, h.z));
+            acc = __fadd_rn(acc, box_term(v.w, l.w, h.w));
+        }
+        return acc;
+    }
+    for (int j = 0; j < d; ++j) acc = __fadd_rn(acc, box_term(q[j], L[j], H[j]));
+    return acc;
+}
+// insert a key into the ascending top-k list unless it is already there (a point reached through a
+// second tree of a forest has the same key)
+__device__ __forceinline__ void top_insert(unsigned long long* top, int& cnt, int k, unsigned long long key) {
+    if (cnt == k && key >= top[k - 1]) return;
+    for (int i = 0; i < cnt; ++i) if (top[i] == key) return;
+    int pos;
+    if (cnt == k) pos = k - 1;
+    else pos = cnt++;
+    while (pos > 0 && top[pos - 1] > key) { top[pos] = top[pos - 1]; --pos; }
+    top[pos] = key;
+}
+// the queue of pending boxes: a min-max heap, as kdtree._heap_* (same code order, same ties)
+__device__ __forceinline__ void mm_swap(float* hd, int* hn, int a, int b) {
+    float t = hd[a]; hd[a] = hd[b]; hd[b] = t;
+    int u = hn[a]; hn[a] = hn[b]; hn[b] = u;
+}
+__device__ __forceinline__ bool mm_min_level(int i) { return ((31 - __clz(i + 1)) & 1) == 0; }
+__device__ __forceinline__ bool mm_before(bool is_min, float a, float b) { return is_min ? a < b : a > b; }
+__device__ __forceinline__ void mm_up(float* hd, int* hn, int pos) {
+    if (pos == 0) return;
+    int par = (pos - 1) >> 1;
+    bool is_min = mm_min_level(pos);
+    if (mm_before(!is_min, hd[pos], hd[par])) {  // min level above its (max) parent, or the reverse
+        mm_swap(hd, hn, pos, par);
+        pos = par;
+        is_min = !is_min;
+    }
+    while (pos >= 3) {
+        int g = (((pos - 1) >> 1) - 1) >> 1;
+        if (mm_before(is_min, hd[pos], hd[g])) { mm_swap(hd, hn, pos, g); pos = g; }
+        else break;
+    }
+}
+__device__ __forceinline__ void mm_down(float* hd, int* hn, int pos, int size) {
+    bool is_min = mm_min_level(pos);
+    while (true) {
+        int c = 2 * pos + 1;
+        if (c >= size) return;
+        int m = c;
+        int cand[5] = {c + 1, 2 * c + 1, 2 * c + 2, 2 * c + 3, 2 * c + 4};
+#pragma unroll
+        for (int t = 0; t < 5; ++t) {
+            int j = cand[t];
+            if (j < size && mm_before(is_min, hd[j], hd[m])) m = j;
+        }
+        if (m > c + 1) {  // a grandchild
+            if (mm_before(is_min, hd[m], hd[pos])) {
+                mm_swap(hd, hn, m, pos);
+                int p = (m - 1) >> 1;
+                if (mm_before(!is_min, hd[m], hd[p])) mm_swap(hd, hn, m, p);
+                pos = m;
+            } else return;
+        } else {
+            if (mm_before(is_min, hd[m], hd[pos])) mm_swap(hd, hn, m, pos);
+            return;
+        }
+    }
+}
+__device__ __forceinline__ int heap_push(float* hd, int* hn, int size, float dv, int nv) {
+    hd[size] = dv; hn[size] = nv;
+    mm_up(hd, hn, size);
+    return size + 1;
+}
+__device__ __forceinline__ int heap_remove(float* hd, int* hn, int size, int pos) {
+    size -= 1;
+    if (pos < size) { hd[pos] = hd[size]; hn[pos] = hn[size]; mm_down(hd, hn, pos, size); }
+    return size;
+}
+// remove the root (the closest box; the caller read hd[0], hn[0]); returns the new size
+__device__ __forceinline__ int heap_pop(float* hd, int* hn, int size) { return heap_remove(hd, hn, size, 0); }
+// keeps the HCAP closest boxes: when full the farthest entry is replaced by a closer new one;
+// returns the evicted distance (or -1)
+__device__ __forceinline__ float heap_push_bounded(float* hd, int* hn, int& size, float dv, int nv) {
+    if (size < HCAP) { size = heap_push(hd, hn, size, dv, nv); return -1.0f; }
+    int mi = size <= 2 ? size - 1 : (hd[2] > hd[1] ? 2 : 1);
+    if (!(dv < hd[mi])) return dv;
+    float ev = hd[mi];
+    size = heap_remove(hd, hn, size, mi);
+    size = heap_push(hd, hn, size, dv, nv);
+    return ev;
+}
+// the O(1) descent bound, as kdtree._path_bound (same operation order): P's box distance dp with
+// its term on the split dimension (P's interval [a, b]) replaced by the far side of the cut at v
+#define PATH_SAFE 0.999996185302734375f
+__device__ __forceinline__ float path_bound(float dp, float qs, float a, float b, float v, bool near_left) {
+    float c = 0.0f, t;
+    if (qs < a) { t = __fsub_rn(a, qs); c = __fmul_rn(t, t); }
+    else if (qs > b) { t = __fsub_rn(qs, b); c = __fmul_rn(t, t); }
+    if (near_left) { float e = v > a ? v : a; t = __fsub_rn(e, qs); }
+    else { float e = v < b ? v : b; t = __fsub_rn(qs, e); }
+    return __fmul_rn(__fadd_rn(__fsub_rn(dp, c), __fmul_rn(t, t)), PATH_SAFE);
+}
+// descend from the popped `node` (its queue key `key`) to a leaf, pushing far siblings with their
+// box distance (`path` 0: kdtree's "box" descent), with the O(1) bound from the popped box's
+// distance (1: "path") or from its key (2: "incremental", no O(d) work); returns the leaf, or -1
+// when the popped box's distance exceeds `worst` (path) or check_near (bounded search) finds the
+// near child's box farther than `worst`
+__device__ __forceinline__ int descend(int node, const float* __restrict__ q, int d, const int* __restrict__ child,
+        const int* __restrict__ sdim, const float* __restrict__ sval, const float* __restrict__ lo,
+        const float* __restrict__ hi, float worst, float* hd, int* hn, int& hs, int& ovf, bool check_near,
+        int path, float key) {
+    const float* pl = lo + (long long)node * d;
+    const float* ph = hi + (long long)node * d;
+    float dp = 0.0f;
+    if (path == 2) {
+        dp = key;  // incremental: P's key (a lower bound of its box distance, already <= worst)
+    } else if (path) {
+        dp = box_dist(q, pl, ph, d);
+        if (dp > worst) return -1;
+    }
+    while (child[node] >= 0) {
+        int c = child[node];
+        int near_, far_;
+        const int s = sdim[node];
+        const bool left = q[s] <= sval[node];
+        if (left) { near_ = c; far_ = c + 1; } else { near_ = c + 1; far_ = c; }
+        float bd = path ? path_bound(dp, q[s], pl[s], ph[s], sval[node], left)
+                        : box_dist(q, lo + (long long)far_ * d, hi + (long long)far_ * d, d);
+        if (bd <= worst) {
+            float ev = heap_push_bounded(hd, hn, hs, bd, far_);
+            if (ev >= 0.0f && ev <= worst) ovf = 1;
+        }
+        if (check_near && box_dist(q, lo + (long long)near_ * d, hi + (long long)near_ * d, d) > worst) return -1;
+        node = near_;
+    }
+    return node;
+}
+// pop boxes until one is within `worst`; returns it (its key in `key`) or -1 (the queue is then empty)
+__device__ __forceinline__ int pop_within(float* hd, int* hn, int& hs, float worst, float& key) {
+    while (hs > 0) {
+        float bd = hd[0]; int nd = hn[0];
+        hs = heap_pop(hd, hn, hs);
+        if (bd <= worst) { key = bd; return nd; }
+        hs = 0;
+    }
+    return -1;
+}
+
+// ---------------------------------------------------------------------------- P-ANNS
+// One queue over the boxes of every tree of a (packed) forest: the roots are pushed first, then
+// "pop the closest box -> descend to its nearest leaf pushing far siblings -> scan the leaf".
+// lim[qi]: boxes farther than it are pruned (the float below the query's bound, or +inf).
+extern "C" __global__ void anns(const PT* __restrict__ points, const long long* __restrict__ perm,
+        const int* __restrict__ child, const int* __restrict__ sdim, const float* __restrict__ sval,
+        const long long* __restrict__ start, const long long* __restrict__ end, const float* __restrict__ lo,
+        const float* __restrict__ hi, int d, const float* __restrict__ Q, int m, int k, int budget,
+        const int* __restrict__ roots, int nroots, const float* __restrict__ lim,
+        unsigned long long* __restrict__ out, int* __restrict__ overflow, int* __restrict__ visits_out,
+        int path) {
+    int qi = blockIdx.x * blockDim.x + threadIdx.x;
+    if (qi >= m) return;
+    const float* q = Q + (long long)qi * d;
+    const float bl = lim[qi];
+    unsigned long long top[__KP__];
+    int cnt = 0;
+    float hd[HCAP]; int hn[HCAP]; int hs = 0;
+    int ovf = 0, visits = 0, node = 0;
+    const bool check_near = bl < F_INF;
+    for (int t = 0; t < nroots; ++t) {
+        int r = roots[t];
+        float bd = box_dist(q, lo + (long long)r * d, hi + (long long)r * d, d);
+        if (bd <= bl) {
+            float ev = heap_push_bounded(hd, hn, hs, bd, r);
+            if (ev >= 0.0f && ev <= bl) ovf = 1;
+        }
+    }
+    while (true) {
+        float worst = cnt == k ? key_dist(top[k - 1]) : F_INF;
+        worst = fminf(worst, bl);
+        float key;
+        node = pop_within(hd, hn, hs, worst, key);
+        if (node < 0) break;
+        node = descend(node, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, check_near, path, key);
+        if (node < 0) continue;
+        for (long long p = start[node]; p < end[node]; ++p) {
+            unsigned long long key = make_key(canon_dist_p(q, points + p * d, d), perm[p]);
+            if (cnt < k || key < top[k - 1]) top_insert(top, cnt, k, key);
+        }
+        visits += 1;
+        if (budget > 0 && visits >= budget) break;
+    }
+    for (int j = 0; j < k; ++j) out[(long long)qi * k + j] = j < cnt ? top[j] : KEY_NONE;
+    overflow[qi] = ovf;
+    visits_out[qi] = visits;
+}
+
+// ---------------------------------------------------------------------------- P-BANNS
+extern "C" __global__ void banns_descend(const int* __restrict__ active, int na, const float* __restrict__ Q, int d,
+        const int* __restrict__ child, const int* __restrict__ sdim, const float* __restrict__ sval,
+        const float* __restrict__ lo, const float* __restrict__ hi, int k,
+        const unsigned long long* __restrict__ top, const int* __restrict__ target, const float* __restrict__ TK,
+        const float* __restrict__ lim, float* __restrict__ HD, int* __restrict__ HN, int* __restrict__ HS,
+        int* __restrict__ OVF, int* __restrict__ leaf_of, int path) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= na) return;
+    int qi = active[i];
+    const float* q = Q + (long long)qi * d;
+    const float bl = lim[qi];
+    float worst = fminf(key_dist(top[(long long)qi * k + k - 1]), bl);
+    int hs = HS[qi], ovf = OVF[qi];
+    float* hd = HD + (long long)qi * HCAP;
+    int* hn = HN + (long long)qi * HCAP;
+    int leaf = descend(target[qi], q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, bl < F_INF, path,
+                       TK[qi]);
+    while (leaf < 0) {  // the descent was pruned: take the next box (-1: query done)
+        float key;
+        int nd = pop_within(hd, hn, hs, worst, key);
+        if (nd < 0) break;
+        leaf = descend(nd, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, bl < F_INF, path, key);
+    }
+    HS[qi] = hs; OVF[qi] = ovf;
+    leaf_of[i] = leaf;
+}
+
+// one block per (leaf, chunk of <= QB buffered queries); thread t owns query t of the chunk.
+// Leaf points are staged in shared memory PB at a time, DC dimensions at a time; in slide s thread
+// t pairs its query with point (t + s) mod PB, so a warp reads 32 different rows (no bank conflict
+// with the +1 padding) and every query's top-P list has a single writer.
+extern "C" __global__ void __launch_bounds__(QB) banns_leaf_window(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
+        const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
+        const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
+        unsigned long long* __restrict__ top) {
+    __shared__ float qs[QB][DC + 1];
+    __shared__ float ps[PB][DC + 1];
+    __shared__ int qid[QB];
+    int b = blockIdx.x, t = threadIdx.x;
+    int leaf = blk_leaf[b], f = blk_first[b], qc = blk_cnt[b];
+    if (leaf < 0) return;  // queries whose bounded descent found nothing (whole block)
+    if (t < qc) qid[t] = sorted_q[f + t];
+    __syncthreads();
+    long long p_beg = start[leaf], p_end = end[leaf];
+    unsigned long long* mytop = t < qc ? top + (long long)qid[t] * k : NULL;
+    int cnt = 0;
+    if (mytop) while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
+    for (long long p0 = p_beg; p0 < p_end; p0 += PB) {
+        int np = (int)(p_end - p0 < PB ? p_end - p0 : PB);
+        float acc[PB];
+#pragma unroll
+        for (int s = 0; s < PB; ++s) acc[s] = 0.0f;
+        for (int c0 = 0; c0 < d; c0 += DC) {
+            for (int idx = t; idx < QB * DC; idx += QB) {
+                int r = idx / DC, j = idx % DC;
+                qs[r][j] = (r < qc && c0 + j < d) ? Q[(long long)qid[r] * d + c0 + j] : 0.0f;
+            }
+            for (int idx = t; idx < PB * DC; idx += QB) {
+                int r = idx / DC, j = idx % DC;
+                ps[r][j] = (r < np && c0 + j < d) ? ldp(points[(p0 + r) * d + c0 + j]) : 0.0f;
+            }
+            __syncthreads();
+            if (t < qc) {
+                for (int j = 0; j < DC; ++j) {
+                    float qv = qs[t][j];
+#pragma unroll
+                    for (int s = 0; s < PB; ++s) {
+                        float df = __fsub_rn(qv, ps[(t + s) & (PB - 1)][j]);
+                        acc[s] = __fadd_rn(acc[s], __fmul_rn(df, df));
+                    }
+                }
+            }
+            __syncthreads();
+        }
+        if (t < qc) {
+#pragma unroll
+            for (int s = 0; s < PB; ++s) {
+                int p = (t + s) & (PB - 1);
+                if (p < np) {
+                    unsigned long long key = make_key(acc[s], perm[p0 + p]);
+                    if (cnt < k || key < mytop[k - 1]) top_insert(mytop, cnt, k, key);
+                }
+            }
+        }
+    }
+}
+
+// Sliding window with threads over the leaf points (the paper's "threads = the shorter list" for
+// leaves with more points than buffered queries): block of RP threads, chunk of <= RQ queries.
+// Slide s pairs thread t (point t of the tile) with query (t + s) mod qc; the qc x np distances
+// go to shared memory and thread r then merges row r into query r's top-P list (one writer).
+extern "C" __global__ void __launch_bounds__(RP) banns_leaf_rotate(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
+        const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
+        const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
+        unsigned long long* __restrict__ top) {
+    __shared__ float qs[RQ][DC + 1];
+    __shared__ float ps[RP][DC + 1];
+    __shared__ float dist[RQ][RP + 1];
+    __shared__ int qid[RQ];
+    __shared__ long long pid[RP];
+    int b = blockIdx.x, t = threadIdx.x;
+    int leaf = blk_leaf[b], f = blk_first[b], qc = blk_cnt[b];
+    if (leaf < 0) return;  // queries whose bounded descent found nothing (whole block)
+    if (t < qc) qid[t] = sorted_q[f + t];
+    __syncthreads();
+    long long p_beg = start[leaf], p_end = end[leaf];
+    unsigned long long* mytop = t < qc ? top + (long long)qid[t] * k : NULL;
+    int cnt = 0;
+    if (mytop) while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
+    int roff[RQ];  // slide s: thread t pairs with query (t + s) mod qc, whose row starts at roff[s]
+    {
+        int r0 = t % qc;
+#pragma unroll
+        for (int s = 0; s < RQ; ++s) {
+            int r = r0 + s;
+            while (r >= qc) r -= qc;
+            roff[s] = r * (DC + 1);
+        }
+    }
+    const float* qsf = &qs[0][0];
+    float* distf = &dist[0][0];
+    for (long long p0 = p_beg; p0 < p_end; p0 += RP) {
+        int np = (int)(p_end - p0 < RP ? p_end - p0 : RP);
+        if (t < np) pid[t] = perm[p0 + t];
+        float acc[RQ];
+#pragma unroll
+        for (int s = 0; s < RQ; ++s) acc[s] = 0.0f;
+        for (int c0 = 0; c0 < d; c0 += DC) {
+            for (int idx = t; idx < qc * DC; idx += RP) {
+                int r = idx / DC, j = idx % DC;
+                qs[r][j] = (c0 + j < d) ? Q[(long long)qid[r] * d + c0 + j] : 0.0f;
+            }
+            for (int idx = t; idx < np * DC; idx += RP) {
+                int r = idx / DC, j = idx % DC;
+                ps[r][j] = (c0 + j < d) ? ldp(points[(p0 + r) * d + c0 + j]) : 0.0f;
+            }
+            __syncthreads();
+            if (t < np) {
+                for (int j = 0; j < DC; ++j) {
+                    float pv = ps[t][j];
+#pragma unroll
+                    for (int s = 0; s < RQ; ++s) {
+                        if (s < qc) {
+                            float df = __fsub_rn(qsf[roff[s] + j], pv);
+                            acc[s] = __fadd_rn(acc[s], __fmul_rn(df, df));
+                        }
+                    }
+                }
+            }
+            __syncthreads();
+        }
+        if (t < np) {
+#pragma unroll
+            for (int s = 0; s < RQ; ++s) {
+                if (s < qc) distf[(roff[s] / (DC + 1)) * (RP + 1) + t] = acc[s];
+            }
+        }
+        __syncthreads();
+        if (t < qc) {
+            for (int p = 0; p < np; ++p) {
+                unsigned long long key = make_key(dist[t][p], pid[p]);
+                if (cnt < k || key < mytop[k - 1]) top_insert(mytop, cnt, k, key);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// the same work without staging: each thread reads its query and the leaf points from global memory
+extern "C" __global__ void banns_leaf_plain(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
+        const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
+        const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
+        unsigned long long* __restrict__ top) {
+    int b = blockIdx.x, t = threadIdx.x;
+    int leaf = blk_leaf[b], f = blk_first[b], qc = blk_cnt[b];
+    if (leaf < 0) return;  // queries whose bounded descent found nothing (whole block)
+    if (t >= qc) return;
+    int qi = sorted_q[f + t];
+    const float* q = Q + (long long)qi * d;
+    unsigned long long* mytop = top + (long long)qi * k;
+    int cnt = 0;
+    while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
+    for (long long p = start[leaf]; p < end[leaf]; ++p) {
+        unsigned long long key = make_key(canon_dist_p(q, points + p * d, d), perm[p]);
+        if (cnt < k || key < mytop[k - 1]) top_insert(mytop, cnt, k, key);
+    }
+}
+
+// Streaming leaf scan for the few queries a leaf gets per round (the common case: 1-2 at 65k
+// buffered queries over 10^5 leaves, where the tiled kernels above are bound on their own
+// per-block overhead, not on memory). One block of SP threads per (leaf, chunk of <= SQ
+// queries); the chunk's queries are staged whole in shared memory, thread t streams leaf point t
+// straight from global memory (float4 when d % 4 == 0) and keeps one running sum per query, in
+// dimension order (canon_dist's rounding, bit for bit). Only keys below a query's current k-th
+// key become candidates; thread r then merges query r's candidates (one writer per list).
+//
+// With `slot_of` (the batched rounds, several leaves of a query scanned at once), the list a
+// block's query r merges into is its pair's own slot top + slot_of[f + r] * k (empty at the start,
+// one writer), and only keys below the query's current k-th key in `qtop` become candidates;
+// banns_merge_slots then merges a query's slots into its list.
+template <bool SLOTS>
+__device__ __forceinline__ void leaf_stream(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
+        const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
+        const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
+        unsigned long long* __restrict__ top, const int* __restrict__ slot_of,
+        const unsigned long long* __restrict__ qtop) {
+    extern __shared__ float4 qs4[];                      // [SQ][d] floats
+    float* qs = (float*)qs4;
+    __shared__ unsigned long long cand[SQ][SP];
+    __shared__ unsigned long long thr[SQ];
+    __shared__ int ncand[SQ];
+    __shared__ int qid[SQ];
+    int b = blockIdx.x, t = threadIdx.x;
+    int leaf = blk_leaf[b], f = blk_first[b], qc = blk_cnt[b];
+    if (leaf < 0) return;  // queries whose bounded descent found nothing (whole block)
+    if (t < qc) qid[t] = sorted_q[f + t];
+    if (t < SQ) ncand[t] = 0;
+    __syncthreads();
+    for (int idx = t; idx < qc * d; idx += SP) {
+        int r = idx / d;
+        qs[idx] = Q[(long long)qid[r] * d + (idx - r * d)];
+    }
+    unsigned long long* mytop = t >= qc ? NULL : top + (long long)(SLOTS ? slot_of[f + t] : qid[t]) * k;
+    unsigned long long qthr = KEY_NONE;  // SLOTS: the query's own k-th key (read only here)
+    if (SLOTS && mytop) qthr = qtop[(long long)qid[t] * k + k - 1];
+    int cnt = 0;
+    if (mytop) {
+        while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
+        thr[t] = (cnt == k && mytop[k - 1] < qthr) ? mytop[k - 1] : qthr;
+    }
+    __syncthreads();
+    const bool vec = ((d & 3) | ((unsigned long long)points & (4 * sizeof(PT) - 1))) == 0;
+    long long p_beg = start[leaf], p_end = end[leaf];
+    for (long long p0 = p_beg; p0 < p_end; p0 += SP) {
+        long long p = p0 + t;
+        if (p < p_end) {
+            float acc[SQ];
+#pragma unroll
+            for (int s = 0; s < SQ; ++s) acc[s] = 0.0f;
+            if (vec) {
+#ifdef PT_HALF
+                const uint2* x4 = (const uint2*)(points + p * d);  // 4 halves per load
+#else
+                const float4* x4 = (const float4*)(points + p * d);
+#endif
+                int d4 = d >> 2;
+#pragma unroll 4
+                for (int j = 0; j < d4; ++j) {
+#ifdef PT_HALF
+                    uint2 h = __ldg(x4 + j);
+                    float4 v = make_float4(ldp((unsigned short)(h.x & 0xffffu)), ldp((unsigned short)(h.x >> 16)),
+                                           ldp((unsigned short)(h.y & 0xffffu)), ldp((unsigned short)(h.y >> 16)));
+#else
+                    float4 v = __ldg(x4 + j);
+#endif
+#pragma unroll
+                    for (int s = 0; s < SQ; ++s) {
+                        if (s < qc) {
+                            float4 qv = qs4[s * d4 + j];
+                            float e;
+                            e = __fsub_rn(qv.x, v.x); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qv.y, v.y); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qv.z, v.z); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qv.w, v.w); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                        }
+                    }
+                }
+            } else {
+                const PT* x = points + p * d;
+                for (int j = 0; j < d; ++j) {
+                    float v = ldp(__ldg(x + j));
+#pragma unroll
+                    for (int s = 0; s < SQ; ++s) {
+                        if (s < qc) {
+                            float e = __fsub_rn(qs[s * d + j], v);
+                            acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                        }
+                    }
+                }
+            }
+            long long id = perm[p];
+#pragma unroll
+            for (int s = 0; s < SQ; ++s) {
+                if (s < qc) {
+                    unsigned long long key = make_key(acc[s], id);
+                    if (key < thr[s]) cand[s][atomicAdd(&ncand[s], 1)] = key;
+                }
+            }
+        }
+        __syncthreads();
+        if (mytop) {
+            int nc = ncand[t];
+            for (int c = 0; c < nc; ++c) {
+                unsigned long long key = cand[t][c];
+                if (cnt < k || key < mytop[k - 1]) top_insert(mytop, cnt, k, key);
+            }
+            ncand[t] = 0;
+            thr[t] = (cnt == k && mytop[k - 1] < qthr) ? mytop[k - 1] : qthr;
+        }
+        __syncthreads();
+    }
+}
+extern "C" __global__ void __launch_bounds__(SP) banns_leaf_stream(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
+        const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
+        const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
+        unsigned long long* __restrict__ top) {
+    leaf_stream<false>(blk_leaf, blk_first, blk_cnt, sorted_q, Q, points, perm, start, end, d, k, top, NULL, NULL);
+}
+extern "C" __global__ void __launch_bounds__(SP) banns_leaf_stream_slots(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
+        const float* __restrict__ Q, const PT* __restrict__ points, const long long* __restrict__ perm,
+        const long long* __restrict__ start, const long long* __restrict__ end, int d, int k,
+        unsigned long long* __restrict__ slots, const int* __restrict__ slot_of,
+        const unsigned long long* __restrict__ qtop) {
+    leaf_stream<true>(blk_leaf, blk_first, blk_cnt, sorted_q, Q, points, perm, start, end, d, k, slots, slot_of,
+                      qtop);
+}
+
+// ---------------------------------------------------------------------------- tensor-core rounds
+// The batched rounds (d % 16 == 0, k <= 16) score the rows on tensor cores and compute the
+// canonical distance only of the rows that can enter a list. A block of MT threads takes a
+// (leaf, chunk of <= MQ pairs) bucket, stages the pairs' queries rounded to half in shared
+// memory and scores MR leaf rows at a time (float rows rounded to half as they are read) against
+// all of them with mma.sync (m16n8k16, half x half -> float): dt = |q|^2 + |x|^2 - 2 q.x,
+// within e = eps_rel (|q|^2 + |x|^2) + eps_abs of the canonical distance (kdtree_gpu.mma_eps).
+// Per round:
+//   mma_scan<false>: (first round only) each pair's k smallest (dt + e, id)   -> pair_ub
+//   mma_bound:       each query's T = min(its list's k-th distance, in the first round the
+//                    k-th smallest bound over distinct ids of its pairs): k rows are no farther
+//   mma_scan<true>:  every row with dt - e <= T (or without a finite estimate) -> (query, row)
+//   mma_keys:        the canonical key of each such row (one thread each)
+//   mma_merge:       the keys inserted into their query's list
+// A row left out has a canonical distance above T: above the list's k-th, or above k rows of
+// the round that are in: it is not among the k smallest of the list and the round's rows,
+// which is what the list becomes (the stream kernels' slots merge to the same).
+#define MQ 32
+#define MR 32
+#define MT 128
+__device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// two consecutive row values as a half2 register (the lower index in the low half): half rows as
+// they are, float rows rounded to half (their rounding is inside mma_eps's bound for float rows)
+__device__ __forceinline__ unsigned ld_half2(const PT* __restrict__ x) {
+#ifdef PT_HALF
+    return __ldg((const unsigned int*)x);
+#else
+    float2 v = __ldg((const float2*)x);
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v.y), "f"(v.x));
+    return r;
+#endif
+}
+template <bool EMIT>
+__device__ __forceinline__ void mma_scan(const int* __restrict__ blk_leaf, const int* __restrict__ blk_first,
+        const int* __restrict__ blk_cnt, const int* __restrict__ sorted_pair, int L,
+        const int* __restrict__ active, const unsigned short* __restrict__ Qh, const float* __restrict__ QN,
+        const unsigned char* __restrict__ QOK, const PT* __restrict__ points,
+        const float* __restrict__ XN, const long long* __restrict__ perm, const long long* __restrict__ start,
+        const long long* __restrict__ end, int d, int k, long long npts, float eps_rel, float eps_abs,
+        unsigned long long* __restrict__ pair_ub, const float* __restrict__ T,
+        int* __restrict__ ent_i, long long* __restrict__ ent_p, unsigned long long* __restrict__ ent_n,
+        long long ent_cap) {
+    extern __shared__ float4 dyn4[];
+    const int QS = d + 8;                                   // halves per staged query (bank spread)
+    unsigned short* qh = (unsigned short*)dyn4;            // [MQ][QS]
+    float* S = (float*)(qh + MQ * QS);                      // [MQ][MR + 1] q.x of the tile
+    __shared__ float nq[MQ], tq[MQ], nx[MR];
+    __shared__ int qi_[MQ], ai_[MQ], qok[MQ];
+    __shared__ unsigned short ebuf[MQ * MR];
+    __shared__ int en;
+    __shared__ unsigned long long ebase;
+    int b = blockIdx.x, t = threadIdx.x;
+    int leaf = blk_leaf[b], f = blk_first[b], qc = blk_cnt[b];
+    if (leaf < 0) return;
+    if (t < qc) {
+        int pr = sorted_pair[f + t], i = pr / L;
+        ai_[t] = i;
+        qi_[t] = active[i];
+        if (EMIT) tq[t] = T[i];
+    }
+    __syncthreads();
+    if (t < MQ) {
+        qok[t] = t < qc ? QOK[qi_[t]] : 0;
+        nq[t] = t < qc ? QN[qi_[t]] : 0.0f;
+    }
+    {   // the queries in half (rows >= qc: 0), 8 halves a load
+        const int d8 = d >> 3, qs8 = QS >> 3;
+        const uint4* src = (const uint4*)Qh;
+        uint4* dst = (uint4*)qh;
+        for (int idx = t; idx < MQ * d8; idx += MT) {
+            int r = idx / d8, j = idx - r * d8;
+            dst[r * qs8 + j] = r < qc ? __ldg(src + (long long)qi_[r] * d8 + j) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    unsigned long long kb[__KP__];                          // pass 1, thread t < qc: k smallest (dt + e, id)
+    int nk = 0;
+    if (t == 0) en = 0;
+    __syncthreads();
+    const int w = t >> 5, lane = t & 31, g = lane >> 2, tg = lane & 3;
+    const int mi = w & 1, nb = (w >> 1) * 16;               // warp: 16 queries x 16 rows of the tile
+    long long p_beg = start[leaf], p_end = end[leaf];
+    for (long long p0 = p_beg; p0 < p_end; p0 += MR) {
+        long long base = p0 + MR <= npts ? p0 : npts - MR;  // the tile's MR rows stay inside the array
+        int r_lo = (int)(p0 - base), r_hi = (int)min((long long)MR, p_end - base);
+        if (t < MR) nx[t] = XN[base + t];
+        float c0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const unsigned short* a0p = qh + (mi * 16 + g) * QS + tg * 2;
+        const unsigned short* a1p = a0p + 8 * QS;
+        const PT* b0p = points + (base + nb + g) * d + tg * 2;
+        const PT* b1p = points + (base + nb + 8 + g) * d + tg * 2;
+#pragma unroll 2
+        for (int k0 = 0; k0 < d; k0 += 16) {
+            unsigned a0 = *(const unsigned*)(a0p + k0), a1 = *(const unsigned*)(a1p + k0);
+            unsigned a2 = *(const unsigned*)(a0p + k0 + 8), a3 = *(const unsigned*)(a1p + k0 + 8);
+            unsigned b00 = ld_half2(b0p + k0), b01 = ld_half2(b0p + k0 + 8);
+            unsigned b10 = ld_half2(b1p + k0), b11 = ld_half2(b1p + k0 + 8);
+            mma16816(c0, a0, a1, a2, a3, b00, b01);
+            mma16816(c1, a0, a1, a2, a3, b10, b11);
+        }
+        {
+            float* s0 = S + (mi * 16 + g) * (MR + 1) + nb + tg * 2;
+            float* s1 = s0 + 8 * (MR + 1);
+            s0[0] = c0[0]; s0[1] = c0[1]; s1[0] = c0[2]; s1[1] = c0[3];
+            s0[8] = c1[0]; s0[9] = c1[1]; s1[8] = c1[2]; s1[9] = c1[3];
+        }
+        __syncthreads();
+        if (!EMIT) {
+            if (t < qc && qok[t]) {
+                const float* srow = S + t * (MR + 1);
+                float qn = nq[t];
+                for (int r = r_lo; r < r_hi; ++r) {
+                    float ub = qn + nx[r] - 2.0f * srow[r] + (eps_rel * (qn + nx[r]) + eps_abs);
+                    if (!isfinite(ub)) continue;
+                    unsigned long long key = make_key(ub, perm[base + r]);  // raised to 0: still a bound
+                    if (nk == k && key >= kb[k - 1]) continue;
+                    int pos = nk < k ? nk++ : k - 1;
+                    while (pos > 0 && kb[pos - 1] > key) { kb[pos] = kb[pos - 1]; --pos; }
+                    kb[pos] = key;
+                }
+            }
+        } else {
+            for (int idx = t; idx < qc * MR; idx += MT) {
+                int q = idx / MR, r = idx - q * MR;
+                if (r < r_lo || r >= r_hi) continue;
+                float qn = nq[q];
+                float e = eps_rel * (qn + nx[r]) + eps_abs;
+                float dt = qn + nx[r] - 2.0f * S[q * (MR + 1) + r];
+                if (!qok[q] || !isfinite(dt + e) || !(dt - e > tq[q]))
+                    ebuf[atomicAdd(&en, 1)] = (unsigned short)(q * MR + r);
+            }
+            __syncthreads();
+            if (t == 0 && en) ebase = atomicAdd(ent_n, (unsigned long long)en);
+            __syncthreads();
+            for (int j = t; j < en; j += MT) {
+                long long o = (long long)ebase + j;
+                if (o < ent_cap) {
+                    int q = ebuf[j] / MR, r = ebuf[j] - q * MR;
+                    ent_i[o] = ai_[q];
+                    ent_p[o] = base + r;
+                }
+            }
+            __syncthreads();
+            if (t == 0) en = 0;
+        }
+        __syncthreads();
+    }
+    if (!EMIT && t < qc) {
+        unsigned long long* out = pair_ub + (long long)sorted_pair[f + t] * k;
+        for (int j = 0; j < nk; ++j) out[j] = kb[j];
+    }
+}
+extern "C" __global__ void __launch_bounds__(MT) mma_scan_ub(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_pair,
+        int L, const int* __restrict__ active, const unsigned short* __restrict__ Qh, const float* __restrict__ QN,
+        const unsigned char* __restrict__ QOK, const PT* __restrict__ points, const float* __restrict__ XN,
+        const long long* __restrict__ perm, const long long* __restrict__ start, const long long* __restrict__ end,
+        int d, int k, long long npts, float eps_rel, float eps_abs, unsigned long long* __restrict__ pair_ub) {
+    mma_scan<false>(blk_leaf, blk_first, blk_cnt, sorted_pair, L, active, Qh, QN, QOK, points, XN, perm, start, end,
+                    d, k, npts,
+                    eps_rel, eps_abs, pair_ub, NULL, NULL, NULL, NULL, 0);
+}
+extern "C" __global__ void __launch_bounds__(MT) mma_scan_emit(const int* __restrict__ blk_leaf,
+        const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_pair,
+        int L, const int* __restrict__ active, const unsigned short* __restrict__ Qh, const float* __restrict__ QN,
+        const unsigned char* __restrict__ QOK, const PT* __restrict__ points, const float* __restrict__ XN,
+        const long long* __restrict__ perm, const long long* __restrict__ start, const long long* __restrict__ end,
+        int d, int k, long long npts, float eps_rel, float eps_abs, const float* __restrict__ T,
+        int* __restrict__ ent_i, long long* __restrict__ ent_p, unsigned long long* __restrict__ ent_n,
+        long long ent_cap) {
+    mma_scan<true>(blk_leaf, blk_first, blk_cnt, sorted_pair, L, active, Qh, QN, QOK, points, XN, perm, start, end,
+                   d, k, npts,
+                   eps_rel, eps_abs, NULL, T, ent_i, ent_p, ent_n, ent_cap);
+}
+// T of each active query: its list's k-th distance, or the k-th smallest upper bound of its L
+// pairs' (bound, id) keys over distinct ids (a forest's trees reach a row more than once); L = 0:
+// the list's alone
+extern "C" __global__ void mma_bound(const int* __restrict__ active, int na, int L, int k,
+        const unsigned long long* __restrict__ pair_ub, const unsigned long long* __restrict__ top,
+        float* __restrict__ T) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= na) return;
+    unsigned long long kb[__KP__];
+    int nk = 0;
+    const unsigned long long* u = pair_ub + (long long)i * L * k;
+    for (int j = 0; j < L * k; ++j) {
+        unsigned long long key = u[j];
+        if (key == KEY_NONE || (nk == k && key >= kb[k - 1])) continue;
+        bool seen = false;
+        for (int c = 0; c < nk; ++c) seen |= (unsigned int)kb[c] == (unsigned int)key;
+        if (seen) continue;
+        int pos = nk < k ? nk++ : k - 1;
+        while (pos > 0 && kb[pos - 1] > key) { kb[pos] = kb[pos - 1]; --pos; }
+        kb[pos] = key;
+    }
+    float tl = key_dist(top[(long long)active[i] * k + k - 1]);
+    float tb = nk == k ? key_dist(kb[k - 1]) : F_INF;
+    T[i] = tb < tl ? tb : tl;
+}
+// the canonical key of every kept (query, row) entry, one thread each (canon_dist_p's sum, in
+// dimension order, with 4-wide loads: d % 16 == 0 keeps every row and query 16-byte aligned)
+extern "C" __global__ void mma_keys(long long n, const int* __restrict__ ent_i, const long long* __restrict__ ent_p,
+        const int* __restrict__ active, const float* __restrict__ Q, const PT* __restrict__ points,
+        const long long* __restrict__ perm, int d, unsigned long long* __restrict__ keys) {
+    long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    long long p = ent_p[e];
+    const float4* q4 = (const float4*)(Q + (long long)active[ent_i[e]] * d);
+#ifdef PT_HALF
+    const uint2* x4 = (const uint2*)(points + p * d);
+#else
+    const float4* x4 = (const float4*)(points + p * d);
+#endif
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int j = 0; j < (d >> 2); ++j) {
+        float4 qv = __ldg(q4 + j);
+#ifdef PT_HALF
+        uint2 h = __ldg(x4 + j);
+        float4 v = make_float4(ldp((unsigned short)(h.x & 0xffffu)), ldp((unsigned short)(h.x >> 16)),
+                               ldp((unsigned short)(h.y & 0xffffu)), ldp((unsigned short)(h.y >> 16)));
+#else
+        float4 v = __ldg(x4 + j);
+#endif
+        float t;
+        t = __fsub_rn(qv.x, v.x); acc = __fadd_rn(acc, __fmul_rn(t, t));
+        t = __fsub_rn(qv.y, v.y); acc = __fadd_rn(acc, __fmul_rn(t, t));
+        t = __fsub_rn(qv.z, v.z); acc = __fadd_rn(acc, __fmul_rn(t, t));
+        t = __fsub_rn(qv.w, v.w); acc = __fadd_rn(acc, __fmul_rn(t, t));
+    }
+    keys[e] = make_key(acc, perm[p]);
+}
+// each active query's entries (sorted by query: [first[i], first[i + 1])) into its list
+extern "C" __global__ void mma_merge(const int* __restrict__ active, int na, const long long* __restrict__ first,
+        const unsigned long long* __restrict__ keys, int k, unsigned long long* __restrict__ top) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= na) return;
+    unsigned long long* mytop = top + (long long)active[i] * k;
+    int cnt = 0;
+    while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
+    for (long long e = first[i]; e < first[i + 1]; ++e) {
+        unsigned long long key = keys[e];
+        if (cnt < k || key < mytop[k - 1]) top_insert(mytop, cnt, k, key);
+    }
+}
+
+// ---------------------------------------------------------------------------- batched rounds
+// A round takes up to L leaves per active query: pop -> descend -> record, L times, against the
+// pruning distance of the round's start (the k-th distance after the last merge, or lim), then
+// every (query, leaf) pair is bucketed by leaf and scanned into its own slot (leaf_stream<true>),
+// and banns_merge_slots merges each query's L slots into its list. L = 1 is P-BANNS itself;
+// kdtree._anns_cpu with the same L returns the same answer (the order of the scans of a round
+// does not change the final (dist, id)-ordered list).
+// target[qi] >= 0: a box already popped (banns_init's first); keep[i]: the query goes on.
+extern "C" __global__ void banns_collect(const int* __restrict__ active, int na, int L,
+        const float* __restrict__ Q, int d, const int* __restrict__ child, const int* __restrict__ sdim,
+        const float* __restrict__ sval, const float* __restrict__ lo, const float* __restrict__ hi, int k,
+        const unsigned long long* __restrict__ top, int* __restrict__ target, const float* __restrict__ TK,
+        const float* __restrict__ lim, float* __restrict__ HD, int* __restrict__ HN, int* __restrict__ HS,
+        int* __restrict__ OVF, int* __restrict__ visits, int budget, int* __restrict__ leaf_of,
+        unsigned char* __restrict__ keep, int path) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= na) return;
+    int qi = active[i];
+    const float* q = Q + (long long)qi * d;
+    const float bl = lim[qi];
+    const float worst = fminf(key_dist(top[(long long)qi * k + k - 1]), bl);
+    int hs = HS[qi], ovf = OVF[qi], v = visits[qi];
+    float* hd = HD + (long long)qi * HCAP;
+    int* hn = HN + (long long)qi * HCAP;
+    int nd = target[qi];
+    float key = TK[qi];
+    int n = 0;
+    int* out = leaf_of + (long long)i * L;
+    while (n < L && !(budget > 0 && v >= budget)) {
+        if (nd < 0) {
+            nd = pop_within(hd, hn, hs, worst, key);
+            if (nd < 0) break;
+        }
+        int leaf = descend(nd, q, d, child, sdim, sval, lo, hi, worst, hd, hn, hs, ovf, bl < F_INF, path, key);
+        nd = -1;
+        if (leaf < 0) continue;
+        out[n++] = leaf;
+        ++v;
+    }
+    for (int j = n; j < L; ++j) out[j] = -1;
+    keep[i] = (n == L && hs > 0 && !(budget > 0 && v >= budget)) ? 1 : 0;
+    target[qi] = -1;
+    HS[qi] = hs; OVF[qi] = ovf; visits[qi] = v;
+}
+
+// merge the L slots of each active query (ascending lists, KEY_NONE-padded) into its top-k list
+extern "C" __global__ void banns_merge_slots(const int* __restrict__ active, int na, int L, int k,
+        const unsigned long long* __restrict__ slots, unsigned long long* __restrict__ top) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= na) return;
+    unsigned long long* mytop = top + (long long)active[i] * k;
+    int cnt = 0;
+    while (cnt < k && mytop[cnt] != KEY_NONE) ++cnt;
+    const unsigned long long* s = slots + (long long)i * L * k;
+    for (int j = 0; j < L; ++j) {
+        for (int c = 0; c < k; ++c) {
+            unsigned long long key = s[j * k + c];
+            if (key == KEY_NONE || (cnt == k && key >= mytop[k - 1])) break;  // the slot is ascending
+            top_insert(mytop, cnt, k, key);
+        }
+    }
+}
+
+extern "C" __global__ void banns_advance(const int* __restrict__ active, int na, int k, int budget,
+        const unsigned long long* __restrict__ top, const float* __restrict__ lim,
+        const int* __restrict__ leaf_of, float* __restrict__ HD, int* __restrict__ HN,
+        int* __restrict__ HS, int* __restrict__ visits, int* __restrict__ target, float* __restrict__ TK,
+        unsigned char* __restrict__ keep) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= na) return;
+    int qi = active[i];
+    keep[i] = 0;
+    if (leaf_of[i] < 0) { HS[qi] = 0; return; }  // bounded search found nothing left to scan
+    int v = visits[qi] + 1;
+    visits[qi] = v;
+    if (budget > 0 && v >= budget) return;
+    float worst = fminf(key_dist(top[(long long)qi * k + k - 1]), lim[qi]);
+    float* hd = HD + (long long)qi * HCAP;
+    int* hn = HN + (long long)qi * HCAP;
+    int hs = HS[qi];
+    while (hs > 0) {
+        float bd = hd[0]; int nd = hn[0];
+        hs = heap_pop(hd, hn, hs);
+        if (bd <= worst) { target[qi] = nd; TK[qi] = bd; keep[i] = 1; break; }
+        hs = 0;
+    }
+    HS[qi] = hs;
+}
+
+// per query: push the roots of every tree (pruned by lim) and pop the closest as the first target;
+// keep[qi] = 0 when every root is pruned (the query has nothing to search)
+extern "C" __global__ void banns_init(int m, const float* __restrict__ Q, int d, const int* __restrict__ roots,
+        int nroots, const float* __restrict__ lo, const float* __restrict__ hi, const float* __restrict__ lim,
+        float* __restrict__ HD, int* __restrict__ HN, int* __restrict__ HS, int* __restrict__ OVF,
+        int* __restrict__ target, float* __restrict__ TK, unsigned char* __restrict__ keep) {
+    int qi = blockIdx.x * blockDim.x + threadIdx.x;
+    if (qi >= m) return;
+    const float* q = Q + (long long)qi * d;
+    const float bl = lim[qi];
+    float* hd = HD + (long long)qi * HCAP;
+    int* hn = HN + (long long)qi * HCAP;
+    int hs = 0, ovf = 0;
+    for (int t = 0; t < nroots; ++t) {
+        int r = roots[t];
+        float bd = box_dist(q, lo + (long long)r * d, hi + (long long)r * d, d);
+        if (bd <= bl) {
+            float ev = heap_push_bounded(hd, hn, hs, bd, r);
+            if (ev >= 0.0f && ev <= bl) ovf = 1;
+        }
+    }
+    keep[qi] = 0;
+    target[qi] = 0;
+    if (hs > 0) { target[qi] = hn[0]; TK[qi] = hd[0]; hs = heap_pop(hd, hn, hs); keep[qi] = 1; }
+    HS[qi] = hs;
+    OVF[qi] = ovf;
+}
