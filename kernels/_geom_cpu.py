@@ -6,6 +6,13 @@ eigenpairs); ``recognition.rigid`` uses it on the 4x4 matrix of Horn's quaternio
 source in ``descriptors/_shot_gpu.py`` carries the same algorithm for 3x3, operation for operation
 (compiled without fused multiply-add), so that both backends produce the same frames bit for bit
 on the same inputs.
+
+``centroid3``, ``scatter3`` and ``cov_eig3`` are the one covariance step: ``scatter3`` the
+(weighted) scatter of 3-D rows about given centres (a covariance, or the cross-covariance of two
+paired sets for Horn's fit), ``cov_eig3`` the covariance of one set divided by its weight, then
+``eig3``. Normals (float64 points about their centroid, unweighted) and SHOT frames (PCL's
+float32 differences to the keypoint, widened, about zero, weighted by ``R - d``) pass their own
+rows, centre and weights, so each keeps its arithmetic bit for bit.
 """
 from __future__ import annotations
 
@@ -128,3 +135,98 @@ def eig3(a00, a01, a02, a11, a12, a22, w, V):
         for j in range(3):
             V[k, j] = T[k, j]
     return np.isfinite(d0) and np.isfinite(d1) and np.isfinite(d2)
+
+
+@njit(cache=True, inline="always")
+def centroid3(X, n):
+    """Mean of the rows ``0 .. n-1`` of ``X`` (n, 3): float64 sums in row order, divided by ``n``."""
+    cx = 0.0
+    cy = 0.0
+    cz = 0.0
+    for j in range(n):
+        cx += np.float64(X[j, 0])
+        cy += np.float64(X[j, 1])
+        cz += np.float64(X[j, 2])
+    return cx / n, cy / n, cz / n
+
+
+@njit(cache=True, inline="always")
+def scatter3(A, ca0, ca1, ca2, B, cb0, cb1, cb2, w, n, S):
+    """Weighted scatter of paired rows: ``S[r, c] = sum_j w_j (A_jr - ca_r)(B_jc - cb_c)`` over
+    ``j = 0 .. n-1``, float64, summed in row order; returns the weight total ``sum_j w_j``.
+
+    ``w`` is a (n,) float64 array or None (every weight 1: the terms are added unscaled, and the
+    total is ``n``); a weighted term is ``w_j * (a * b)``. ``S`` is (3, 3) and fully written.
+    With ``B`` = ``A`` and the same centre, ``S`` is the (unnormalised) covariance; with two point
+    sets, the cross-covariance of Horn's and Umeyama's rigid fits.
+    """
+    s00 = 0.0
+    s01 = 0.0
+    s02 = 0.0
+    s10 = 0.0
+    s11 = 0.0
+    s12 = 0.0
+    s20 = 0.0
+    s21 = 0.0
+    s22 = 0.0
+    total = 0.0
+    for j in range(n):
+        a0 = A[j, 0] - ca0
+        a1 = A[j, 1] - ca1
+        a2 = A[j, 2] - ca2
+        b0 = B[j, 0] - cb0
+        b1 = B[j, 1] - cb1
+        b2 = B[j, 2] - cb2
+        if w is None:
+            s00 += a0 * b0
+            s01 += a0 * b1
+            s02 += a0 * b2
+            s10 += a1 * b0
+            s11 += a1 * b1
+            s12 += a1 * b2
+            s20 += a2 * b0
+            s21 += a2 * b1
+            s22 += a2 * b2
+        else:
+            wj = w[j]
+            s00 += wj * (a0 * b0)
+            s01 += wj * (a0 * b1)
+            s02 += wj * (a0 * b2)
+            s10 += wj * (a1 * b0)
+            s11 += wj * (a1 * b1)
+            s12 += wj * (a1 * b2)
+            s20 += wj * (a2 * b0)
+            s21 += wj * (a2 * b1)
+            s22 += wj * (a2 * b2)
+            total += wj
+    S[0, 0] = s00
+    S[0, 1] = s01
+    S[0, 2] = s02
+    S[1, 0] = s10
+    S[1, 1] = s11
+    S[1, 2] = s12
+    S[2, 0] = s20
+    S[2, 1] = s21
+    S[2, 2] = s22
+    if w is None:
+        return np.float64(n)
+    return total
+
+
+@njit(cache=True)
+def cov_eig3(X, n, cx, cy, cz, w, C, ev, V):
+    """Covariance of the rows ``0 .. n-1`` of ``X`` (n, 3) float64 about ``(cx, cy, cz)`` and
+    its eigen-decomposition: the covariance and its precision are the caller's choice.
+
+    ``C`` (3, 3) receives ``sum_j w_j d_j d_j^T / sum_j w_j`` with ``d_j = X_j - c``
+    (:func:`scatter3`; ``w`` None: weights 1, divided by ``n``), ``ev`` (3,) and ``V`` (3, 3)
+    the eigenvalues ascending and the unit eigenvectors as columns (:func:`eig3`). Returns
+    ``eig3``'s flag (False on a non-finite covariance). Normals pass float64 points about their
+    centroid, unweighted; SHOT frames pass PCL's float32 differences to the keypoint (widened)
+    about zero with the weights ``R - d``: each stays bit for bit what it was.
+    """
+    total = scatter3(X, cx, cy, cz, X, cx, cy, cz, w, n, C)
+    for r in range(3):
+        for c in range(3):
+            C[r, c] /= total
+    return eig3(C[0, 0], C[0, 1], C[0, 2], C[1, 1], C[1, 2], C[2, 2], ev, V)

@@ -11,7 +11,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .._geom_cpu import eig3
+from .._geom_cpu import cov_eig3
 
 NBINS = 10
 DESC_LEN = 352
@@ -60,15 +60,9 @@ def lrf_one(c, surf, idx, d2, R, rows, frame):
     the eigen-solver fails.
     """
     n = idx.shape[0]
-    c00 = 0.0
-    c01 = 0.0
-    c02 = 0.0
-    c11 = 0.0
-    c12 = 0.0
-    c22 = 0.0
-    wsum = 0.0
     valid = 0
     vj = np.empty(max(n, 1), np.int64)
+    wts = np.empty(max(n, 1), np.float64)
     for j in range(n):
         p = idx[j]
         if surf[p, 0] == c[0] and surf[p, 1] == c[1] and surf[p, 2] == c[2]:
@@ -80,29 +74,18 @@ def lrf_one(c, surf, idx, d2, R, rows, frame):
         rows[valid, 0] = vx
         rows[valid, 1] = vy
         rows[valid, 2] = vz
-        w = R - np.float64(np.float32(math.sqrt(d2[j])))
-        c00 += w * (vx * vx)
-        c01 += w * (vx * vy)
-        c02 += w * (vx * vz)
-        c11 += w * (vy * vy)
-        c12 += w * (vy * vz)
-        c22 += w * (vz * vz)
-        wsum += w
+        wts[valid] = R - np.float64(np.float32(math.sqrt(d2[j])))
         valid += 1
     if valid < 5:
         for a in range(3):
             for b in range(3):
                 frame[a, b] = np.nan
         return False
-    c00 /= wsum
-    c01 /= wsum
-    c02 /= wsum
-    c11 /= wsum
-    c12 /= wsum
-    c22 /= wsum
+    # PCL's frame covariance: float32 differences (widened), about the keypoint, weighted by R - d
+    C = np.empty((3, 3), np.float64)
     ev = np.empty(3, np.float64)
     V = np.empty((3, 3), np.float64)
-    ok = eig3(c00, c01, c02, c11, c12, c22, ev, V)
+    ok = cov_eig3(rows, valid, 0.0, 0.0, 0.0, wts, C, ev, V)
     if not ok:
         for a in range(3):
             for b in range(3):

@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from .. import validation
-from .._geom_cpu import eig3
+from .._geom_cpu import centroid3, cov_eig3
 from ..backend import resolve_device, to_numpy
 from ..errors import InputError
 from ..neighbors.search import _on
@@ -108,43 +108,17 @@ def _pca_normals(surf, q, off, flat, vp, out_n, out_c):
             out_n[i, 2] = np.nan
             out_c[i] = np.nan
             continue
-        cx = 0.0
-        cy = 0.0
-        cz = 0.0
-        for j in range(s, e):
-            p = flat[j]
-            cx += np.float64(surf[p, 0])
-            cy += np.float64(surf[p, 1])
-            cz += np.float64(surf[p, 2])
-        cx /= cnt
-        cy /= cnt
-        cz /= cnt
-        c00 = 0.0
-        c01 = 0.0
-        c02 = 0.0
-        c11 = 0.0
-        c12 = 0.0
-        c22 = 0.0
-        for j in range(s, e):
-            p = flat[j]
-            dx = np.float64(surf[p, 0]) - cx
-            dy = np.float64(surf[p, 1]) - cy
-            dz = np.float64(surf[p, 2]) - cz
-            c00 += dx * dx
-            c01 += dx * dy
-            c02 += dx * dz
-            c11 += dy * dy
-            c12 += dy * dz
-            c22 += dz * dz
-        c00 /= cnt
-        c01 /= cnt
-        c02 /= cnt
-        c11 /= cnt
-        c12 /= cnt
-        c22 /= cnt
+        X = np.empty((cnt, 3), np.float64)
+        for j in range(cnt):
+            p = flat[s + j]
+            X[j, 0] = surf[p, 0]
+            X[j, 1] = surf[p, 1]
+            X[j, 2] = surf[p, 2]
+        cx, cy, cz = centroid3(X, cnt)
+        C = np.empty((3, 3), np.float64)
         w = np.empty(3, np.float64)
         V = np.empty((3, 3), np.float64)
-        ok = eig3(c00, c01, c02, c11, c12, c22, w, V)
+        ok = cov_eig3(X, cnt, cx, cy, cz, None, C, w, V)
         if not ok:
             out_n[i, 0] = np.nan
             out_n[i, 1] = np.nan
@@ -154,7 +128,7 @@ def _pca_normals(surf, q, off, flat, vp, out_n, out_c):
         nx = V[0, 0]
         ny = V[1, 0]
         nz = V[2, 0]
-        tr = c00 + c11 + c22
+        tr = C[0, 0] + C[1, 1] + C[2, 2]
         curv = abs(w[0] / tr) if tr != 0.0 else 0.0
         if w[1] <= 1e-12 * tr:
             # collinear or coincident points: the normal is undefined; PCL's eigen33 gives NaN

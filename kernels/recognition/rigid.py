@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .._geom_cpu import jacobi_eigh
+from .._geom_cpu import centroid3, jacobi_eigh, scatter3
 from ..errors import InputError
 
 __all__ = ["rigid_transform", "ransac_rigid", "ransac_rigid_groups"]
@@ -81,45 +81,24 @@ def _kabsch_svd(S, D, W=None):
 @njit(cache=True)
 def _kabsch_nb(S, D):
     """Unweighted batched rigid fits (Horn 1987): the rotation maximising sum d'^T R s' is the
-    unit quaternion of the largest eigenvalue of a symmetric 4x4 matrix: its eigenvector by the
+    unit quaternion of the largest eigenvalue of a symmetric 4x4 matrix built from the
+    cross-covariance of the demeaned pairs (``_geom_cpu.scatter3``): its eigenvector by the
     package's Jacobi solver (``_geom_cpu.jacobi_eigh``; the first of equal largest eigenvalues)."""
     B, n = S.shape[0], S.shape[1]
     R = np.empty((B, 3, 3))
     t = np.empty((B, 3))
+    H = np.empty((3, 3))
     N = np.empty((4, 4))
     Q = np.empty((4, 4))
     for b in range(B):
-        cs0 = cs1 = cs2 = cd0 = cd1 = cd2 = 0.0
-        for i in range(n):
-            cs0 += S[b, i, 0]
-            cs1 += S[b, i, 1]
-            cs2 += S[b, i, 2]
-            cd0 += D[b, i, 0]
-            cd1 += D[b, i, 1]
-            cd2 += D[b, i, 2]
-        cs0 /= n
-        cs1 /= n
-        cs2 /= n
-        cd0 /= n
-        cd1 /= n
-        cd2 /= n
-        sxx = sxy = sxz = syx = syy = syz = szx = szy = szz = 0.0
-        for i in range(n):
-            a0 = S[b, i, 0] - cs0
-            a1 = S[b, i, 1] - cs1
-            a2 = S[b, i, 2] - cs2
-            b0 = D[b, i, 0] - cd0
-            b1 = D[b, i, 1] - cd1
-            b2 = D[b, i, 2] - cd2
-            sxx += a0 * b0
-            sxy += a0 * b1
-            sxz += a0 * b2
-            syx += a1 * b0
-            syy += a1 * b1
-            syz += a1 * b2
-            szx += a2 * b0
-            szy += a2 * b1
-            szz += a2 * b2
+        Sb = S[b]
+        Db = D[b]
+        cs0, cs1, cs2 = centroid3(Sb, n)
+        cd0, cd1, cd2 = centroid3(Db, n)
+        scatter3(Sb, cs0, cs1, cs2, Db, cd0, cd1, cd2, None, n, H)
+        sxx, sxy, sxz = H[0, 0], H[0, 1], H[0, 2]
+        syx, syy, syz = H[1, 0], H[1, 1], H[1, 2]
+        szx, szy, szz = H[2, 0], H[2, 1], H[2, 2]
         N[0, 0] = sxx + syy + szz
         N[0, 1] = N[1, 0] = syz - szy
         N[0, 2] = N[2, 0] = szx - sxz
