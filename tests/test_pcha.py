@@ -198,6 +198,38 @@ def test_align_builds_grid_from_reference_and_init_near_truth():
     obs, ref, M = synthetic_problem("rigid", 3, 1500, n_reference=3000, level=0.5, seed=9)
     r = align(obs, ref, "rigid", device="cpu", init=M)
     assert point_error(r.transform, M, obs) < _TOL[3]
+
+
+def test_params_object_and_keywords_are_one_thing(problems):
+    """PChAParams holds align's tuning parameters with the keyword defaults align had (issue 40);
+    a params object and the same values as keywords give the same alignment bit for bit, and a
+    keyword overrides the object's field."""
+    import dataclasses
+
+    from scanforest.kernels.align.pcha import PChAParams
+
+    assert PChAParams() == PChAParams(chain=False, max_iter=100, xtol=1e-6, ftol=1e-5, lambda0=1e-3, loss="l2",
+                                      huber_delta=None, outside="clamp", scaling="paper", resolution=None,
+                                      form="fused", hessian="reduced", lookup="corners")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PChAParams().max_iter = 3
+    g = problems(2)
+    obs, _, _ = synthetic_problem("similarity", 2, 1500, level=0.5, seed=11)
+    kw = dict(loss="huber", scaling="consistent", max_iter=3, lookup="cell")
+    r_kw = align(obs, None, "similarity", grid=g, device="cpu", **kw)
+    assert r_kw.iterations == 3 and r_kw.status == "max_iter"  # the cap bites: overriding it shows
+    r_obj = align(obs, None, "similarity", grid=g, device="cpu", params=PChAParams(**kw))
+    r_mix = align(obs, None, "similarity", grid=g, device="cpu", params=PChAParams(**dict(kw, max_iter=50)),
+                  max_iter=3)
+    r_bat = align_batch([obs], None, "similarity", grid=g, device="cpu", params=PChAParams(**kw))[0]
+    for r in (r_obj, r_mix, r_bat):
+        assert r.transform.tobytes() == r_kw.transform.tobytes()
+        np.testing.assert_array_equal(r.history, r_kw.history)
+        assert (r.iterations, r.status, r.huber_delta) == (r_kw.iterations, r_kw.status, r_kw.huber_delta)
+    with pytest.raises(TypeError, match="max_iters"):
+        align(obs, None, "similarity", grid=g, device="cpu", max_iters=3)
+    with pytest.raises(InputError, match="max_iter"):
+        align(obs, None, "similarity", grid=g, device="cpu", params=PChAParams(max_iter=0))
     assert r.history[-1] <= r.history[0]
 
 

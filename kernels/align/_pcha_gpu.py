@@ -49,6 +49,7 @@ import functools
 
 import numpy as np
 
+from ._pcha_common import PChAParams, resolve_params
 from .transforms import Model, contract_gradient, contract_hessian, matrix_and_derivatives
 
 PSTRIDE = 168          # floats per alignment: M (16) + D (<= 144) + huber delta + pad
@@ -456,18 +457,23 @@ class GpuEvaluator:
     model : Model
     grid : DistanceGrid (table on the GPU)
     points : list of (N_b, d) arrays (normalised frame; numpy or CuPy)
-    outside : "clamp" | "drop"
-    loss : "l2" | "huber"
-    form : "fused" (one kernel + final reduction) or "two_kernel" (residual/Jacobian kernel,
-        reduction kernel, final reduction)
-    hessian : "reduced" (sufficient statistics, additive models only) or "full"
-    lookup : "corners" (nearest entry of the 2^d surrounding cells) or "cell" (the paper's
-        single-cell lookup)
+    params : PChAParams, optional
+        The alignment's parameters (default ``PChAParams()``), of which the evaluator reads:
+        ``outside`` ("clamp" | "drop"), ``loss`` ("l2" | "huber"), ``form`` ("fused": one kernel
+        + final reduction, or "two_kernel": residual/Jacobian kernel, reduction kernel, final
+        reduction), ``hessian`` ("reduced": sufficient statistics, additive models only, or
+        "full") and ``lookup`` ("corners": nearest entry of the 2^d surrounding cells, or
+        "cell": the paper's single-cell lookup).
+    **overrides
+        Any of those fields by keyword (``form="two_kernel"``), overriding ``params``.
     """
 
-    def __init__(self, model: Model, grid, points, *, outside="clamp", loss="l2",
-                 form="fused", hessian="reduced", lookup="corners"):
+    def __init__(self, model: Model, grid, points, params: PChAParams | None = None, **overrides):
         import cupy as cp
+
+        params = resolve_params(params, overrides, "GpuEvaluator")
+        outside, loss, form, hessian, lookup = (params.outside, params.loss, params.form, params.hessian,
+                                                params.lookup)
 
         self.cp = cp
         self.model = model

@@ -60,6 +60,10 @@ model), the centroids differ and the caller's pose (``init=`` matrix, the identi
 
 Everything runs in the grid's normalised frame (reference centroid, RMS radius); the result is
 converted back to the input frame.
+
+The tuning parameters (LM controls, loss, lookup, GPU kernel form, ...) are one frozen
+:class:`PChAParams` (``params=``, shared with the GPU evaluator); each may also be given as a
+keyword of :func:`align` / :func:`align_batch`, overriding the object's value.
 """
 from __future__ import annotations
 
@@ -72,9 +76,10 @@ from .. import validation
 from ..backend import resolve_device, to_numpy
 from ..errors import InputError
 from . import transforms as T
+from ._pcha_common import PChAParams, resolve_params
 from .edt import DistanceGrid, distance_transform
 
-__all__ = ["AlignResult", "align", "align_batch", "cpu_evaluate", "reference_evaluate",
+__all__ = ["AlignResult", "PChAParams", "align", "align_batch", "cpu_evaluate", "reference_evaluate",
            "synthetic_problem", "random_transform", "point_error"]
 
 LOSSES = ("l2", "huber")
@@ -296,18 +301,18 @@ class CpuEvaluator:
     """CPU twin of :class:`scanforest.kernels.align._pcha_gpu.GpuEvaluator` (numba, all cores,
     float64 accumulation)."""
 
-    def __init__(self, model, grid: DistanceGrid, points, *, outside="clamp", loss="l2",
-                 lookup="corners"):
+    def __init__(self, model, grid: DistanceGrid, points, params: PChAParams | None = None, **overrides):
+        params = resolve_params(params, overrides, "CpuEvaluator")
         self.model = model
-        self.corners = lookup == "corners"
+        self.corners = params.lookup == "corners"
         self.pts = [np.ascontiguousarray(to_numpy(p), dtype=np.float64) for p in points]
         self.index = np.ascontiguousarray(to_numpy(grid.index), dtype=np.int32).reshape(-1)
         self.cent = np.ascontiguousarray(to_numpy(grid.centroids), dtype=np.float32)
         self.origin = np.asarray(grid.origin, np.float64)
         self.inv_cell = 1.0 / grid.cell
         self.shape = np.asarray(grid.shape, np.int64)
-        self.drop = outside == "drop"
-        self.huber = loss == "huber"
+        self.drop = params.outside == "drop"
+        self.huber = params.loss == "huber"
         self.B = len(points)
         self.sizes = np.asarray([len(p) for p in self.pts])
 
@@ -342,7 +347,7 @@ def cpu_evaluate(model, grid, points_n, params, *, outside="clamp", loss="l2", h
                  lookup="corners"):
     """``(f, g, H, n_inside)`` of one alignment on the CPU (normalised frame)."""
     m = T.get_model(model, grid.dim)
-    ev = CpuEvaluator(m, grid, [points_n], outside=outside, loss=loss, lookup=lookup)
+    ev = CpuEvaluator(m, grid, [points_n], PChAParams(outside=outside, loss=loss, lookup=lookup))
     f, g, H, nin = ev(np.asarray(params, np.float64)[None], np.ones(1, bool),
                       np.asarray([huber_delta], np.float64))
     return f[0], g[0], H[0], nin[0]
@@ -373,16 +378,18 @@ def reference_evaluate(model, grid, points_n, params, *, outside="clamp", loss="
 
 
 # ----------------------------------------------------------------------------- LM driver
-def _lm(evaluate, model, P0, delta, *, max_iter, xtol, ftol, lambda0, scaling, min_points):
+def _lm(evaluate, model, P0, delta, params: PChAParams, *, min_points):
     """Batched LM (Algorithm 3): every alignment has its own lambda, state and stop flag; one
-    evaluation (one kernel launch on the GPU) per iteration serves all active alignments."""
+    evaluation (one kernel launch on the GPU) per iteration serves all active alignments.
+    ``params``: ``max_iter``, ``xtol``, ``ftol``, ``lambda0`` and ``scaling``."""
+    max_iter, xtol, ftol = int(params.max_iter), params.xtol, params.ftol
     B, L = P0.shape
     P = P0.copy()
     active = np.ones(B, bool)
     f, g, H, nin = evaluate(P, active, delta)
     diag = np.einsum("bkk->bk", H).mean(1)
     lam_unit = np.where(diag > 0, diag, 1.0)
-    lam = lambda0 * lam_unit
+    lam = params.lambda0 * lam_unit
     lam_lo, lam_hi = LAMBDA_RANGE[0] * lam_unit, LAMBDA_RANGE[1] * lam_unit
     hist = [[float(v)] for v in f]
     status = ["running"] * B
@@ -396,7 +403,7 @@ def _lm(evaluate, model, P0, delta, *, max_iter, xtol, ftol, lambda0, scaling, m
         elif f[b] == 0:
             status[b], active[b] = "converged", False
     eye = np.eye(L)
-    rhs_scale = 1.0 if scaling == "paper" else 0.5
+    rhs_scale = 1.0 if params.scaling == "paper" else 0.5
     hist_arr = np.full((max_iter + 1, B), np.nan)
     hist_arr[0] = f
     it = 0
@@ -460,29 +467,25 @@ def _init_matrix(init, m, observed, grid):
                      f"model {m.name!r}, got shape {a.shape}")
 
 
-def _validate(model, loss, outside, scaling, max_iter, huber_delta, form, hessian):
-    if loss not in LOSSES:
-        raise InputError(f"loss must be one of {LOSSES}, got {loss!r}")
-    if outside not in OUTSIDE:
-        raise InputError(f"outside must be one of {OUTSIDE}, got {outside!r}")
-    if scaling not in ("consistent", "paper"):
-        raise InputError(f"scaling must be 'consistent' or 'paper', got {scaling!r}")
-    if int(max_iter) < 1:
-        raise InputError(f"max_iter must be >= 1, got {max_iter}")
-    if huber_delta is not None and not (huber_delta > 0):
-        raise InputError(f"huber_delta must be > 0, got {huber_delta}")
-    if form not in ("fused", "two_kernel"):
-        raise InputError(f"form must be 'fused' or 'two_kernel', got {form!r}")
-    if hessian not in ("reduced", "full"):
-        raise InputError(f"hessian must be 'reduced' or 'full', got {hessian!r}")
+def _validate(p: PChAParams):
+    if p.loss not in LOSSES:
+        raise InputError(f"loss must be one of {LOSSES}, got {p.loss!r}")
+    if p.outside not in OUTSIDE:
+        raise InputError(f"outside must be one of {OUTSIDE}, got {p.outside!r}")
+    if p.scaling not in ("consistent", "paper"):
+        raise InputError(f"scaling must be 'consistent' or 'paper', got {p.scaling!r}")
+    if int(p.max_iter) < 1:
+        raise InputError(f"max_iter must be >= 1, got {p.max_iter}")
+    if p.huber_delta is not None and not (p.huber_delta > 0):
+        raise InputError(f"huber_delta must be > 0, got {p.huber_delta}")
+    if p.form not in ("fused", "two_kernel"):
+        raise InputError(f"form must be 'fused' or 'two_kernel', got {p.form!r}")
+    if p.hessian not in ("reduced", "full"):
+        raise InputError(f"hessian must be 'reduced' or 'full', got {p.hessian!r}")
 
 
-def align(observed, reference, model: str = "rigid", *, init=None, grid: DistanceGrid | None = None,
-          chain: bool = False, max_iter: int = 100, xtol: float = 1e-6, ftol: float = 1e-5,
-          lambda0: float = 1e-3, loss: str = "l2", huber_delta: float | None = None,
-          outside: str = "clamp", scaling: str = "paper", resolution: int | None = None,
-          form: str = "fused", hessian: str = "reduced", lookup: str = "corners",
-          device: str = "auto") -> AlignResult:
+def align(observed, reference, model: str = "rigid", *, params: PChAParams | None = None, init=None,
+          grid: DistanceGrid | None = None, device: str = "auto", **overrides) -> AlignResult:
     """Align ``observed`` points onto ``reference`` points with a parametric model (PChA).
 
     Parameters
@@ -499,10 +502,20 @@ def align(observed, reference, model: str = "rigid", *, init=None, grid: Distanc
         default, for poses that are already close, e.g. refinement of a recognition hypothesis)
         or ``"centroids"`` (the translation moving the observed centroid onto the reference
         centroid: two scans of one object in unrelated frames, see the module docstring).
+    params : PChAParams, optional
+        The tuning parameters below, as one object (default ``PChAParams()``: the defaults
+        listed here). Each of them may also be given as a keyword (``max_iter=50``), which
+        overrides its value in ``params``.
     grid : DistanceGrid, optional
         Precomputed distance-transform table of the reference (the paper precomputes it; reuse
         it across alignments). Built with :func:`scanforest.kernels.align.edt.distance_transform`
         otherwise (``resolution`` passed through).
+    device : {"auto", "cpu", "gpu"}
+
+    Other Parameters
+    ----------------
+    The tuning parameters: fields of :class:`PChAParams` (``params=``), or keywords.
+
     chain : bool
         Run the coarse-to-fine chain of models ending at ``model`` (paper P:466), each stage
         initialised by the previous one; ``history`` concatenates the stages.
@@ -519,33 +532,28 @@ def align(observed, reference, model: str = "rigid", *, init=None, grid: Distanc
         per-point Jacobians instead of the reduced statistics.
     lookup : {"corners", "cell"}
         Nearest entry of the 2^d surrounding cells (default) or the paper's single cell.
-    device : {"auto", "cpu", "gpu"}
+    resolution : int, optional
+        Cells along the longest side of the distance transform built when ``grid`` is None.
 
     Returns
     -------
     AlignResult
     """
-    return align_batch([observed], reference, model, init=None if init is None else [init],
-                       grid=grid, chain=chain, max_iter=max_iter, xtol=xtol, ftol=ftol,
-                       lambda0=lambda0, loss=loss, huber_delta=huber_delta, outside=outside,
-                       scaling=scaling, resolution=resolution, form=form, hessian=hessian,
-                       lookup=lookup, device=device)[0]
+    params = resolve_params(params, overrides, "align")
+    return align_batch([observed], reference, model, params=params, init=None if init is None else [init],
+                       grid=grid, device=device)[0]
 
 
-def align_batch(observed, reference, model: str = "rigid", *, init=None,
-                grid: DistanceGrid | None = None, chain: bool = False, max_iter: int = 100,
-                xtol: float = 1e-6, ftol: float = 1e-5, lambda0: float = 1e-3, loss: str = "l2",
-                huber_delta: float | None = None, outside: str = "clamp",
-                scaling: str = "paper", resolution: int | None = None, form: str = "fused",
-                hessian: str = "reduced", lookup: str = "corners",
-                device: str = "auto") -> list[AlignResult]:
+def align_batch(observed, reference, model: str = "rigid", *, params: PChAParams | None = None, init=None,
+                grid: DistanceGrid | None = None, device: str = "auto", **overrides) -> list[AlignResult]:
     """Many alignments against ONE reference, advanced in lockstep: every LM iteration is one
     launch for all still-active alignments (``blockIdx.y`` = alignment on the GPU), so small
     point sets still fill the GPU. ``observed`` is a list of ``(N_b, d)`` arrays or a
     ``(B, N, d)`` array; ``init`` a list of B initial transforms (or None, or one of
-    ``"identity"``, ``"centroids"`` for all). Other parameters as
-    :func:`align`."""
+    ``"identity"``, ``"centroids"`` for all). Other parameters (``params`` and its keyword
+    overrides) as :func:`align`."""
     t0 = time.perf_counter()
+    p = resolve_params(params, overrides, "align_batch")
     if observed is None:
         raise InputError("observed is None")
     if not isinstance(observed, (list, tuple)):
@@ -561,9 +569,9 @@ def align_batch(observed, reference, model: str = "rigid", *, init=None,
     d = obs[0].shape[1]
     if any(o.shape[1] != d for o in obs):
         raise InputError("all observed clouds of a batch must have the same dimension")
-    _validate(model, loss, outside, scaling, max_iter, huber_delta, form, hessian)
-    if lookup not in LOOKUPS:
-        raise InputError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
+    _validate(p)
+    if p.lookup not in LOOKUPS:
+        raise InputError(f"lookup must be one of {LOOKUPS}, got {p.lookup!r}")
     m = T.get_model(model, d)
     if grid is None:
         if reference is None:
@@ -573,7 +581,7 @@ def align_batch(observed, reference, model: str = "rigid", *, init=None,
             raise InputError(f"observed points are {d}-D but reference points are {ref.shape[1]}-D")
     dev = resolve_device(device, *obs, *([] if reference is None else [reference]))
     if grid is None:
-        grid = distance_transform(reference, resolution=resolution, device=dev)
+        grid = distance_transform(reference, resolution=p.resolution, device=dev)
     elif grid.dim != d:
         raise InputError(f"grid is {grid.dim}-D but observed points are {d}-D")
     if grid.device != dev:
@@ -595,26 +603,23 @@ def align_batch(observed, reference, model: str = "rigid", *, init=None,
     else:
         obs_n = [(np.asarray(o, np.float64) - c) / s for o in obs]
 
-    stages = T.chain(m, d) if chain else [m]
+    stages = T.chain(m, d) if p.chain else [m]
     hist_all = [[] for _ in range(B)]
     stage_info = [[] for _ in range(B)]
     delta_n = None
     for st in stages:
         P0 = T.from_matrix(st, Mn)
-        if loss == "huber" and delta_n is None:
-            delta_n = (np.full(B, huber_delta / s) if huber_delta is not None
-                       else _default_delta(grid, obs_n, Mn, lookup))
+        if p.loss == "huber" and delta_n is None:
+            delta_n = (np.full(B, p.huber_delta / s) if p.huber_delta is not None
+                       else _default_delta(grid, obs_n, Mn, p.lookup))
         dl = delta_n if delta_n is not None else np.ones(B)
         if dev == "gpu":
             from ._pcha_gpu import GpuEvaluator
 
-            ev = GpuEvaluator(st, grid, obs_n, outside=outside, loss=loss, form=form,
-                              hessian=hessian, lookup=lookup)
+            ev = GpuEvaluator(st, grid, obs_n, p)
         else:
-            ev = CpuEvaluator(st, grid, obs_n, outside=outside, loss=loss, lookup=lookup)
-        P, f, nin, hist, status, iters, accn = _lm(
-            ev, st, P0, dl, max_iter=int(max_iter), xtol=xtol, ftol=ftol, lambda0=lambda0,
-            scaling=scaling, min_points=st.n_params)
+            ev = CpuEvaluator(st, grid, obs_n, p)
+        P, f, nin, hist, status, iters, accn = _lm(ev, st, P0, dl, p, min_points=st.n_params)
         Mn = T.to_matrix(st, P)
         for b in range(B):
             stage_info[b].append({"model": st.name, "status": status[b],
@@ -628,7 +633,7 @@ def align_batch(observed, reference, model: str = "rigid", *, init=None,
         Mraw = T.unconjugate(Mn[b], c, s)
         n = int(obs[b].shape[0])
         nin_b = int(round(nin[b]))
-        used = nin_b if outside == "drop" else n
+        used = nin_b if p.outside == "drop" else n
         fb = float(f[b] * s * s)
         last = stage_info[b][-1]
         results.append(AlignResult(
@@ -636,10 +641,10 @@ def align_batch(observed, reference, model: str = "rigid", *, init=None,
             history=np.asarray(hist_all[b]) * s * s, status=last["status"],
             iterations=sum(x["iterations"] for x in stage_info[b]),
             accepted=sum(x["accepted"] for x in stage_info[b]), n_points=n, n_inliers=nin_b,
-            n_dropped=(n - nin_b) if outside == "drop" else 0, objective=fb,
+            n_dropped=(n - nin_b) if p.outside == "drop" else 0, objective=fb,
             rmse=float(np.sqrt(fb / used)) if used > 0 else float("nan"), device=dev,
             huber_delta=None if delta_n is None else float(delta_n[b] * s),
-            stages=stage_info[b] if chain else [], seconds=elapsed))
+            stages=stage_info[b] if p.chain else [], seconds=elapsed))
     return results
 
 

@@ -79,7 +79,7 @@ def _refine_icp(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations)
 def _refine_pcha(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations, dev):
     """Refine ``poses[cand]`` in place by parametric chamfer alignment (rigid, Huber)."""
     from ..align.edt import distance_transform
-    from ..align.pcha import align_batch
+    from ..align.pcha import PChAParams, align_batch
 
     if not len(cand):
         return
@@ -110,8 +110,9 @@ def _refine_pcha(library, hyps, cand, poses, rmse, sidx, inlier_dist, iterations
     ext = float(np.max(hi_ - lo + 2 * margin))
     res = int(np.clip(np.ceil(1.5 * ext / (0.5 * inlier_dist)), 32, 256 if dev == "gpu" else 160))
     grid = distance_transform(S[box], resolution=res, device=dev)  # the EDT reads its reference on the host
-    out = align_batch([xp.asarray(o) for o in obs], None, "rigid", init=[poses[h] for h in keep_c], grid=grid,
-                      loss="huber", huber_delta=float(inlier_dist), max_iter=int(iterations), device=dev)
+    params = PChAParams(loss="huber", huber_delta=float(inlier_dist), max_iter=int(iterations))
+    out = align_batch([xp.asarray(o) for o in obs], None, "rigid", params=params, init=[poses[h] for h in keep_c],
+                      grid=grid, device=dev)
     for h, r in zip(keep_c, out):
         if np.all(np.isfinite(r.transform)):
             poses[h], rmse[h] = np.asarray(r.transform, np.float64), r.rmse
