@@ -18,7 +18,8 @@ share); each family's ``__init__`` re-exports its public names:
 Shared by every family, at this level: :mod:`.backend` (device choice, array conversion, numba
 and CUDA settings), :mod:`.errors`, :mod:`.validation` (the input checks: point arrays, positive
 numbers), :mod:`.hypotheses` (the masked-argmax selection rule of recognition and motion) and
-``_geom_cpu`` (numba geometry helpers: the one cyclic-Jacobi eigen-solver, 3x3 for normals and SHOT frames, 4x4 for Horn's rigid fits).
+``_geom_cpu`` (numba geometry helpers: the one covariance step and the one cyclic-Jacobi
+eigen-solver, 3x3 for normals and SHOT frames, 4x4 for Horn's rigid fits).
 """
 from .backend import gpu_available, resolve_device, to_numpy
 from .errors import DeviceError, InputError, OutOfMemory, ScanforestError, ScanReadError

@@ -9,6 +9,9 @@
   ``if TYPE_CHECKING:`` are for annotations only and are not edges.
 * ``kernels/`` has one subpackage per family, each listed in ``pyproject.toml`` (the GPU machine
   installs with setuptools from that list).
+* No module of ``kernels/``, ``tasks/``, ``flows/`` or ``deploy/`` is over 1,000 lines (issue 40):
+  CUDA sources of that size are ``.cu`` files beside their module, shipped as package data
+  (``pyproject.toml``) and read with :mod:`importlib.resources`.
 * One family per folder: ``flows/`` holds Prefect flows, the runner, the deployment table and the
   helpers the flows use (distributed matching, the report), and nothing else: no CLI or bench
   module, nothing that imports typer, and no import of :mod:`scanforest.deploy`. The command line
@@ -188,6 +191,38 @@ def test_every_kernels_family_is_a_listed_subpackage():
     for init in (REPO / "kernels").rglob("__init__.py"):
         rel = init.parent.relative_to(REPO / "kernels").parts
         assert ".".join(("scanforest.kernels", *rel)) in listed, init
+
+
+#: the most lines a module may have (issue 40: a longer one is split by concern)
+MAX_MODULE_LINES = 1000
+
+
+def test_no_module_over_max_lines_and_cuda_sources_are_package_resources():
+    long = [f"{path.relative_to(REPO)}: {n} lines" for path in _modules().values()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
+    # every .cu file under kernels/ is package data of its package and found through importlib.resources
+    from fnmatch import fnmatch
+    from importlib.resources import files
+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    sources = sorted((REPO / "kernels").rglob("*.cu"))
+    assert sources
+    for cu in sources:
+        pkg_dir = cu.parent
+        while not (pkg_dir / "__init__.py").is_file():
+            pkg_dir = pkg_dir.parent
+        pkg = ".".join(("scanforest.kernels", *pkg_dir.relative_to(REPO / "kernels").parts))
+        rel = cu.relative_to(pkg_dir).as_posix()
+        assert any(fnmatch(rel, pat) for pat in data.get(pkg, [])), f"{rel} is not package data of {pkg}"
+        res = files(pkg).joinpath(*rel.split("/"))
+        assert res.is_file() and res.read_text(encoding="utf-8") == cu.read_text(encoding="utf-8"), rel
+    # the KD-tree kernels' source is assembled from its file (no CUDA needed to read it)
+    from scanforest.kernels.knn import _kdtree_gpu
+
+    src = _kdtree_gpu._source()
+    assert _kdtree_gpu._HALF_ROWS_MARK not in src and "__KP__" in src and "#define HCAP 256" in src
+    assert src.startswith(_kdtree_gpu._CUDA_COMMON) and 'extern "C" __global__' in src
 
 
 #: what ``flows/`` holds besides the flows themselves: the runner (Prefect's API, the Dask cluster
