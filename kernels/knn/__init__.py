@@ -2,8 +2,9 @@
 
 ``bruteforce`` (exact, the canonical distance every search shares), ``kdtree`` (the array
 KD-tree and its P-ANNS / P-BANNS search; numba build and search in ``_kdtree_cpu``, GPU ones in
-``_kdtree_gpu`` (CUDA source in ``cuda/kdtree.cu``), the tree structure in ``_kdtree_common``), ``kdforest`` (the scikit-learn-style index), ``topk`` (merging
-per-shard top-k) and ``sharded`` (an index split into contiguous shards).
+``_kdtree_gpu`` with their CUDA source in ``cuda/kdtree.cu``, the tree structure in
+``_kdtree_common``), ``kdforest`` (the scikit-learn-style index), ``topk`` (merging per-shard
+top-k) and ``sharded`` (an index split into contiguous shards).
 """
 from .bruteforce import MAX_K, check_points, knn_bruteforce, pair_distances, recall
 from .kdforest import KDForest, merge_topk_unique
