@@ -242,6 +242,10 @@ def _compare(dc, fc, dg, fg, label=""):
               f"max frame diff {ferr.max():.3g}, keypoints > 1e-4: {(err > 1e-4).sum()}")
         assert (err > 1e-4).mean() <= 1e-3
         assert np.median(err) < 1e-6
+        # the frames held as the descriptors are: a frame's sign is disambiguated by counts, so a
+        # near-tie may flip on a few keypoints; every other frame agrees to float32 rounding
+        assert (ferr > 1e-4).mean() <= 1e-3
+        assert np.median(ferr) < 1e-6
 
 
 @pytest.mark.gpu
