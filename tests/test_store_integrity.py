@@ -241,7 +241,7 @@ def test_direct_file_with_unknown_extension_is_one_line_error(tmp_path):
 
 
 def test_write_stages_writes_every_stage_in_one_round_and_reads_back(tmp_path, rng, monkeypatch):
-    import scanforest.tasks.store as store_mod
+    import scanforest.tasks.store.scans as store_mod
 
     st = ScanStore(tmp_path / "s.zarr", create=True)
     st.write_scan("a", {"points": rng.normal(size=(300, 3)).astype(np.float32)}, {"n_points": 300})
@@ -269,7 +269,7 @@ def test_write_stages_writes_every_stage_in_one_round_and_reads_back(tmp_path, r
 def test_write_arrays_finds_chunks_that_were_not_stored(tmp_path, monkeypatch):
     import zarr.core.array
 
-    from scanforest.tasks.store import _write_arrays
+    from scanforest.tasks.store.scans import _write_arrays
 
     st = ScanStore(tmp_path / "s.zarr", create=True)
     st.write_scan("a", {"points": np.zeros((4, 3), np.float32)}, {"n_points": 4})
@@ -285,7 +285,7 @@ def test_write_arrays_finds_chunks_that_were_not_stored(tmp_path, monkeypatch):
 
 
 def test_write_arrays_stores_what_zarrs_own_create_stores(tmp_path):
-    from scanforest.tasks.store import _array_metadata, _write_arrays
+    from scanforest.tasks.store.scans import _array_metadata, _write_arrays
 
     st = ScanStore(tmp_path / "s.zarr", create=True)
     for sid in ("fast", "zarr"):

@@ -1,62 +1,42 @@
-"""The scan store: a Zarr v3 hierarchy that every stage reads from and writes to.
-
-Layout (``STORE`` is a directory on a POSIX file system)::
-
-    STORE/
-      zarr.json                      root group; attrs: scanforest_store (layout version), created
-      scans/<scan_id>/               one group per scan
-          points        (N, 3) float32|float64, chunks of CHUNK_ROWS rows
-          normals       (N, 3) float32          (when the source had them)
-          colors        (N, 3) uint8
-          intensity     (N,)   float32
-          pixel_index   (N,)   int64           (organised clouds: index into WIDTH x HEIGHT)
-          extra_<name>  other per-point fields
-          <stage arrays>  written later by describe/match/recognize (keypoints, descriptors, ...)
-        attrs: source, sha256, format, encoding, n_points, units, bbox, ingested_at,
-               ground_truth (synthetic scenes), arrays {name: {shape, dtype}}, complete (bool),
-               and per-stage records (each with the arrays it wrote)
-      quarantine/<id>/               one group per rejected file; attrs: source, reason, sha256, time
-      runs/<run_id>/                 run manifests (what ran, versions, parameters, timings)
-      .locks/scans/<scan_id>.lock    claim files (empty; not Zarr nodes)
-      .locks/stages/<stage>/<scan_id>.lock   a stage's work claims (:meth:`ScanStore.claim_stage`)
+"""The scans of the store (``STORE/scans/<scan_id>/``) and the store itself: :class:`ScanStore`
+opens or creates it, reads and writes scans and their stages, quarantine records and run
+manifests; scan ids (:func:`scan_id_for`), stage records (:func:`stage_matches`,
+:func:`stage_digest`) and the errors of a store that cannot be written (:class:`StoreWriteError`).
+The layout is in the package's docstring (:mod:`scanforest.tasks.store`); the claims are
+:mod:`.locks`', the checks :mod:`.integrity`', the named things beside the scans (libraries,
+indexes, sequences, runs) :mod:`.catalog`'s.
 
 Visibility rule: a scan group is written with ``complete = False`` and flipped to ``True`` only
 after every array is written and read back with the shape its ``arrays`` record promises;
 :meth:`ScanStore.scans` lists complete scans only, and a later ingest replaces an incomplete group.
-
-Writers of one scan exclude each other with a claim: an exclusive ``flock`` on
-``.locks/scans/<scan_id>.lock``, held while the group is (re)created, written and flipped
-complete, and while a stage is added. Two ingests of the same archive at once therefore never
-replace a group the other is writing; the second one waits, finds the scan current and skips it.
-The OS drops the lock when its process dies, so a killed writer never blocks the next one, and
-writers of different scans never wait for each other. The lock files live outside ``scans/``
-so they are never listed as scans; they stay (one empty file per scan id) because removing a
-lock file that another process may be about to lock would let two writers hold "the" claim.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
 import errno
-import fcntl
+import functools
 import hashlib
 import json
 import os
 import re
-import shutil
-import threading
 import unicodedata
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
 from scanforest.kernels.errors import InputError
 
+from .integrity import Integrity, _array_problems, _check_written, _scan_problems, _spec_problem
+from .locks import LOCKS, Claims, file_lock
+
+if TYPE_CHECKING:
+    from .catalog import Catalog
+
 LAYOUT_VERSION = 1
 CHUNK_ROWS = 1 << 18  # 262,144 rows per chunk: ~3 MB of float32 xyz, good for parallel writes
 MAX_ID_BYTES = 200  # scan ids are one file name: leave room under NAME_MAX (255) for ".lock" etc.
-LOCKS = ".locks"
 
 
 def _now() -> str:
@@ -172,46 +152,6 @@ def _where_error(exc: BaseException) -> OSError | None:
     return None
 
 
-_HELD = threading.local()
-
-
-@contextlib.contextmanager
-def file_lock(path: str | os.PathLike, *, shared: bool = False, wait: bool = True,
-              create: bool = True) -> Iterator[bool]:
-    """Hold an ``flock`` on ``path`` for the ``with`` block; yields whether it was obtained.
-
-    Re-entrant within a thread (a writer that holds a scan's claim can call methods that claim it
-    again). ``wait=False`` yields ``False`` at once when another holder has it. ``create=False``
-    (read-only callers) yields ``True`` without locking when the file does not exist: nobody
-    holds a claim whose file was never created.
-    """
-    key = os.path.abspath(path)
-    held = _HELD.__dict__.setdefault("paths", set())
-    if key in held:
-        yield True
-        return
-    if create:
-        Path(key).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(key, os.O_RDWR | os.O_CREAT, 0o644)
-    else:
-        try:
-            fd = os.open(key, os.O_RDONLY)
-        except FileNotFoundError:
-            yield True
-            return
-    try:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        held.add(key)
-        try:
-            yield True
-        finally:
-            held.discard(key)
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _read_root_meta(path: Path) -> dict | None:
@@ -228,8 +168,8 @@ def _is_store_meta(meta: dict | None) -> bool:
     return bool(meta) and meta.get("node_type") == "group" and "scanforest_store" in meta.get("attributes", {})
 
 
-class ScanStore:
-    """A Zarr v3 scan store (see the module docstring for the layout).
+class ScanStore(Claims, Integrity):
+    """A Zarr v3 scan store (see :mod:`scanforest.tasks.store` for the layout).
 
     Parameters
     ----------
@@ -314,39 +254,17 @@ class ScanStore:
             found = _where_error(exc)
             if found is None or (found.filename and not _inside(str(found.filename), self.path)):
                 raise
-            from .preflight import write_problem
+            from ..preflight import write_problem
 
             raise StoreWriteError(self.path, write_problem(found)) from exc
 
-    def _lock_path(self, kind: str, name: str) -> Path:
-        return Path(self.path) / LOCKS / kind / f"{name}.lock"
+    @functools.cached_property
+    def catalog(self) -> Catalog:
+        """The store's libraries, indexes, sequences and runs (:class:`~.catalog.Catalog`), read
+        through this opened store."""
+        from .catalog import Catalog
 
-    @contextlib.contextmanager
-    def _lock(self, path: Path, *, wait: bool) -> Iterator[bool]:
-        """:func:`file_lock` on ``path``; creating its file in a full or read-only store is a
-        :class:`StoreWriteError` (and so is a write under it that fails that way)."""
-        with self._writing(), file_lock(path, wait=wait, create=self.mode != "r") as got:
-            yield got
-
-    def claim(self, scan_id: str, *, wait: bool = True):
-        """The scan's write claim, as a context manager yielding whether it was obtained.
-
-        Hold it around any read-check-write of one scan (ingest holds it from "is it current?" to
-        the complete flag). ``wait=False`` yields ``False`` at once while another process holds it.
-        """
-        return self._lock(self._lock_path("scans", scan_id), wait=wait)
-
-    def claim_stage(self, scan_id: str, stage: str, *, wait: bool = False):
-        """The claim on the work of one stage of one scan (``.locks/stages/<stage>/<scan_id>.lock``),
-        as a context manager yielding whether it was obtained; by default it does not wait.
-
-        A stage's unit of work holds it from "is this stage done?" to its :meth:`write_stage`, so
-        two runs of one stage on one store at once share the work: the second finds the scan held
-        and leaves it to the first (``held``: it counts it as such) instead of computing it again.
-        It is not the scan's write claim (:meth:`claim`, which the write itself takes): other stages,
-        ``check`` and readers of the scan go on while a stage computes. The OS drops it when its
-        process dies, so a killed worker's scans are free for the run that redoes them."""
-        return self._lock(self._lock_path(f"stages/{stage}", scan_id), wait=wait)
+        return Catalog(self)
 
     # ------------------------------------------------------------------ listing
     def _group(self, kind: str):
@@ -448,7 +366,7 @@ class ScanStore:
 
     def read_cloud(self, scan_id: str):
         """The scan back as a :class:`~scanforest.tasks.readers.PointCloud`."""
-        from .readers import PointCloud
+        from ..readers import PointCloud
 
         grp = self._scan(scan_id)
         keys = set(grp.array_keys())
@@ -550,128 +468,12 @@ class ScanStore:
 
     # ------------------------------------------------------------------ runs
     def write_run(self, run_id: str, record: dict[str, Any]) -> None:
-        with self._writing():
-            runs = self.root.require_group("runs")
-            grp = runs.require_group(run_id)
-            grp.attrs.update(_jsonable(record))
+        """:meth:`Catalog.write_run <.catalog.Catalog.write_run>`."""
+        self.catalog.write_run(run_id, record)
 
     def runs(self) -> list[dict[str, Any]]:
-        g = self._group("runs")
-        if g is None:
-            return []
-        return sorted((dict(child.attrs, id=name) for name, child in g.groups()), key=lambda d: d["id"])
-
-    # ------------------------------------------------------------------ integrity
-    def verify(self) -> list[dict[str, str]]:
-        """Scans that are not what their attrs say, one record each: ``scan_id``, ``problem``
-        and ``detail``. Problems:
-
-        ``leftover``    a folder under ``scans/`` without Zarr metadata (an interrupted delete)
-        ``incomplete``  a group never flipped complete (a killed writer)
-        ``damaged``     complete, but a promised array is missing, has another shape or dtype, or
-                        lacks chunk files (``points`` must exist and match ``n_points``)
-        ``stage``       a stage is recorded whose arrays are missing or cut short
-        ``collision``   several files were written as this one id (:meth:`collisions`)
-
-        A scan whose claim another process holds is being written and is not judged.
-        """
-        return self._damage() + self.collisions()
-
-    def _damage(self) -> list[dict[str, str]]:
-        """:meth:`verify`'s problems of the scans' own groups (all but collisions)."""
-        scans_dir = Path(self.path) / "scans"
-        if not scans_dir.is_dir():
-            return []
-        out = []
-        for entry in sorted(os.scandir(scans_dir), key=lambda e: e.name):
-            if not entry.is_dir() or entry.name.startswith("."):
-                continue
-            with file_lock(self._lock_path("scans", entry.name), wait=False, create=False) as free:
-                if free:
-                    out += self._problems_of(entry.name)
-        return out
-
-    def collisions(self) -> list[dict[str, str]]:
-        """Scan ids that several files were written as, one record each (problem ``collision``).
-
-        Versions before unique ids (:func:`legacy_scan_id`) gave different names one id, ``a b.pcd``
-        and ``a_b.pcd`` or ``日本語.pcd`` and ``中文.pcd`` (``_.pcd``): the file written last kept
-        the scan and the others were overwritten, with no trace in the scans. The ingest run's
-        manifest shows it: one record per file, so that id comes up more than once. The latest
-        ingest run of each source decides (one with records: a run killed early has none), so
-        ingesting that source again with this version, where every file gets an id of its own and
-        the file the scan holds keeps the old one, clears it. ``repair`` cannot: the scan is whole
-        and the lost files are only in the source.
-        """
-        latest: dict[str, dict[str, Any]] = {}
-        for run in self.runs():
-            if run.get("flow") == "ingest" and run.get("records"):
-                src = str((run.get("parameters") or {}).get("source"))
-                if src not in latest or _run_order(run) >= _run_order(latest[src]):
-                    latest[src] = run
-        out = []
-        for src, run in sorted(latest.items()):
-            counts: dict[str, int] = {}
-            for rec in run["records"]:
-                counts[rec.get("scan_id")] = counts.get(rec.get("scan_id"), 0) + 1
-            for sid, n in sorted((k, v) for k, v in counts.items() if k and v > 1):
-                try:
-                    held = f"it holds {self.attrs(sid).get('source')}"
-                except InputError:
-                    held = "the scan is gone"
-                out.append({"scan_id": sid, "problem": "collision",
-                            "detail": f"{n} files of ingest run {run['id']} were written as this one id (an older "
-                                      f"version's ids), {n - 1} of them overwritten; {held}: ingest {src} again "
-                                      "to give each file its own id"})
-        return out
-
-    def _problems_of(self, scan_id: str) -> list[dict[str, str]]:
-        def rec(problem: str, detail: str) -> dict[str, str]:
-            return {"scan_id": scan_id, "problem": problem, "detail": detail}
-
-        if not (Path(self.path) / "scans" / scan_id / "zarr.json").exists():
-            return [rec("leftover", "folder without Zarr metadata (an interrupted write or delete)")]
-        grp = self.root["scans"][scan_id]
-        if not grp.attrs.get("complete", False):
-            return [rec("incomplete", "never marked complete (an interrupted write)")]
-        damage = _scan_problems(grp)
-        if damage:
-            return [rec("damaged", "; ".join(damage))]
-        return [rec("stage", f"stage {stage!r}: " + "; ".join(found))
-                for stage, found in _stage_problems(grp).items()]
-
-    def repair(self) -> list[dict[str, str]]:
-        """Fix what :meth:`verify` finds so that the next run rewrites it; returns what was done.
-
-        A leftover, incomplete or damaged scan is removed (the next ingest writes it again from
-        its source); a damaged stage loses its record and its arrays (the next run of that stage
-        redoes it). Each fix happens under the scan's claim after checking again, so a scan
-        that a writer is busy with is left alone. A collision stays: only an ingest fixes it.
-        """
-        self._writable()
-        done = []
-        for sid in sorted({found["scan_id"] for found in self._damage()}):
-            with self.claim(sid, wait=False) as free:
-                probs = self._problems_of(sid) if free else []
-                if probs and probs[0]["problem"] == "stage":
-                    self._drop_damaged_stages(sid)
-                    done += [{**p, "action": "stage record and arrays dropped (run the stage again)"} for p in probs]
-                elif probs:
-                    shutil.rmtree(Path(self.path) / "scans" / sid)
-                    done.append({**probs[0], "action": "scan removed (ingest again to restore it)"})
-        return done
-
-    def _drop_damaged_stages(self, scan_id: str) -> None:
-        grp = self.root["scans"][scan_id]
-        stages = dict(grp.attrs.get("stages", {}))
-        base = set(grp.attrs.get("arrays", {})) | {"points"}
-        keys = set(grp.array_keys())
-        for stage in _stage_problems(grp):
-            rec = stages.pop(stage)
-            for name in set(rec.get("arrays", {})) - base:
-                if name in keys:
-                    del grp[name]
-        grp.attrs["stages"] = stages
+        """:meth:`Catalog.runs <.catalog.Catalog.runs>`."""
+        return self.catalog.runs()
 
     # ------------------------------------------------------------------ summary
     def info(self) -> dict[str, Any]:
@@ -700,69 +502,8 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def _run_order(run: dict[str, Any]) -> tuple[str, str]:
-    """A run manifest's place in time: its start (UTC), then its id (flow, local start time, random)."""
-    return run.get("started") or "", run["id"]
-
-
 def _spec(arr: np.ndarray) -> dict[str, Any]:
     return {"shape": list(arr.shape), "dtype": str(arr.dtype)}
-
-
-def _array_problems(grp, promised: dict[str, Any]) -> list[str]:
-    """How the group's arrays differ from ``promised`` (``{name: {shape, dtype}}``)."""
-    keys = set(grp.array_keys())
-    out = []
-    for name, spec in promised.items():
-        if name not in keys:
-            out.append(f"array {name!r} is missing")
-            continue
-        z = grp[name]
-        problem = _spec_problem(name, spec, list(z.shape), str(z.dtype), z.nchunks, z.nchunks_initialized)
-        if problem:
-            out.append(problem)
-    return out
-
-
-def _spec_problem(name: str, spec: dict[str, Any], shape: list, dtype: str, nchunks: int, have: int) -> str | None:
-    """How one stored array differs from its promise (``{shape, dtype}``), or None."""
-    if list(shape) != list(spec["shape"]) or dtype != spec["dtype"]:
-        return f"array {name!r} is {list(shape)} {dtype}, attrs promise {spec['shape']} {spec['dtype']}"
-    if have < nchunks:
-        return f"array {name!r} lacks {nchunks - have} of {nchunks} chunks"
-    return None
-
-
-def _scan_problems(grp) -> list[str]:
-    """A complete scan's damage. Scans written before the ``arrays`` record existed are checked
-    for their ``points`` against ``n_points`` only."""
-    a = grp.attrs
-    promised = a.get("arrays")
-    if promised is not None:
-        return _array_problems(grp, promised)
-    if "points" not in set(grp.array_keys()):
-        return ["array 'points' is missing"]
-    rows = grp["points"].shape[0]
-    if "n_points" in a and rows != a["n_points"]:
-        return [f"array 'points' has {rows} rows, attrs say n_points = {a['n_points']}"]
-    return []
-
-
-def _stage_problems(grp) -> dict[str, list[str]]:
-    out = {}
-    for stage, rec in grp.attrs.get("stages", {}).items():
-        found = _array_problems(grp, rec["arrays"]) if isinstance(rec, dict) and "arrays" in rec else []
-        if found:
-            out[stage] = found
-    return out
-
-
-def _check_written(grp, promised: dict[str, Any], what: str) -> None:
-    """Raise when freshly written arrays do not read back as promised (the task then fails and is
-    retried) instead of marking a damaged write as done."""
-    found = _array_problems(grp, promised)
-    if found:
-        raise OSError(errno.EIO, f"{what}: written arrays did not read back: {'; '.join(found)}")
 
 
 def _jsonable(obj: Any) -> Any:

@@ -1,0 +1,208 @@
+"""The named things the store keeps beside its scans, read and written through one opened
+:class:`~scanforest.tasks.store.scans.ScanStore` (``store.catalog``):
+
+* ``libraries/<name>/``: model libraries (:func:`scanforest.tasks.recognize.build_library`);
+* ``indexes/<name>/``: sharded KD-forest indexes (:func:`scanforest.tasks.index.build_index`);
+* ``sequences/<seq_id>/``: image sequences and their optical flow (:mod:`scanforest.tasks.flow`);
+* ``runs/<run_id>/``: run manifests (the flows' records).
+
+Each is a group whose attributes describe it; a library, an index or a sequence counts only once
+its ``complete`` attribute is true (it is written last). What lies inside each group is its
+writer's: this module knows where the groups are and when they count.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from scanforest.kernels.errors import InputError
+
+from .scans import _jsonable
+
+if TYPE_CHECKING:
+    from .scans import ScanStore
+
+LIBRARIES = "libraries"
+INDEXES = "indexes"
+SEQUENCES = "sequences"
+RUNS = "runs"
+
+
+class Catalog:
+    """Typed access to a store's libraries, indexes, sequences and runs (see the module)."""
+
+    def __init__(self, store: ScanStore):
+        self.store = store
+
+    @property
+    def path(self) -> str:
+        return self.store.path
+
+    def _kind(self, kind: str):
+        root = self.store.root
+        return root[kind] if kind in root else None
+
+    def _member(self, kind: str, name: str, *, complete: bool = True):
+        """The group ``kind/name`` (only when complete, by default), or None."""
+        g = self._kind(kind)
+        if g is None or name not in g:
+            return None
+        m = g[name]
+        return m if not complete or m.attrs.get("complete") else None
+
+    def _names(self, kind: str, *, include_incomplete: bool = True) -> list[str]:
+        g = self._kind(kind)
+        if g is None:
+            return []
+        return sorted(n for n, c in g.groups() if include_incomplete or c.attrs.get("complete", False))
+
+    def _new(self, kind: str, name: str):
+        """A fresh group ``kind/name`` (an existing one of that name removed), not yet complete."""
+        g = self.store.root.require_group(kind)
+        if name in g:
+            del g[name]
+        m = g.create_group(name)
+        m.attrs.update({"complete": False})
+        return m
+
+    # ------------------------------------------------------------------ libraries
+    def libraries(self) -> list[str]:
+        """Names of the stored libraries, complete or not, sorted."""
+        return self._names(LIBRARIES)
+
+    def find_library(self, name: str, *, complete: bool = True) -> dict[str, Any] | None:
+        """The attributes of library ``name`` (names, params, model_scans, content_hash,
+        build_params), or None when there is no such library (or it is incomplete)."""
+        g = self._member(LIBRARIES, name, complete=complete)
+        return None if g is None else dict(g.attrs)
+
+    def library_attrs(self, name: str) -> dict[str, Any]:
+        """The attributes of the complete library ``name``; a user error when there is none."""
+        a = self.find_library(name)
+        if a is None:
+            raise InputError(f"{self.path}: no complete model library {name!r} (build it: "
+                             f"scanforest library build STORE -m PATTERN --name {name})")
+        return a
+
+    def library_arrays(self, name: str, names: list[str] | None = None) -> dict[str, np.ndarray]:
+        """Arrays of library ``name`` (all of them by default), read whole."""
+        g = self._member(LIBRARIES, name, complete=False)
+        if g is None:
+            raise InputError(f"{self.path}: no model library {name!r}")
+        return {k: g[k][...] for k in (g.array_keys() if names is None else names)}
+
+    def new_library(self, name: str):
+        """A fresh, incomplete group for library ``name`` (the old one removed): its writer
+        fills it and sets ``complete`` last."""
+        return self._new(LIBRARIES, name)
+
+    # ------------------------------------------------------------------ indexes
+    def indexes(self) -> list[str]:
+        """Names of the stored indexes, complete or not, sorted."""
+        return self._names(INDEXES)
+
+    def find_index(self, name: str) -> dict[str, Any] | None:
+        """The attributes of the complete index ``name`` (params, shards, n, d, dtype,
+        content_hash, scans, library), or None."""
+        g = self._member(INDEXES, name)
+        return None if g is None else dict(g.attrs)
+
+    def index_attrs(self, name: str) -> dict[str, Any]:
+        """The attributes of the complete index ``name``; a user error when there is none."""
+        return dict(self.index_group(name).attrs)
+
+    def index_group(self, name: str):
+        """The group of the complete index ``name`` (its reference rows and shard trees, read
+        lazily); a user error when there is none."""
+        g = self._member(INDEXES, name)
+        if g is None:
+            raise InputError(f"{self.path}: no complete index {name!r} (build it with `scanforest index build`)")
+        return g
+
+    def new_index(self, name: str):
+        """A fresh, incomplete group for index ``name`` (the old one removed)."""
+        return self._new(INDEXES, name)
+
+    def update_index(self, name: str, attrs: dict[str, Any]) -> None:
+        """Add ``attrs`` to the attributes of the complete index ``name``."""
+        self.index_group(name).attrs.update(_jsonable(attrs))
+
+    # ------------------------------------------------------------------ sequences
+    def sequences(self, *, include_incomplete: bool = False) -> list[str]:
+        """Ids of the (completely written) sequences, sorted."""
+        return self._names(SEQUENCES, include_incomplete=include_incomplete)
+
+    def find_sequence(self, seq_id: str) -> dict[str, Any] | None:
+        """The attributes of the complete sequence ``seq_id``, or None."""
+        g = self._member(SEQUENCES, seq_id)
+        return None if g is None else dict(g.attrs)
+
+    def sequence(self, seq_id: str):
+        """The group of the complete sequence ``seq_id`` (its frames, tracks and flow); a user
+        error when it is missing or incomplete."""
+        g = self._member(SEQUENCES, seq_id, complete=False)
+        if g is None:
+            raise InputError(f"{self.path}: no sequence {seq_id!r} (have: {self.sequences()})")
+        if not g.attrs.get("complete", False):
+            raise InputError(f"{self.path}: sequence {seq_id!r} is incomplete (an interrupted write); "
+                             "ingest it again")
+        return g
+
+    def new_sequence(self, seq_id: str):
+        """A fresh, incomplete group for sequence ``seq_id`` (the old one removed)."""
+        return self._new(SEQUENCES, seq_id)
+
+    # ------------------------------------------------------------------ runs
+    def runs(self) -> list[dict[str, Any]]:
+        """Every run manifest (its attributes and ``id``), sorted by id."""
+        g = self._kind(RUNS)
+        if g is None:
+            return []
+        return sorted((dict(child.attrs, id=name) for name, child in g.groups()), key=lambda d: d["id"])
+
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        """The manifest of run ``run_id`` (without its ``id``), or None."""
+        g = self._member(RUNS, run_id, complete=False)
+        return None if g is None else dict(g.attrs)
+
+    def write_run(self, run_id: str, record: dict[str, Any]) -> None:
+        """Add ``record`` to the manifest of run ``run_id`` (created when new)."""
+        with self.store._writing():
+            runs = self.store.root.require_group(RUNS)
+            grp = runs.require_group(run_id)
+            grp.attrs.update(_jsonable(record))
+
+
+def warm(maxsize: int) -> Callable:
+    """A per-process cache of what ``fn(store, *key)`` loads from the store, keyed by the store's
+    path and ``key`` (a name and a content hash: the thing loaded, as it is now): a warm call
+    neither opens nor reads the store. The ``maxsize`` most recently used are kept;
+    ``fn.cache_clear()`` empties it."""
+
+    def deco(fn):
+        cache: OrderedDict = OrderedDict()
+        lock = threading.Lock()
+
+        @functools.wraps(fn)
+        def cached(store: ScanStore, *key):
+            k = (store.path, *key)
+            with lock:
+                if k in cache:
+                    cache.move_to_end(k)
+                    return cache[k]
+            value = fn(store, *key)
+            with lock:
+                cache[k] = value
+                cache.move_to_end(k)
+                while len(cache) > maxsize:
+                    cache.popitem(last=False)
+            return value
+
+        cached.cache_clear = cache.clear
+        return cached
+
+    return deco
