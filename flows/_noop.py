@@ -55,10 +55,9 @@ def match_noop(store: str, queries: list[str] | None, k: int, name: str) -> dict
     t0 = time.perf_counter()
     try:
         st = _store(store)
-        idx = st.root["indexes"] if "indexes" in st.root else None
-        if idx is None or name not in idx or not idx[name].attrs.get("complete") or int(k) < 1:
+        attrs = st.catalog.find_index(name)
+        if attrs is None or int(k) < 1:
             return None
-        attrs = dict(idx[name].attrs)
         have = st.scans()
         if queries is None:
             ref = set(attrs.get("scans", []))

@@ -80,10 +80,10 @@ def _crashed(store: str, run_id: str, flow_run_id: str | None) -> bool:
     from scanforest.tasks.store import ScanStore
 
     st = ScanStore(store, mode="a")
-    runs = st.root["runs"] if "runs" in st.root else None
-    if runs is None or run_id not in runs or runs[run_id].attrs.get("status") != "running":
+    run = st.catalog.run(run_id)
+    if run is None or run.get("status") != "running":
         return False  # ended on its own, or a no-op whose record was summarised
-    interrupt(st, {**runs[run_id].attrs, "id": run_id, "flow_run_id": flow_run_id})
+    interrupt(st, {**run, "id": run_id, "flow_run_id": flow_run_id})
     return True
 
 

@@ -30,7 +30,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
 from scanforest.tasks.describe import DescribeParams
-from scanforest.tasks.recognize import build_library, describe_params_for, description_key, library_attrs
+from scanforest.tasks.recognize import build_library, describe_params_for, description_key
 from scanforest.tasks.store import ScanStore
 
 from .batching import auto_batch, map_batches
@@ -84,7 +84,8 @@ def archive_flow(store: str, source: str | None = None, models: str = "models__*
             raise InputError(f"k={k} neighbours are fewer than recognition uses ({need}: match_k"
                              f"{' + 1 for the ratio test' if need > int(rec_params.get('match_k', 1)) else ''})")
         out["library"] = build_library(store, model_ids, name=library, params=library_params or {}, device=device)
-        params = describe_params_for(rec_params, library_attrs(store, library).get("params"))
+        lib_attrs = ScanStore(store, mode="r").catalog.library_attrs(library)
+        params = describe_params_for(rec_params, lib_attrs.get("params"))
         if describe:
             asked = DescribeParams(**{**params.__dict__, **describe})
             want, got = description_key(params.as_dict()), description_key(asked.as_dict())

@@ -191,9 +191,8 @@ def check_index_build(store: str, reference: list[str] | None, shards, params: d
     if library is not None:
         if reference:
             raise InputError("give the index's reference as scans or as a model library, not both")
-        libs = st.root["libraries"] if "libraries" in st.root else None
-        if libs is None or library not in libs or not libs[library].attrs.get("complete"):
-            have = sorted(libs.group_keys()) if libs is not None else []
+        if st.catalog.find_library(library) is None:
+            have = st.catalog.libraries()
             raise InputError(f"{store}: no complete model library {library!r} "
                              f"({'libraries: ' + ', '.join(have) if have else 'the store has none'}; "
                              "`scanforest library build` builds one)")
@@ -220,7 +219,7 @@ def check_match(store: str, queries: list[str] | None, k: int, name: str) -> tup
     st = open_store(store)
     if int(k) < 1:
         raise InputError(f"-k must be at least 1, got {k}")
-    attrs = idx.index_attrs(store, name)
+    attrs = st.catalog.index_attrs(name)
     if queries is not None:
         have = set(st.scans())
         bad = [q for q in queries if q not in have or not st.has_stage(q, "describe")]

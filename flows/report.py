@@ -375,10 +375,10 @@ def _correct(dets: list[dict], truth: list[dict], name_to_id: dict[str, int], ma
 
 
 def _library_names(store: ScanStore, name: str | None) -> dict[str, int]:
-    libs = store.root["libraries"] if "libraries" in store.root else None
-    if libs is None or name not in libs:
+    attrs = store.catalog.find_library(name, complete=False) if name is not None else None
+    if attrs is None:
         return {}
-    return {_short(n): i for i, n in enumerate(libs[name].attrs.get("names", []))}
+    return {_short(n): i for i, n in enumerate(attrs.get("names", []))}
 
 
 def _detections(store: ScanStore) -> dict[str, Any]:

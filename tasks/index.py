@@ -23,6 +23,7 @@ and the persisted tree) from the store, so shards never travel through the sched
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -90,18 +91,16 @@ def collect_library_reference(store: ScanStore, library: str):
     (an index into ``scans``, the library's model scans in its order), ``ref_row`` its library
     row (``valid_rows``), ``source`` ``{"name", "content_hash"}`` of the library (recorded in the
     index's attributes)."""
-    libs = store.root["libraries"] if "libraries" in store.root else None
-    if libs is None or library not in libs or not libs[library].attrs.get("complete"):
+    attrs = store.catalog.find_library(library)
+    if attrs is None:
         raise InputError(f"{store.path}: no complete model library {library!r} (build it first: "
                          "`scanforest recognize` or the archive flow builds it)")
-    g = libs[library]
-    desc = g["descriptors"][...].astype(np.float32, copy=False)
+    desc = store.catalog.library_arrays(library, ["descriptors"])["descriptors"].astype(np.float32, copy=False)
     rows = np.flatnonzero(np.isfinite(desc).all(axis=1))  # = ModelLibrary.valid_rows
     if len(rows) == 0:
         raise InputError(f"{store.path}: model library {library!r} has no finite descriptor")
-    attrs = dict(g.attrs)
     scans = list(attrs.get("model_scans") or attrs.get("names") or [])
-    ref_scan = np.asarray(g["model_id"][...], np.int32)[rows]
+    ref_scan = np.asarray(store.catalog.library_arrays(library, ["model_id"])["model_id"], np.int32)[rows]
     return (np.ascontiguousarray(desc[rows]), ref_scan, rows.astype(np.int64), scans,
             {"name": library, "content_hash": attrs["content_hash"]})
 
@@ -148,13 +147,10 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
         library = {"name": str(library["name"]), "content_hash": str(library["content_hash"])}
         hashed["library"] = library
     digest = content_hash(reference, hashed)
-    idx = store.root.require_group("indexes")
-    if name in idx and idx[name].attrs.get("complete") and idx[name].attrs.get("content_hash") == digest:
+    found = store.catalog.find_index(name)
+    if found is not None and found.get("content_hash") == digest:
         return {"name": name, "status": "unchanged", "content_hash": digest, "n": int(reference.shape[0])}
-    if name in idx:
-        del idx[name]
-    g = idx.create_group(name)
-    g.attrs.update({"complete": False})
+    g = store.catalog.new_index(name)
     t0 = time.perf_counter()
     rows = max(1, min(1 << 16, ranges[0][1] - ranges[0][0]))
     z = g.create_array("reference", shape=reference.shape, dtype=dtype, chunks=(rows, reference.shape[1]),
@@ -216,14 +212,6 @@ def plan_for(n: int, d: int, params: dict[str, Any], device: str, *, k: int = 4,
                          f"{min(mem) / 2**30:.1f} GiB: {plan.describe()}; it needs at least {plan.min_workers} "
                          "such devices (or a smaller reference)")
     return plan
-
-
-def index_attrs(store_path: str, name: str) -> dict[str, Any]:
-    store = ScanStore(store_path, mode="r")
-    idx = store.root["indexes"] if "indexes" in store.root else None
-    if idx is None or name not in idx or not idx[name].attrs.get("complete"):
-        raise InputError(f"{store_path}: no complete index {name!r} (build it with `scanforest index build`)")
-    return dict(idx[name].attrs)
 
 
 def _all_finite(a: np.ndarray, step: int = 1 << 18) -> bool:
@@ -300,14 +288,14 @@ def _pin_on_dask_cuda() -> bool:
 @dataclass(frozen=True)
 class StoredShards:
     """The shards of index ``name`` in the store at ``store_path``, as a :class:`DistributedIndex`
-    loads them (``attrs``: the index's attributes; ``load``: :func:`load_shard`)."""
+    loads them (``attrs``: the index's attributes, read once; ``load``: :func:`load_shard`)."""
 
     store_path: str
     name: str
 
-    @property
+    @functools.cached_property
     def attrs(self) -> dict[str, Any]:
-        return index_attrs(self.store_path, self.name)
+        return ScanStore(self.store_path, mode="r").catalog.index_attrs(self.name)
 
     @property
     def key(self) -> str:
@@ -317,8 +305,9 @@ class StoredShards:
         return load_shard(self.store_path, self.name, shard, device, method)
 
 
-def load_shard(store_path: str, name: str, shard: int, device: str = "auto", method: str | None = None) -> Shard:
-    """Load shard ``shard`` of index ``name`` on this worker (GPU when ``device`` resolves to it).
+def load_shard(store: str | ScanStore, name: str, shard: int, device: str = "auto", method: str | None = None) -> Shard:
+    """Load shard ``shard`` of index ``name`` on this worker (GPU when ``device`` resolves to it);
+    ``store``: the opened store, or its path (opened here).
 
     The persisted tree is used as it is, and the device holds one copy of the rows, in the
     tree's leaf order; an index written without trees builds the shard's tree here.
@@ -329,10 +318,10 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
     from scanforest.kernels.knn.kdtree import KDTree
 
     _pin_on_dask_cuda()
-    attrs = index_attrs(store_path, name)
+    st = store if isinstance(store, ScanStore) else ScanStore(store, mode="r")
+    g = st.catalog.index_group(name)
+    attrs = dict(g.attrs)
     a, b = attrs["shards"][shard]
-    store = ScanStore(store_path, mode="r")
-    g = store.root["indexes"][name]
     z = g["reference"]  # float32, or float16 (widened on the device after the upload)
     dev = resolve_device(device)
     params = dict(attrs["params"])
@@ -351,7 +340,7 @@ def load_shard(store_path: str, name: str, shard: int, device: str = "auto", met
         xp = np
     perm = np.asarray(tg["perm"][...], np.int64)
     if perm.size % max(1, int(b - a)) or (perm.size and (perm.min() < 0 or perm.max() >= b - a)):
-        raise InputError(f"index {name!r} shard {shard} in {store_path}: its tree's permutation does not "
+        raise InputError(f"index {name!r} shard {shard} in {st.path}: its tree's permutation does not "
                          f"index its {b - a} rows (a damaged store: rebuild the index)")
     arrays = {k: xp.asarray(tg[k][...]) for k in TREE_ARRAYS if k != "perm"}
     arrays["perm"] = xp.asarray(perm)

@@ -11,7 +11,7 @@ from typing import Any
 from scanforest.kernels.errors import InputError
 
 from .preflight import check_store_location
-from .recognize import library_attrs, library_current, library_index_name
+from .recognize import library_current, library_index_name
 from .store import ScanStore
 
 
@@ -30,17 +30,10 @@ def index_params(given: dict | None) -> dict[str, Any]:
     return {**INDEX_DEFAULTS, **{k: v for k, v in (given or {}).items() if v is not None}}
 
 
-def _index_group_attrs(store: str, name: str) -> dict[str, Any] | None:
-    st = ScanStore(store, mode="r")
-    ix = st.root["indexes"] if "indexes" in st.root else None
-    if ix is None or name not in ix or not ix[name].attrs.get("complete"):
-        return None
-    return dict(ix[name].attrs)
-
-
 def summary(store: str, name: str, lib_status: str, index: str, index_status: str, seconds: float) -> dict:
-    a = library_attrs(store, name)
-    ia = _index_group_attrs(store, index) or {}
+    cat = ScanStore(store, mode="r").catalog
+    a = cat.library_attrs(name)
+    ia = cat.find_index(index) or {}
     return {"library": name, "status": "unchanged" if lib_status == index_status == "unchanged" else "built",
             "library_status": lib_status, "models": len(a.get("model_scans") or []),
             "reference_descriptors": int(ia.get("n", 0)), "index": index, "index_status": index_status,
@@ -59,9 +52,10 @@ def library_unchanged(store: str, models: list[str], name: str = "default", para
     t0 = time.perf_counter()
     if not library_current(store, models, name, params):
         return None
-    lib = library_attrs(store, name)
+    cat = ScanStore(store, mode="r").catalog
+    lib = cat.library_attrs(name)
     index = library_index_name(name)
-    ia = _index_group_attrs(store, index)
+    ia = cat.find_index(index)
     if ia is None:
         return None
     have = {k: v for k, v in (ia.get("params") or {}).items() if k != "split"}

@@ -40,7 +40,6 @@ from scanforest.kernels.errors import InputError, ScanforestError, ScanReadError
 from .store import ScanStore, _jsonable, scan_id_for
 
 FRAME_EXTS = (".png", ".tif", ".tiff", ".jpg", ".jpeg", ".bmp", ".npy")
-GROUP = "sequences"
 
 
 def _now() -> str:
@@ -145,27 +144,10 @@ def catching_user_errors(fn, *args, **kwargs):
         return UserError(exc)
 
 
-def _seq_root(st: ScanStore):
-    return st.root.require_group(GROUP)
-
-
 def sequences(store: str | ScanStore, *, include_incomplete: bool = False) -> list[str]:
     """Ids of the (completely written) sequences of a store."""
     st = store if isinstance(store, ScanStore) else ScanStore(store, mode="r")
-    if GROUP not in st.root:
-        return []
-    g = st.root[GROUP]
-    return sorted(n for n, c in g.groups() if include_incomplete or c.attrs.get("complete", False))
-
-
-def _sequence(st: ScanStore, seq_id: str):
-    if GROUP not in st.root or seq_id not in st.root[GROUP]:
-        raise InputError(f"{st.path}: no sequence {seq_id!r} (have: {sequences(st)})")
-    g = st.root[GROUP][seq_id]
-    if not g.attrs.get("complete", False):
-        raise InputError(f"{st.path}: sequence {seq_id!r} is incomplete (an interrupted write); "
-                         "ingest it again")
-    return g
+    return st.catalog.sequences(include_incomplete=include_incomplete)
 
 
 def write_sequence(store: str | ScanStore, seq_id: str, frames, *, tracks=None,
@@ -191,10 +173,7 @@ def write_sequence(store: str | ScanStore, seq_id: str, frames, *, tracks=None,
     if tracks is not None and len(tracks) != fr.shape[0] - 1:
         raise InputError(f"{fr.shape[0]} frames make {fr.shape[0] - 1} pairs but {len(tracks)} "
                          "track arrays were given")
-    root = _seq_root(st)
-    if seq_id in root:
-        del root[seq_id]
-    g = root.create_group(seq_id)
+    g = st.catalog.new_sequence(seq_id)
     t, h, w, c = fr.shape
     g.attrs.update(_jsonable({**(attrs or {}), "n_frames": t, "height": h, "width": w,
                               "channels": c, "dtype": str(fr.dtype), "ingested_at": _now(),
@@ -233,7 +212,7 @@ def ingest_sequence(store: str, source: str, seq_id: str | None = None, *,
         h.update(f.read_bytes())
     sha = h.hexdigest()
     st = ScanStore(store, create=True)  # frames are ingested: this creates the store
-    if not force and sid in sequences(st) and st.root[GROUP][sid].attrs.get("sha256") == sha:
+    if not force and (st.catalog.find_sequence(sid) or {}).get("sha256") == sha:
         return {"seq_id": sid, "status": "skipped", "frames": len(files),
                 "seconds": time.perf_counter() - t0}
     frames = [read_frame(f) for f in files]
@@ -259,7 +238,7 @@ def ingest_sequence(store: str, source: str, seq_id: str | None = None, *,
 
 def read_frames(store: str | ScanStore, seq_id: str, start: int = 0, stop: int | None = None):
     st = store if isinstance(store, ScanStore) else ScanStore(store, mode="r")
-    return _sequence(st, seq_id)["frames"][start:stop]
+    return st.catalog.sequence(seq_id)["frames"][start:stop]
 
 
 def _pair_name(t: int) -> str:
@@ -278,7 +257,7 @@ def _params_key(method: str, params: dict, tracks: str, klt: dict | None = None)
 def pair_done(store: str | ScanStore, seq_id: str, t: int, method: str, key: dict | None = None) -> bool:
     st = store if isinstance(store, ScanStore) else ScanStore(store, mode="r")
     try:
-        g = _sequence(st, seq_id)
+        g = st.catalog.sequence(seq_id)
         pg = g["flow"][method][_pair_name(t)]
     except (KeyError, InputError):
         return False
@@ -292,7 +271,7 @@ def check_trackable(store: str | ScanStore, seq_id: str, klt: dict | None = None
     from scanforest.kernels.motion.optical_flow import check_trackable as _check
 
     st = store if isinstance(store, ScanStore) else ScanStore(store, mode="r")
-    g = _sequence(st, seq_id)
+    g = st.catalog.sequence(seq_id)
     n_pairs = int(g.attrs["n_frames"]) - 1
     stored = g["tracks"] if "tracks" in g else None
     if stored is not None and all(_pair_name(t) in stored for t in range(n_pairs)):
@@ -306,7 +285,7 @@ def check_trackable(store: str | ScanStore, seq_id: str, klt: dict | None = None
 def prepare_outputs(store: str, seq_id: str, methods) -> int:
     """Create the ``flow/<method>`` groups once (before parallel writers); returns T - 1."""
     st = ScanStore(store)
-    g = _sequence(st, seq_id)
+    g = st.catalog.sequence(seq_id)
     fg = g.require_group("flow")
     for m in methods:
         fg.require_group(m)
@@ -338,7 +317,7 @@ def motion_pairs(store: str, seq_id: str, pairs: list[int], *, method: str = "hy
     t_start = time.perf_counter()
     params = dict(params or {})
     st = ScanStore(store)
-    g = _sequence(st, seq_id)
+    g = st.catalog.sequence(seq_id)
     n_pairs = int(g.attrs["n_frames"]) - 1
     bad = [t for t in pairs if not (0 <= int(t) < n_pairs)]
     if bad:
@@ -409,5 +388,5 @@ def read_flow(store: str | ScanStore, seq_id: str, t: int, method: str = "hypoth
     st = store if isinstance(store, ScanStore) else ScanStore(store, mode="r")
     if not pair_done(st, seq_id, t, method):
         raise InputError(f"{st.path}: no complete {method} flow for pair {t} of {seq_id!r}")
-    pg = _sequence(st, seq_id)["flow"][method][_pair_name(t)]
+    pg = st.catalog.sequence(seq_id)["flow"][method][_pair_name(t)]
     return pg["flow"][...], pg["valid"][...]

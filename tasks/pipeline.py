@@ -26,30 +26,55 @@ description (or matches) is current is recognised from it (it is read, not recom
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from scanforest.kernels.errors import InputError
 
 from .store import ScanStore, _jsonable, stage_digest, stage_matches
+from .store.catalog import warm
 from .units import isolated
+
+if TYPE_CHECKING:
+    from scanforest.kernels.knn.sharded import Shard
+    from scanforest.kernels.recognition import ModelLibrary
+
+    from .describe import DescribeParams
 
 DESCRIBE_ARRAYS = ("est_normals", "kp_index", "kp_frames", "kp_shot")
 
 
-@functools.lru_cache(maxsize=2)
-def _resident_index(store_path: str, name: str, content_hash: str, device: str):
-    """Every shard of index ``name`` loaded on this worker's device, once per process (an index
-    over a model library is small: tens of thousands of rows)."""
-    from .index import index_attrs, load_shard
+@warm(maxsize=2)
+def _resident_index(st: ScanStore, name: str, content_hash: str, device: str):
+    """Every shard of index ``name`` of the opened store ``st`` loaded on this worker's device,
+    once per process (an index over a model library is small: tens of thousands of rows)."""
+    from .index import load_shard
 
-    n = len(index_attrs(store_path, name)["shards"])
-    return [load_shard(store_path, name, i, device) for i in range(n)]
+    n = len(st.catalog.index_attrs(name)["shards"])
+    return [load_shard(st, name, i, device) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class OnePass:
+    """What every scan of one :func:`process_batch` shares: the store (opened once for the
+    batch), the library and the index's shards (resident on ``dev``), the parameters."""
+
+    st: ScanStore
+    lib: ModelLibrary
+    lib_attrs: dict[str, Any]
+    library: str
+    index: str
+    index_hash: str
+    shards: list[Shard]  # the index's, resident on ``dev``
+    dparams: DescribeParams  # the description recognition uses
+    params: dict[str, Any]
+    k: int
+    dev: str
 
 
 def search_index(shards, Q, k: int):
@@ -78,24 +103,21 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
     t_task, c_task = time.perf_counter(), time.process_time()
     from scanforest.kernels.backend import resolve_device
 
-    from .index import index_attrs
-    from .recognize import _load_library_cached, describe_params_for, library_attrs
+    from .recognize import _load_library_cached, describe_params_for
 
-    st = ScanStore(store_path)
-    lib_attrs = library_attrs(store_path, library)
-    iattrs = index_attrs(store_path, index)
+    st = ScanStore(store_path)  # the batch's one opening of the store
+    lib_attrs = st.catalog.library_attrs(library)
+    iattrs = st.catalog.index_attrs(index)
     src = iattrs.get("library") or {}
     if src.get("name") != library or src.get("content_hash") != lib_attrs.get("content_hash"):
         raise InputError(f"index {index!r} is not built over library {library!r} as it is now "
                          "(build it with `scanforest index build --library`)")
     dev = resolve_device(device)
-    ctx = {
-        "st": st, "lib": _load_library_cached(store_path, library, lib_attrs["content_hash"]),
-        "lib_attrs": lib_attrs, "library": library, "index": index, "index_hash": iattrs["content_hash"],
-        "shards": _resident_index(store_path, index, iattrs["content_hash"], dev),
-        "dparams": describe_params_for(params, lib_attrs.get("params")), "params": dict(params or {}),
-        "k": int(k), "dev": dev,
-    }
+    ctx = OnePass(st=st, lib=_load_library_cached(st, library, lib_attrs["content_hash"]), lib_attrs=lib_attrs,
+                  library=library, index=index, index_hash=iattrs["content_hash"],
+                  shards=_resident_index(st, index, iattrs["content_hash"], dev),
+                  dparams=describe_params_for(params, lib_attrs.get("params")), params=dict(params or {}),
+                  k=int(k), dev=dev)
     setup = time.perf_counter() - t_task  # the store, the library and the index (cached once loaded)
     out: dict[str, dict[str, Any]] = {}
     with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="sf-writeback") as writer:
@@ -150,17 +172,17 @@ def _raise(exc: BaseException):
     raise exc
 
 
-def _prepare_scan(ctx: dict[str, Any], sid: str) -> dict[str, Any]:
+def _prepare_scan(ctx: OnePass, sid: str) -> dict[str, Any]:
     """A scan read, described and matched (what is current is read, not recomputed), or its
     ``skipped`` record when its recognition is current."""
     from .recognize import scene_from_matches, stored_inputs
 
     t0 = time.perf_counter()
-    st, dev, params, dparams = ctx["st"], ctx["dev"], ctx["params"], ctx["dparams"]
+    st, dev, params, dparams = ctx.st, ctx.dev, ctx.params, ctx.dparams
     meta = st.attrs(sid)
     stages = meta.get("stages", {})
-    plan = stored_inputs(st, sid, ctx["library"], ctx["lib_attrs"], params, scan_attrs=meta)
-    key = {"library": ctx["library"], "content_hash": ctx["lib_attrs"]["content_hash"],
+    plan = stored_inputs(st, sid, ctx.library, ctx.lib_attrs, params, scan_attrs=meta)
+    key = {"library": ctx.library, "content_hash": ctx.lib_attrs["content_hash"],
            "params": _jsonable(params), "inputs": None}
     if plan["fits"]:
         key["inputs"] = {"describe": plan["describe"], "match": plan["match"]}
@@ -173,8 +195,8 @@ def _prepare_scan(ctx: dict[str, Any], sid: str) -> dict[str, Any]:
     have_desc = stage_matches(drec, **dparams.as_dict())
     d_digest = stage_digest(drec) if have_desc else None
     mrec = stages.get("match")
-    have_match = have_desc and stage_matches(mrec, index=ctx["index"], content_hash=ctx["index_hash"],
-                                             k=ctx["k"], describe=d_digest)
+    have_match = have_desc and stage_matches(mrec, index=ctx.index, content_hash=ctx.index_hash,
+                                             k=ctx.k, describe=d_digest)
     names = ["points"] + (list(DESCRIBE_ARRAYS) if have_desc else []) + (
         ["match_ids", "match_dist"] if have_match else [])
     a = st.read_many(sid, names)
@@ -189,27 +211,27 @@ def _prepare_scan(ctx: dict[str, Any], sid: str) -> dict[str, Any]:
     if have_match:
         ids, dist = a["match_ids"], a["match_dist"]
     else:
-        ids, dist, n_q = _match(desc, ctx["shards"], ctx["k"], dev, timings)
+        ids, dist, n_q = _match(desc, ctx.shards, ctx.k, dev, timings)
         writes.append(("match", {"match_ids": ids, "match_dist": dist},
-                       lambda w, n_q=n_q: {"index": ctx["index"], "content_hash": ctx["index_hash"], "k": ctx["k"],
+                       lambda w, n_q=n_q: {"index": ctx.index, "content_hash": ctx.index_hash, "k": ctx.k,
                                            "queries": n_q,
                                            "describe": stage_digest(w["describe"]) if "describe" in w else d_digest}))
     scene = scene_from_matches(desc["points"], desc["normals"], desc["keypoints"], desc["frames"], ids, dist,
-                               ctx["lib"], params)
+                               ctx.lib, params)
     timings["matching"] = timings.get("matching", 0.0) + scene["seconds"]
     return {"scan_id": sid, "scene": scene, "writes": writes, "key": key, "meta": meta, "timings": timings,
             "digests": (d_digest, stage_digest(mrec) if have_match else None),
             "described": not have_desc, "matched": not have_match, "seconds": time.perf_counter() - t0}
 
 
-def _recognize_chunk(ready: list[dict[str, Any]], ctx: dict[str, Any]) -> list:
+def _recognize_chunk(ready: list[dict[str, Any]], ctx: OnePass) -> list:
     """The detections of the prepared scans, together (one grouping launch on a GPU); when that
     fails, scan by scan, so that a failure is the failing scan's own record."""
     from .recognize import _recognize_stored, _recognize_stored_many
 
     if not ready:
         return []
-    lib, params, dev = ctx["lib"], ctx["params"], ctx["dev"]
+    lib, params, dev = ctx.lib, ctx.params, ctx.dev
     t = time.perf_counter()
     try:
         dets = _recognize_stored_many([r["scene"] for r in ready], lib, params, dev)
@@ -233,11 +255,11 @@ def _recognize_chunk(ready: list[dict[str, Any]], ctx: dict[str, Any]) -> list:
     return out
 
 
-def _finish_scan(ctx: dict[str, Any], res: dict[str, Any], dets, writer) -> dict[str, Any]:
+def _finish_scan(ctx: OnePass, res: dict[str, Any], dets, writer) -> dict[str, Any]:
     """The scan's recognize record, and its stages handed to the writer thread."""
     from .recognize import _evaluate
 
-    sid, timings, lib, dev = res["scan_id"], res["timings"], ctx["lib"], ctx["dev"]
+    sid, timings, lib, dev = res["scan_id"], res["timings"], ctx.lib, ctx.dev
     for ph, v in (getattr(dets, "timings", {}) or {}).items():
         if ph != "total":
             timings[ph] = timings.get(ph, 0.0) + v
@@ -261,7 +283,7 @@ def _finish_scan(ctx: dict[str, Any], res: dict[str, Any], dets, writer) -> dict
 
     def write() -> float:
         t = time.perf_counter()
-        ctx["st"].write_stages(sid, writes)
+        ctx.st.write_stages(sid, writes)
         return time.perf_counter() - t
 
     return {"scan_id": sid, "status": "recognized", "detections": n, "evaluation": evaluation, "source": "stored",

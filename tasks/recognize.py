@@ -27,7 +27,6 @@ again.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import time
@@ -38,6 +37,7 @@ import numpy as np
 from scanforest.kernels.errors import InputError
 
 from .store import ScanStore, _jsonable, stage_digest, stage_matches
+from .store.catalog import warm
 
 LIBRARY_KEYS = ("model_ss", "descr_rad", "rf_rad", "normal_k", "normal_radius", "verify_leaf", "views")
 
@@ -63,10 +63,8 @@ def library_current(store_path: str, model_scans: list[str], name: str, params: 
     """Whether the stored library ``name`` is complete and what :func:`build_library` with these
     arguments would build (it would then be a no-op). Reads attributes only."""
     st = ScanStore(store_path, mode="r")
-    libs = st.root["libraries"] if "libraries" in st.root else None
-    if libs is None or name not in libs or not libs[name].attrs.get("complete"):
-        return False
-    return libs[name].attrs.get("content_hash") == library_digest(st, model_scans, params)
+    stored = st.catalog.find_library(name)
+    return stored is not None and stored.get("content_hash") == library_digest(st, model_scans, params)
 
 
 def resolve_library(store_path: str, name: str, model_scans: list[str] | None,
@@ -78,9 +76,7 @@ def resolve_library(store_path: str, name: str, model_scans: list[str] | None,
     :data:`LIBRARY_DEFAULTS` when the store has no such library: a library that ``library build``
     made is used as it is, not rebuilt with other parameters, so its index and the matches
     against it stay current."""
-    st = ScanStore(store_path, mode="r")
-    libs = st.root["libraries"] if "libraries" in st.root else None
-    stored = dict(libs[name].attrs) if libs is not None and name in libs and libs[name].attrs.get("complete") else None
+    stored = ScanStore(store_path, mode="r").catalog.find_library(name)
     if model_scans is None:
         if stored is None:
             raise InputError(f"{store_path}: no --models given and no model library {name!r} to take them from "
@@ -99,15 +95,13 @@ def library_index_name(name: str) -> str:
 def library_index(store_path: str, name: str) -> str:
     """The index built over library ``name`` as it is now (``library build``'s, else any other
     such index, e.g. the archive flow's), for ``match --library``; a user error when none is."""
-    lib = library_attrs(store_path, name)
-    st = ScanStore(store_path, mode="r")
-    idx = st.root["indexes"] if "indexes" in st.root else None
-    want = {"name": name, "content_hash": lib.get("content_hash")}
-    if idx is not None:
-        own = library_index_name(name)
-        for ix in [own] + sorted(k for k in idx.group_keys() if k != own):
-            if ix in idx and idx[ix].attrs.get("complete") and idx[ix].attrs.get("library") == want:
-                return ix
+    cat = ScanStore(store_path, mode="r").catalog
+    want = {"name": name, "content_hash": cat.library_attrs(name).get("content_hash")}
+    own = library_index_name(name)
+    for ix in [own] + [k for k in cat.indexes() if k != own]:
+        found = cat.find_index(ix)
+        if found is not None and found.get("library") == want:
+            return ix
     raise InputError(f"{store_path}: no index over model library {name!r} as it is now (build it: "
                      f"scanforest library build STORE -m PATTERN --name {name})")
 
@@ -122,8 +116,8 @@ def build_library(store_path: str, model_scans: list[str], *, name: str = "defau
     if not model_scans:
         raise InputError("no model scans given for the library")
     digest = library_digest(st, model_scans, params)
-    libs = st.root.require_group("libraries")
-    if name in libs and libs[name].attrs.get("complete") and libs[name].attrs.get("content_hash") == digest:
+    stored = st.catalog.find_library(name)
+    if stored is not None and stored.get("content_hash") == digest:
         return {"name": name, "status": "unchanged", "content_hash": digest, "models": len(model_scans)}
     t0 = time.perf_counter()
     pts, nrm = [], []
@@ -135,10 +129,7 @@ def build_library(store_path: str, model_scans: list[str], *, name: str = "defau
                              models_normals=nrm if all(n is not None for n in nrm) else None,
                              device=device, **params)
     arrays, attrs = lib.to_arrays()
-    if name in libs:
-        del libs[name]
-    g = libs.create_group(name)
-    g.attrs.update({"complete": False})
+    g = st.catalog.new_library(name)
     for k, a in arrays.items():
         st._write_array(g, k, np.asarray(a))
     g.attrs.update({**_jsonable(attrs), "model_scans": list(model_scans), "content_hash": digest,
@@ -148,18 +139,10 @@ def build_library(store_path: str, model_scans: list[str], *, name: str = "defau
             "reference_descriptors": int(len(lib.descriptors)), "seconds": time.perf_counter() - t0}
 
 
-def library_attrs(store_path: str, name: str) -> dict[str, Any]:
-    """The attributes of the complete library ``name`` (names, params, model_scans, content_hash)."""
-    st = ScanStore(store_path, mode="r")
-    libs = st.root["libraries"] if "libraries" in st.root else None
-    if libs is None or name not in libs or not libs[name].attrs.get("complete"):
-        raise InputError(f"{store_path}: no complete model library {name!r} (build it: "
-                         f"scanforest library build STORE -m PATTERN --name {name})")
-    return dict(libs[name].attrs)
-
-
 def library_hash(store_path: str, name: str) -> str:
-    return library_attrs(store_path, name)["content_hash"]
+    """The content hash of the complete library ``name`` (:meth:`Catalog.library_attrs
+    <scanforest.tasks.store.catalog.Catalog.library_attrs>`)."""
+    return ScanStore(store_path, mode="r").catalog.library_attrs(name)["content_hash"]
 
 
 def _library_descr_rad(library_params: dict[str, Any] | None) -> float:
@@ -214,8 +197,6 @@ def stored_inputs(st: ScanStore, scan_id: str, library: str, lib_attrs: dict[str
     record, "match": digest of the match record}``."""
     from scanforest.kernels.recognition import RecognizeParams
 
-    from .index import index_attrs
-
     p = RecognizeParams().replace(**(params or {}))
 
     def unfit(reason: str) -> dict[str, Any]:
@@ -244,7 +225,7 @@ def stored_inputs(st: ScanStore, scan_id: str, library: str, lib_attrs: dict[str
         return unfit("the matches are older than the description (the scan was described again)")
     name = mrec.get("index")
     try:
-        iattrs = index_attrs(st.path, name)
+        iattrs = st.catalog.index_attrs(name)
     except InputError:
         return unfit(f"index {name!r} of the matches is gone")
     src = iattrs.get("library") or {}
@@ -263,18 +244,19 @@ def stored_inputs(st: ScanStore, scan_id: str, library: str, lib_attrs: dict[str
     return {"fits": True, "reason": None, "describe": d_digest, "match": stage_digest(mrec)}
 
 
-@functools.lru_cache(maxsize=4)
-def _load_library_cached(store_path: str, name: str, digest: str):
+@warm(maxsize=4)
+def _load_library_cached(st: ScanStore, name: str, digest: str):
+    """Library ``name`` of the opened store ``st`` as a ModelLibrary, loaded once per worker
+    process (cached by the store's path, the name and the content hash ``digest``)."""
     from scanforest.kernels.recognition import ModelLibrary
 
-    g = ScanStore(store_path, mode="r").root["libraries"][name]
-    arrays = {k: g[k][...] for k in g.array_keys()}
-    return ModelLibrary.from_arrays(arrays, dict(g.attrs))
+    return ModelLibrary.from_arrays(st.catalog.library_arrays(name), st.catalog.find_library(name, complete=False))
 
 
 def load_library(store_path: str, name: str):
     """The library, loaded once per worker process (cached by content hash)."""
-    return _load_library_cached(store_path, name, library_hash(store_path, name))
+    st = ScanStore(store_path, mode="r")
+    return _load_library_cached(st, name, st.catalog.library_attrs(name)["content_hash"])
 
 
 def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str, Any], *,
@@ -292,7 +274,7 @@ def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str
 
     t0 = time.perf_counter()
     st = ScanStore(store_path)
-    lib_attrs = library_attrs(store_path, library)
+    lib_attrs = st.catalog.library_attrs(library)
     digest = lib_attrs["content_hash"]
     meta = st.attrs(scan_id)  # read once: the stage records below all come from it
     plan = stored_inputs(st, scan_id, library, lib_attrs, params, scan_attrs=meta)
@@ -324,7 +306,7 @@ def _recognize_claimed(st: ScanStore, scan_id: str, library: str, params: dict[s
     """:func:`recognize_scan`'s work on a scene whose claim it holds: recognise, write, report."""
     from scanforest.kernels.recognition import recognize
 
-    lib = _load_library_cached(st.path, library, digest)
+    lib = _load_library_cached(st, library, digest)
     if plan["fits"]:
         scene = _stored_scene(st, scan_id, lib, params)
         t_io = time.perf_counter() - t0

@@ -106,7 +106,6 @@ def test_archive_flow_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     from scanforest.flows.archive import archive_flow
     from scanforest.flows.prefect_api import ensure_prefect_api
     from scanforest.kernels.synthetic.scenes import recognition_presets
-    from scanforest.tasks.index import index_attrs
     from scanforest.tasks.recognize import library_hash, recognize_scan
     from scanforest.tasks.store import ScanStore, stage_digest
     from scanforest.tasks.synth import write_archive
@@ -126,7 +125,7 @@ def test_archive_flow_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     assert first["describe"]["described"] == 2  # the scenes: the library describes the models
     assert first["match"]["matched"] == 2 and first["recognize"]["recognized"] == 2
     assert first["recognize"]["from_stored"] == 2 and first["recognize"]["recomputed"] == 0
-    assert index_attrs(store, "models")["library"] == {"name": "default",
+    assert ScanStore(store, mode="r").catalog.index_attrs("models")["library"] == {"name": "default",
                                                        "content_hash": library_hash(store, "default")}
     st = ScanStore(store, mode="r")
     scenes = ("scenes__scene_0000.pcd", "scenes__scene_0001.pcd")

@@ -98,13 +98,14 @@ def test_index_records_its_split_rule_and_rebuilds_when_it_changes(tmp_path, rng
     with another rule is rebuilt by a call that takes the default, and the stored trees are the
     default rule's."""
     from scanforest.kernels.knn.kdforest import KDForest
+    from scanforest.tasks.store import ScanStore
 
     X, _ = _data(rng, n=600)
     store = str(tmp_path / "s.zarr")
     old = idx.build_index(store, "t", X, params={"method": "anns", "leaf_size": 16, "split": "median"})
     new = idx.build_index(store, "t", X, params={"method": "anns", "leaf_size": 16})
     assert new["status"] == "built" and new["content_hash"] != old["content_hash"]
-    assert idx.index_attrs(store, "t")["params"]["split"] == KDForest().split == "variance"
+    assert ScanStore(store, mode="r").catalog.index_attrs("t")["params"]["split"] == KDForest().split == "variance"
     again = idx.build_index(store, "t", X, params={"method": "anns", "leaf_size": 16, "split": "variance"})
     assert again["status"] == "unchanged"
     tree = idx.load_shard(store, "t", 0, "cpu").forest.tree_
@@ -112,7 +113,7 @@ def test_index_records_its_split_rule_and_rebuilds_when_it_changes(tmp_path, rng
     np.testing.assert_array_equal(tree.split_dim, fit.split_dim)
     np.testing.assert_array_equal(tree.split_val, fit.split_val)
     exact = idx.build_index(store, "e", X, params={"method": "exact"})  # no trees: no split rule
-    assert exact["status"] == "built" and "split" not in idx.index_attrs(store, "e")["params"]
+    assert exact["status"] == "built" and "split" not in ScanStore(store, mode="r").catalog.index_attrs("e")["params"]
 
 
 def test_persisted_forest_shard_answers_like_the_fitted_one(tmp_path, rng):

@@ -13,8 +13,7 @@ from scanforest.kernels.recognition import recognize
 from scanforest.kernels.synthetic import scenes as S
 from scanforest.tasks import index as idx
 from scanforest.tasks.describe import DescribeParams, describe_scan
-from scanforest.tasks.recognize import (build_library, describe_params_for, library_attrs, load_library,
-                                        recognize_scan, stored_inputs)
+from scanforest.tasks.recognize import build_library, describe_params_for, load_library, recognize_scan, stored_inputs
 from scanforest.tasks.store import ScanStore
 
 LIB = dict(model_ss=0.01, descr_rad=0.04, rf_rad=0.03, normal_radius=0.015, views=16)
@@ -75,7 +74,7 @@ def _same(world, sid: str, want) -> None:
 
 
 def _describe(world, sid: str, params: DescribeParams | None = None, **kw) -> dict:
-    p = params or describe_params_for(REC, library_attrs(world["store"], "lib")["params"])
+    p = params or describe_params_for(REC, ScanStore(world["store"], mode="r").catalog.library_attrs("lib")["params"])
     return describe_scan(world["store"], sid, p, device="cpu", **kw)
 
 
@@ -98,8 +97,9 @@ def test_index_over_the_library_is_its_reference_in_order(world):
     np.testing.assert_array_equal(g["reference"][...], lib.reference())
     np.testing.assert_array_equal(g["ref_row"][...], lib.valid_rows)
     np.testing.assert_array_equal(g["ref_scan"][...], lib.model_id[lib.valid_rows])
-    attrs = idx.index_attrs(world["store"], "ix")
-    assert attrs["library"] == {"name": "lib", "content_hash": library_attrs(world["store"], "lib")["content_hash"]}
+    cat = ScanStore(world["store"], mode="r").catalog
+    attrs = cat.index_attrs("ix")
+    assert attrs["library"] == {"name": "lib", "content_hash": cat.library_attrs("lib")["content_hash"]}
     assert attrs["scans"] == world["models"]
 
 
@@ -138,7 +138,7 @@ def test_a_scene_described_otherwise_is_recognised_from_its_points(world):
 
 def test_matches_that_do_not_fit_are_not_used(world):
     st = ScanStore(world["store"])
-    lib = library_attrs(world["store"], "lib")
+    lib = ScanStore(world["store"], mode="r").catalog.library_attrs("lib")
     sid = _scene(world, "scene_fit")
     assert stored_inputs(st, sid, "lib", lib, REC)["reason"] == "the scan is not described"
     _describe(world, sid)
@@ -187,7 +187,8 @@ def test_recognize_resumes_and_redoes_a_scene_described_or_matched_again(world):
     # described as recognition describes again: the old matches belong to another description, so
     # they are not used (and the detections recognised from the points stand)
     _describe(world, sid)
-    reason = stored_inputs(ScanStore(store), sid, "lib", library_attrs(store, "lib"), REC)["reason"]
+    st = ScanStore(store)
+    reason = stored_inputs(st, sid, "lib", st.catalog.library_attrs("lib"), REC)["reason"]
     assert reason == "the matches are older than the description (the scan was described again)"
     assert recognize_scan(store, sid, "lib", REC, device="cpu")["status"] == "skipped"
     # matched again (the match stage sees the new description): recognised again, from the store
@@ -233,3 +234,53 @@ def test_a_failed_batched_recognition_is_said_and_counted(world, monkeypatch, ca
     assert recs[0]["batched_fallback"] == "RuntimeError: injected batch fault"
     assert "batched recognition of 1 scans failed (RuntimeError: injected batch fault)" in caplog.text
     _same(world, sid, _want(world, sid))
+
+
+def test_one_batch_opens_the_store_once(world, monkeypatch):
+    """A batch of the one pass opens the store once: the library's and the index's attributes,
+    the library and the index's shards (cold or warm in this process) and every scan's reads and
+    writes go through that one opened store."""
+    import zarr
+
+    from scanforest.tasks import pipeline, recognize as rz
+
+    opened, groups = [], []
+    init, open_group = ScanStore.__init__, zarr.open_group
+
+    def counted_init(self, path, *a, **k):
+        opened.append(str(path))
+        init(self, path, *a, **k)
+
+    def counted_open_group(*a, **k):
+        groups.append(a[0] if a else k.get("store"))
+        return open_group(*a, **k)
+
+    st = ScanStore(world["store"])
+    pts = world["scene"].points[:4000]
+    sids = [f"scene_open_once_{i}" for i in range(2)]
+    for sid in sids:
+        st.write_scan(sid, {"points": pts}, {"sha256": sid})
+    monkeypatch.setattr(ScanStore, "__init__", counted_init)
+    monkeypatch.setattr(zarr, "open_group", counted_open_group)
+    for cold in (True, False):  # the library and the shards loaded here, then found in this process's caches
+        if cold:
+            pipeline._resident_index.cache_clear()
+            rz._load_library_cached.cache_clear()
+        opened.clear(), groups.clear()
+        recs = pipeline.process_batch(world["store"], sids, library="lib", index="ix", params=REC, k=4, device="cpu")
+        assert [r["status"] for r in recs] == (["recognized"] * 2 if cold else ["skipped"] * 2), recs
+        assert opened == [world["store"]] and len(groups) == 1, (cold, opened, groups)
+
+
+def test_stored_shards_read_the_index_attrs_once(world, monkeypatch):
+    opened = []
+    init = ScanStore.__init__
+
+    def counted_init(self, path, *a, **k):
+        opened.append(str(path))
+        init(self, path, *a, **k)
+
+    monkeypatch.setattr(ScanStore, "__init__", counted_init)
+    src = idx.StoredShards(world["store"], "ix")
+    assert src.attrs["shards"] == src.attrs["shards"] and len(src.attrs["shards"]) == 2
+    assert opened == [world["store"]]

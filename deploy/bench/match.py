@@ -183,10 +183,10 @@ def _source_key(n, d, clusters, dtype, params, shards) -> str:
 
 def _workdir_index(store: str) -> str | None:
     """The source key of a complete bench index kept in ``store`` (None: none there)."""
-    from scanforest.tasks import index as idx
+    from scanforest.tasks.store import ScanStore
 
     try:
-        return idx.index_attrs(store, "bench").get("bench_source")
+        return ScanStore(store, mode="r").catalog.index_attrs("bench").get("bench_source")
     except (InputError, OSError, KeyError, ValueError):
         return None
 
@@ -194,7 +194,7 @@ def _workdir_index(store: str) -> str | None:
 def _mark_workdir_index(store: str, source: str) -> None:
     from scanforest.tasks.store import ScanStore
 
-    ScanStore(store).root["indexes"]["bench"].attrs.update({"bench_source": source})
+    ScanStore(store).catalog.update_index("bench", {"bench_source": source})
 
 
 def _reference(n: int, d: int, clusters: int, dev: str, dtype: str, piece: int = PIECE,
