@@ -207,7 +207,6 @@ def test_count_redone_takes_only_this_runs_scans(tmp_path):
 def test_a_full_or_read_only_store_is_one_user_error(tmp_path, monkeypatch):
     """ENOSPC/EDQUOT/EROFS inside the store's writes is a user error naming the store and the
     reason: not retried, not one scan's failure (it ends the run), one line from the command."""
-    import scanforest.tasks.store.catalog as catalog_mod
     import scanforest.tasks.store.scans as store_mod
     from scanforest.kernels.errors import InputError
     from scanforest.tasks.prefect_tasks import not_a_user_error
@@ -239,7 +238,7 @@ def test_a_full_or_read_only_store_is_one_user_error(tmp_path, monkeypatch):
     monkeypatch.setattr(ScanStore, "_write_array", staticmethod(fail(errno.EROFS, inside)))
     with pytest.raises(StoreWriteError, match="read-only file system"):
         st.write_scan("new.npy", {"points": np.zeros((4, 3), np.float32)}, {"n_points": 4})
-    monkeypatch.setattr(catalog_mod, "_jsonable", fail(errno.EDQUOT, store / "runs"))
+    monkeypatch.setattr(store_mod, "_jsonable", fail(errno.EDQUOT, store / "runs"))
     with pytest.raises(StoreWriteError, match=str(store)):
         st.write_run("r1", {"status": "running"})
     # a file outside the store that fails the same way is not blamed on the store

@@ -21,8 +21,6 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError
 
-from .scans import _jsonable
-
 if TYPE_CHECKING:
     from .scans import ScanStore
 
@@ -129,7 +127,7 @@ class Catalog:
 
     def update_index(self, name: str, attrs: dict[str, Any]) -> None:
         """Add ``attrs`` to the attributes of the complete index ``name``."""
-        self.index_group(name).attrs.update(_jsonable(attrs))
+        self.index_group(name).attrs.update(attrs)
 
     # ------------------------------------------------------------------ sequences
     def sequences(self, *, include_incomplete: bool = False) -> list[str]:
@@ -165,16 +163,10 @@ class Catalog:
         return sorted((dict(child.attrs, id=name) for name, child in g.groups()), key=lambda d: d["id"])
 
     def run(self, run_id: str) -> dict[str, Any] | None:
-        """The manifest of run ``run_id`` (without its ``id``), or None."""
+        """The manifest of run ``run_id`` (without its ``id``), or None. (They are written by
+        :meth:`ScanStore.write_run <scanforest.tasks.store.scans.ScanStore.write_run>`.)"""
         g = self._member(RUNS, run_id, complete=False)
         return None if g is None else dict(g.attrs)
-
-    def write_run(self, run_id: str, record: dict[str, Any]) -> None:
-        """Add ``record`` to the manifest of run ``run_id`` (created when new)."""
-        with self.store._writing():
-            runs = self.store.root.require_group(RUNS)
-            grp = runs.require_group(run_id)
-            grp.attrs.update(_jsonable(record))
 
 
 def warm(maxsize: int) -> Callable:

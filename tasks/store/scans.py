@@ -22,17 +22,15 @@ import os
 import re
 import unicodedata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from scanforest.kernels.errors import InputError
 
+from .catalog import Catalog
 from .integrity import Integrity, _array_problems, _check_written, _scan_problems, _spec_problem
 from .locks import LOCKS, Claims, file_lock
-
-if TYPE_CHECKING:
-    from .catalog import Catalog
 
 LAYOUT_VERSION = 1
 CHUNK_ROWS = 1 << 18  # 262,144 rows per chunk: ~3 MB of float32 xyz, good for parallel writes
@@ -262,8 +260,6 @@ class ScanStore(Claims, Integrity):
     def catalog(self) -> Catalog:
         """The store's libraries, indexes, sequences and runs (:class:`~.catalog.Catalog`), read
         through this opened store."""
-        from .catalog import Catalog
-
         return Catalog(self)
 
     # ------------------------------------------------------------------ listing
@@ -468,8 +464,11 @@ class ScanStore(Claims, Integrity):
 
     # ------------------------------------------------------------------ runs
     def write_run(self, run_id: str, record: dict[str, Any]) -> None:
-        """:meth:`Catalog.write_run <.catalog.Catalog.write_run>`."""
-        self.catalog.write_run(run_id, record)
+        """Add ``record`` to the manifest of run ``run_id`` (``runs/<run_id>/``, created when new)."""
+        with self._writing():
+            runs = self.root.require_group("runs")
+            grp = runs.require_group(run_id)
+            grp.attrs.update(_jsonable(record))
 
     def runs(self) -> list[dict[str, Any]]:
         """:meth:`Catalog.runs <.catalog.Catalog.runs>`."""
