@@ -8,7 +8,8 @@
 
 Each is a group whose attributes describe it; a library, an index or a sequence counts only once
 its ``complete`` attribute is true (it is written last). What lies inside each group is its
-writer's: this module knows where the groups are and when they count.
+writer's: this module knows where the groups are and when they count. :func:`warm` caches what
+a worker loads from them (a library, an index's shards) by the store's path and content hash.
 """
 from __future__ import annotations
 
