@@ -183,10 +183,7 @@ def _on_crashed(flow, flow_run, state) -> None:
 
 
 def _run_attrs(store, run_id: str) -> dict:
-    try:
-        return dict(store.root["runs"][run_id].attrs)
-    except KeyError:
-        return {}
+    return store.catalog.run(run_id) or {}
 
 
 def _public_params(params: dict) -> dict:
@@ -222,20 +219,11 @@ def count_noop(store, flow: str, summary: dict, run_id: str | None = None) -> No
     ``noop_runs``), so an idle store's schedule adds no record per run. ``store``: a
     :class:`~scanforest.tasks.store.ScanStore` or a path; best effort (a store that cannot be
     written keeps no count)."""
-    from scanforest.tasks.store import LOCKS, ScanStore, _jsonable, file_lock
+    from scanforest.tasks.store import ScanStore
 
     with contextlib.suppress(Exception):
         st = store if isinstance(store, ScanStore) else ScanStore(absolute_path(store), mode="a")
-        runs = st.root.require_group("runs")
-        with file_lock(os.path.join(st.path, LOCKS, "runs", "noop.lock")):
-            if run_id is not None and run_id in runs:
-                del runs[run_id]
-            counts = dict(runs.attrs.get("noop_runs") or {})
-            now = _iso()
-            old = counts.get(flow) or {}
-            counts[flow] = {"count": int(old.get("count", 0)) + 1, "first": old.get("first", now), "last": now,
-                            "summary": {k: v for k, v in summary.items() if not isinstance(v, (list, dict))}}
-            runs.attrs["noop_runs"] = _jsonable(counts)
+        st.count_noop_run(flow, summary, _iso(), run_id)
 
 
 def record_run(store, flow: str, parameters: dict, summary: dict, records: list[dict]) -> str:

@@ -18,7 +18,7 @@ Layout (``STORE`` is a directory on a POSIX file system)::
       quarantine/<id>/               one group per rejected file; attrs: source, reason, sha256, time
       libraries/<name>/              model libraries (:mod:`scanforest.tasks.recognize`)
       indexes/<name>/                sharded KD-forest indexes (:mod:`scanforest.tasks.index`)
-      sequences/<seq_id>/            image sequences and their flow (:mod:`scanforest.tasks.flow`)
+      sequences/<seq_id>/            image sequences and their flow (:mod:`scanforest.tasks.motion`)
       runs/<run_id>/                 run manifests (what ran, versions, parameters, timings)
       .locks/scans/<scan_id>.lock    claim files (empty; not Zarr nodes)
       .locks/stages/<stage>/<scan_id>.lock   a stage's work claims (:meth:`ScanStore.claim_stage`)

@@ -3,7 +3,7 @@
 
 * ``libraries/<name>/``: model libraries (:func:`scanforest.tasks.recognize.build_library`);
 * ``indexes/<name>/``: sharded KD-forest indexes (:func:`scanforest.tasks.index.build_index`);
-* ``sequences/<seq_id>/``: image sequences and their optical flow (:mod:`scanforest.tasks.flow`);
+* ``sequences/<seq_id>/``: image sequences and their optical flow (:mod:`scanforest.tasks.motion`);
 * ``runs/<run_id>/``: run manifests (the flows' records).
 
 Each is a group whose attributes describe it; a library, an index or a sequence counts only once

@@ -470,6 +470,22 @@ class ScanStore(Claims, Integrity):
             grp = runs.require_group(run_id)
             grp.attrs.update(_jsonable(record))
 
+    def count_noop_run(self, flow: str, summary: dict[str, Any], when: str, run_id: str | None = None) -> None:
+        """Count a run of ``flow`` that found nothing to do instead of keeping its manifest: run
+        ``run_id``'s record (opened by its start) is removed, and the ``runs`` group's
+        ``noop_runs`` attribute keeps per flow the count, the first and last time (``when``) and
+        the last run's scalar figures of ``summary``."""
+        with self._writing():
+            runs = self.root.require_group("runs")
+            with file_lock(os.path.join(self.path, LOCKS, "runs", "noop.lock")):
+                if run_id is not None and run_id in runs:
+                    del runs[run_id]
+                counts = dict(runs.attrs.get("noop_runs") or {})
+                old = counts.get(flow) or {}
+                counts[flow] = {"count": int(old.get("count", 0)) + 1, "first": old.get("first", when), "last": when,
+                                "summary": {k: v for k, v in summary.items() if not isinstance(v, (list, dict))}}
+                runs.attrs["noop_runs"] = _jsonable(counts)
+
     def runs(self) -> list[dict[str, Any]]:
         """:meth:`Catalog.runs <.catalog.Catalog.runs>`."""
         return self.catalog.runs()
