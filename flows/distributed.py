@@ -312,9 +312,12 @@ class DistributedIndex:
                                                        pure=False)
             qf = [one] * s
 
+        read = isinstance(Q, tuple)  # rows read from a source may hold keypoints without a descriptor
+
         def on_shards(**kw):  # each search runs where its shard lives (loose: a lost worker's shard moves)
-            return [c.submit(idx.search_shard, f, qf[i], k, stats=True, workers=[self.placement[g * s + i]],
-                             allow_other_workers=True, pure=False, **kw) for i, f in enumerate(self.groups[g])]
+            return [c.submit(idx.search_shard, f, qf[i], k, stats=True, skip_invalid=read,
+                             workers=[self.placement[g * s + i]], allow_other_workers=True, pure=False, **kw)
+                    for i, f in enumerate(self.groups[g])]
 
         full = {} if backtracks is None else {"backtracks": int(backtracks)}
         if sync_after is None:
@@ -333,8 +336,10 @@ class DistributedIndex:
         as many for every replica group (:meth:`split`), a wave of one block per group at a time.
 
         ``Q``: an ``(M, d)`` array (its blocks leave this client), or a
-        :class:`~scanforest.tasks.index.QueryFile` whose blocks the workers read themselves (the
-        way past the client's one connection on several GPUs).
+        :class:`~scanforest.tasks.index.QueryFile` or
+        :class:`~scanforest.tasks.index.StoredQueries` whose blocks the workers read themselves
+        (the way past the client's one connection on several GPUs; their rows that are not all
+        finite answer ``(inf, -1)``).
 
         ``backtracks``: the leaf budget of every shard for this query (default: the index's own,
         set at build time); a recall/speed trade-off chosen per query, with no rebuild.
@@ -351,7 +356,7 @@ class DistributedIndex:
             raise InputError(f"sync_after must be a positive number of leaves or None, got {sync_after!r}")
         if backtracks is not None and (isinstance(backtracks, bool) or int(backtracks) < 1):
             raise InputError(f"backtracks must be a positive number of leaves or None, got {backtracks!r}")
-        src = Q if isinstance(Q, idx.QueryFile) else None
+        src = Q if isinstance(Q, (idx.QueryFile, idx.StoredQueries)) else None
         if src is None:
             Q = np.asarray(Q, dtype=np.float32)
         shape = tuple(Q.shape)  # a query file's header, read once

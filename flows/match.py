@@ -65,11 +65,12 @@ def index_build_flow(store: str, reference: list[str] | None = None, name: str =
 
 
 def _match_batch(di: DistributedIndex, store: str, scan_ids: list[str], k: int) -> list[dict[str, Any]]:
-    """Match a batch of scans with ONE distributed query (their descriptors stacked), so a batch
-    pays one round of Dask tasks instead of one per scan; each scan's results are written on
-    their own and skipped when already there. Each record's ``seconds`` is the time inside store
-    I/O and (its share by rows of) the shard searches and merges: the busy time the archive
-    bench's overhead figure is computed from.
+    """Match a batch of scans with ONE distributed query (their descriptors stacked, read from the
+    store by the workers that search them: :class:`~scanforest.tasks.index.StoredQueries`), so a
+    batch pays one round of Dask tasks instead of one per scan; each scan's results are written
+    on their own and skipped when already there. Each record's ``seconds`` is the time inside
+    store I/O and (its share by rows of) the shard searches and merges: the busy time the
+    archive bench's overhead figure is computed from.
 
     A scan whose match claim another run holds (:meth:`ScanStore.claim_stage`) is left to it
     (``held``); this batch holds its own scans' claims from the check to the writes."""
@@ -99,36 +100,36 @@ def _match_claimed(di, st, scan_ids, k, claims, held, run) -> list[dict[str, Any
         if st.has_stage(sid, "match", **done):  # finished by another run between the two looks
             recs[sid] = {"scan_id": sid, "status": "skipped", "seconds": time.perf_counter() - t0}
             continue
-        Q = st.read(sid, "kp_shot")
-        ok = np.isfinite(Q).all(axis=1)
-        todo.append((sid, Q, ok, described, time.perf_counter() - t0))
+        todo.append((sid, described, time.perf_counter() - t0))
     if todo:
-        rows = [int(ok.sum()) for _, _, ok, _, _ in todo]
-        n_rows = sum(rows)
+        # the workers read the descriptors from the store (no descriptor through this process);
+        # a keypoint without one answers (inf, -1), as written before
+        src = idx.StoredQueries.of(st, [sid for sid, _, _ in todo])
+        d_all = np.zeros((0, k), np.float32)
+        i_all = np.zeros((0, k), np.int64)
         compute = 0.0
-        if n_rows:
-            d_all, i_all, stats = di.query(np.concatenate([Q[ok] for _, Q, ok, _, _ in todo]), k,
-                                           return_stats=True)
+        if src.shape[0]:
+            d_all, i_all, stats = di.query(src, k, return_stats=True)
             compute = stats["compute_seconds"]
+        valid = i_all[:, 0] >= 0 if len(i_all) else np.zeros(0, bool)
+        n_rows = max(1, int(valid.sum()))
         a = 0
-        for (sid, Q, ok, described, t_read), n in zip(todo, rows):
+        for (sid, described, t_check), m in zip(todo, src.rows):
             t0 = time.perf_counter()
-            dist = np.full((len(Q), k), np.inf, np.float32)
-            ids = np.full((len(Q), k), -1, np.int64)
-            if n:
-                dist[ok], ids[ok] = d_all[a:a + n], i_all[a:a + n]
-            a += n
+            ids, dist = i_all[a:a + m], d_all[a:a + m]
+            n = int(valid[a:a + m].sum())
+            a += m
             st.write_stage(sid, "match", {"match_ids": ids, "match_dist": dist},
                            {"index": di.name, "content_hash": tag, "k": k, "queries": n, "describe": described,
                             **({"run": run} if run else {})})
-            share = compute * n / max(1, n_rows)
             recs[sid] = {"scan_id": sid, "status": "matched", "queries": n,
-                         "seconds": t_read + time.perf_counter() - t0 + share}
+                         "seconds": t_check + time.perf_counter() - t0 + compute * n / n_rows}
     return [recs[s] for s in scan_ids]
 
 
-#: concurrent match tasks (Prefect threads): each reads and writes its scans in the flow process
-#: and holds one batch query in flight, so store I/O overlaps the shard searches
+#: concurrent match tasks (Prefect threads): each holds one batch query in flight (its descriptors
+#: read by the workers) and writes its scans' matches in the flow process, so the writes overlap
+#: the shard searches
 MATCH_LANES = 8
 
 

@@ -466,17 +466,24 @@ def _leaf_rows(z, a: int, b: int, perm: np.ndarray, dev: str, *, where: str = "a
     return out
 
 
-def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool = False, **search):
+def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool = False,
+                 skip_invalid: bool = False, **search):
     """Top-k of one shard for a query block, on the host as numpy; an out-of-memory error splits
     the block in halves and retries (down to ``min_block`` rows) instead of failing the run.
 
     ``search`` (``bounds=`` per-query squared-distance bounds, ``backtracks=`` budget) goes to
     :meth:`KDForest.query`. With ``stats=True`` the result is ``(dist2, ids, stats)`` where
     ``stats`` is ``{"leaves": leaves this shard scanned for the block (0 for brute force),
-    "seconds": time spent in the search}``.
+    "seconds": time spent in the search}``. ``skip_invalid``: rows that are not all finite (a
+    keypoint without a descriptor, as a block of :class:`StoredQueries` holds them) are not
+    searched and answer ``(inf, -1)``.
     """
     from scanforest.kernels.backend import to_numpy
 
+    if skip_invalid:
+        ok = np.isfinite(np.asarray(Q)).all(axis=1)
+        if not ok.all():
+            return _search_valid(shard, np.asarray(Q), ok, k, min_block=min_block, stats=stats, **search)
     t0 = time.perf_counter()
     try:
         with _search_stream(shard):
@@ -508,6 +515,21 @@ def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool =
         halves.append(search_shard(shard, Q[sl], k, min_block=min_block, stats=stats, **kw))
     out = (np.concatenate([halves[0][0], halves[1][0]]), np.concatenate([halves[0][1], halves[1][1]]))
     return out + (_add_stats(halves[0][2], halves[1][2]),) if stats else out
+
+
+def _search_valid(shard: Shard, Q: np.ndarray, ok: np.ndarray, k: int, *, stats: bool, **search):
+    """:func:`search_shard` of the rows ``ok`` of ``Q``; the others answer ``(inf, -1)``."""
+    m = len(Q)
+    dist = np.full((m, k), np.inf, np.float32)
+    ids = np.full((m, k), -1, np.int64)
+    st = {"leaves": 0, "seconds": 0.0}
+    if ok.any():
+        b = search.get("bounds")
+        if b is not None and np.ndim(b) == 1:
+            search = {**search, "bounds": np.asarray(b)[ok]}
+        res = search_shard(shard, Q[ok], k, stats=True, **search)
+        dist[ok], ids[ok], st = res[0], res[1], res[2]
+    return (dist, ids, st) if stats else (dist, ids)
 
 
 _STREAMS = threading.local()
@@ -578,6 +600,57 @@ class QueryFile:
             return np.load(self.path, mmap_mode="r")
         except (OSError, ValueError) as exc:
             raise InputError(f"{self.path}: cannot read the queries ({exc})") from None
+
+
+@dataclass(frozen=True)
+class StoredQueries:
+    """The descriptors of described scans, as one query array read on the workers that search it
+    (:meth:`~scanforest.flows.distributed.DistributedIndex.query`): rows ``[a, b)`` of the scans'
+    ``array`` stacked in order, keypoints without a descriptor included (they answer
+    ``(inf, -1)``). The flow that matches them sends a store path and row counts, not rows: on
+    several GPUs the client's one connection otherwise carries every descriptor. The workers must
+    see the store (as every stage's workers do)."""
+    store: str
+    scans: tuple[str, ...]
+    rows: tuple[int, ...]
+    d: int
+    array: str = "kp_shot"
+
+    @staticmethod
+    def of(st: ScanStore, scan_ids, array: str = "kp_shot") -> "StoredQueries":
+        """The scans' rows, from their describe records (the array's shape written with it)."""
+        rows, d = [], None
+        for sid in scan_ids:
+            rec = st.stage(sid, "describe") or {}
+            shape = ((rec.get("arrays") or {}).get(array) or {}).get("shape")
+            if not shape:  # a record without the arrays' shapes (an older store): read the array
+                shape = st.read(sid, array).shape
+            rows.append(int(shape[0]))
+            d = int(shape[1]) if len(shape) > 1 else d
+        return StoredQueries(st.path, tuple(scan_ids), tuple(rows), int(d or 0), array)
+
+    @property
+    def path(self) -> str:  # named in errors, as a query file's path is
+        return self.store
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(sum(self.rows)), self.d)
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Rows ``[a, b)`` as contiguous float32, the store opened once."""
+        st = ScanStore(self.store, mode="r")
+        out, start = [], 0
+        for sid, n in zip(self.scans, self.rows):
+            lo, hi = max(a, start), min(b, start + n)
+            if lo < hi:
+                out.append(np.asarray(st.read(sid, self.array)[lo - start:hi - start], dtype=np.float32))
+            start += n
+            if start >= b:
+                break
+        if not out:
+            return np.zeros((0, self.d), np.float32)
+        return np.ascontiguousarray(np.concatenate(out) if len(out) > 1 else out[0])
 
 
 def merge_parts(*parts, k: int):

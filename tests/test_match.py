@@ -78,6 +78,30 @@ def test_distributed_equals_bruteforce(tmp_path, rng, local_client, shards):
     np.testing.assert_array_equal(d3, bd)
     with pytest.raises(InputError, match="must be"):
         di.query(idx.QueryFile.write(tmp_path / "q2.npy", Q[:, :5]), 4)
+    # the queries read by the workers from described scans in the store, keypoints without a
+    # descriptor (NaN rows) among them: those answer (inf, -1), the others the brute force's
+    from scanforest.tasks.store import ScanStore
+
+    st = ScanStore(store)
+    Qn = Q.copy()
+    Qn[[0, 5, 6, len(Q) - 1]] = np.nan
+    cuts = [0, 7, 7, 150, len(Q)]  # an empty scan among them, blocks that span scans
+    for j, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        sid = f"q{j}"
+        st.write_scan(sid, {"points": np.zeros((1, 3), np.float32)}, {"source": sid, "sha256": sid})
+        st.write_stage(sid, "describe", {"kp_shot": Qn[a:b].astype(np.float32)}, {"radius": 0.02})
+    src = idx.StoredQueries.of(st, [f"q{j}" for j in range(len(cuts) - 1)])
+    assert src.shape == Q.shape and src.rows == (7, 0, 143, len(Q) - 150)
+    np.testing.assert_array_equal(src.read(3, 160), Qn[3:160].astype(np.float32))
+    d4, i4 = di.query(src, 4, block=61)
+    bad = ~np.isfinite(Qn).all(axis=1)
+    assert (i4[bad] == -1).all() and np.isinf(d4[bad]).all()
+    np.testing.assert_array_equal(i4[~bad], bi[~bad])
+    np.testing.assert_array_equal(d4[~bad], bd[~bad])
+    # with the bound synchronisation (per-query bounds masked with the rows) and no budget limit
+    d5, i5 = di.query(src, 4, block=61, sync_after=1, backtracks=10 ** 6)
+    assert (i5[bad] == -1).all()
+    np.testing.assert_array_equal(i5[~bad], bi[~bad])
     di.close()
 
 
