@@ -1,4 +1,5 @@
-"""Ingest: one scan file -> one complete scan group in the store (idempotent).
+"""Ingest: one scan file -> one complete scan group in the store (idempotent); a file of several
+scans (E57) -> one scan group per scan, ids from :func:`part_scan_id`.
 
 :func:`ingest_file` is the unit of work (:func:`ingest_files` runs a batch of them as one Dask
 task). It hashes the file, skips it when the store already holds a complete scan from the same
@@ -25,7 +26,7 @@ from typing import Any
 
 from scanforest.kernels.errors import InputError, ScanReadError
 
-from .readers import FORMATS, read_cloud
+from .readers import FORMATS, MULTI_SCAN_FORMATS, read_cloud, scan_parts
 from .store import MAX_ID_BYTES, ScanStore, file_lock, legacy_scan_id, scan_id_for, sha256_bytes, sha256_file
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".zip")
@@ -49,6 +50,20 @@ class Source:
 def is_archive(path: str | os.PathLike) -> bool:
     name = str(path).lower()
     return any(name.endswith(s) for s in ARCHIVE_SUFFIXES)
+
+
+def part_scan_id(file_id: str, part: str) -> str:
+    """The scan id of one scan of a file of several (E57): the file's id, ``__`` and the scan's
+    part name, as if the file were a folder of its scans (``site.e57`` -> ``site.e57__scan000``,
+    ``a_b~<hash>.e57`` -> ``a_b~<hash>.e57__scan000``). No file's own id is of that form (a part
+    name has no scan suffix); one over :data:`MAX_ID_BYTES` takes :func:`scan_id_for`'s hashed form."""
+    sid = f"{file_id}__{part}"
+    return sid if len(sid.encode("utf-8")) <= MAX_ID_BYTES else scan_id_for(f"{file_id}/{part}")
+
+
+def is_multi_scan(path: str | os.PathLike) -> bool:
+    """Whether the file's format holds several scans (E57), from its name."""
+    return FORMATS.get(Path(path).suffix.lower()) in MULTI_SCAN_FORMATS
 
 
 def sidecar_for(path: str | os.PathLike) -> Path:
@@ -90,7 +105,9 @@ def ingest_file(store_path: str, source: Source, *, units: str = "m", run: str |
     The scan's claim is held from the "is it current?" check to the complete flag, so two
     ingests of the same file at once write it once: the second waits, then finds it current.
     Returns a record: ``status`` (``ingested`` | ``skipped`` | ``quarantined``), ``scan_id``,
-    ``source``, ``points``, ``bytes``, ``seconds`` and ``reason`` for quarantined files.
+    ``source``, ``points``, ``bytes``, ``seconds`` and ``reason`` for quarantined files. A file of
+    several scans (E57) is one record too, ``scan_id`` its own id and ``scans`` a record per scan
+    (see :func:`_ingest_parts`).
     """
     return _ingest_one(ScanStore(store_path), source, units=units, run=run, t0=time.perf_counter())
 
@@ -105,20 +122,28 @@ def ingest_files(store_path: str, sources: list[Source], *, units: str = "m",
     return [_ingest_one(store, s, units=units, run=run, t0=time.perf_counter()) for s in sources]
 
 
-def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None, t0: float) -> dict[str, Any]:
-    source = replace(source, scan_id=_stored_id(store, source))
+def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None, t0: float,
+                part: str | None = None, digest: str | None = None) -> dict[str, Any]:
+    """One file, or with ``part`` one scan of a file of several (``digest``: the file's sha256,
+    ``source.scan_id``: the scan's id; the reader reads the file itself)."""
+    if part is None:
+        source = replace(source, scan_id=_stored_id(store, source))
+        if is_multi_scan(source.path):
+            return _ingest_parts(store, source, units=units, run=run, t0=t0)
     rec: dict[str, Any] = {"source": source.path, "scan_id": source.scan_id, "points": 0, "bytes": 0}
 
     def done(status: str, **fields) -> dict[str, Any]:
         return {**rec, "status": status, **fields, "seconds": time.perf_counter() - t0}
 
-    try:
-        data = Path(source.path).read_bytes()
-    except OSError as exc:
-        store.quarantine(source.path, f"cannot read file: {exc.strerror or exc}", key=source.scan_id)
-        return done("quarantined", reason=f"cannot read file: {exc}")
-    digest = sha256_bytes(data)
-    rec["bytes"] = len(data)
+    data = None
+    if digest is None:
+        try:
+            data = Path(source.path).read_bytes()
+        except OSError as exc:
+            store.quarantine(source.path, f"cannot read file: {exc.strerror or exc}", key=source.scan_id)
+            return done("quarantined", reason=f"cannot read file: {exc}")
+        digest = sha256_bytes(data)
+        rec["bytes"] = len(data)
     def current() -> dict[str, Any]:
         a = store.attrs(source.scan_id)
         return done("ingested" if run and a.get("ingest_run") == run else "skipped", points=int(a.get("n_points", 0)))
@@ -129,7 +154,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
         if store.is_current(source.scan_id, digest):  # another ingest wrote it while we waited
             return current()
         try:
-            cloud = read_cloud(source.path, data)
+            cloud = read_cloud(source.path, data, part=part)
         except ScanReadError as exc:
             store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
             return done("quarantined", reason=exc.reason)
@@ -146,7 +171,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
             "dtype": str(cloud.points.dtype),
             "ingest_run": run,
         }
-        for key in ("width", "height", "viewpoint", "organized"):
+        for key in ("width", "height", "viewpoint", "organized", "pose", "pose_maps", "crs", "e57"):
             if key in cloud.meta:
                 attrs[key] = cloud.meta[key]
         try:
@@ -159,6 +184,41 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
         store.write_scan(source.scan_id, cloud.arrays(), attrs)
         store.release(source.scan_id)
     return done("ingested", points=len(cloud))
+
+
+def _ingest_parts(store: ScanStore, source: Source, *, units: str, run: str | None, t0: float) -> dict[str, Any]:
+    """A file of several scans (E57): each scan ingested as a scan of its own (:func:`part_scan_id`),
+    each with its own claim and complete flag, all from the file's sha256 (hashed streaming: the
+    file is never in memory whole). One record for the file: ``scans`` holds each scan's record;
+    ``status`` is ``quarantined`` when the file or any scan of it could not be read (the readable
+    scans are stored all the same, the unreadable ones quarantined under their own ids, a file
+    that cannot be opened under its own), else ``ingested`` when this run wrote a scan of it,
+    else ``skipped``."""
+    rec: dict[str, Any] = {"source": source.path, "scan_id": source.scan_id, "points": 0, "bytes": 0}
+    try:
+        digest = sha256_file(source.path)
+        rec["bytes"] = os.path.getsize(source.path)
+        parts = scan_parts(source.path)
+    except OSError as exc:
+        store.quarantine(source.path, f"cannot read file: {exc.strerror or exc}", key=source.scan_id)
+        return {**rec, "status": "quarantined", "reason": f"cannot read file: {exc}",
+                "seconds": time.perf_counter() - t0}
+    except ScanReadError as exc:
+        store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
+        return {**rec, "status": "quarantined", "reason": exc.reason, "seconds": time.perf_counter() - t0}
+    scans = [_ingest_one(store, replace(source, scan_id=part_scan_id(source.scan_id, part), legacy_id=None),
+                         units=units, run=run, t0=time.perf_counter(), part=part, digest=digest)
+             for part in parts]
+    bad = [r for r in scans if r["status"] == "quarantined"]
+    out = {**rec, "points": sum(r["points"] for r in scans if r["status"] != "quarantined"),
+           "scans": [{k: r[k] for k in ("scan_id", "status", "points", "reason") if k in r} for r in scans]}
+    if bad:
+        out.update(status="quarantined", reason=f"{len(bad)} of its {len(scans)} scans unreadable, "
+                                                f"{bad[0]['scan_id']}: {bad[0]['reason']}")
+    else:
+        store.release(source.scan_id)  # the file's own record of an earlier failure
+        out["status"] = "ingested" if any(r["status"] == "ingested" for r in scans) else "skipped"
+    return {**out, "seconds": time.perf_counter() - t0}
 
 
 def _stored_id(store: ScanStore, source: Source) -> str:

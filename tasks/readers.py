@@ -1,10 +1,13 @@
-"""Readers for scan files: PCD (ascii, binary, binary_compressed), PLY, LAS/LAZ, XYZ/CSV text, NPY.
+"""Readers for scan files: PCD (ascii, binary, binary_compressed), PLY, LAS/LAZ, XYZ/CSV text, NPY, E57.
 
 Every reader returns a :class:`PointCloud` with finite ``points`` only: organised clouds (PCD with
 HEIGHT > 1) lose their NaN holes and keep ``pixel_index`` (row-major index into WIDTH x HEIGHT) so
 the image structure can be recovered. Normals, colour and intensity are kept when the file has them.
 Coordinates keep the file's float type (float32 PCD stays float32, LAS stays float64), so a round
 trip file -> store -> array is exact.
+
+An E57 file holds several scans (:func:`scan_parts` lists them, ``read_cloud(..., part=)`` reads
+one, each in its own frame with its pose in ``meta``); it is read with the optional ``pye57``.
 
 Any problem becomes a :class:`~scanforest.kernels.errors.ScanReadError` naming the file and the
 reason (truncated data, header/data mismatch, empty file, zero points, all NaN, unknown format).
@@ -37,7 +40,18 @@ FORMATS = {
     ".csv": "csv",
     ".pts": "xyz",
     ".npy": "npy",
+    ".e57": "e57",
 }
+
+#: formats whose file holds several scans, each a store scan of its own (:func:`scan_parts`)
+MULTI_SCAN_FORMATS = frozenset({"e57"})
+
+#: the one-line reason an E57 file is quarantined with where the optional pye57 is missing
+E57_NEEDS_PYE57 = "E57 needs pye57: pip install 'scanforest[e57]'"
+
+#: points per block read from an E57 scan: a scan is read block by block into its arrays, never
+#: whole into the library's buffers
+E57_BLOCK_ROWS = 1 << 18
 
 
 @dataclass
@@ -95,8 +109,27 @@ def detect_format(path: str | os.PathLike) -> str:
     return fmt
 
 
-def read_cloud(path: str | os.PathLike, data: bytes | None = None, *, format: str | None = None) -> PointCloud:
-    """Read one scan file.
+def scan_parts(path: str | os.PathLike, *, format: str | None = None) -> list[str]:
+    """The scans a file holds, each by the part name that :func:`read_cloud` takes: ``[""]`` (the
+    file is one scan) for every format but E57, whose scans are ``scan000``, ``scan001``, ... in the
+    file's order (only the file's header is read).
+
+    Raises
+    ------
+    ScanReadError
+        The E57 file is missing, empty, truncated or corrupt, holds no scan, or pye57 is missing.
+    """
+    fmt = format or detect_format(path)
+    if fmt not in MULTI_SCAN_FORMATS:
+        return [""]
+    with _opened_e57(path) as e57:
+        n = _e57_count(path, e57)
+    return [_e57_part(i) for i in range(n)]
+
+
+def read_cloud(path: str | os.PathLike, data: bytes | None = None, *, format: str | None = None,
+               part: str | None = None) -> PointCloud:
+    """Read one scan file (or one scan of an E57 file).
 
     Parameters
     ----------
@@ -106,7 +139,9 @@ def read_cloud(path: str | os.PathLike, data: bytes | None = None, *, format: st
         The file's bytes when they are already in memory (archive members); ``path`` then only
         names the file in errors and picks the format.
     format : str, optional
-        Force a reader: ``pcd``, ``ply``, ``las``, ``laz``, ``xyz``, ``csv`` or ``npy``.
+        Force a reader: ``pcd``, ``ply``, ``las``, ``laz``, ``xyz``, ``csv``, ``npy`` or ``e57``.
+    part : str, optional
+        The scan of a file of several (:func:`scan_parts`: ``scan001``); default: the file's only scan.
 
     Raises
     ------
@@ -114,6 +149,13 @@ def read_cloud(path: str | os.PathLike, data: bytes | None = None, *, format: st
         The file is missing, empty, truncated, inconsistent, unknown, or has no finite point.
     """
     fmt = format or detect_format(path)
+    if fmt in MULTI_SCAN_FORMATS:  # read from the file, block by block, never as bytes in memory
+        try:
+            return _finalise(path, _read_e57(path, data, part))
+        except MemoryError as exc:
+            raise ScanReadError(path, "out of memory while reading") from exc
+    if part:
+        raise ScanReadError(path, f"a {fmt.upper()} file is one scan: it has no part {part!r}")
     if data is None:
         try:
             data = Path(path).read_bytes()
@@ -439,6 +481,251 @@ def _read_npy(path, data: bytes) -> PointCloud:
     if arr.shape[1] >= 6:
         cloud.normals = arr[:, 3:6].astype(np.float32)
     return cloud
+
+
+# ----------------------------------------------------------------------------------------------
+# E57 (ASTM E2807), through pye57's libE57 bindings
+
+_E57_XYZ = ("cartesianX", "cartesianY", "cartesianZ")
+_E57_RAE = ("sphericalRange", "sphericalAzimuth", "sphericalElevation")
+_E57_RGB = ("colorRed", "colorGreen", "colorBlue")
+
+
+def _e57_part(index: int) -> str:
+    return f"scan{index:03d}"
+
+
+class _opened_e57:
+    """An E57 file opened for reading (``with``); every failure a one-line ScanReadError."""
+
+    def __init__(self, path, data: bytes | None = None):
+        self.path, self.data, self.tmp, self.e57 = path, data, None, None
+
+    def __enter__(self):
+        try:
+            import pye57
+        except ImportError as exc:
+            raise ScanReadError(self.path, E57_NEEDS_PYE57) from exc
+        where = str(self.path)
+        if self.data is not None:  # bytes given (libE57 reads files only): through a temporary file
+            import tempfile
+
+            fd, self.tmp = tempfile.mkstemp(suffix=".e57")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(self.data)
+            where = self.tmp
+        try:
+            if os.path.getsize(where) == 0:
+                raise ScanReadError(self.path, "empty file (0 bytes)")
+            self.e57 = pye57.E57(where)
+        except ScanReadError:
+            self._cleanup()
+            raise
+        except OSError as exc:
+            self._cleanup()
+            raise ScanReadError(self.path, f"cannot read file: {exc.strerror or exc}") from exc
+        except Exception as exc:
+            self._cleanup()
+            raise ScanReadError(self.path, _e57_reason(exc)) from exc
+        return self.e57
+
+    def __exit__(self, *exc) -> None:
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        if self.e57 is not None:
+            try:
+                self.e57.close()
+            except Exception:  # closing a file libE57 found damaged
+                pass
+            self.e57 = None
+        if self.tmp:
+            os.unlink(self.tmp)
+            self.tmp = None
+
+
+def _e57_reason(exc: BaseException, what: str = "corrupt or truncated E57 file") -> str:
+    """One line for a libE57 error (its messages span lines: the error, then debug context)."""
+    text = " ".join(str(exc).split())
+    sizes = re.search(r"filePhysicalLength=(\d+) file->length=(\d+)", text)
+    if "ErrorBadFileLength" in text and sizes and int(sizes[2]) < int(sizes[1]):
+        return f"truncated E57 file: {sizes[2]} of its {sizes[1]} bytes present"
+    text = text.split(" **** ")[0].strip()
+    return f"{what}: {type(exc).__name__}: {text[:200]}" if text else f"{what}: {type(exc).__name__}"
+
+
+def _e57_count(path, e57) -> int:
+    n = int(e57.scan_count)
+    if n == 0:
+        raise ScanReadError(path, "E57 file holds no scan (its data3D list is empty)")
+    return n
+
+
+def _read_e57(path, data: bytes | None, part: str | None) -> PointCloud:
+    with _opened_e57(path, data) as e57:
+        n = _e57_count(path, e57)
+        if part is None or part == "":
+            if n > 1:
+                raise ScanReadError(path, f"E57 file holds {n} scans: read one with part='scan000' .. "
+                                          f"'{_e57_part(n - 1)}' (ingest stores each as a scan of its own)")
+            index = 0
+        else:
+            index = int(part[4:]) if re.fullmatch(r"scan\d{3,}", part) else -1
+            if not 0 <= index < n:
+                raise ScanReadError(path, f"E57 file has no scan {part!r} "
+                                          f"(it holds {n}: scan000 .. {_e57_part(n - 1)})")
+        try:
+            cloud = _read_e57_scan(path, e57, index, n)
+        except (ScanReadError, MemoryError):
+            raise
+        except Exception as exc:
+            raise ScanReadError(path, _e57_reason(exc, f"E57 scan {index} is corrupt or truncated")) from exc
+    return cloud
+
+
+def _e57_pose(node) -> tuple[np.ndarray, bool]:
+    """The scan's pose (rotation quaternion w, x, y, z + translation) as a 4x4 float64 matrix that
+    maps its points into the file's common frame; identity (and False) where the scan has none."""
+    pose = np.eye(4)
+    if not node.isDefined("pose"):
+        return pose, False
+    p = node["pose"]
+    if p.isDefined("rotation"):
+        r = p["rotation"]
+        w, x, y, z = (float(r[k].value()) for k in ("w", "x", "y", "z"))
+        norm = np.sqrt(w * w + x * x + y * y + z * z)
+        if not norm > 0:
+            raise ValueError(f"pose rotation is not a rotation quaternion ({w}, {x}, {y}, {z})")
+        w, x, y, z = w / norm, x / norm, y / norm, z / norm
+        pose[:3, :3] = [[1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)],
+                        [2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)],
+                        [2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)]]
+    if p.isDefined("translation"):
+        t = p["translation"]
+        pose[:3, 3] = [float(t[k].value()) for k in ("x", "y", "z")]
+    return pose, True
+
+
+def _e57_string(node, name: str) -> str | None:
+    try:
+        return str(node[name].value()) if node.isDefined(name) else None
+    except Exception:  # not a string node
+        return None
+
+
+def _read_e57_scan(path, e57, index: int, count: int) -> PointCloud:
+    """Scan ``index`` of an open E57 file: its points in its own frame, invalid ones dropped, read
+    in blocks of :data:`E57_BLOCK_ROWS` points into arrays sized once."""
+    from pye57 import libe57
+    from pye57.utils import get_node
+
+    node = e57.data3d[index]  # typed nodes: a StructureNode, its points a CompressedVectorNode
+    points_node = node["points"]
+    proto = libe57.StructureNode(points_node.prototype())
+    fields = {proto.get(i).elementName() for i in range(proto.childCount())}
+    n = int(points_node.childCount())
+    if set(_E57_XYZ) <= fields:
+        coords, state, spherical = _E57_XYZ, "cartesianInvalidState", False
+        nodes = [get_node(proto, f) for f in coords]
+        single = all(isinstance(c, libe57.FloatNode) and c.precision() == libe57.E57_SINGLE for c in nodes)
+    elif set(_E57_RAE) <= fields:
+        coords, state, spherical, single = _E57_RAE, "sphericalInvalidState", True, False
+    else:
+        raise ScanReadError(path, f"E57 scan {index} has neither cartesian nor spherical coordinates "
+                                  f"(fields: {' '.join(sorted(fields))})")
+    # single-precision coordinates stay float32 (exact); double, scaled-integer and spherical are float64
+    dtype = np.float32 if single else np.float64
+    want: dict[str, Any] = {f: np.float64 for f in coords}
+    has_intensity = "intensity" in fields
+    has_rgb = set(_E57_RGB) <= fields
+    has_grid = {"rowIndex", "columnIndex"} <= fields
+    if has_intensity:
+        want["intensity"] = np.float64
+    if has_rgb:
+        want.update({f: np.float64 for f in _E57_RGB})
+    # integer buffers as C long long: pye57's binding takes numpy's int64 (format "l" on Linux) for 32 bits
+    if has_grid:
+        want.update(rowIndex=np.longlong, columnIndex=np.longlong)
+    if state in fields:
+        want[state] = np.longlong
+    if has_grid:
+        rmin, rmax, cmin, cmax = _e57_grid(node, proto)
+        width, height = cmax - cmin + 1, rmax - rmin + 1
+    if has_rgb:
+        rgb_max = [float(get_node(proto, f).maximum()) for f in _E57_RGB]
+
+    cap = max(1, min(n, E57_BLOCK_ROWS))
+    bufs = {f: np.empty(cap, dt) for f, dt in want.items()}
+    vec = libe57.VectorSourceDestBuffer()
+    for f, b in bufs.items():
+        vec.append(libe57.SourceDestBuffer(e57.image_file, f, b, cap, True, True))
+    points = np.empty((n, 3), dtype)
+    intensity = np.empty(n, np.float32) if has_intensity else None
+    colors = np.empty((n, 3), np.uint8) if has_rgb else None
+    pixel_index = np.empty(n, np.int64) if has_grid else None
+    kept = seen = 0
+    reader = points_node.reader(vec)
+    try:
+        while (got := int(reader.read())) > 0:
+            if seen + got > n:
+                raise ScanReadError(path, f"E57 scan {index} has more points than its {n} declared")
+            valid = bufs[state][:got] == 0 if state in bufs else np.ones(got, bool)
+            m = int(valid.sum())
+            a, b, c = (bufs[f][:got][valid] for f in coords)
+            if spherical:  # range, azimuth, elevation -> x, y, z (E57 convention), float64
+                a, b, c = a * np.cos(c) * np.cos(b), a * np.cos(c) * np.sin(b), a * np.sin(c)
+            dst = points[kept:kept + m]
+            dst[:, 0], dst[:, 1], dst[:, 2] = a, b, c
+            if has_intensity:
+                intensity[kept:kept + m] = bufs["intensity"][:got][valid]
+            if has_rgb:
+                for j, f in enumerate(_E57_RGB):
+                    v = bufs[f][:got][valid]  # 8-bit as is, wider colour scaled from its declared maximum
+                    if rgb_max[j] > 255:
+                        v = np.clip(np.rint(v * (255 / rgb_max[j])), 0, 255)
+                    colors[kept:kept + m, j] = v
+            if has_grid:
+                row, col = bufs["rowIndex"][:got][valid], bufs["columnIndex"][:got][valid]
+                if m and (row.min() < rmin or row.max() > rmax or col.min() < cmin or col.max() > cmax):
+                    raise ScanReadError(path, f"E57 scan {index}: rowIndex/columnIndex outside its index bounds "
+                                              f"rows {rmin}..{rmax}, columns {cmin}..{cmax}")
+                pixel_index[kept:kept + m] = (row - rmin) * width + (col - cmin)
+            kept += m
+            seen += got
+    finally:
+        reader.close()
+    if seen != n:
+        raise ScanReadError(path, f"truncated E57 scan {index}: {seen} of its {n} points present")
+    cloud = PointCloud(points[:kept], intensity=None if intensity is None else intensity[:kept],
+                       colors=None if colors is None else colors[:kept],
+                       pixel_index=None if pixel_index is None else pixel_index[:kept])
+    pose, has_pose = _e57_pose(node)
+    record = {"scan_index": index, "scan_count": count, "name": _e57_string(node, "name"),
+              "guid": _e57_string(node, "guid"), "file_guid": _e57_string(e57.root, "guid"),
+              "coordinates": "spherical" if spherical else "cartesian", "has_pose": has_pose}
+    cloud.meta.update(format="e57", encoding="e57", n_source_points=n, e57=record, pose=pose.tolist(),
+                      pose_maps="points (the scan's own frame) -> the E57 file's common frame: p' = R p + t")
+    crs = _e57_string(e57.root, "coordinateMetadata")
+    if crs:
+        cloud.meta["crs"] = crs
+    if has_grid:
+        cloud.meta.update(width=int(width), height=int(height), organized=True)
+    if kept == 0 and n:
+        raise ScanReadError(path, f"E57 scan {index}: all {n} points are marked invalid")
+    return cloud
+
+
+def _e57_grid(node, proto) -> tuple[int, int, int, int]:
+    """Row and column bounds of an organised scan: its ``indexBounds`` where given, else the bounds
+    its ``rowIndex``/``columnIndex`` fields declare."""
+    from pye57.utils import get_node
+
+    if node.isDefined("indexBounds"):
+        ib = node["indexBounds"]
+        if all(ib.isDefined(k) for k in ("rowMinimum", "rowMaximum", "columnMinimum", "columnMaximum")):
+            return tuple(int(ib[k].value()) for k in ("rowMinimum", "rowMaximum", "columnMinimum", "columnMaximum"))
+    r, c = get_node(proto, "rowIndex"), get_node(proto, "columnIndex")
+    return int(r.minimum()), int(r.maximum()), int(c.minimum()), int(c.maximum())
 
 
 _READERS = {
