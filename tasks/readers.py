@@ -122,7 +122,7 @@ def scan_parts(path: str | os.PathLike, *, format: str | None = None) -> list[st
     fmt = format or detect_format(path)
     if fmt not in MULTI_SCAN_FORMATS:
         return [""]
-    with _opened_e57(path) as e57:
+    with _OpenedE57(path) as e57:
         n = _e57_count(path, e57)
     return [_e57_part(i) for i in range(n)]
 
@@ -495,7 +495,7 @@ def _e57_part(index: int) -> str:
     return f"scan{index:03d}"
 
 
-class _opened_e57:
+class _OpenedE57:
     """An E57 file opened for reading (``with``); every failure a one-line ScanReadError."""
 
     def __init__(self, path, data: bytes | None = None):
@@ -562,7 +562,7 @@ def _e57_count(path, e57) -> int:
 
 
 def _read_e57(path, data: bytes | None, part: str | None) -> PointCloud:
-    with _opened_e57(path, data) as e57:
+    with _OpenedE57(path, data) as e57:
         n = _e57_count(path, e57)
         if part is None or part == "":
             if n > 1:

@@ -46,16 +46,24 @@ def _matrix(rot: Rotation, t: np.ndarray) -> np.ndarray:
     return m
 
 
+CRS = 'PROJCS["ETRS89 / UTM zone 32N",AUTHORITY["EPSG","25832"]]'
+
+
 @contextmanager
-def _double_precision():
+def _double_precision(crs: str = ""):
     """pye57's writer declares coordinates single precision; a file of float64 coordinates is
-    written with its E57_SINGLE read as E57_DOUBLE."""
+    written with its E57_SINGLE read as E57_DOUBLE. ``crs``: the file's coordinateMetadata, which
+    pye57 writes empty (the only empty string of its file header)."""
     from pye57 import e57 as module
     from pye57 import libe57
 
     class Double:
         def __getattr__(self, name):
             return libe57.E57_DOUBLE if name == "E57_SINGLE" else getattr(libe57, name)
+
+        @staticmethod
+        def StringNode(imf, value=""):  # noqa: N802 (libE57's name)
+            return libe57.StringNode(imf, value or crs)
 
     saved = module.libe57
     module.libe57 = Double()
@@ -90,7 +98,7 @@ def _site(path: Path, rng) -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
         local = rot.inv().apply(world - t) if i < 2 else rng.normal(size=(n, 3))
         invalid = None if i < 2 else np.where(rng.random(n) < 0.25, rng.choice([1, 2], n), 0)
         scans.append(_scan(rng, local, invalid))
-    with _double_precision(), pye57.E57(str(path), mode="w") as e57:
+    with _double_precision(CRS), pye57.E57(str(path), mode="w") as e57:
         for i, (data, (rot, t)) in enumerate(zip(scans, POSES)):
             e57.write_scan_raw(data, name=f"station {i}", rotation=_wxyz(rot), translation=t)
     return scans, world
@@ -135,14 +143,16 @@ def test_reader_scans_poses_and_fields(tmp_path, rng):
         assert np.array_equal(cloud.pixel_index, np.flatnonzero(valid))  # row-major into COLS x ROWS
         assert (cloud.meta["width"], cloud.meta["height"], cloud.meta["organized"]) == (COLS, ROWS, True)
         assert cloud.meta["e57"]["name"] == f"station {i}" and cloud.meta["e57"]["guid"].startswith("{")
-        assert cloud.meta["n_source_points"] == ROWS * COLS
+        assert cloud.meta["n_source_points"] == ROWS * COLS and cloud.meta["crs"] == CRS
     assert 0 < len(read_cloud(tmp_path / "site.e57", part="scan002")) < ROWS * COLS
+    in_memory = read_cloud("member/site.e57", (tmp_path / "site.e57").read_bytes(), part="scan001")  # archive bytes
+    assert np.array_equal(in_memory.points, _xyz(scans[1]))
     with pytest.raises(Exception, match="holds 3 scans"):
         read_cloud(tmp_path / "site.e57")
     single = _single(tmp_path / "one.e57", rng)
     cloud = read_cloud(tmp_path / "one.e57")  # one scan: no part needed; single precision stays float32
     assert cloud.points.dtype == np.float32 and np.array_equal(cloud.points, _xyz(single, np.float32))
-    assert np.array_equal(np.array(cloud.meta["pose"]), np.eye(4))
+    assert np.array_equal(np.array(cloud.meta["pose"]), np.eye(4)) and "crs" not in cloud.meta
 
 
 def test_ingest_one_store_scan_per_e57_scan_and_a_truncated_file(tmp_path, rng):
@@ -180,7 +190,7 @@ def test_ingest_one_store_scan_per_e57_scan_and_a_truncated_file(tmp_path, rng):
         np.testing.assert_allclose(pose, _matrix(*POSES[i]), rtol=0, atol=1e-15)
         assert "common frame" in a["pose_maps"] and a["format"] == "e57" and a["source"] == str(src / "site.e57")
         assert a["e57"]["name"] == f"station {i}" and a["e57"]["scan_index"] == i and a["e57"]["scan_count"] == 3
-        assert a["e57"]["guid"].startswith("{") and a["n_source_points"] == ROWS * COLS
+        assert a["e57"]["guid"].startswith("{") and a["n_source_points"] == ROWS * COLS and a["crs"] == CRS
         assert np.array_equal(st.read(sid, "intensity"), data["intensity"][valid])
         rgb = np.stack([data["colorRed"], data["colorGreen"], data["colorBlue"]], 1)[valid]
         assert np.array_equal(st.read(sid, "colors"), rgb)
