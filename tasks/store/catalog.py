@@ -16,14 +16,20 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from scanforest.kernels.errors import InputError
 
-if TYPE_CHECKING:
-    from .scans import ScanStore
+
+class OpenedStore(Protocol):
+    """What the catalog needs of the store that owns it (a
+    :class:`~scanforest.tasks.store.scans.ScanStore`; named structurally so that the catalog
+    imports nothing from the scans module, which imports it)."""
+
+    path: str
+    root: Any
 
 LIBRARIES = "libraries"
 INDEXES = "indexes"
@@ -34,7 +40,7 @@ RUNS = "runs"
 class Catalog:
     """Typed access to a store's libraries, indexes, sequences and runs (see the module)."""
 
-    def __init__(self, store: ScanStore):
+    def __init__(self, store: OpenedStore):
         self.store = store
 
     @property
@@ -181,7 +187,7 @@ def warm(maxsize: int) -> Callable:
         lock = threading.Lock()
 
         @functools.wraps(fn)
-        def cached(store: ScanStore, *key):
+        def cached(store: OpenedStore, *key):
             k = (store.path, *key)
             with lock:
                 if k in cache:
