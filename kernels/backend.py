@@ -5,12 +5,14 @@ CuPy array runs on the GPU, a numpy array on the CPU. Entry points that load dat
 (flows, CLI) resolve ``"auto"`` with :func:`resolve_device`, which picks the GPU when one is visible.
 
 Shared by every kernel family and used by the tasks, the flows and the CLI: device discovery,
-memory queries, array conversion (:func:`to_numpy`, :func:`to_device`), numba and CUDA settings.
+memory queries, array conversion (:func:`to_numpy`, :func:`to_device`), numba and CUDA settings,
+and the per-phase :class:`Timer`.
 """
 from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -275,3 +277,29 @@ def describe_device(device: str) -> str:
     import platform
 
     return f"cpu ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
+
+
+class Timer:
+    """Per-phase wall-clock timer; synchronises the GPU before each reading when asked. ``t`` maps
+    each phase to its seconds, summed over its laps (the phase timings of recognition and describe)."""
+
+    def __init__(self, gpu: bool):
+        self.gpu = gpu
+        self.t = {}
+        self._last = time.perf_counter()
+
+    def _sync(self):
+        if self.gpu:
+            import cupy as cp
+
+            cp.cuda.Stream.null.synchronize()
+
+    def restart(self):
+        """Start the next phase now (time spent elsewhere since the last lap is not counted)."""
+        self._last = time.perf_counter()
+
+    def lap(self, name: str):
+        self._sync()
+        now = time.perf_counter()
+        self.t[name] = self.t.get(name, 0.0) + (now - self._last)
+        self._last = now

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from scanforest.kernels.backend import resolve_device, to_host
+from scanforest.kernels.backend import Timer, resolve_device, to_host
 
 from .store import ScanStore, stage_matches
 
@@ -80,7 +80,7 @@ def describe_cloud(points, params: DescribeParams, *, device: str = "auto", resi
     support, so a scene described here with the parameters recognition uses
     (:func:`scanforest.tasks.recognize.describe_params_for`) is recognised from these arrays
     exactly as :func:`~scanforest.kernels.recognition.recognize` would describe it."""
-    from scanforest.kernels.recognition.library import _Timer, describe
+    from scanforest.kernels.recognition.library import describe
 
     dev = resolve_device(device) if device == "auto" else resolve_device(device, points)
     if dev == "gpu":
@@ -89,7 +89,7 @@ def describe_cloud(points, params: DescribeParams, *, device: str = "auto", resi
         pts = cp.asarray(points, dtype=cp.float32)
     else:
         pts = np.asarray(points, dtype=np.float32)
-    timer = _Timer(dev == "gpu")
+    timer = Timer(dev == "gpu")
     d = describe(pts, normal_k=params.normal_k, normal_radius=params.normal_radius,
                  keypoint_radius=params.keypoint_radius, descr_rad=params.shot_radius,
                  viewpoint=params.camera, approximate=params.approximate, device=dev, timer=timer)

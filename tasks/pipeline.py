@@ -293,14 +293,14 @@ def _finish_scan(ctx: OnePass, res: dict[str, Any], dets, writer) -> dict[str, A
 
 def _describe(a: dict[str, np.ndarray], dparams, dev: str, timings: dict, have: bool) -> dict[str, Any]:
     """The scan's description on ``dev``: computed from the points, or the stored one uploaded."""
-    from scanforest.kernels.recognition.library import _on
+    from scanforest.kernels.backend import to_device
 
     from .describe import describe_cloud
 
     if have:
         t = time.perf_counter()
-        dv = {n: _on(a[n], dev) for n in DESCRIBE_ARRAYS}
-        pts = _on(np.ascontiguousarray(a["points"], np.float32), dev)
+        dv = {n: to_device(a[n], dev) for n in DESCRIBE_ARRAYS}
+        pts = to_device(np.ascontiguousarray(a["points"], np.float32), dev)
         out = {"points": pts, "normals": dv["est_normals"], "keypoints": dv["kp_index"], "frames": dv["kp_frames"],
                "descriptors": dv["kp_shot"], "timings": {}}
         timings["io"] += time.perf_counter() - t

@@ -11,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import validation
-from ..backend import resolve_device, xp_for
+from ..backend import resolve_device, to_device, xp_for
 from ..errors import InputError
-from ..neighbors.search import _on
 
 __all__ = ["keypoints"]
 
@@ -43,11 +42,11 @@ def keypoints(points, *, radius: float | None = None, indices=None, coords=None,
     if sum(given) > 1:
         raise InputError("give at most one of radius=, indices=, coords=")
     dev = resolve_device(device, points)
-    pts = validation.points(_on(points, dev), "points", allow_empty=True)
+    pts = validation.points(to_device(points, dev), "points", allow_empty=True)
     xp = xp_for(dev)
     n = pts.shape[0]
     if indices is not None:
-        idx = _on(indices, dev)
+        idx = to_device(indices, dev)
         if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
             raise InputError(f"indices must be a 1-D integer array, got shape {tuple(idx.shape)} "
                              f"dtype {idx.dtype}")
@@ -58,7 +57,7 @@ def keypoints(points, *, radius: float | None = None, indices=None, coords=None,
     if coords is not None:
         from ..neighbors.search import knn
 
-        c = validation.points(_on(coords, dev), "coords", allow_empty=True)
+        c = validation.points(to_device(coords, dev), "coords", allow_empty=True)
         if c.shape[0] == 0:
             return xp.zeros(0, xp.int64)
         if n == 0:

@@ -20,9 +20,8 @@ from numba import njit, prange
 
 from .. import validation
 from .._geom_cpu import centroid3, cov_eig3
-from ..backend import resolve_device, to_numpy
+from ..backend import resolve_device, to_device, to_numpy
 from ..errors import InputError
-from ..neighbors.search import _on
 
 __all__ = ["normals"]
 
@@ -54,8 +53,8 @@ def normals(points, *, k: int | None = None, radius: float | None = None,
     if (k is None) == (radius is None):
         raise InputError("give exactly one of k= or radius= for the normal neighbourhood")
     dev = resolve_device(device, points, *([] if surface is None else [surface]))
-    pts = validation.points(_on(points, dev), "points", allow_empty=True)
-    surf = pts if surface is None else validation.points(_on(surface, dev), "surface")
+    pts = validation.points(to_device(points, dev), "points", allow_empty=True)
+    surf = pts if surface is None else validation.points(to_device(surface, dev), "surface")
     if surf.shape[0] == 0:
         raise InputError("points is empty (0 points)")
     vp = np.asarray(to_numpy(viewpoint), dtype=np.float64).reshape(-1)

@@ -25,9 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import validation
-from ..backend import resolve_device, xp_for
+from ..backend import resolve_device, to_device, xp_for
 from ..errors import InputError
-from ..neighbors.search import _on
 from ._shot_common import median_count
 
 __all__ = ["shot", "DESCRIPTOR_LENGTH"]
@@ -70,21 +69,21 @@ def shot(points, normals, keypoints, radius, *, surface=None, surface_normals=No
     r = validation.positive(radius, "radius")
     arrays = [a for a in (points, normals, keypoints, surface, surface_normals) if a is not None]
     dev = resolve_device(device, *arrays)
-    pts = validation.points(_on(points, dev), "points")
+    pts = validation.points(to_device(points, dev), "points")
     xp = xp_for(dev)
     if surface is None:
         if normals is None:
             raise InputError("normals are required (the normals of points)")
         surf = pts
-        snrm = validation.points(_on(normals, dev), "normals", finite=False, allow_empty=True,
+        snrm = validation.points(to_device(normals, dev), "normals", finite=False, allow_empty=True,
                                  rows=pts.shape[0])  # NaN normals allowed: such neighbours are skipped
     else:
-        surf = validation.points(_on(surface, dev), "surface")
+        surf = validation.points(to_device(surface, dev), "surface")
         if surface_normals is None:
             raise InputError("surface_normals are required when surface is given")
-        snrm = validation.points(_on(surface_normals, dev), "surface_normals", finite=False,
+        snrm = validation.points(to_device(surface_normals, dev), "surface_normals", finite=False,
                                  allow_empty=True, rows=surf.shape[0])
-    kp = _keypoint_coords(_on(keypoints, dev), pts, xp)
+    kp = _keypoint_coords(to_device(keypoints, dev), pts, xp)
     if max_neighbors is not None and not approximate:
         raise InputError("max_neighbors only applies with approximate=True")
     if max_neighbors is not None and int(max_neighbors) < 1:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import validation
-from ..backend import resolve_device, to_numpy
+from ..backend import resolve_device, to_device
 from ..errors import InputError
 from ._search_common import Neighbors
 
@@ -60,8 +60,8 @@ def radius_search(points, queries=None, *, radius, max_neighbors: int | None = N
     """
     r = validation.positive(radius, "radius")
     dev = resolve_device(device, points, *([] if queries is None else [queries]))
-    pts = validation.points(_on(points, dev), "points")
-    qs = pts if queries is None else validation.points(_on(queries, dev), "queries", allow_empty=True)
+    pts = validation.points(to_device(points, dev), "points")
+    qs = pts if queries is None else validation.points(to_device(queries, dev), "queries", allow_empty=True)
     if max_neighbors is not None:
         max_neighbors = int(max_neighbors)
         if max_neighbors < 1:
@@ -94,8 +94,8 @@ def knn(points, queries=None, *, k: int, device: str = "auto"):
     sq_distances : (Q, k) float32
     """
     dev = resolve_device(device, points, *([] if queries is None else [queries]))
-    pts = validation.points(_on(points, dev), "points")
-    qs = pts if queries is None else validation.points(_on(queries, dev), "queries", allow_empty=True)
+    pts = validation.points(to_device(points, dev), "points")
+    qs = pts if queries is None else validation.points(to_device(queries, dev), "queries", allow_empty=True)
     k = int(k)
     if k < 1:
         raise InputError(f"k must be >= 1, got {k}")
@@ -110,14 +110,6 @@ def knn(points, queries=None, *, k: int, device: str = "auto"):
         idx, d2 = g.knn(grid, qs, k)
         return grid.order[idx].astype(idx.dtype), d2
     return _knn_cpu(pts, qs, k)
-
-
-def _on(a, dev):
-    if dev == "gpu":
-        import cupy as cp
-
-        return cp.asarray(a)
-    return to_numpy(a)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import resolve_device, to_numpy, xp_for
+from ..backend import resolve_device, to_device, to_numpy, xp_for
 from ..errors import InputError
-from .library import ModelLibrary, _on
+from .library import ModelLibrary
 
 __all__ = ["Correspondences", "from_neighbours", "match"]
 
@@ -70,7 +70,7 @@ def match(scene_descriptors, library: ModelLibrary, *, k: int = 1, max_dist2: fl
     if ratio is not None and not (0 < float(ratio) <= 1):
         raise InputError(f"ratio must lie in (0, 1], got {ratio!r}")
     xp = xp_for(dev)
-    sd = _on(scene_descriptors, dev)
+    sd = to_device(scene_descriptors, dev)
     if sd.ndim != 2 or sd.shape[1] != library.descriptors.shape[1]:
         raise InputError(f"scene descriptors must have shape (S, {library.descriptors.shape[1]}), "
                          f"got {tuple(sd.shape)}")

@@ -13,50 +13,15 @@ reference frames at ``rf_rad`` (PCL's tutorial uses BOARD frames; BOARD is not i
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..backend import resolve_device, to_numpy, xp_for
+from ..backend import Timer, resolve_device, to_device, to_numpy, xp_for
 from ..errors import InputError
 
 __all__ = ["ModelLibrary", "describe", "render_view", "resolution"]
-
-
-class _Timer:
-    """Per-phase wall-clock timer; synchronises the GPU before each reading when asked."""
-
-    def __init__(self, gpu: bool):
-        self.gpu = gpu
-        self.t = {}
-        self._last = time.perf_counter()
-
-    def _sync(self):
-        if self.gpu:
-            import cupy as cp
-
-            cp.cuda.Stream.null.synchronize()
-
-    def restart(self):
-        """Start the next phase now (time spent elsewhere since the last lap is not counted)."""
-        self._last = time.perf_counter()
-
-    def lap(self, name: str):
-        self._sync()
-        now = time.perf_counter()
-        self.t[name] = self.t.get(name, 0.0) + (now - self._last)
-        self._last = now
-
-
-def _on(a, dev):
-    """``a`` on the resolved device: a CuPy array on "gpu", numpy otherwise."""
-    if dev == "gpu":
-        import cupy as cp
-
-        return cp.asarray(a)
-    return to_numpy(a)
 
 
 def resolution(points) -> float:
@@ -73,7 +38,7 @@ def resolution(points) -> float:
 def describe(points, *, normals=None, normal_k: int = 10, normal_radius: float | None = None,
              keypoint_radius: float,
              descr_rad: float, rf_rad: float | None = None, viewpoint=(0.0, 0.0, 0.0),
-             approximate: bool = False, device: str = "auto", timer: _Timer | None = None) -> dict:
+             approximate: bool = False, device: str = "auto", timer: Timer | None = None) -> dict:
     """Normals, uniform-sampling keypoints, SHOT descriptors and frames of one cloud.
 
     Parameters
@@ -104,15 +69,15 @@ def describe(points, *, normals=None, normal_k: int = 10, normal_radius: float |
     from ..descriptors.shot import shot as _shot
 
     dev = resolve_device(device, points)
-    pts = _on(points, dev)
-    timer = timer or _Timer(dev == "gpu")
+    pts = to_device(points, dev)
+    timer = timer or Timer(dev == "gpu")
     if normals is None:
         if normal_radius:
             nrm, _ = _normals(pts, radius=normal_radius, viewpoint=viewpoint, device=dev)
         else:
             nrm, _ = _normals(pts, k=normal_k, viewpoint=viewpoint, device=dev)
     else:
-        nrm = _on(normals, dev).astype(np.float32)
+        nrm = to_device(normals, dev).astype(np.float32)
     timer.lap("normals")
     xp = xp_for(dev)
     good = xp.isfinite(nrm).all(axis=1)

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backend import resolve_device, to_numpy, xp_for
+from ..backend import Timer, resolve_device, to_device, to_numpy, xp_for
 from ..errors import InputError
 from ..validation import points, positive
 from ._scene_index import _SceneIndex
 from .correspondences import match
 from .grouping import group_gc, group_hough
-from .library import ModelLibrary, _on, _Timer, describe
+from .library import ModelLibrary, describe
 from .refinement import refine_hypotheses
 from .verification import verify
 
@@ -260,17 +260,17 @@ def _prepare(scene_points, scene_normals, library, p: RecognizeParams, dev: str)
     """:func:`recognize` up to its correspondences (the timer running)."""
     xp = xp_for(dev)
     t0 = time.perf_counter()
-    timer = _Timer(dev == "gpu")
+    timer = Timer(dev == "gpu")
     # NaN/inf rows are dropped here (and the normals beside them), not refused
-    pts = points(_on(scene_points, dev), "scene_points", finite=False, dtype=None)
+    pts = points(to_device(scene_points, dev), "scene_points", finite=False, dtype=None)
     fin = xp.isfinite(pts).all(axis=1)
     nrm_in = None
     if not bool(fin.all()):
         pts = pts[fin]
         if scene_normals is not None:
-            nrm_in = _on(scene_normals, dev)[fin]
+            nrm_in = to_device(scene_normals, dev)[fin]
     elif scene_normals is not None:
-        nrm_in = _on(scene_normals, dev)
+        nrm_in = to_device(scene_normals, dev)
     pts = xp.ascontiguousarray(pts, dtype=xp.float32)
     descr_rad = float(library.params.get("descr_rad", 0.02) if p.descr_rad is None else p.descr_rad)
     rf_rad = float(library.params.get("rf_rad", 0.015) if p.rf_rad is None else p.rf_rad)
@@ -329,10 +329,10 @@ def _prepare_described(scene_points, library, params, *, normals, keypoints, des
         raise InputError("recognize_described needs the keypoints' descriptors or their correspondences")
     xp = xp_for(dev)
     t0 = time.perf_counter()
-    timer = _Timer(dev == "gpu")
-    pts = xp.ascontiguousarray(points(_on(scene_points, dev), "scene_points"), dtype=xp.float32)
-    nrm = points(_on(normals, dev), "normals", finite=False, rows=int(pts.shape[0]))
-    kp = xp.asarray(_on(keypoints, dev), dtype=xp.int64).reshape(-1)
+    timer = Timer(dev == "gpu")
+    pts = xp.ascontiguousarray(points(to_device(scene_points, dev), "scene_points"), dtype=xp.float32)
+    nrm = points(to_device(normals, dev), "normals", finite=False, rows=int(pts.shape[0]))
+    kp = xp.asarray(to_device(keypoints, dev), dtype=xp.int64).reshape(-1)
     if int(kp.shape[0]) and (int(kp.min()) < 0 or int(kp.max()) >= int(pts.shape[0])):
         raise InputError(f"keypoints must index the {int(pts.shape[0])} scene points")
     rf_rad = float(library.params.get("rf_rad", 0.015) if p.rf_rad is None else p.rf_rad)
@@ -348,9 +348,9 @@ def _prepare_described(scene_points, library, params, *, normals, keypoints, des
             pos = xp.cumsum(good) - 1  # keypoint index among the points with a normal
             _, rf = _shot(xp.ascontiguousarray(pts[sub]), xp.ascontiguousarray(nrm[sub]), pos[kp], rf_rad,
                           device=dev)
-        d["rf"] = _on(rf, dev)
+        d["rf"] = to_device(rf, dev)
     if correspondences is None:
-        correspondences = match(_on(descriptors, dev), library, k=p.match_k, max_dist2=p.max_dist2,
+        correspondences = match(to_device(descriptors, dev), library, k=p.match_k, max_dist2=p.max_dist2,
                                 ratio=p.ratio, device=dev)
     timer.lap("matching")
     return _Matched(pts, d, correspondences, p, dev, timer, t0, inlier_dist, vp)
@@ -430,7 +430,7 @@ class _Matched:
     corr: object
     p: RecognizeParams
     dev: str
-    timer: _Timer
+    timer: Timer
     t0: float | None
     inlier_dist: float
     vp: np.ndarray
