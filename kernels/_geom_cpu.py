@@ -3,7 +3,7 @@
 ``jacobi_eigh`` is the one cyclic Jacobi eigen-solver of the package: a symmetric n x n float64
 matrix, in place. ``eig3`` wraps it for the 3x3 covariances of normals and SHOT frames (sorted
 eigenpairs); ``recognition.rigid`` uses it on the 4x4 matrix of Horn's quaternion fit. The CUDA
-source in ``descriptors/_shot_gpu.py`` carries the same algorithm for 3x3, operation for operation
+source in ``descriptors/shot_gpu.py`` carries the same algorithm for 3x3, operation for operation
 (compiled without fused multiply-add), so that both backends produce the same frames bit for bit
 on the same inputs.
 

@@ -112,7 +112,7 @@ def test_gpu_grid_bounds_and_cell_starts_equal_numpy(rng):
     import cupy as cp
 
     from scanforest.kernels.descriptors.keypoints import keypoints
-    from scanforest.kernels.neighbors._search_gpu import bounds, build_grid
+    from scanforest.kernels.neighbors.search_gpu import bounds, build_grid
     from scanforest.kernels.recognition._scene_index import _voxel_ranks_cpu
     from scanforest.kernels.recognition._verification_gpu import voxel_ranks
 

@@ -256,10 +256,10 @@ def test_gpu_bun0_pcl_values_and_cpu_agreement(bun0):
     ng, _ = normals(cp.asarray(pts), radius=0.04)
     assert np.abs(cp.asnumpy(ng) - n).max() < 1e-5
     dc, fc = shot(pts, n, np.arange(397), 0.04, device="cpu")
-    from scanforest.kernels.descriptors import _shot_gpu
+    from scanforest.kernels.descriptors import shot_gpu
 
-    for lpk in _shot_gpu.LPK_CHOICES:
-        dg, fg = _shot_gpu.shot_gpu(cp.asarray(pts), cp.asarray(pts), cp.asarray(n), 0.04, lpk=lpk)
+    for lpk in shot_gpu.LPK_CHOICES:
+        dg, fg = shot_gpu.shot_gpu(cp.asarray(pts), cp.asarray(pts), cp.asarray(n), 0.04, lpk=lpk)
         dg, fg = cp.asnumpy(dg), cp.asnumpy(fg)
         for i, v in PCL_DESC_103.items():
             assert abs(dg[103, i] - v) < 1e-4

@@ -97,8 +97,8 @@ def gpu_pipeline(pts_host, radius, normal_k, *, keypoints="all", approximate=Fal
     import cupy as cp
 
     from scanforest.kernels.backend import pinned_empty
-    from scanforest.kernels.descriptors import _shot_gpu as sg
-    from scanforest.kernels.neighbors import _search_gpu as ng
+    from scanforest.kernels.descriptors import shot_gpu as sg
+    from scanforest.kernels.neighbors import search_gpu as ng
 
     ph = _Phases()
     ph.mark("start")
@@ -113,7 +113,7 @@ def gpu_pipeline(pts_host, radius, normal_k, *, keypoints="all", approximate=Fal
     nrm0 = cp.empty((n, 3), cp.float32)
     curv = cp.empty(n, cp.float32)
     off = cp.arange(0, (n + 1) * normal_k, normal_k, dtype=cp.int64)
-    sg._launch_normals(pts, gk.points, off, idx.reshape(-1), [np.float64(0)] * 3, nrm0, curv, lpk=8)
+    sg.launch_normals(pts, gk.points, off, idx.reshape(-1), [np.float64(0)] * 3, nrm0, curv, lpk=8)
     del idx, off, gk
     ph.mark("normals PCA")
     g = ng.build_grid(pts, radius)
@@ -142,7 +142,7 @@ def gpu_pipeline(pts_host, radius, normal_k, *, keypoints="all", approximate=Fal
                                                   pinned_empty((nk, 3, 3), np.float32))
         copy_stream = cp.cuda.Stream(non_blocking=True)
         budget = min(budget, max(1, int(counts.sum()) // 4 + 1))
-    for s, e in sg._batches(counts, budget):
+    for s, e in sg.batches(counts, budget):
         a, b = _events()
         c, d = _events()
         a.record()
@@ -246,7 +246,7 @@ def bench_shot(
         return
     import cupy as cp
 
-    from scanforest.kernels.descriptors import _shot_gpu as sg
+    from scanforest.kernels.descriptors import shot_gpu as sg
 
     gdev = describe_device("gpu")
 
@@ -339,7 +339,7 @@ def _agreement(rep, pts, radius, normal_k, best, cpu_out, gdev):
     """GPU vs CPU descriptors on the CPU's keypoint subset (same pipeline: k-NN normals)."""
     import cupy as cp
 
-    from scanforest.kernels.neighbors import _search_gpu as ng
+    from scanforest.kernels.neighbors import search_gpu as ng
 
     sub, dcpu, fcpu = next(iter(cpu_out.values()))
     dg, fg, _, _, _ = gpu_pipeline(pts, radius, normal_k, lpk=best)

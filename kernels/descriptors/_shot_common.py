@@ -1,6 +1,6 @@
 """What SHOT's public module and its GPU backend share: the approximate mode's default cap.
 
-It lives apart from :mod:`.shot` so that :mod:`._shot_gpu`, which :mod:`.shot` imports, can use
+It lives apart from :mod:`.shot` so that :mod:`.shot_gpu`, which :mod:`.shot` imports, can use
 it without importing :mod:`.shot` back.
 """
 from __future__ import annotations

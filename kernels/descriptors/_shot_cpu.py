@@ -2,7 +2,7 @@
 
 Every step follows PCL's arithmetic: float32 differences and dot products, float64 covariance,
 float32 histogram accumulation; see ``descriptors/shot.py`` for the definition. The CUDA kernels in
-``_shot_gpu.py`` use the same operations in the same precision.
+``shot_gpu.py`` use the same operations in the same precision.
 """
 from __future__ import annotations
 

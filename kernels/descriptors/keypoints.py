@@ -82,7 +82,7 @@ def _uniform_sampling(pts, r, xp):
         lo = ijk.min(axis=0)
         dims = ijk.max(axis=0) - lo + 1
     else:  # the corners' voxels (the float32 product and floor are monotone): no column reductions
-        from ..neighbors._search_gpu import bounds
+        from ..neighbors.search_gpu import bounds
 
         c = np.floor(np.stack([v.astype(np.float32) for v in bounds(pts)]) * inv).astype(np.int64)
         lo, dims = xp.asarray(c[0]), [int(v) for v in c[1] - c[0] + 1]

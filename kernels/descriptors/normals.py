@@ -69,14 +69,14 @@ def normals(points, *, k: int | None = None, radius: float | None = None,
     else:
         radius = validation.positive(radius, "radius")
     if dev == "gpu":
-        from . import _shot_gpu
+        from . import shot_gpu
 
-        return _shot_gpu.normals_gpu(pts, surf, k=k, radius=radius, viewpoint=vp)
+        return shot_gpu.normals_gpu(pts, surf, k=k, radius=radius, viewpoint=vp)
     return _normals_cpu(pts, surf, k=k, radius=radius, viewpoint=vp)
 
 
 def _normals_cpu(pts, surf, *, k, radius, viewpoint, chunk: int = 1 << 18):
-    from ..neighbors.search import _knn_cpu, _radius_search_cpu
+    from ..neighbors.search import knn_cpu, radius_search_cpu
 
     n = pts.shape[0]
     out_n = np.empty((n, 3), np.float32)
@@ -85,11 +85,11 @@ def _normals_cpu(pts, surf, *, k, radius, viewpoint, chunk: int = 1 << 18):
         e = min(n, s + chunk)
         q = pts[s:e]
         if k is not None:
-            idx, _ = _knn_cpu(surf, q, k)
+            idx, _ = knn_cpu(surf, q, k)
             off = np.arange(0, (e - s + 1) * k, k, dtype=np.int64)
             flat = idx.reshape(-1)
         else:
-            off, flat, _ = _radius_search_cpu(surf, q, radius, sort=False)
+            off, flat, _ = radius_search_cpu(surf, q, radius, sort=False)
         _pca_normals(surf, q, off, flat, viewpoint, out_n[s:e], out_c[s:e])
     return out_n, out_c
 

@@ -90,9 +90,9 @@ def shot(points, normals, keypoints, radius, *, surface=None, surface_normals=No
         raise InputError(f"max_neighbors must be >= 1, got {max_neighbors}")
     cap = None if max_neighbors is None else int(max_neighbors)
     if dev == "gpu":
-        from . import _shot_gpu
+        from . import shot_gpu
 
-        return _shot_gpu.shot_gpu(kp, surf, snrm, r, approximate=approximate, cap=cap)
+        return shot_gpu.shot_gpu(kp, surf, snrm, r, approximate=approximate, cap=cap)
     return _shot_cpu_driver(kp, surf, snrm, r, approximate=approximate, cap=cap,
                             chunk=_chunk or (1 << 15))
 
@@ -111,7 +111,7 @@ def _keypoint_coords(k, pts, xp):
 
 
 def _shot_cpu_driver(kp, surf, snrm, r, *, approximate, cap, chunk):
-    from ..neighbors.search import _radius_search_cpu
+    from ..neighbors.search import radius_search_cpu
     from ._shot_cpu import shot_csr
 
     k = kp.shape[0]
@@ -121,16 +121,16 @@ def _shot_cpu_driver(kp, surf, snrm, r, *, approximate, cap, chunk):
         return desc, frames
     if approximate and cap is None:
         from ..neighbors._search_cpu import grid_radius
-        from ..neighbors.search import _cpu_grid
+        from ..neighbors.search import cpu_grid
 
-        g = _cpu_grid(surf, r)
+        g = cpu_grid(surf, r)
         counts = np.diff(grid_radius(g[0], g[1], g[2], g[3], g[4], g[5], kp, np.float32(r * r),
                                      -1, False)[0])
         cap = median_count(counts)
     for s in range(0, k, chunk):
         e = min(k, s + chunk)
         # exact mode needs no sorted lists (the frame's tie-break ranks on demand)
-        off, idx, d2 = _radius_search_cpu(surf, kp[s:e], r, max_neighbors=cap if approximate else None,
-                                          sort=False)
+        off, idx, d2 = radius_search_cpu(surf, kp[s:e], r, max_neighbors=cap if approximate else None,
+                                         sort=False)
         shot_csr(kp[s:e], surf, snrm, off, idx, d2, float(r), desc[s:e], frames[s:e])
     return desc, frames

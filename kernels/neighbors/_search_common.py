@@ -1,6 +1,6 @@
 """The result type shared by the neighbour search and its backends: CSR neighbour lists.
 
-It lives apart from :mod:`.search` so that the GPU backend (:mod:`._search_gpu`), which
+It lives apart from :mod:`.search` so that the GPU backend (:mod:`.search_gpu`), which
 :mod:`.search` imports, can build it without importing :mod:`.search` back.
 """
 from __future__ import annotations

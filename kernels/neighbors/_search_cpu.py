@@ -50,7 +50,7 @@ def exact_sq_dist_sort(pts, qs, idx):
 
 
 # ---------------------------------------------------------------------------------------------
-# uniform grid (cell list), the CPU twin of _search_gpu
+# uniform grid (cell list), the CPU twin of search_gpu
 # ---------------------------------------------------------------------------------------------
 @njit(cache=True, inline="always")
 def _cell(v, o, inv_h, d):

@@ -67,12 +67,12 @@ def radius_search(points, queries=None, *, radius, max_neighbors: int | None = N
         if max_neighbors < 1:
             raise InputError(f"max_neighbors must be >= 1, got {max_neighbors}")
     if dev == "gpu":
-        from . import _search_gpu as g
+        from . import search_gpu as g
 
         grid = g.build_grid(pts, r)
         return g.radius_search(grid, qs, r, max_neighbors=max_neighbors, sort=sort,
                                original_indices=True)
-    return _radius_search_cpu(pts, qs, r, max_neighbors=max_neighbors, sort=sort)
+    return radius_search_cpu(pts, qs, r, max_neighbors=max_neighbors, sort=sort)
 
 
 def knn(points, queries=None, *, k: int, device: str = "auto"):
@@ -102,28 +102,30 @@ def knn(points, queries=None, *, k: int, device: str = "auto"):
     if k > pts.shape[0]:
         raise InputError(f"k={k} is larger than the number of points ({pts.shape[0]})")
     if dev == "gpu":
-        from . import _search_gpu as g
+        from . import search_gpu as g
 
         if k > g.KNN_KMAX:
             raise InputError(f"k={k} exceeds the GPU k-NN limit of {g.KNN_KMAX}")
         grid = g.build_grid_knn(pts, k)
         idx, d2 = g.knn(grid, qs, k)
         return grid.order[idx].astype(idx.dtype), d2
-    return _knn_cpu(pts, qs, k)
+    return knn_cpu(pts, qs, k)
 
 
 # ---------------------------------------------------------------------------------------------
 # CPU backend
 # ---------------------------------------------------------------------------------------------
-def _radius_search_cpu(pts: np.ndarray, qs: np.ndarray, r: float, *, max_neighbors=None,
-                       sort=True) -> Neighbors:
+def radius_search_cpu(pts: np.ndarray, qs: np.ndarray, r: float, *, max_neighbors=None,
+                      sort=True) -> Neighbors:
+    """:func:`radius_search` on the CPU for arrays already validated (float32 (N, 3) ``pts`` and
+    (Q, 3) ``qs``): the CPU backend that descriptors call directly, chunk by chunk."""
     from ._search_cpu import grid_radius
 
     nq = qs.shape[0]
     r2 = np.float32(r * r)
     if nq == 0:
         return Neighbors(np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))
-    g = _cpu_grid(pts, r)
+    g = cpu_grid(pts, r)
     cap = -1 if max_neighbors is None else int(max_neighbors)
     return Neighbors(*grid_radius(g[0], g[1], g[2], g[3], g[4], g[5], qs, r2, cap, bool(sort)))
 
@@ -131,8 +133,10 @@ def _radius_search_cpu(pts: np.ndarray, qs: np.ndarray, r: float, *, max_neighbo
 _GRID_CACHE: dict = {}
 
 
-def _cpu_grid(pts: np.ndarray, r: float):
-    """Cell list of ``pts`` with cells of edge >= r (the last one is cached for reuse)."""
+def cpu_grid(pts: np.ndarray, r: float):
+    """Cell list of ``pts`` with cells of edge >= r (the last one is cached for reuse): ``(sorted
+    points, order, cell starts, origin, 1/edge, dims)``, the grid of :func:`radius_search_cpu`, which
+    SHOT and recognition's scene index reuse."""
     from ._search_cpu import cell_ids
 
     key = (pts.__array_interface__["data"][0], pts.shape, float(r))
@@ -175,7 +179,9 @@ def _tree(pts):
     return t
 
 
-def _knn_cpu(pts, qs, k):
+def knn_cpu(pts, qs, k):
+    """:func:`knn` on the CPU for arrays already validated (float32 (N, 3) ``pts``, (Q, 3) ``qs``,
+    ``1 <= k <= N``): ``(indices (Q, k) int64, sq_distances (Q, k) float32)``."""
     from ._search_cpu import exact_sq_dist_sort
 
     if qs.shape[0] == 0:

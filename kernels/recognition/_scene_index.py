@@ -41,13 +41,13 @@ class _SceneIndex:
         self.n_vox = int(self.vox.max()) + 1 if len(self.vox) else 0
 
     def cells(self):
-        """CPU: cell list of the scene (cells of edge >= ``cell``), as ``neighbors.search._cpu_grid``."""
+        """CPU: cell list of the scene (cells of edge >= ``cell``), as ``neighbors.search.cpu_grid``."""
         if self._cells is None:
-            from ..neighbors.search import _cpu_grid
+            from ..neighbors.search import cpu_grid
 
             if len(self.points) == 0:
                 raise InputError("scene is empty (0 points)")
-            self._cells = _cpu_grid(self.points, self.cell)
+            self._cells = cpu_grid(self.points, self.cell)
         return self._cells
 
     def nearest(self, q, r: float):

@@ -1,7 +1,7 @@
 """CuPy backend of recognition verification and ICP correspondence search.
 
 The scene is counting-sorted into a uniform grid (cell list, :func:`scanforest.kernels.
-neighbors._search_gpu.build_grid`) of edge >= the search distance, so a query scans the 3x3x3 block
+neighbors.search_gpu.build_grid`) of edge >= the search distance, so a query scans the 3x3x3 block
 of cells around its own. Two kernels:
 
 * ``nearest_grid`` - nearest scene point strictly within ``r`` of each query (ICP);
@@ -219,8 +219,8 @@ def kernel(name):
 
 
 def build_grid(points, cell: float):
-    """Cell list of the scene (reuses the neighbour-search grid of ``neighbors._search_gpu``)."""
-    from ..neighbors._search_gpu import build_grid as _bg
+    """Cell list of the scene (reuses the neighbour-search grid of ``neighbors.search_gpu``)."""
+    from ..neighbors.search_gpu import build_grid as _bg
 
     return _bg(points, cell)
 
@@ -229,7 +229,7 @@ def voxel_ranks(points, cell: float):
     """Dense rank of each point's voxel (edge ``cell``, origin at the min corner), int32."""
     import cupy as cp
 
-    from ..neighbors._search_gpu import bounds
+    from ..neighbors.search_gpu import bounds
 
     if points.shape[0] == 0:
         return cp.zeros(0, cp.int32)

@@ -5,6 +5,10 @@ then a binary search per cell for the cell starts; the bounding box in one launc
 around their own, whose x-runs are contiguous in the sorted order (9 ranges per query).
 Neighbour lists are built in two passes (count, exclusive scan, fill) and refer to positions in
 the cell-sorted surface; :func:`radius_search` maps them back to input indices.
+
+A public module: the GPU backends of descriptors (normals, SHOT) and recognition (verification)
+build on its grid and stages (:func:`build_grid`, :func:`count`, :func:`fill`, :func:`cap_lists`,
+:func:`knn`, :func:`bounds`), and the SHOT bench times them one by one.
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import functools
 
 import numpy as np
 
-from ..neighbors import _search_gpu as ng
+from ..neighbors import search_gpu as ng
 
 LPK_CHOICES = (4, 8, 16, 32)
 DEFAULT_LPK = 32   # measured fastest (bench shot, H200): 32 > 16 > 8 > 4 lanes per keypoint
@@ -416,25 +416,27 @@ def normals_gpu(pts, surf, *, k=None, radius=None, viewpoint=(0, 0, 0), grid=Non
         g = grid if grid is not None else ng.build_grid_knn(surf, k)
         idx, _ = ng.knn(g, pts, k)
         off = cp.arange(0, (n + 1) * k, k, dtype=cp.int64)
-        _launch_normals(pts, g.points, off, idx.reshape(-1), vp, out_n, out_c, lpk=8)
+        launch_normals(pts, g.points, off, idx.reshape(-1), vp, out_n, out_c, lpk=8)
         return out_n, out_c
     g = grid if grid is not None else ng.build_grid(surf, radius)
     counts = ng.count(g, pts, radius)
-    for s, e in _batches(counts, batch_entries):
+    for s, e in batches(counts, batch_entries):
         q = pts[s:e]
         off = ng.offsets_from_counts(counts[s:e])
         idx, _ = ng.fill(g, q, radius, off, int(off[-1]))
-        _launch_normals(q, g.points, off, idx, vp, out_n[s:e], out_c[s:e], lpk=32)
+        launch_normals(q, g.points, off, idx, vp, out_n[s:e], out_c[s:e], lpk=32)
     return out_n, out_c
 
 
-def _launch_normals(q, P, off, idx, vp, out_n, out_c, *, lpk):
+def launch_normals(q, P, off, idx, vp, out_n, out_c, *, lpk):
+    """Launch the normals kernel (``lpk`` lanes per query) on the CSR lists ``off``/``idx`` into
+    the cell-sorted surface ``P``, oriented towards ``vp``; writes ``out_n`` and ``out_c``."""
     nq = q.shape[0]
     grid = ((nq * lpk + BLOCK - 1) // BLOCK,)
     kernel(f"normals{lpk}")(grid, (BLOCK,), (q, np.int32(nq), P, off, idx, *vp, out_n, out_c))
 
 
-def _batches(counts, budget):
+def batches(counts, budget):
     """Split queries into consecutive batches whose lists hold <= ``budget`` entries."""
     import cupy as cp
 
@@ -471,7 +473,7 @@ def shot_gpu(kp, surf, snrm, r, *, approximate=False, cap=None, lpk=None, grid=N
         from ._shot_common import median_count
 
         cap = median_count(counts)
-    for s, e in _batches(counts, batch_entries):
+    for s, e in batches(counts, batch_entries):
         q = kp[s:e]
         off = ng.offsets_from_counts(counts[s:e])
         idx, d2 = ng.fill(g, q, r, off, int(off[-1]))
@@ -482,6 +484,8 @@ def shot_gpu(kp, surf, snrm, r, *, approximate=False, cap=None, lpk=None, grid=N
 
 
 def launch_shot(q, g, nrm, off, idx, d2, r, desc, frames, *, lpk=DEFAULT_LPK):
+    """Launch the SHOT kernel (``lpk`` lanes per keypoint) on the CSR lists ``off``/``idx``/``d2``
+    into the grid ``g`` (normals ``nrm`` in its cell order); writes ``desc`` and ``frames``."""
     nq = q.shape[0]
     gpb = BLOCK // lpk
     kernel(f"shot{lpk}")(((nq + gpb - 1) // gpb,), (BLOCK,),
