@@ -284,8 +284,6 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
                 continue
             import cupy as cp
 
-            from scanforest.kernels.motion import _optical_flow_gpu as g
-
             base = dict(baseline="CPU numba" if t_cpu else None, baseline_value=t_cpu,
                         higher_is_better=False)
 
@@ -312,10 +310,10 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
                     "ms/pair", gpu_name, fps=batch * 1e3 / tb, **base)
             # the flow kernel alone, tables prepared once
             r = dense_flow(ds, None, tracks, method=method, device="gpu")
-            k1 = _kernel_ms(g, ds[:2], tracks[:1], method, r, repeat)
+            k1 = _kernel_ms(ds[:2], tracks[:1], method, r, repeat)
             rep.add(f"{mtag}: flow kernel only, 1 pair/launch (CUDA events)", k1, "ms/pair",
                     gpu_name, fps=1e3 / k1, **base)
-            k_ms = _kernel_ms(g, ds, tracks, method, r, repeat)
+            k_ms = _kernel_ms(ds, tracks, method, r, repeat)
             evals = w * h * features * batch / (k_ms * 1e-3)      # pixel-feature pairs per second
             nl = len(r.labels[0]) if r.labels else 0
             rep.add(f"{mtag}: flow kernel only, {batch} pairs/launch (CUDA events)", k_ms / batch,
@@ -438,28 +436,11 @@ def tracking_rows(rep, seq, tag, features, batch, repeat, dev, cpu, t_klt, have_
                     higher_is_better=False)
 
 
-def _kernel_ms(g, ds, tracks, method, r, repeat):
+def _kernel_ms(ds, tracks, method, r, repeat):
     """CUDA-event time of the flow kernel alone for a sequence already on the device."""
-    from scanforest.kernels.motion import optical_flow as F
+    from scanforest.kernels.motion.optical_flow import gpu_flow_kernel
 
-    tl = [np.asarray(t, np.float32) for t in tracks]
-    nb = len(tl)
-    pairs = np.stack([np.arange(nb), np.arange(1, nb + 1)], 1).astype(np.int32)
-    offs = np.zeros(nb + 1, np.int32)
-    offs[1:] = np.cumsum([len(t) for t in tl])
-    tr = np.concatenate(tl)
-    tpair = np.repeat(np.arange(nb, dtype=np.int32), [len(t) for t in tl])
-    p = r.params
-    sx, sc = F._scales(p["sigma_c"], p["sigma_x"])
-    f4 = g.frames4([ds])
-    dfs = np.array([F._dfs(t, b, F.MAX_LABELS) for b, t in enumerate(tl)], np.int32)
-    tables = g.features(f4, pairs, tr, tpair, offs, sx, sc, dfs)
-    tau = np.float32(p["tau"])
-    if method == "interpolation":
-        return gpu_ms(lambda: g.interpolate(f4, pairs, tables, offs, sx, sc, tau, True), repeat)
-    sf2 = np.float32(0.5 * F._LOG2E / p["sigma_f"] ** 2)
-    return gpu_ms(lambda: g.hypotheses(f4, pairs, tables, offs, None, sx, sc, sf2, tau, True),
-                  repeat)
+    return gpu_ms(gpu_flow_kernel(ds, tracks, method, r.params), repeat)
 
 
 def _merry_go_round(rep, gpu_name, cpu_name, cpu, repeat):

@@ -620,3 +620,29 @@ def dense_flow(frames0, frames1=None, tracks=None, *, method: str = "hypotheses"
         kwargs.pop("max_labels", None)
         return interpolate_flow(frames0, frames1, tracks, **kwargs)
     return hypothesis_flow(frames0, frames1, tracks, **kwargs)
+
+
+def gpu_flow_kernel(frames, tracks, method: str, params: dict):
+    """The GPU flow kernel alone, for benchmarks: a no-argument callable that launches the
+    interpolation (``method="interpolation"``) or hypotheses kernel once over the consecutive pairs
+    of ``frames`` (a sequence already on the GPU), with ``tracks`` one array per pair and
+    ``params`` those of a :class:`FlowResult` computed on them. Frames and feature tables are
+    prepared here, once, outside the callable."""
+    from . import _optical_flow_gpu as g
+
+    tl = [np.asarray(t, np.float32) for t in tracks]
+    nb = len(tl)
+    pairs = np.stack([np.arange(nb), np.arange(1, nb + 1)], 1).astype(np.int32)
+    offs = np.zeros(nb + 1, np.int32)
+    offs[1:] = np.cumsum([len(t) for t in tl])
+    tr = np.concatenate(tl)
+    tpair = np.repeat(np.arange(nb, dtype=np.int32), [len(t) for t in tl])
+    sx, sc = _scales(params["sigma_c"], params["sigma_x"])
+    f4 = g.frames4([frames])
+    dfs = np.array([_dfs(t, b, MAX_LABELS) for b, t in enumerate(tl)], np.int32)
+    tables = g.features(f4, pairs, tr, tpair, offs, sx, sc, dfs)
+    tau = np.float32(params["tau"])
+    if method == "interpolation":
+        return lambda: g.interpolate(f4, pairs, tables, offs, sx, sc, tau, True)
+    sf2 = np.float32(0.5 * _LOG2E / params["sigma_f"] ** 2)
+    return lambda: g.hypotheses(f4, pairs, tables, offs, None, sx, sc, sf2, tau, True)
