@@ -121,7 +121,7 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
     matches are current is recognised from them. A scene that fails is recorded with its reason
     and the rest go on."""
     from scanforest.tasks.prefect_tasks import process_batch_task
-    from scanforest.tasks.store import _now
+    from scanforest.tasks.store import utc_now
 
     t0 = time.perf_counter()
     store = absolute_path(store)
@@ -129,7 +129,7 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
     params = dict(params or {})
     with dask_client(scheduler, n_workers=workers, device=device) as client:
         nw = n_workers(client)
-        since = _now()
+        since = utc_now()
         t1 = time.perf_counter()
         nb = batch or auto_batch(len(scenes), nw)
         recs = map_batches(process_batch_task, list(scenes), item_param="scan_ids",

@@ -10,7 +10,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.tasks.describe import DescribeParams
 from scanforest.tasks.prefect_tasks import describe_scan_task
-from scanforest.tasks.store import ScanStore, _now
+from scanforest.tasks.store import ScanStore, utc_now
 from scanforest.tasks.units import HELD, current_run
 
 from ._noop import describe_noop
@@ -47,7 +47,7 @@ def _describe(store, scans, params, device, progress, batch, nw) -> dict[str, An
     st = ScanStore(store)
     ids = st.scans() if scans is None else list(scans)
     params = params or DescribeParams()
-    since = _now()
+    since = utc_now()
     run = current_run() or f"local-{uuid.uuid4().hex}"  # the stage records name it (outside Prefect too)
     recs = map_batches(describe_scan_task, ids, item_param="scan_ids",
                        common=dict(store=store, params=params, device=device, run=run), label="describe",

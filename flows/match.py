@@ -12,7 +12,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from scanforest.kernels.errors import InputError
 from scanforest.kernels.knn.kdforest import METHODS as KDFOREST_METHODS
 from scanforest.tasks import index as idx
-from scanforest.tasks.prefect_tasks import _run_label
+from scanforest.tasks.prefect_tasks import run_label
 from scanforest.tasks.store import ScanStore, stage_digest
 
 from ._noop import match_noop
@@ -158,7 +158,7 @@ def match_flow(store: str, queries: list[str] | None = None, k: int = 4, name: s
         placement = di.describe()
 
         @task(name="match", retries=2, retry_delay_seconds=[2, 10],
-              task_run_name=lambda: "match " + _run_label("scan_ids"))
+              task_run_name=lambda: "match " + run_label("scan_ids"))
         def match_batch(scan_ids: list[str]) -> list[dict[str, Any]]:
             return _match_batch(di, store, scan_ids, k)
 

@@ -13,7 +13,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from scanforest.kernels.errors import InputError
 from scanforest.tasks.prefect_tasks import recognize_batch_task
 from scanforest.tasks.recognize import build_library, detections_table, load_library
-from scanforest.tasks.store import ScanStore, _now
+from scanforest.tasks.store import ScanStore, utc_now
 
 from .batching import auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
@@ -40,7 +40,7 @@ def recognize_flow(store: str, models: list[str], scenes: list[str] | None = Non
     with dask_client(scheduler, n_workers=workers, device=device) as client:
         nw = n_workers(client)
         t1 = time.perf_counter()
-        since = _now()
+        since = utc_now()
         recs = map_batches(recognize_batch_task, ids, item_param="scan_ids",
                            common=dict(store=store, library=library, params=params, device=device),
                            label="recognize", batch=batch or auto_batch(len(ids), nw), progress=progress, workers=nw)

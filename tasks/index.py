@@ -171,7 +171,7 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
             forest = _fit_forest(_stored_rows(reference, a, b, dev), params, i, dev, keep_rows=False)
             _write_tree(store, g.require_group(f"shard_{i}"), forest.tree_)
             del forest
-            _free_gpu_pool()  # a shard's rows and tree on the GPU: give them back before the next one
+            free_gpu_pool()  # a shard's rows and tree on the GPU: give them back before the next one
             build_s.append(time.perf_counter() - t)
     g.attrs.update({"params": _jsonable(params), "shards": [list(r) for r in ranges], "n": int(reference.shape[0]),
                     "d": int(reference.shape[1]), "dtype": dtype, "content_hash": digest, "scans": list(scans or []),
@@ -504,7 +504,7 @@ def search_shard(shard: Shard, Q, k: int, *, min_block: int = 256, stats: bool =
         raise OutOfMemory(f"shard [{shard.start}, {shard.stop}) cannot search even {len(Q)} queries: {err}")
     log.warning("shard [%d, %d): out of memory on a block of %d queries; searching it in halves",
                 shard.start, shard.stop, len(Q))
-    _free_gpu_pool()
+    free_gpu_pool()
     h = len(Q) // 2
     b = search.get("bounds")
     halves = []
@@ -559,7 +559,9 @@ def _add_stats(*stats, seconds: float = 0.0) -> dict:
             "seconds": seconds + sum(float(s["seconds"]) for s in stats)}
 
 
-def _free_gpu_pool() -> None:
+def free_gpu_pool() -> None:
+    """Give CuPy's cached device and pinned host blocks back (a no-op without CuPy): between
+    shards here, and on every worker of a cluster before a bench's next case."""
     try:
         import cupy as cp
 

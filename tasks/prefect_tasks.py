@@ -73,7 +73,7 @@ def batch_name(items: list, attr: str | None = None) -> str:
 
 
 @task(name="ingest", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
-      task_run_name=lambda: "ingest " + _run_label("sources", "scan_id"))
+      task_run_name=lambda: "ingest " + run_label("sources", "scan_id"))
 def ingest_scan(store: str, sources: list[Source], units: str = "m", run: str | None = None) -> list[dict[str, Any]]:
     """Ingest a batch of scan files in one Dask task (each skipped when unchanged, quarantined when
     unreadable); a worker lost midway has the batch rescheduled, and the files it finished are
@@ -82,7 +82,7 @@ def ingest_scan(store: str, sources: list[Source], units: str = "m", run: str | 
 
 
 @task(name="describe", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
-      task_run_name=lambda: "describe " + _run_label("scan_ids"))
+      task_run_name=lambda: "describe " + run_label("scan_ids"))
 def describe_scan_task(store: str, scan_ids: list[str], params, device: str = "auto",
                        run: str | None = None) -> list[dict[str, Any]]:
     """Normals, keypoints, frames and SHOT352 of stored scans, one Dask task per scan (each skipped
@@ -95,7 +95,7 @@ def describe_scan_task(store: str, scan_ids: list[str], params, device: str = "a
                                       for s in scan_ids])
 
 
-def _run_label(param: str, attr: str | None = None) -> str:
+def run_label(param: str, attr: str | None = None) -> str:
     """Task-run name from the run's parameters: the first item and how many more."""
     from prefect.runtime import task_run
 
@@ -114,7 +114,7 @@ def align_pair_task(store: str, observed: str, reference: str, options: dict | N
 
 
 @task(name="recognize", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
-      task_run_name=lambda: "recognize " + _run_label("scan_ids"))
+      task_run_name=lambda: "recognize " + run_label("scan_ids"))
 def recognize_batch_task(store: str, scan_ids: list[str], library: str, params: dict,
                          device: str = "auto", run: str | None = None) -> list[dict[str, Any]]:
     """Recognise the library's models in stored scenes, one Dask task per scene (each skipped when
@@ -127,7 +127,7 @@ def recognize_batch_task(store: str, scan_ids: list[str], library: str, params: 
 
 
 @task(name="process", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
-      task_run_name=lambda: "process " + _run_label("scan_ids"))
+      task_run_name=lambda: "process " + run_label("scan_ids"))
 def process_batch_task(store: str, scan_ids: list[str], library: str, index: str, params: dict, k: int,
                        device: str = "auto") -> list[dict[str, Any]]:
     """Describe, match and recognise a batch of stored scenes in ONE Dask task: one pass on one

@@ -187,12 +187,12 @@ def test_count_redone_takes_only_this_runs_scans(tmp_path):
     """A skipped or held unit counts as this run's work only where the stage record names this run
     (with the stored figures); another run's scans stay skipped/held whenever they were written."""
     from scanforest.flows.describe import summarize
-    from scanforest.tasks.store import ScanStore, _now
+    from scanforest.tasks.store import ScanStore, utc_now
 
     store = tmp_path / "s.zarr"
     ids = _store(store, 4, points=8)
     st = ScanStore(store)
-    since = _now()
+    since = utc_now()
     for sid, run, kp in zip(ids, ["me", "me", "other", "other"], [5, 7, 11, 13]):
         st.write_stage(sid, "describe", {"kp_index": np.arange(kp)}, {"keypoints": kp, "run": run})
     recs = [{"scan_id": ids[0], "status": "described", "keypoints": 5, "seconds": 0.1},

@@ -47,9 +47,9 @@ def _release(client, di) -> None:
     t0 = time.perf_counter()
     while sum(client.run(held).values()) and time.perf_counter() - t0 < 30:
         time.sleep(0.1)
-    from scanforest.tasks.index import _free_gpu_pool
+    from scanforest.tasks.index import free_gpu_pool
 
-    client.run(_free_gpu_pool)
+    client.run(free_gpu_pool)
 
 
 def _resident_bytes(dask_worker) -> int:
@@ -295,7 +295,7 @@ class GeneratedShards:
         tree = forest.tree_
         del forest
         if dev == "gpu":
-            idx._free_gpu_pool()
+            idx.free_gpu_pool()
         # leaf order without a second copy: each source row r goes to every position p with
         # perm[p] == r (one per tree), scattered piece by piece
         nr = b - a

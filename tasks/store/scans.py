@@ -37,7 +37,9 @@ CHUNK_ROWS = 1 << 18  # 262,144 rows per chunk: ~3 MB of float32 xyz, good for p
 MAX_ID_BYTES = 200  # scan ids are one file name: leave room under NAME_MAX (255) for ".lock" etc.
 
 
-def _now() -> str:
+def utc_now() -> str:
+    """The time now in UTC, ISO 8601 to the second: the store's timestamps (``created``, ``written``,
+    a quarantine's ``time``), which flows take before a run to tell the records it wrote."""
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
@@ -219,7 +221,7 @@ class ScanStore(Claims, Integrity):
             meta = _read_root_meta(root)
             if meta is None:
                 zarr.create_group(self.path, zarr_format=3,
-                                  attributes={"scanforest_store": LAYOUT_VERSION, "created": _now()})
+                                  attributes={"scanforest_store": LAYOUT_VERSION, "created": utc_now()})
             elif not _is_store_meta(meta):
                 raise InputError(f"{self.path} holds a Zarr hierarchy that is not a scanforest scan store")
             grp = zarr.open_group(self.path, mode="r+", zarr_format=3)
@@ -415,7 +417,7 @@ class ScanStore(Claims, Integrity):
             for stage, arrays, attrs in items:
                 a = attrs(written) if callable(attrs) else attrs
                 written[stage] = {**_jsonable(a or {}), "arrays": {n: _spec(x) for n, x in arrays.items()},
-                                  "written": _now()}
+                                  "written": utc_now()}
             grp.attrs["stages"] = {**stages, **written}
         return written
 
@@ -445,7 +447,8 @@ class ScanStore(Claims, Integrity):
         qid = key or scan_id_for(Path(source).name)
         with self._lock(self._lock_path("quarantine", qid), wait=True):
             self.root.require_group("quarantine").create_group(
-                qid, overwrite=True, attributes={"source": source, "reason": reason, "sha256": sha256, "time": _now()})
+                qid, overwrite=True,
+                attributes={"source": source, "reason": reason, "sha256": sha256, "time": utc_now()})
         return qid
 
     def quarantined(self) -> list[dict[str, Any]]:
