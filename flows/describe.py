@@ -13,7 +13,7 @@ from scanforest.tasks.prefect_tasks import describe_scan_task
 from scanforest.tasks.store import ScanStore, utc_now
 from scanforest.tasks.units import HELD, current_run
 
-from ._noop import describe_noop
+from .noop import describe_noop
 from .batching import auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
 from .inputs import absolute_path, open_store, require_scans

@@ -105,7 +105,7 @@ def run_ingest(source: str, store: str, *, scheduler: str | None = None, workers
     """Ingest with the embedded defaults: a local Dask cluster (or ``scheduler``) and Prefect's API."""
     # a bad source is one line, before Prefect or Dask start
     check_source(absolute_path(str(source)), allow_empty=_is_store(absolute_path(str(store))))
-    from ._noop import quick_ingest
+    from .noop import quick_ingest
 
     summary = quick_ingest(str(source), str(store))  # an empty drop folder: answered before Prefect or Dask
     if summary is None:

@@ -15,7 +15,7 @@ from scanforest.tasks import index as idx
 from scanforest.tasks.prefect_tasks import run_label
 from scanforest.tasks.store import ScanStore, stage_digest
 
-from ._noop import match_noop
+from .noop import match_noop
 from .batching import auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
 from .distributed import DistributedIndex

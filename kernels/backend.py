@@ -100,7 +100,7 @@ def numba_cache_cold() -> str | None:
     """Where numba caches scanforest's compiled CPU kernels, when that folder holds none of them
     yet: the first run on a machine (or with a new ``NUMBA_CACHE_DIR``) then compiles them, about a
     minute on 2 cores, and says so instead of looking stuck. None when the cache is warm."""
-    from ._geom_cpu import eig3
+    from .geom_cpu import eig3
 
     cache = getattr(eig3, "_cache", None)
     path = getattr(cache, "_cache_path", None)

@@ -229,7 +229,7 @@ def test_no_module_over_max_lines_and_cuda_sources_are_package_resources():
 #: and its workers' setup, batching, the stages' inputs and the run records), the deployment table
 #: and the helpers the flows use (distributed matching for the match flow, the report of their
 #: runs, the runs' watchdog, the checks that answer a run with nothing to do before it starts)
-FLOW_HELPERS = {"__init__", "_noop", "_watchdog", "batching", "cluster", "deployments", "distributed", "inputs",
+FLOW_HELPERS = {"__init__", "_watchdog", "batching", "cluster", "deployments", "distributed", "inputs", "noop",
                 "prefect_api", "records", "report", "worker_setup"}
 
 

@@ -123,7 +123,7 @@ def run_bench(points, dims, models, batch, batch_points, sweep, device, out, cpu
     gpu_name = describe_device("gpu") if dev == "gpu" else None
     t_start = time.time()
     if dev == "gpu":
-        from scanforest.kernels.align._pcha_gpu import GpuEvaluator
+        from scanforest.kernels.align.pcha import gpu_evaluator
 
     for dim in dims:
         _, ref, _ = synthetic_problem("rigid", dim, 100, n_reference=max(4000, points // 4), seed=0)
@@ -205,7 +205,7 @@ def run_bench(points, dims, models, batch, batch_points, sweep, device, out, cpu
                 if (form, hess, lk) in seen:
                     continue
                 seen.add((form, hess, lk))
-                ev = GpuEvaluator(m, grid_gpu, [on], form=form, hessian=hess, lookup=lk)
+                ev = gpu_evaluator(m, grid_gpu, [on], form=form, hessian=hess, lookup=lk)
                 t_ev, _ = _median_time(lambda: ev(P, np.ones(1, bool), np.ones(1)), repeat * 5, 3)
                 k_ms = ev.kernel_ms(P)
                 if k_base is None:

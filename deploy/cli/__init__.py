@@ -54,7 +54,7 @@ _register_all()
 #: while the command imports its flow and checks its input (a user error still ends at once)
 FLOW_COMMANDS = {"ingest", "describe", "index", "match", "recognize", "align-store", "demo"}
 #: flow commands that first ask the store whether there is anything to do (a no-op answers in
-#: well under 2 s with no API or cluster: :mod:`scanforest.flows._noop`); they start the API then
+#: well under 2 s with no API or cluster: :mod:`scanforest.flows.noop`); they start the API then
 CHECK_FIRST = {"describe", "match"}
 
 

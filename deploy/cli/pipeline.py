@@ -39,7 +39,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         as_json: bool = JsonOpt,
     ):
         """Normals, keypoints, local reference frames and SHOT352 for every scan; resumable."""
-        from scanforest.flows._noop import quick_describe
+        from scanforest.flows.noop import quick_describe
         from scanforest.tasks.describe import DescribeParams
 
         params = DescribeParams(normal_k=None if normal_radius else normal_k, normal_radius=normal_radius,
@@ -113,7 +113,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         as_json: bool = JsonOpt,
     ):
         """Match query scans' descriptors against an index on the Dask cluster; writes match_ids/match_dist."""
-        from scanforest.flows._noop import quick_match
+        from scanforest.flows.noop import quick_match
         from scanforest.kernels.errors import InputError
 
         if library is not None and name is not None:

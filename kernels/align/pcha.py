@@ -297,6 +297,16 @@ def _cpu_kernel(parallel: bool = True):
     return _CPU_KERNELS[parallel]
 
 
+def gpu_evaluator(model, grid, points, params: PChAParams | None = None, **overrides):
+    """The GPU evaluator of the objective, :class:`CpuEvaluator`'s twin (the GPU backend's
+    ``GpuEvaluator``: ``grid`` a distance grid on the GPU, ``points`` the observed point sets),
+    for benchmarks that time one evaluation and its kernel (``kernel_ms``); :func:`align` makes
+    its own."""
+    from ._pcha_gpu import GpuEvaluator
+
+    return GpuEvaluator(model, grid, points, params, **overrides)
+
+
 class CpuEvaluator:
     """CPU twin of :class:`scanforest.kernels.align._pcha_gpu.GpuEvaluator` (numba, all cores,
     float64 accumulation)."""

@@ -11,7 +11,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .._geom_cpu import cov_eig3
+from ..geom_cpu import cov_eig3
 
 NBINS = 10
 DESC_LEN = 352

@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from .. import validation
-from .._geom_cpu import centroid3, cov_eig3
+from ..geom_cpu import centroid3, cov_eig3
 from ..backend import resolve_device, to_device, to_numpy
 from ..errors import InputError
 

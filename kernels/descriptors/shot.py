@@ -120,7 +120,7 @@ def _shot_cpu_driver(kp, surf, snrm, r, *, approximate, cap, chunk):
     if k == 0:
         return desc, frames
     if approximate and cap is None:
-        from ..neighbors._search_cpu import grid_radius
+        from ..neighbors.search_cpu import grid_radius
         from ..neighbors.search import cpu_grid
 
         g = cpu_grid(surf, r)

@@ -45,7 +45,7 @@ __device__ __forceinline__ float dot32(float ax, float ay, float az, float bx, f
     return __fadd_rn(__fadd_rn(__fmul_rn(ax, bx), __fmul_rn(ay, by)), __fmul_rn(az, bz));
 }
 
-// Cyclic Jacobi, float64: identical operations to kernels/_geom_cpu.py::eig3.
+// Cyclic Jacobi, float64: identical operations to kernels/geom_cpu.py::eig3.
 __device__ bool eig3(double a00, double a01, double a02, double a11, double a12, double a22,
                      double w[3], double V[3][3]) {
     double A[3][3] = {{a00, a01, a02}, {a01, a11, a12}, {a02, a12, a22}};

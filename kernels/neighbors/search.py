@@ -119,7 +119,7 @@ def radius_search_cpu(pts: np.ndarray, qs: np.ndarray, r: float, *, max_neighbor
                       sort=True) -> Neighbors:
     """:func:`radius_search` on the CPU for arrays already validated (float32 (N, 3) ``pts`` and
     (Q, 3) ``qs``): the CPU backend that descriptors call directly, chunk by chunk."""
-    from ._search_cpu import grid_radius
+    from .search_cpu import grid_radius
 
     nq = qs.shape[0]
     r2 = np.float32(r * r)
@@ -137,7 +137,7 @@ def cpu_grid(pts: np.ndarray, r: float):
     """Cell list of ``pts`` with cells of edge >= r (the last one is cached for reuse): ``(sorted
     points, order, cell starts, origin, 1/edge, dims)``, the grid of :func:`radius_search_cpu`, which
     SHOT and recognition's scene index reuse."""
-    from ._search_cpu import cell_ids
+    from .search_cpu import cell_ids
 
     key = (pts.__array_interface__["data"][0], pts.shape, float(r))
     hit = _GRID_CACHE.get("g")
@@ -182,7 +182,7 @@ def _tree(pts):
 def knn_cpu(pts, qs, k):
     """:func:`knn` on the CPU for arrays already validated (float32 (N, 3) ``pts``, (Q, 3) ``qs``,
     ``1 <= k <= N``): ``(indices (Q, k) int64, sq_distances (Q, k) float32)``."""
-    from ._search_cpu import exact_sq_dist_sort
+    from .search_cpu import exact_sq_dist_sort
 
     if qs.shape[0] == 0:
         return np.zeros((0, k), np.int64), np.zeros((0, k), np.float32)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .._geom_cpu import centroid3, jacobi_eigh, scatter3
+from ..geom_cpu import centroid3, jacobi_eigh, scatter3
 from ..errors import InputError
 
 __all__ = ["rigid_transform", "ransac_rigid", "ransac_rigid_groups"]
@@ -82,8 +82,8 @@ def _kabsch_svd(S, D, W=None):
 def _kabsch_nb(S, D):
     """Unweighted batched rigid fits (Horn 1987): the rotation maximising sum d'^T R s' is the
     unit quaternion of the largest eigenvalue of a symmetric 4x4 matrix built from the
-    cross-covariance of the demeaned pairs (``_geom_cpu.scatter3``): its eigenvector by the
-    package's Jacobi solver (``_geom_cpu.jacobi_eigh``; the first of equal largest eigenvalues)."""
+    cross-covariance of the demeaned pairs (``geom_cpu.scatter3``): its eigenvector by the
+    package's Jacobi solver (``geom_cpu.jacobi_eigh``; the first of equal largest eigenvalues)."""
     B, n = S.shape[0], S.shape[1]
     R = np.empty((B, 3, 3))
     t = np.empty((B, 3))

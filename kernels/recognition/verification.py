@@ -44,7 +44,7 @@ class VerifyResult:
 def _verify_nearest_cpu(idx, library, hyp, src, poses, r: float, vp):
     """CPU twin of ``_verification_gpu.verify_nearest``: one parallel numba pass, float32 like
     the GPU kernel, nearest scene point from the cell list (no per-point pose gather)."""
-    from ..neighbors._search_cpu import verify_points
+    from ..neighbors.search_cpu import verify_points
 
     P, order, cs, origin, inv_h, dims = idx.cells()
     T = np.ascontiguousarray(np.asarray(poses, np.float64)[:, :3, :4].reshape(-1, 12), np.float32)

@@ -1,4 +1,8 @@
-"""numba helpers of the CPU neighbour search (exact float32 rule, segment sort, cap)."""
+"""numba helpers of the CPU neighbour search (exact float32 rule, segment sort, cap).
+
+A public module: SHOT counts its neighbour lists with :func:`grid_radius` and recognition's
+verification scans the scene's cell list with :func:`verify_points`.
+"""
 from __future__ import annotations
 
 import numpy as np
