@@ -8,13 +8,13 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
-from scanforest.tasks.prefect_tasks import align_pair_task
 from scanforest.tasks.store import ScanStore
 
 from .batching import map_units
 from .cluster import check_scheduler, dask_client, n_workers
 from .inputs import absolute_path, open_store
 from .prefect_api import ensure_prefect_api
+from .prefect_tasks import align_pair_task
 from .records import RUN_HOOKS, failures, record_run
 
 

@@ -9,15 +9,15 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.tasks.describe import DescribeParams
-from scanforest.tasks.prefect_tasks import describe_scan_task
 from scanforest.tasks.store import ScanStore, utc_now
-from scanforest.tasks.units import HELD, current_run
+from scanforest.tasks.units import HELD
 
-from .noop import describe_noop
 from .batching import auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
 from .inputs import absolute_path, open_store, require_scans
+from .noop import describe_noop
 from .prefect_api import ensure_prefect_api
+from .prefect_tasks import current_run, describe_scan_task
 from .records import RUN_HOOKS, count_redone, failures, record_run
 
 

@@ -15,13 +15,13 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
 from scanforest.tasks.ingest import Staging, check_source, discover, ignored_note
-from scanforest.tasks.prefect_tasks import ingest_scan
 from scanforest.tasks.store import ScanStore, scan_id_for
 
 from .batching import auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
 from .inputs import absolute_path
 from .prefect_api import ensure_prefect_api, quiet_prefect_logs
+from .prefect_tasks import ingest_scan
 from .records import RUN_HOOKS, record_run
 
 

@@ -12,15 +12,15 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from scanforest.kernels.errors import InputError
 from scanforest.kernels.knn.kdforest import METHODS as KDFOREST_METHODS
 from scanforest.tasks import index as idx
-from scanforest.tasks.prefect_tasks import run_label
 from scanforest.tasks.store import ScanStore, stage_digest
 
-from .noop import match_noop
 from .batching import auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
 from .distributed import DistributedIndex
 from .inputs import absolute_path, open_store, require_scans
+from .noop import match_noop
 from .prefect_api import ensure_prefect_api
+from .prefect_tasks import current_run, run_label
 from .records import RUN_HOOKS, record_run
 
 
@@ -76,7 +76,7 @@ def _match_batch(di: DistributedIndex, store: str, scan_ids: list[str], k: int) 
     (``held``); this batch holds its own scans' claims from the check to the writes."""
     from contextlib import ExitStack
 
-    from scanforest.tasks.units import current_run, held
+    from scanforest.tasks.units import held
 
     with ExitStack() as claims:
         return _match_claimed(di, ScanStore(store), scan_ids, k, claims, held, current_run())

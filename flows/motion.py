@@ -19,12 +19,12 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from scanforest.kernels.errors import InputError
 from scanforest.kernels.motion.optical_flow import METHODS, TRACKERS
 from scanforest.tasks import motion as T
-from scanforest.tasks.prefect_tasks import RETRY_DELAYS, not_a_user_error, on_cluster
 from scanforest.tasks.store import ScanStore
 
 from .batching import auto_batch, map_units
 from .cluster import dask_client, n_workers
 from .prefect_api import ensure_prefect_api
+from .prefect_tasks import RETRY_DELAYS, not_a_user_error, on_cluster
 from .records import record_run
 
 

@@ -11,7 +11,6 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
-from scanforest.tasks.prefect_tasks import recognize_batch_task
 from scanforest.tasks.recognize import build_library, detections_table, load_library
 from scanforest.tasks.store import ScanStore, utc_now
 
@@ -19,6 +18,7 @@ from .batching import auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
 from .inputs import absolute_path, open_store, require_scans
 from .prefect_api import ensure_prefect_api
+from .prefect_tasks import recognize_batch_task
 from .records import RUN_HOOKS, count_redone, failures, record_run
 
 

@@ -22,14 +22,16 @@ def count_redone(records: list[dict], st, stage: str, since: str, status: str, *
     A unit that a lost worker had finished before Dask ran it again reports ``skipped`` (the
     stage is there), and one that Dask ran again while the first copy still held the scan
     reports ``held``; the stage record says who wrote it. A record naming its run (``run``: the
-    flow run's id, default the current one, :func:`scanforest.tasks.units.current_run`) is this
+    flow run's id, default the current one, :func:`scanforest.flows.prefect_tasks.current_run`) is this
     run's when it names this run, and never another's, so two runs at once never both claim a
     scan; a record without one (an older version's, or a unit that does not record its run) is
     this run's when written at or after ``since`` (the run's start in the store's ISO format).
     ``fields``: record key -> stage-record key, the figures taken from the stored record for such
     a scan (``{"keypoints": "keypoints"}``: the summary counts what was stored, not the redone
     unit's zero)."""
-    from scanforest.tasks.units import HELD, current_run
+    from scanforest.tasks.units import HELD
+
+    from .prefect_tasks import current_run
 
     run = run or current_run()
     for r in records:

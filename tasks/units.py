@@ -48,23 +48,6 @@ def held(scan_id: str, t0: float, **fields) -> dict[str, Any]:
     return {"scan_id": scan_id, "status": HELD, "reason": HELD_REASON, **fields, "seconds": time.perf_counter() - t0}
 
 
-def current_run() -> str | None:
-    """The id of the Prefect flow run this code runs in (from a task run's or a flow run's
-    context), or None outside one. Stage records name it (``run``), so a flow counts as its own
-    the stages its run wrote, and no other run's (:func:`scanforest.flows.records.count_redone`)."""
-    try:
-        from prefect.context import FlowRunContext, TaskRunContext
-    except ImportError:
-        return None
-    task = TaskRunContext.get()
-    if task is not None and getattr(task.task_run, "flow_run_id", None):
-        return str(task.task_run.flow_run_id)
-    flow = FlowRunContext.get()
-    if flow is not None and flow.flow_run is not None:
-        return str(flow.flow_run.id)
-    return None
-
-
 #: test hook: a folder; a unit of work that has claimed a scan's stage announces it there and waits
 TEST_CLAIMED_ENV = "SCANFOREST_TEST_CLAIMED"
 

@@ -18,6 +18,7 @@
   is ``deploy/cli/`` and the benchmarks ``deploy/bench/`` (one module per bench); every public
   module there registers its commands with ``register(app, bench)`` (the one way, discovered by
   :mod:`scanforest.deploy.cli`), and a bench imports neither the command line nor another bench.
+* ``tasks/`` imports no Prefect (issue 40): its Prefect tasks are ``flows/prefect_tasks.py``.
 """
 from __future__ import annotations
 
@@ -228,9 +229,10 @@ def test_no_module_over_max_lines_and_cuda_sources_are_package_resources():
 #: what ``flows/`` holds besides the flows themselves: the runner (Prefect's API, the Dask cluster
 #: and its workers' setup, batching, the stages' inputs and the run records), the deployment table
 #: and the helpers the flows use (distributed matching for the match flow, the report of their
-#: runs, the runs' watchdog, the checks that answer a run with nothing to do before it starts)
+#: runs, the runs' watchdog, the checks that answer a run with nothing to do before it starts) and
+#: the Prefect tasks around the units of work (tasks import no Prefect)
 FLOW_HELPERS = {"__init__", "_watchdog", "batching", "cluster", "deployments", "distributed", "inputs", "noop",
-                "prefect_api", "records", "report", "worker_setup"}
+                "prefect_api", "prefect_tasks", "records", "report", "worker_setup"}
 
 
 def _defines_flow(path: Path) -> bool:
@@ -276,6 +278,30 @@ def test_flows_and_tasks_never_import_the_command_line_or_the_benches():
     assert not bad, "\n".join(bad)
 
 
+#: what no module under tasks/ imports (issue 40): the Prefect tasks around the units of work are
+#: ``flows/prefect_tasks.py``; Dask workers (and the GPU machine, which has no Prefect) import tasks
+TASKS_FORBIDDEN = ("prefect", "prefect_dask")
+
+
+def test_tasks_import_no_prefect():
+    """No module of ``tasks/`` imports Prefect, at module level or inside a function, and importing
+    them all loads none of it."""
+    names = sorted(m for m in _modules() if m == "scanforest.tasks" or m.startswith("scanforest.tasks."))
+    assert "scanforest.tasks.store.scans" in names and len(names) > 10
+    bad = [f"{_modules()[name].relative_to(REPO)}:{line} imports {target}"
+           for name in names for target, _, line in _imports(name, _modules()[name])
+           if target.split(".")[0] in TASKS_FORBIDDEN]
+    assert not bad, "\n".join(bad)
+    code = ("import importlib, json, sys\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(json.dumps(sorted(sys.modules)))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    loaded = json.loads(res.stdout.strip().splitlines()[-1])
+    assert not [m for m in loaded if m.split(".")[0] in TASKS_FORBIDDEN]
+
+
 def test_one_way_to_register_a_command():
     """Every public module of deploy/cli and deploy/bench defines ``register(app, bench)`` and the
     discovery finds exactly those modules; a bench imports neither the command line nor another
@@ -306,3 +332,4 @@ def test_one_way_to_register_a_command():
     assert sorted(cli.command_modules()) == sorted(expected)
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     assert {"scanforest.deploy", "scanforest.deploy.cli", "scanforest.deploy.bench"} <= listed
+

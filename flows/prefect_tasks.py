@@ -2,7 +2,8 @@
 the active Dask cluster (``distributed.default_client()``), or inline when there is none.
 
 The unit-of-work functions themselves import neither Prefect nor the flows, so Dask workers
-(and the GPU machine, which has no Prefect) only import what the work needs.
+(and the GPU machine, which has no Prefect) only import what the work needs: these tasks, and
+:func:`current_run` (the Prefect run a stage record names), live with the flows.
 """
 from __future__ import annotations
 
@@ -11,9 +12,26 @@ from typing import Any, Callable
 from prefect import task
 
 from scanforest.kernels.errors import ScanforestError
+from scanforest.tasks.ingest import Source, ingest_files
+from scanforest.tasks.units import isolated
 
-from .ingest import Source, ingest_files
-from .units import current_run, isolated
+
+def current_run() -> str | None:
+    """The id of the Prefect flow run this code runs in (from a task run's or a flow run's
+    context), or None outside one. Stage records name it (``run``), so a flow counts as its own
+    the stages its run wrote, and no other run's (:func:`scanforest.flows.records.count_redone`)."""
+    try:
+        from prefect.context import FlowRunContext, TaskRunContext
+    except ImportError:
+        return None
+    task = TaskRunContext.get()
+    if task is not None and getattr(task.task_run, "flow_run_id", None):
+        return str(task.task_run.flow_run_id)
+    flow = FlowRunContext.get()
+    if flow is not None and flow.flow_run is not None:
+        return str(flow.flow_run.id)
+    return None
+
 
 #: transient failures worth a retry (network filesystems, a worker lost mid-task, ...)
 RETRY_DELAYS = [2, 10, 30]
@@ -88,7 +106,7 @@ def describe_scan_task(store: str, scan_ids: list[str], params, device: str = "a
     """Normals, keypoints, frames and SHOT352 of stored scans, one Dask task per scan (each skipped
     when already done, left to another run that holds it); ``run``: the flow run the stage records
     name (default: this task's flow run)."""
-    from .describe import describe_scan
+    from scanforest.tasks.describe import describe_scan
 
     run = run or current_run()
     return on_cluster_many(isolated, [((describe_scan, s, store, s, params), {"device": device, "run": run})
@@ -107,7 +125,7 @@ def run_label(param: str, attr: str | None = None) -> str:
       task_run_name="align {observed} -> {reference}")
 def align_pair_task(store: str, observed: str, reference: str, options: dict | None = None) -> dict[str, Any]:
     """Parametric chamfer alignment of one stored scan onto another (skipped when already done)."""
-    from .align import align_pair
+    from scanforest.tasks.align import align_pair
 
     return on_cluster(isolated, align_pair, f"{observed}:{reference}", store, observed, reference,
                       **(options or {}), key=f"align-{observed}-{reference}-{id(options):x}")
@@ -119,7 +137,7 @@ def recognize_batch_task(store: str, scan_ids: list[str], library: str, params: 
                          device: str = "auto", run: str | None = None) -> list[dict[str, Any]]:
     """Recognise the library's models in stored scenes, one Dask task per scene (each skipped when
     done, left to another run that holds it); ``run``: as for :func:`describe_scan_task`."""
-    from .recognize import recognize_scan
+    from scanforest.tasks.recognize import recognize_scan
 
     run = run or current_run()
     return on_cluster_many(isolated, [((recognize_scan, s, store, s, library, params), {"device": device, "run": run})
@@ -132,7 +150,7 @@ def process_batch_task(store: str, scan_ids: list[str], library: str, index: str
                        device: str = "auto") -> list[dict[str, Any]]:
     """Describe, match and recognise a batch of stored scenes in ONE Dask task: one pass on one
     worker, each scene's data resident on its device (:func:`scanforest.tasks.pipeline.process_batch`)."""
-    from .pipeline import process_batch
+    from scanforest.tasks.pipeline import process_batch
 
     return on_cluster(process_batch, store, scan_ids, library=library, index=index, params=params, k=k,
                       device=device)
