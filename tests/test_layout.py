@@ -18,7 +18,11 @@
   is ``deploy/cli/`` and the benchmarks ``deploy/bench/`` (one module per bench); every public
   module there registers its commands with ``register(app, bench)`` (the one way, discovered by
   :mod:`scanforest.deploy.cli`), and a bench imports neither the command line nor another bench.
-* ``tasks/`` imports no Prefect (issue 40): its Prefect tasks are ``flows/prefect_tasks.py``.
+* Families use one another through public names only (issue 40): no module imports a private
+  name (``_x``) or a private module of another family (:func:`_family`: each ``kernels``
+  subpackage of :data:`FAMILIES`, the rest of ``kernels``, ``tasks``, ``flows``, ``deploy.cli``,
+  ``deploy.bench``, the rest of ``deploy``); ``tasks/`` imports no Prefect (its Prefect tasks are
+  ``flows/prefect_tasks.py``).
 """
 from __future__ import annotations
 
@@ -64,10 +68,13 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def _imports(name: str, path: Path) -> list[tuple[str, list[str], int]]:
-    """Every import of a module, anywhere in it: (absolute module, imported names, line)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    skip = _type_checking_nodes(tree)
+def _imports(name: str, path: Path, source: str | None = None, *,
+             annotations: bool = False) -> list[tuple[str, list[str], int]]:
+    """Every import of a module, anywhere in it: (absolute module, imported names, line).
+    ``source``: the module's text (default: read from ``path``); ``annotations``: also the
+    imports under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text() if source is None else source, filename=str(path))
+    skip = set() if annotations else _type_checking_nodes(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
@@ -333,3 +340,93 @@ def test_one_way_to_register_a_command():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     assert {"scanforest.deploy", "scanforest.deploy.cli", "scanforest.deploy.bench"} <= listed
 
+
+#: the packages whose subpackages are families of their own (issue 40); every other module belongs
+#: to the family of its top-level package (``scanforest.tasks``, with ``tasks/store/``; ``scanforest.flows``)
+SUBFAMILIES = {"scanforest.kernels": FAMILIES, "scanforest.deploy": ("cli", "bench")}
+
+
+def _family(module: str) -> str:
+    """The family of a scanforest module: ``scanforest.kernels.<family>`` for a kernels subpackage
+    listed in :data:`FAMILIES` (the modules directly in ``kernels/`` are the family
+    ``scanforest.kernels``), ``scanforest.deploy.cli`` and ``scanforest.deploy.bench`` (the rest of
+    ``deploy/`` is ``scanforest.deploy``), and otherwise the top-level package: ``scanforest.tasks``
+    (``tasks/store/`` included), ``scanforest.flows``."""
+    parts = module.split(".")
+    top = ".".join(parts[:2])
+    if len(parts) > 2 and parts[2] in SUBFAMILIES.get(top, ()):
+        return ".".join(parts[:3])
+    return top
+
+
+def _private(name: str) -> bool:
+    """A private name: one leading underscore, not a dunder."""
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _cross_family_private_imports(modules: dict[str, Path], sources: dict[str, str] | None = None) -> list[str]:
+    """Every import, module-level or in a function (relative imports resolved, ``TYPE_CHECKING``
+    ones included), of a private name or a private module of another family: ``file:line:
+    importer imports name from source``. ``sources``: module texts to scan instead of the files."""
+    bad = []
+    for name, path in modules.items():
+        text = (sources or {}).get(name)
+        for target, names, line in _imports(name, path, text, annotations=True):
+            if not (target == "scanforest" or target.startswith("scanforest.")):
+                continue
+            family = _family(name)
+            # ``import a._b`` and ``from a._b import c``: the private module a._b
+            parts = target.split(".")
+            hidden = next((i for i, part in enumerate(parts) if _private(part)), None)
+            if hidden is not None and _family(target) != family:
+                bad.append(f"{path.relative_to(REPO)}:{line}: {name} imports {', '.join(names) or target} "
+                           f"from the private module {'.'.join(parts[:hidden + 1])} (family {_family(target)})")
+                continue
+            for n in names:  # ``from a import _b``: a private name, or the private module a._b
+                if _private(n) and _family(f"{target}.{n}") != family:
+                    bad.append(f"{path.relative_to(REPO)}:{line}: {name} imports the private name {n} from "
+                               f"{target} (family {_family(f'{target}.{n}')})")
+    return bad
+
+
+def test_no_private_import_across_families():
+    """A family uses another one only through its public names (issue 40): no module imports a
+    private name (``_x``) or a private module of another family; within a family they are free."""
+    assert _family("scanforest.kernels.neighbors._search_cpu") == "scanforest.kernels.neighbors"
+    assert _family("scanforest.kernels._geom_cpu") == _family("scanforest.kernels.backend") == "scanforest.kernels"
+    assert _family("scanforest.tasks.store.scans") == _family("scanforest.tasks.index") == "scanforest.tasks"
+    assert _family("scanforest.deploy.bench._common") == "scanforest.deploy.bench"
+    assert _family("scanforest.deploy.cli") != _family("scanforest.deploy") != _family("scanforest.deploy.bench")
+    bad = _cross_family_private_imports(_modules())
+    assert not bad, "private names imported across families:\n" + "\n".join(bad)
+
+
+def test_the_private_import_scan_finds_cross_family_imports():
+    """The scan of :func:`test_no_private_import_across_families` reports each kind of violation
+    (a private name, a private module imported by name or by path, relative, in a function, under
+    ``TYPE_CHECKING``) and leaves private imports within a family alone."""
+    source = ("from typing import TYPE_CHECKING\n"
+              "from scanforest.tasks.store import _jsonable, ScanStore\n"   # 2: private name, another family
+              "from ..kernels.neighbors import _search_cpu\n"               # 3: private module, relative
+              "from ._watchdog import _stop\n"                              # 4: same family: allowed
+              "if TYPE_CHECKING:\n"
+              "    from scanforest.kernels.recognition.library import _Hidden\n"  # 6
+              "\n"
+              "def f():\n"
+              "    import scanforest.kernels.motion._optical_flow_gpu\n"   # 9: private module by path
+              "    from scanforest.tasks.store.scans import __doc__, utc_now\n"   # 10: dunder, public: allowed
+              "    from scanforest.kernels._geom_cpu import eig3\n"         # 11: kernels' own family is another one
+              "    from .prefect_api import _private_helper\n")             # 12: same family: allowed
+    fake = REPO / "flows" / "_fake_for_the_scan.py"
+    bad = _cross_family_private_imports({"scanforest.flows._fake_for_the_scan": fake},
+                                        {"scanforest.flows._fake_for_the_scan": source})
+    lines = sorted(int(b.split(":")[1]) for b in bad)
+    assert lines == [2, 3, 6, 9, 11], "\n".join(bad)
+    assert "_jsonable" in bad[0] and "ScanStore" not in bad[0] and "scanforest.tasks.store" in bad[0]
+    # the same imports from inside the families they name are allowed
+    assert not _cross_family_private_imports(
+        {"scanforest.tasks.fake": REPO / "tasks" / "fake.py"},
+        {"scanforest.tasks.fake": "from .store import _jsonable\nfrom .store.scans import _x\n"})
+    assert not _cross_family_private_imports(
+        {"scanforest.kernels.hypotheses": REPO / "kernels" / "hypotheses.py"},
+        {"scanforest.kernels.hypotheses": "from ._geom_cpu import eig3\nfrom .backend import _apply_cuda_schedule\n"})
