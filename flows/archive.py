@@ -120,8 +120,9 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
     would write them; a scene whose recognition is current is skipped, one whose description or
     matches are current is recognised from them. A scene that fails is recorded with its reason
     and the rest go on."""
-    from .prefect_tasks import process_batch_task
     from scanforest.tasks.store import utc_now
+
+    from .prefect_tasks import process_batch_task
 
     t0 = time.perf_counter()
     store = absolute_path(store)

@@ -208,8 +208,8 @@ def test_a_full_or_read_only_store_is_one_user_error(tmp_path, monkeypatch):
     """ENOSPC/EDQUOT/EROFS inside the store's writes is a user error naming the store and the
     reason: not retried, not one scan's failure (it ends the run), one line from the command."""
     import scanforest.tasks.store.scans as store_mod
-    from scanforest.kernels.errors import InputError
     from scanforest.flows.prefect_tasks import not_a_user_error
+    from scanforest.kernels.errors import InputError
     from scanforest.tasks.store import ScanStore, StoreWriteError
     from scanforest.tasks.units import isolated
 

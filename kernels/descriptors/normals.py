@@ -19,9 +19,9 @@ import numpy as np
 from numba import njit, prange
 
 from .. import validation
-from ..geom_cpu import centroid3, cov_eig3
 from ..backend import resolve_device, to_device, to_numpy
 from ..errors import InputError
+from ..geom_cpu import centroid3, cov_eig3
 
 __all__ = ["normals"]
 

@@ -120,8 +120,8 @@ def _shot_cpu_driver(kp, surf, snrm, r, *, approximate, cap, chunk):
     if k == 0:
         return desc, frames
     if approximate and cap is None:
-        from ..neighbors.search_cpu import grid_radius
         from ..neighbors.search import cpu_grid
+        from ..neighbors.search_cpu import grid_radius
 
         g = cpu_grid(surf, r)
         counts = np.diff(grid_radius(g[0], g[1], g[2], g[3], g[4], g[5], kp, np.float32(r * r),

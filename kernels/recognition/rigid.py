@@ -12,8 +12,8 @@ import math
 import numpy as np
 from numba import njit
 
-from ..geom_cpu import centroid3, jacobi_eigh, scatter3
 from ..errors import InputError
+from ..geom_cpu import centroid3, jacobi_eigh, scatter3
 
 __all__ = ["rigid_transform", "ransac_rigid", "ransac_rigid_groups"]
 
