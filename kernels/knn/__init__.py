@@ -2,7 +2,7 @@
 
 ``bruteforce`` (exact, the canonical distance every search shares), ``kdtree`` (the array
 KD-tree and its P-ANNS / P-BANNS search; numba build and search in ``_kdtree_cpu``, GPU ones in
-``_kdtree_gpu`` with their CUDA source in ``cuda/kdtree.cu``, the tree structure in
+``_kdtree_gpu`` with their CUDA source in ``cuda/*.cu``, the tree structure in
 ``_kdtree_common``), ``kdforest`` (the scikit-learn-style index), ``topk`` (merging per-shard
 top-k) and ``sharded`` (an index split into contiguous shards).
 """

@@ -19,9 +19,9 @@ N = 10M, d = 352) by one scan over the N positions per level.
 Search kernels keep the numba semantics bit for bit (canonical distance, (dist, id) keys, the
 same binary heap), so P-ANNS on the GPU returns what the CPU returns, for any budget.
 
-The CUDA source is ``cuda/kdtree.cu`` beside this module (package data, read once with
-:mod:`importlib.resources` by :func:`_source`); its comments name the numba twins of its
-functions as ``kdtree._name``: they live in :mod:`._kdtree_cpu`.
+The CUDA source is ``cuda/kdtree.cu`` and ``cuda/kdtree_rounds.cu`` beside this module (package
+data, read once with :mod:`importlib.resources` by :func:`_source`); its comments name the numba
+twins of its functions as ``kdtree._name``: they live in :mod:`._kdtree_cpu`.
 """
 from __future__ import annotations
 
@@ -53,19 +53,20 @@ MT = 128     # threads per block of the tensor-core leaf scan
 # row type; False: never.
 MMA_FILTER = "half"
 
-#: the search and build kernels (CUDA source in ``cuda/kdtree.cu``, package data): the file's
-#: marker line is replaced by the row type of :func:`bruteforce._half_rows`, and
+#: the search and build kernels (CUDA source in ``cuda/kdtree.cu``, then the tensor-core and
+#: batched rounds in ``cuda/kdtree_rounds.cu``, package data, read in this order as one source):
+#: the marker line is replaced by the row type of :func:`bruteforce._half_rows`, and
 #: :data:`bruteforce._CUDA_COMMON` (keys, canonical distance) goes first
-_CU_FILE = ("cuda", "kdtree.cu")
+_CU_FILES = (("cuda", "kdtree.cu"), ("cuda", "kdtree_rounds.cu"))
 _HALF_ROWS_MARK = '// @@HALF_ROWS@@ (bruteforce._half_rows("PT_HALF", "PT", "ldp") goes here: float or half rows)'
 
 
 @functools.lru_cache(maxsize=None)
 def _source() -> str:
-    """The kernels' CUDA source, read once from the package's ``cuda/kdtree.cu``."""
+    """The kernels' CUDA source, read once from the package's ``cuda/*.cu`` (:data:`_CU_FILES`)."""
     from importlib.resources import files
 
-    text = files(__package__).joinpath(*_CU_FILE).read_text(encoding="utf-8")
+    text = "".join(files(__package__).joinpath(*f).read_text(encoding="utf-8") for f in _CU_FILES)
     head, tail = text.split(_HALF_ROWS_MARK)
     return _CUDA_COMMON + head + _half_rows("PT_HALF", "PT", "ldp") + tail
 
