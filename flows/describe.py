@@ -83,6 +83,9 @@ def run_describe(store: str, *, scans=None, params: DescribeParams | None = None
                  scheduler: str | None = None, workers: int | None = None, progress: bool = True) -> dict[str, Any]:
     store = absolute_path(store)
     check_describe(store, scans)
+    p = params or DescribeParams()
+    open_store(store).check_coordinates(scans, {"normal_radius": p.normal_radius, "keypoint_radius": p.keypoint_radius,
+                                                "shot_radius": p.shot_radius})
     check_scheduler(scheduler)
     ensure_prefect_api()
     return describe_flow(store=str(store), scans=scans, params=params, device=device, scheduler=scheduler,

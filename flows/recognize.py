@@ -11,7 +11,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
-from scanforest.tasks.recognize import build_library, detections_table, load_library
+from scanforest.tasks.recognize import LIBRARY_DEFAULTS, build_library, detections_table, load_library
 from scanforest.tasks.store import ScanStore, utc_now
 
 from .batching import auto_batch, map_batches
@@ -75,10 +75,16 @@ def check_recognize(store: str, models: list[str], scenes: list[str] | None, lib
     method = (params or {}).get("method")
     if method is not None and method not in ("hough", "gc"):
         raise InputError(f"--method must be hough or gc, got {method!r}")
-    if params:  # the rest of what every worker's recognize() will check: names and values
-        from scanforest.kernels.recognition import RecognizeParams
+    from scanforest.kernels.recognition import RecognizeParams
 
-        RecognizeParams().replace(**params)
+    # the rest of what every worker's recognize() will check: names and values
+    p = RecognizeParams().replace(**(params or {}))
+    lp = {**LIBRARY_DEFAULTS, **{k: v for k, v in (library_params or {}).items() if v is not None}}
+    # coordinates too coarse in float32 for the radii (a scan many km across), before any work
+    st.check_coordinates(models, {k: lp.get(k) for k in ("model_ss", "descr_rad", "rf_rad")})
+    st.check_coordinates(scenes, {"scene_ss": p.scene_ss, "descr_rad": p.descr_rad or lp.get("descr_rad"),
+                                  "normal_radius": p.normal_radius, "cg_size": p.cg_size,
+                                  "rf_rad": (p.rf_rad or lp.get("rf_rad")) if p.method == "hough" else None})
     return st
 
 

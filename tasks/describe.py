@@ -8,6 +8,9 @@ Arrays written into the scan's group (``ScanStore.write_stage(scan, "describe", 
     kp_frames    (K, 3, 3) float32 local reference frames, rows = x, y, z axes (NaN if invalid)
     kp_shot      (K, 352) float32 SHOT352 descriptors (NaN rows where the frame is invalid)
 
+Computed in the scan's local frame (its ``origin`` attribute, :func:`~.store.local_points`): the
+arrays are frame-free (normals, indices, frames, descriptors) and the viewpoint is relative to it.
+
 The stage record holds the parameters, so asking again with the same parameters is a no-op and
 with different ones recomputes. The description is the one recognition uses, so the recognize
 stage reads these arrays (and the match stage's) instead of describing the scene again when the
@@ -23,7 +26,7 @@ import numpy as np
 
 from scanforest.kernels.backend import Timer, resolve_device, to_host
 
-from .store import ScanStore, stage_matches
+from .store import ScanStore, scan_origin, stage_matches
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class DescribeParams:
     keypoint_radius: float | None = 0.03  # uniform sampling leaf; None = every point
     shot_radius: float = 0.02
     approximate: bool = False            # G-SHOT approximate mode (capped neighbour lists)
-    viewpoint: tuple | None = None       # normals face this point; None = the origin (PCL's default)
+    viewpoint: tuple | None = None       # normals face this point (relative to the scan's origin); None = it
 
     def __post_init__(self):
         """Refuse impossible values here, in the command's process, before a cluster starts."""
@@ -70,7 +73,8 @@ class DescribeParams:
         return (0.0, 0.0, 0.0) if self.viewpoint is None else tuple(self.viewpoint)
 
 
-def describe_cloud(points, params: DescribeParams, *, device: str = "auto", resident: bool = False) -> dict[str, Any]:
+def describe_cloud(points, params: DescribeParams, *, origin=None, name: str = "points", device: str = "auto",
+                   resident: bool = False) -> dict[str, Any]:
     """Normals, keypoints, frames and SHOT for one cloud; returns numpy arrays and phase timings
     (with ``resident``, also the description and the points as they are on the device, under
     ``"resident"`` and ``"points"``, for work that goes on there).
@@ -79,16 +83,31 @@ def describe_cloud(points, params: DescribeParams, *, device: str = "auto", resi
     points without a normal (fewer than 3 neighbours) are left out of keypoints and SHOT
     support, so a scene described here with the parameters recognition uses
     (:func:`scanforest.tasks.recognize.describe_params_for`) is recognised from these arrays
-    exactly as :func:`~scanforest.kernels.recognition.recognize` would describe it."""
+    exactly as :func:`~scanforest.kernels.recognition.recognize` would describe it.
+
+    ``origin``: the scan's local origin (:func:`~.store.scan_origin`; None: ``[0, 0, 0]``): the
+    description is computed on ``points - origin`` (subtracted in float64, then cast to float32),
+    and the viewpoint is relative to it. Coordinates too coarse in float32 for the radii are an
+    :class:`~scanforest.kernels.errors.InputError` naming ``name``
+    (:func:`~scanforest.kernels.coordinates.check_spacing`)."""
+    from scanforest.kernels.coordinates import check_spacing, is_zero, to_local
     from scanforest.kernels.recognition.library import describe
 
     dev = resolve_device(device) if device == "auto" else resolve_device(device, points)
+    if not is_zero(origin):
+        points = to_local(np.asarray(points), origin)  # on the host, in float64: the device gets float32
     if dev == "gpu":
         import cupy as cp
 
         pts = cp.asarray(points, dtype=cp.float32)
+        xp = cp
     else:
         pts = np.asarray(points, dtype=np.float32)
+        xp = np
+    if int(pts.shape[0]):
+        check_spacing(float(xp.abs(pts).max()), {"normal_radius": params.normal_radius,
+                                                 "keypoint_radius": params.keypoint_radius,
+                                                 "shot_radius": params.shot_radius}, name)
     timer = Timer(dev == "gpu")
     d = describe(pts, normal_k=params.normal_k, normal_radius=params.normal_radius,
                  keypoint_radius=params.keypoint_radius, descr_rad=params.shot_radius,
@@ -132,7 +151,8 @@ def describe_scan(store_path: str, scan_id: str, params: DescribeParams, *, devi
             return skipped()
         after_claim("describe", scan_id, run)
         pts = store.read(scan_id, "points")
-        res = describe_cloud(pts, params, device=device)
+        res = describe_cloud(pts, params, origin=scan_origin(store.attrs(scan_id)), name=f"scan {scan_id}",
+                             device=device)
         arrays = res["arrays"]
         n_valid = int(np.isfinite(arrays["kp_shot"][:, 0]).sum()) if len(arrays["kp_shot"]) else 0
         store.write_stage(scan_id, "describe", arrays,

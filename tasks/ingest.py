@@ -167,6 +167,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
             "n_source_points": cloud.meta.get("n_source_points", len(cloud)),
             "units": units,
             "bbox": {"min": cloud.bbox[0], "max": cloud.bbox[1]},
+            "origin": _origin(cloud),
             "ingested_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "dtype": str(cloud.points.dtype),
             "ingest_run": run,
@@ -219,6 +220,18 @@ def _ingest_parts(store: ScanStore, source: Source, *, units: str, run: str | No
         store.release(source.scan_id)  # the file's own record of an earlier failure
         out["status"] = "ingested" if any(r["status"] == "ingested" for r in scans) else "skipped"
     return {**out, "seconds": time.perf_counter() - t0}
+
+
+def _origin(cloud) -> list[float]:
+    """The scan's local origin (float64, the file's own coordinates): the stages compute on the
+    points minus it (:func:`~.store.local_points`); the points are stored as the file has them.
+    ``[0, 0, 0]`` for coordinates below 1024 m; else the file's own offset where it has one that
+    is near every point (LAS header offsets), else the bounding-box centre rounded to 1 m
+    (:func:`~scanforest.kernels.coordinates.choose_origin`)."""
+    from scanforest.kernels.coordinates import choose_origin
+
+    lo, hi = cloud.bbox
+    return [float(v) for v in choose_origin(lo, hi, cloud.meta.get("offsets"))]
 
 
 def _stored_id(store: ScanStore, source: Source) -> str:

@@ -21,6 +21,10 @@ each scan's arrays go to a writer thread (copied to host through pinned memory f
 worker computes the next chunk; the batch returns only when all of its writes are done, so a
 finished task means durable stages.
 
+Each scan is described and recognised in its local frame (its ``origin``:
+:func:`~.store.local_points`), and its poses are written in the file's own coordinates, as
+:func:`~.recognize.recognize_scan` does.
+
 Resumable stage by stage: a scan whose recognition is current is skipped; a scan whose
 description (or matches) is current is recognised from it (it is read, not recomputed).
 """
@@ -36,7 +40,7 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError
 
-from .store import ScanStore, _jsonable, stage_digest, stage_matches
+from .store import ScanStore, _jsonable, local_points, scan_origin, stage_digest, stage_matches
 from .store.catalog import warm
 from .units import isolated
 
@@ -202,7 +206,7 @@ def _prepare_scan(ctx: OnePass, sid: str) -> dict[str, Any]:
     a = st.read_many(sid, names)
     timings: dict[str, float] = {"io": time.perf_counter() - t0}
     writes = []
-    desc = _describe(a, dparams, dev, timings, have_desc)
+    desc = _describe(a, dparams, dev, timings, have_desc, meta, sid)
     if not have_desc:
         writes.append(("describe", desc["host"], {**dparams.as_dict(), "device": dev,
                                                   "keypoints": int(len(desc["host"]["kp_index"])),
@@ -257,9 +261,10 @@ def _recognize_chunk(ready: list[dict[str, Any]], ctx: OnePass) -> list:
 
 def _finish_scan(ctx: OnePass, res: dict[str, Any], dets, writer) -> dict[str, Any]:
     """The scan's recognize record, and its stages handed to the writer thread."""
-    from .recognize import _evaluate
+    from .recognize import _evaluate, in_file_frame
 
     sid, timings, lib, dev = res["scan_id"], res["timings"], ctx.lib, ctx.dev
+    in_file_frame(dets, scan_origin(res["meta"]))
     for ph, v in (getattr(dets, "timings", {}) or {}).items():
         if ph != "total":
             timings[ph] = timings.get(ph, 0.0) + v
@@ -291,8 +296,10 @@ def _finish_scan(ctx: OnePass, res: dict[str, Any], dets, writer) -> dict[str, A
             "write": writer.submit(write)}
 
 
-def _describe(a: dict[str, np.ndarray], dparams, dev: str, timings: dict, have: bool) -> dict[str, Any]:
-    """The scan's description on ``dev``: computed from the points, or the stored one uploaded."""
+def _describe(a: dict[str, np.ndarray], dparams, dev: str, timings: dict, have: bool, meta: dict[str, Any],
+              sid: str) -> dict[str, Any]:
+    """The scan's description on ``dev``: computed from the points, or the stored one uploaded;
+    its ``points``: the scan's in its local frame (``meta``: its attributes), as described."""
     from scanforest.kernels.backend import to_device
 
     from .describe import describe_cloud
@@ -300,12 +307,13 @@ def _describe(a: dict[str, np.ndarray], dparams, dev: str, timings: dict, have: 
     if have:
         t = time.perf_counter()
         dv = {n: to_device(a[n], dev) for n in DESCRIBE_ARRAYS}
-        pts = to_device(np.ascontiguousarray(a["points"], np.float32), dev)
+        pts = to_device(local_points(a["points"], meta), dev)
         out = {"points": pts, "normals": dv["est_normals"], "keypoints": dv["kp_index"], "frames": dv["kp_frames"],
                "descriptors": dv["kp_shot"], "timings": {}}
         timings["io"] += time.perf_counter() - t
         return out
-    res = describe_cloud(a["points"], dparams, device=dev, resident=True)
+    res = describe_cloud(a["points"], dparams, origin=scan_origin(meta), name=f"scan {sid}", device=dev,
+                         resident=True)
     d = res["resident"]
     host = res["arrays"]
     for ph, v in res["timings"].items():

@@ -7,7 +7,7 @@ Layout::
         attrs: names, params, model_scans, content_hash, complete
     STORE/scans/<scene>/
         det_model    (D,)      int32    library model id of each detection
-        det_pose     (D, 4, 4) float64  model -> scene
+        det_pose     (D, 4, 4) float64  model -> scene, in the scene file's own coordinates
         det_score    (D,)      float32  verified inlier fraction
         det_inliers  (D,)      int32
         attrs.stages.recognize: library, content_hash, params, inputs, source, reason,
@@ -24,6 +24,12 @@ scene is described and matched here as :func:`~scanforest.kernels.recognition.re
 (``source: "recomputed"``, with the reason). The stage's key holds the identities of the describe
 and match records it used (``inputs``), so a scene described or matched again is recognised
 again.
+
+Every scene is recognised in its local frame (its ``origin``: :func:`~.store.local_points`; the
+viewpoint is relative to it) and its detections' poses are stored in the scene file's own
+coordinates (translation plus origin, float64), as exports and renders show them. A model scan
+enters the library in its own local frame (its origin 0 unless its coordinates are
+georeferenced).
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError
 
-from .store import ScanStore, _jsonable, stage_digest, stage_matches
+from .store import ScanStore, _jsonable, local_points, scan_origin, stage_digest, stage_matches
 from .store.catalog import warm
 
 LIBRARY_KEYS = ("model_ss", "descr_rad", "rf_rad", "normal_k", "normal_radius", "verify_leaf", "views")
@@ -109,6 +115,7 @@ def library_index(store_path: str, name: str) -> str:
 def build_library(store_path: str, model_scans: list[str], *, name: str = "default",
                   params: dict[str, Any] | None = None, device: str = "auto") -> dict[str, Any]:
     """Describe the model scans and persist them as library ``name`` (no-op when unchanged)."""
+    from scanforest.kernels.coordinates import check_spacing
     from scanforest.kernels.recognition import ModelLibrary
 
     st = ScanStore(store_path)
@@ -123,7 +130,10 @@ def build_library(store_path: str, model_scans: list[str], *, name: str = "defau
     pts, nrm = [], []
     for s in model_scans:
         cloud = st.read_cloud(s)
-        pts.append(cloud.points.astype(np.float32))
+        pts.append(local_points(cloud.points, cloud.meta))
+        if len(pts[-1]):
+            check_spacing(float(np.abs(pts[-1]).max()), {k: params.get(k) for k in ("model_ss", "descr_rad", "rf_rad")},
+                          f"model scan {s}")
         nrm.append(cloud.normals)
     lib = ModelLibrary.build(pts, names=list(model_scans),
                              models_normals=nrm if all(n is not None for n in nrm) else None,
@@ -303,19 +313,22 @@ def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str
 def _recognize_claimed(st: ScanStore, scan_id: str, library: str, params: dict[str, Any], digest: str,
                        meta: dict[str, Any], plan: dict[str, Any], key: dict[str, Any], dev: str, t0: float,
                        run: str | None) -> dict[str, Any]:
-    """:func:`recognize_scan`'s work on a scene whose claim it holds: recognise, write, report."""
+    """:func:`recognize_scan`'s work on a scene whose claim it holds: recognise (in the scene's
+    local frame), write (poses in the file's coordinates), report."""
+    from scanforest.kernels.coordinates import ZERO
     from scanforest.kernels.recognition import recognize
 
     lib = _load_library_cached(st, library, digest)
     if plan["fits"]:
-        scene = _stored_scene(st, scan_id, lib, params)
+        scene = _stored_scene(st, scan_id, lib, params, meta)
         t_io = time.perf_counter() - t0
         dets = _recognize_stored(scene, lib, params, dev)
         dets.timings["matching"] = dets.timings.get("matching", 0.0) + scene["seconds"]
     else:
-        pts = st.read(scan_id, "points")
+        pts = local_points(st.read(scan_id, "points"), meta)
         t_io = time.perf_counter() - t0
-        dets = recognize(pts.astype(np.float32), lib, device=dev, **params)
+        dets = recognize(pts, lib, origin=ZERO, device=dev, **params)
+    in_file_frame(dets, scan_origin(meta))
     n = len(dets)
     arrays = {
         "det_model": np.array([d.model_id for d in dets], np.int32),
@@ -336,9 +349,22 @@ def _recognize_claimed(st: ScanStore, scan_id: str, library: str, params: dict[s
             "source": source, "reason": plan["reason"], "timings": timings, "seconds": time.perf_counter() - t0}
 
 
-def _stored_scene(st: ScanStore, scan_id: str, lib, params: dict[str, Any]) -> dict[str, Any]:
+def in_file_frame(dets, origin):
+    """The detections (recognised in a scan's local frame) with their poses in the scan file's
+    own coordinates: translation plus the scan's ``origin`` (float64); in place, returned."""
+    from scanforest.kernels.coordinates import is_zero, pose_to_global
+
+    if not is_zero(origin):
+        for d in dets:
+            d.pose = pose_to_global(d.pose, origin)
+    return dets
+
+
+def _stored_scene(st: ScanStore, scan_id: str, lib, params: dict[str, Any],
+                  meta: dict[str, Any]) -> dict[str, Any]:
     """The scene as the describe and match stages stored it (:func:`scene_from_matches`). The
-    points are the stored ones, as float32: exactly what the describe stage described."""
+    points are the stored ones in the scan's local frame (``meta``: its attributes), as float32:
+    exactly what the describe stage described."""
     from scanforest.kernels.recognition import RecognizeParams
 
     p = RecognizeParams().replace(**(params or {}))
@@ -346,7 +372,7 @@ def _stored_scene(st: ScanStore, scan_id: str, lib, params: dict[str, Any]) -> d
     if p.method == "hough":
         names.append("kp_frames")
     a = st.read_many(scan_id, names)
-    return scene_from_matches(np.ascontiguousarray(a["points"], dtype=np.float32), a["est_normals"], a["kp_index"],
+    return scene_from_matches(local_points(a["points"], meta), a["est_normals"], a["kp_index"],
                               a.get("kp_frames"), a["match_ids"], a["match_dist"], lib, params)
 
 
@@ -365,8 +391,10 @@ def scene_from_matches(points, normals, keypoints, frames, ids, dist, lib, param
 
 
 def _recognize_stored(scene: dict[str, Any], lib, params: dict[str, Any], dev: str):
-    """Grouping, verification and refinement of a stored scene (``recognize_described``); Hough's
-    frames are the stored SHOT frames when its radius is SHOT's (as ``recognize`` takes them)."""
+    """Grouping, verification and refinement of a stored scene (``recognize_described``) in its
+    local frame (the poses too: :func:`in_file_frame` takes them to the file's coordinates);
+    Hough's frames are the stored SHOT frames when its radius is SHOT's (as ``recognize`` takes
+    them)."""
     from scanforest.kernels.recognition import recognize_described
 
     a = _described_args(scene, lib, params)
@@ -389,7 +417,7 @@ def _described_args(scene: dict[str, Any], lib, params: dict[str, Any]) -> dict[
     rf_rad = float(lib.params.get("rf_rad", 0.015) if p.rf_rad is None else p.rf_rad)
     rf = scene["frames"] if p.method == "hough" and abs(rf_rad - descr_rad) < 1e-12 else None
     return {"scene_points": scene["points"], "normals": scene["normals"], "keypoints": scene["keypoints"],
-            "rf": rf, "correspondences": scene["correspondences"]}
+            "rf": rf, "correspondences": scene["correspondences"], "origin": (0.0, 0.0, 0.0)}
 
 
 def _evaluate(dets, gt, lib) -> dict[str, Any] | None:

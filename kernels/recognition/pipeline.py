@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backend import Timer, resolve_device, to_device, to_numpy, xp_for
+from ..coordinates import check_spacing, choose_origin, is_zero, pose_to_global, to_local
 from ..errors import InputError
 from ..validation import points, positive
 from ._scene_index import _SceneIndex
@@ -92,8 +93,9 @@ class RecognizeParams:
     min_inliers: int = 10
     """Acceptance also needs this many inliers."""
     viewpoint: tuple = (0.0, 0.0, 0.0)
-    """Camera centre: scene normals face it, and a model point is visible when its transformed
-    normal faces it."""
+    """Camera centre, relative to the scene's origin (see :func:`recognize`; the scene's own
+    coordinates where its origin is 0): scene normals face it, and a model point is visible when
+    its transformed normal faces it."""
     icp: bool = True
     """Verify -> refine -> verify: every hypothesis is scored first; those with an inlier fraction
     ``>= refine_min_fraction`` (at most ``max_refine``, best first) are refined (``refine``,
@@ -215,7 +217,7 @@ class Detections(list):
 # the pipeline
 # ---------------------------------------------------------------------------------------------
 def recognize(scene_points, library: ModelLibrary, params: RecognizeParams | None = None, *,
-              scene_normals=None, device: str = "auto", **overrides) -> Detections:
+              scene_normals=None, origin=None, device: str = "auto", **overrides) -> Detections:
     """Find the library's models in one scene.
 
     Parameters
@@ -227,6 +229,15 @@ def recognize(scene_points, library: ModelLibrary, params: RecognizeParams | Non
         The tuning parameters (default: ``RecognizeParams()``).
     scene_normals : (N, 3) array, optional
         Given scene normals (otherwise k-NN PCA with ``normal_k`` towards ``viewpoint``).
+    origin : (3,) float, optional
+        The scene's local origin, in its own coordinates: every stage computes on ``scene_points
+        - origin`` (subtracted in float64, then cast to float32), ``viewpoint`` is relative to it,
+        and the detections' poses come back in the scene's own coordinates (translation plus
+        origin, float64). Default: :func:`~scanforest.kernels.coordinates.choose_origin` of the
+        scene's bounding box (``[0, 0, 0]`` for coordinates below 1024 m; georeferenced ones, e.g.
+        UTM, get their centre rounded to 1 m). Coordinates still too coarse in float32 for the
+        radii in use are an :class:`~scanforest.kernels.errors.InputError`
+        (:func:`~scanforest.kernels.coordinates.check_spacing`).
     device : {"auto", "cpu", "gpu"}
         ``auto`` follows the scene array type (numpy -> CPU, CuPy -> GPU).
     **overrides
@@ -240,7 +251,7 @@ def recognize(scene_points, library: ModelLibrary, params: RecognizeParams | Non
         normals, keypoints, shot, matching, grouping, verification, icp, total) and ``.info``.
     """
     dev, p = _setup(scene_points, library, params, overrides, device)
-    return _recognize_matched(_prepare(scene_points, scene_normals, library, p, dev), library)
+    return _recognize_matched(_prepare(scene_points, scene_normals, library, p, dev, origin), library)
 
 
 def recognize_many(scenes, library: ModelLibrary, params: RecognizeParams | None = None, *,
@@ -256,7 +267,7 @@ def recognize_many(scenes, library: ModelLibrary, params: RecognizeParams | None
     return _recognize_batch([_prepare(s, None, library, p, dev) for s in scenes], library)
 
 
-def _prepare(scene_points, scene_normals, library, p: RecognizeParams, dev: str) -> "_Matched":
+def _prepare(scene_points, scene_normals, library, p: RecognizeParams, dev: str, origin=None) -> "_Matched":
     """:func:`recognize` up to its correspondences (the timer running)."""
     xp = xp_for(dev)
     t0 = time.perf_counter()
@@ -271,10 +282,12 @@ def _prepare(scene_points, scene_normals, library, p: RecognizeParams, dev: str)
             nrm_in = to_device(scene_normals, dev)[fin]
     elif scene_normals is not None:
         nrm_in = to_device(scene_normals, dev)
-    pts = xp.ascontiguousarray(pts, dtype=xp.float32)
     descr_rad = float(library.params.get("descr_rad", 0.02) if p.descr_rad is None else p.descr_rad)
     rf_rad = float(library.params.get("rf_rad", 0.015) if p.rf_rad is None else p.rf_rad)
     inlier_dist = float(2.0 * library.resolution if p.inlier_dist is None else p.inlier_dist)
+    pts, origin = _local(pts, origin, xp, {"scene_ss": p.scene_ss, "descr_rad": descr_rad, "normal_radius":
+                                           p.normal_radius, "rf_rad": rf_rad if p.method == "hough" else None,
+                                           "cg_size": p.cg_size, "inlier_dist": inlier_dist})
     vp = np.asarray(p.viewpoint, np.float64).reshape(3)
 
     d = describe(pts, normals=nrm_in, normal_k=p.normal_k, normal_radius=p.normal_radius,
@@ -282,11 +295,27 @@ def _prepare(scene_points, scene_normals, library, p: RecognizeParams, dev: str)
                  rf_rad=rf_rad if p.method == "hough" else None, viewpoint=vp, device=dev, timer=timer)
     corr = match(d["descriptors"], library, k=p.match_k, max_dist2=p.max_dist2, ratio=p.ratio, device=dev)
     timer.lap("matching")
-    return _Matched(pts, d, corr, p, dev, timer, t0, inlier_dist, vp)
+    return _Matched(pts, d, corr, p, dev, timer, t0, inlier_dist, vp, origin)
+
+
+def _local(pts, origin, xp, radii: dict):
+    """The scene's points in its local frame (float32) and its origin (float64, (3,)):
+    ``origin`` None is chosen from the points' bounding box; the coordinates are checked
+    against the radii in use (:func:`~scanforest.kernels.coordinates.check_spacing`)."""
+    if origin is None:
+        if int(pts.shape[0]):
+            origin = choose_origin(to_numpy(pts.min(axis=0)), to_numpy(pts.max(axis=0)))
+        else:
+            origin = np.zeros(3)
+    origin = np.asarray(origin, np.float64).reshape(3)
+    local = to_local(pts, origin, xp)
+    if int(local.shape[0]):
+        check_spacing(float(xp.abs(local).max()), radii, "scene_points")
+    return local, origin
 
 
 def recognize_described(scene_points, library: ModelLibrary, params: RecognizeParams | None = None, *,
-                        normals, keypoints, descriptors=None, rf=None, correspondences=None,
+                        normals, keypoints, descriptors=None, rf=None, correspondences=None, origin=None,
                         device: str = "auto", **overrides) -> Detections:
     """Recognition of a scene described elsewhere: the archive's describe stage gave its normals,
     keypoints and SHOT, its match stage the keypoints' nearest library descriptors.
@@ -312,17 +341,20 @@ def recognize_described(scene_points, library: ModelLibrary, params: RecognizePa
     correspondences : Correspondences, optional
         Matches found elsewhere (``correspondences.from_neighbours`` over the match stage's
         stored top-P); ``scene_kp`` indexes ``keypoints``.
+    origin : (3,) float, optional
+        As :func:`recognize`: the frame the description was computed in (its normals and frames
+        are those of ``scene_points - origin``).
     params, device, **overrides :
         As :func:`recognize` (the description parameters among them are not used).
     """
     m = _prepare_described(scene_points, library, params, normals=normals, keypoints=keypoints,
-                           descriptors=descriptors, rf=rf, correspondences=correspondences, device=device,
-                           **overrides)
+                           descriptors=descriptors, rf=rf, correspondences=correspondences, origin=origin,
+                           device=device, **overrides)
     return _recognize_matched(m, library)
 
 
 def _prepare_described(scene_points, library, params, *, normals, keypoints, descriptors, rf, correspondences,
-                       device, **overrides) -> "_Matched":
+                       device, origin=None, **overrides) -> "_Matched":
     """:func:`recognize_described` up to its correspondences."""
     dev, p = _setup(scene_points, library, params, overrides, device)
     if descriptors is None and correspondences is None:
@@ -330,13 +362,15 @@ def _prepare_described(scene_points, library, params, *, normals, keypoints, des
     xp = xp_for(dev)
     t0 = time.perf_counter()
     timer = Timer(dev == "gpu")
-    pts = xp.ascontiguousarray(points(to_device(scene_points, dev), "scene_points"), dtype=xp.float32)
+    pts = points(to_device(scene_points, dev), "scene_points", dtype=None)
+    rf_rad = float(library.params.get("rf_rad", 0.015) if p.rf_rad is None else p.rf_rad)
+    inlier_dist = float(2.0 * library.resolution if p.inlier_dist is None else p.inlier_dist)
+    pts, origin = _local(pts, origin, xp, {"rf_rad": rf_rad if p.method == "hough" else None,
+                                           "cg_size": p.cg_size, "inlier_dist": inlier_dist})
     nrm = points(to_device(normals, dev), "normals", finite=False, rows=int(pts.shape[0]))
     kp = xp.asarray(to_device(keypoints, dev), dtype=xp.int64).reshape(-1)
     if int(kp.shape[0]) and (int(kp.min()) < 0 or int(kp.max()) >= int(pts.shape[0])):
         raise InputError(f"keypoints must index the {int(pts.shape[0])} scene points")
-    rf_rad = float(library.params.get("rf_rad", 0.015) if p.rf_rad is None else p.rf_rad)
-    inlier_dist = float(2.0 * library.resolution if p.inlier_dist is None else p.inlier_dist)
     vp = np.asarray(p.viewpoint, np.float64).reshape(3)
     d = {"normals": nrm, "keypoints": kp, "kp_coords": pts[kp]}
     if p.method == "hough":
@@ -353,21 +387,22 @@ def _prepare_described(scene_points, library, params, *, normals, keypoints, des
         correspondences = match(to_device(descriptors, dev), library, k=p.match_k, max_dist2=p.max_dist2,
                                 ratio=p.ratio, device=dev)
     timer.lap("matching")
-    return _Matched(pts, d, correspondences, p, dev, timer, t0, inlier_dist, vp)
+    return _Matched(pts, d, correspondences, p, dev, timer, t0, inlier_dist, vp, origin)
 
 
 def recognize_described_many(scenes, library: ModelLibrary, params: RecognizeParams | None = None, *,
                              device: str = "auto", **overrides) -> list:
     """:func:`recognize_described` of many scenes, with the same detections: ``scenes`` are
     dicts of its arguments (``scene_points``, ``normals``, ``keypoints`` and ``descriptors``
-    or ``correspondences``, optionally ``rf``). Geometric-consistency grouping on the GPU runs
-    for all of them at once (:func:`~.grouping.group_gc_many`: a sweep is sequential within a
-    (scene, model) group, so one scene leaves most of the device idle); the other phases run
-    scene by scene. Each result's ``grouping`` time is its share of the batch's, and ``total``
+    or ``correspondences``, optionally ``rf`` and ``origin``). Geometric-consistency grouping on
+    the GPU runs for all of them at once (:func:`~.grouping.group_gc_many`: a sweep is sequential
+    within a (scene, model) group, so one scene leaves most of the device idle); the other phases
+    run scene by scene. Each result's ``grouping`` time is its share of the batch's, and ``total``
     the sum of its phases."""
     ms = [_prepare_described(s["scene_points"], library, params, normals=s["normals"], keypoints=s["keypoints"],
                              descriptors=s.get("descriptors"), rf=s.get("rf"),
-                             correspondences=s.get("correspondences"), device=device, **overrides)
+                             correspondences=s.get("correspondences"), origin=s.get("origin"), device=device,
+                             **overrides)
           for s in scenes]
     return _recognize_batch(ms, library)
 
@@ -434,6 +469,7 @@ class _Matched:
     t0: float | None
     inlier_dist: float
     vp: np.ndarray
+    origin: np.ndarray
 
 
 def _recognize_matched(m: _Matched, library) -> Detections:
@@ -501,4 +537,7 @@ def _verified(m: _Matched, hyps, library) -> Detections:
                 "hypothesis_scores": None if first_scores is None else first_scores.tolist()}
     for det in out:
         det.timings = out.timings
+        if not is_zero(m.origin):  # back in the scene's own coordinates
+            det.pose = pose_to_global(det.pose, m.origin)
+    out.info["origin"] = m.origin.tolist()
     return out

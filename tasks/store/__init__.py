@@ -12,7 +12,8 @@ Layout (``STORE`` is a directory on a POSIX file system)::
           pixel_index   (N,)   int64           (organised clouds: index into WIDTH x HEIGHT)
           extra_<name>  other per-point fields
           <stage arrays>  written later by describe/match/recognize (keypoints, descriptors, ...)
-        attrs: source, sha256, format, encoding, n_points, units, bbox, ingested_at,
+        attrs: source, sha256, format, encoding, n_points, units, bbox, origin (the local frame's
+               origin [x, y, z] the stages compute in; absent: [0, 0, 0]), ingested_at,
                ground_truth (synthetic scenes), arrays {name: {shape, dtype}}, complete (bool),
                and per-stage records (each with the arrays it wrote)
       quarantine/<id>/               one group per rejected file; attrs: source, reason, sha256, time
@@ -41,9 +42,10 @@ from __future__ import annotations
 from .catalog import Catalog
 from .locks import LOCKS, file_lock
 from .scans import (CHUNK_ROWS, ID_HASH_HEX, ID_HASH_MARK, LAYOUT_VERSION, MAX_ID_BYTES, WHERE_ERRNOS, ScanStore,
-                    StoreWriteError, _jsonable, iter_chunks, legacy_scan_id, scan_id_for, sha256_bytes,
-                    sha256_file, stage_digest, stage_matches, utc_now)
+                    StoreWriteError, _jsonable, iter_chunks, legacy_scan_id, local_points, scan_id_for,
+                    scan_origin, sha256_bytes, sha256_file, stage_digest, stage_matches, utc_now)
 
 __all__ = ["CHUNK_ROWS", "ID_HASH_HEX", "ID_HASH_MARK", "LAYOUT_VERSION", "LOCKS", "MAX_ID_BYTES", "WHERE_ERRNOS",
            "Catalog", "ScanStore", "StoreWriteError", "_jsonable", "file_lock", "iter_chunks",
-           "legacy_scan_id", "scan_id_for", "sha256_bytes", "sha256_file", "stage_digest", "stage_matches", "utc_now"]
+           "legacy_scan_id", "local_points", "scan_id_for", "scan_origin", "sha256_bytes", "sha256_file",
+           "stage_digest", "stage_matches", "utc_now"]

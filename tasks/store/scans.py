@@ -359,6 +359,34 @@ class ScanStore(Claims, Integrity):
                 raise
         raise InputError(f"{self.path}: scan {scan_id!r} has no array {missing[0]!r} (has: {have})")
 
+    def local_extents(self, scan_ids: Iterable[str] | None = None) -> dict[str, float]:
+        """The largest coordinate magnitude of each complete scan (``scan_ids``: these only) in its
+        local frame, from its attributes (``bbox`` less ``origin``: :func:`scan_origin`), read in
+        one pass over the scans' groups; scans without a ``bbox`` are left out."""
+        g = self._group("scans")
+        want = None if scan_ids is None else set(scan_ids)
+        out: dict[str, float] = {}
+        for name, child in ([] if g is None else g.groups()):
+            if (want is not None and name not in want) or not child.attrs.get("complete", False):
+                continue
+            a = dict(child.attrs)
+            box = a.get("bbox") or {}
+            if box.get("min") is None or box.get("max") is None:
+                continue
+            o = scan_origin(a)
+            out[name] = float(max(np.abs(np.asarray(box["min"], np.float64) - o).max(),
+                                  np.abs(np.asarray(box["max"], np.float64) - o).max()))
+        return out
+
+    def check_coordinates(self, scan_ids: Iterable[str] | None, radii: dict[str, float | None]) -> None:
+        """Refuse, before any work, scans whose local coordinates are too coarse in float32 for
+        ``radii`` (name -> length): :class:`InputError` naming the first such scan and the
+        numbers (:func:`scanforest.kernels.coordinates.check_spacing`)."""
+        from scanforest.kernels.coordinates import check_spacing
+
+        for sid, extent in sorted(self.local_extents(scan_ids).items()):
+            check_spacing(extent, radii, f"{self.path}: scan {sid}")
+
     def arrays(self, scan_id: str) -> list[str]:
         return sorted(self._scan(scan_id).array_keys())
 
@@ -536,6 +564,24 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     return obj
+
+
+def scan_origin(attrs: dict[str, Any]) -> np.ndarray:
+    """The scan's local origin (float64, (3,)) from its attributes (``origin``, written at ingest:
+    :func:`scanforest.kernels.coordinates.choose_origin`); ``[0, 0, 0]`` for a scan written
+    before it existed. The stored points stay the file's own coordinates; the stages compute on
+    :func:`local_points`, and give poses back in the file's coordinates."""
+    o = attrs.get("origin")
+    return np.zeros(3) if o is None else np.asarray(o, np.float64).reshape(3)
+
+
+def local_points(points, attrs: dict[str, Any], xp=np):
+    """The scan's stored ``points`` in its local frame, float32: minus its origin
+    (:func:`scan_origin`), subtracted in float64 before the cast; the points as float32 when the
+    origin is 0, as every stage took them before origins existed."""
+    from scanforest.kernels.coordinates import to_local
+
+    return to_local(points, scan_origin(attrs), xp)
 
 
 def stage_matches(record: dict[str, Any] | None, **params) -> bool:

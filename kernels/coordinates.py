@@ -1,0 +1,94 @@
+"""Local frames for georeferenced coordinates: every float32 stage computes near the origin.
+
+A survey scan holds coordinates of 10^5-10^6 m (UTM): float32 spaces them 0.03-0.5 m apart,
+more than a SHOT radius, so normals, keypoints, SHOT, ICP and verification would compute on
+noise. Each scan (or scene given to :func:`~scanforest.kernels.recognition.recognize`) gets an
+*origin*, chosen in float64 (:func:`choose_origin`), and the stages compute on ``points -
+origin``, subtracted in float64 before the cast to float32 (:func:`to_local`); poses go back to
+the caller's coordinates by adding the origin to their translation (:func:`pose_to_global`).
+
+Rule: coordinates whose largest magnitude is below :data:`LOCAL_LIMIT` (float32 spacing at most
+2^-14 m, 0.06 mm) keep the origin ``[0, 0, 0]``, so small scans compute exactly as before; others
+take the file's own offset where it has one and it lies within :data:`LOCAL_LIMIT` of every
+point (LAS header offsets), else the bounding-box centre rounded to 1 m.
+
+:func:`check_spacing` refuses coordinates that stay too coarse after the shift (a scan many
+kilometres across) for the radii in use: float32 spacing above :data:`SPACING_FRACTION` of the
+smallest radius.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InputError
+
+__all__ = ["LOCAL_LIMIT", "SPACING_FRACTION", "ZERO", "check_spacing", "choose_origin", "is_zero",
+           "pose_to_global", "spacing", "to_local"]
+
+#: coordinates below this magnitude (m) keep origin 0: float32 spacing there is <= 2^-14 m
+LOCAL_LIMIT = 1024.0
+#: the float32 spacing of the coordinates a stage uses must be at most this fraction of its
+#: smallest radius
+SPACING_FRACTION = 0.01
+ZERO = (0.0, 0.0, 0.0)
+
+
+def is_zero(origin) -> bool:
+    return origin is None or not np.any(np.asarray(origin, np.float64))
+
+
+def choose_origin(lo, hi, offset=None) -> np.ndarray:
+    """The origin (float64, (3,)) of coordinates with bounding box ``lo``..``hi`` (float64).
+
+    ``[0, 0, 0]`` where every coordinate is below :data:`LOCAL_LIMIT` in magnitude; else
+    ``offset`` (the file's own, e.g. LAS header offsets) where it is within
+    :data:`LOCAL_LIMIT` of the whole box; else the box's centre rounded to 1 m."""
+    lo = np.asarray(lo, np.float64).reshape(3)
+    hi = np.asarray(hi, np.float64).reshape(3)
+    if max(np.abs(lo).max(), np.abs(hi).max()) < LOCAL_LIMIT:
+        return np.zeros(3)
+    if offset is not None:
+        off = np.asarray(offset, np.float64).reshape(3)
+        if np.isfinite(off).all() and max(np.abs(lo - off).max(), np.abs(hi - off).max()) < LOCAL_LIMIT:
+            return off + 0.0  # no -0.0
+    return np.round((lo + hi) / 2.0) + 0.0
+
+
+def to_local(points, origin, xp=np):
+    """``points - origin`` as float32, subtracted in float64 (numpy or CuPy ``xp``); the points
+    as float32, unshifted, when ``origin`` is zero (exactly what the stages took before)."""
+    if is_zero(origin):
+        return xp.ascontiguousarray(points, dtype=xp.float32)
+    o = xp.asarray(np.asarray(origin, np.float64).reshape(1, 3))
+    return xp.ascontiguousarray(xp.asarray(points, dtype=xp.float64) - o, dtype=xp.float32)
+
+
+def pose_to_global(pose, origin) -> np.ndarray:
+    """A model -> local-frame pose (4x4) as a model -> caller-coordinates pose (float64): its
+    translation plus the origin."""
+    out = np.array(pose, np.float64)
+    if not is_zero(origin):
+        out[:3, 3] += np.asarray(origin, np.float64).reshape(3)
+    return out
+
+
+def spacing(max_abs: float) -> float:
+    """The float32 spacing (m) of coordinates up to ``max_abs`` in magnitude."""
+    return float(np.spacing(np.float32(abs(max_abs))))
+
+
+def check_spacing(max_abs: float, radii: dict, what: str) -> None:
+    """Refuse coordinates (``max_abs``: their largest magnitude in the frame a stage computes
+    in) whose float32 spacing exceeds :data:`SPACING_FRACTION` of the smallest of ``radii``
+    (name -> length; None values are skipped): :class:`InputError`, one line naming ``what``
+    and the numbers."""
+    given = {k: float(v) for k, v in radii.items() if v is not None}
+    if not given or not np.isfinite(max_abs):
+        return
+    name = min(given, key=given.get)
+    step = spacing(max_abs)
+    if step > SPACING_FRACTION * given[name]:
+        raise InputError(f"{what}: coordinates up to {max_abs:.6g} m from the local origin have float32 spacing "
+                         f"{step:.3g} m, more than 1/{round(1 / SPACING_FRACTION)} of the smallest radius "
+                         f"({name} {given[name]:g} m); the scan is too large in extent for these radii "
+                         f"(split it into tiles)")
