@@ -19,7 +19,8 @@ another only through its public names (no private name or module is imported acr
 
 Shared by every family, at this level: :mod:`.backend` (device choice, array conversion, numba
 and CUDA settings), :mod:`.errors`, :mod:`.validation` (the input checks: point arrays, positive
-numbers), :mod:`.hypotheses` (the masked-argmax selection rule of recognition and motion) and
+numbers), :mod:`.hypotheses` (the masked-argmax selection rule of recognition and motion),
+:mod:`.coordinates` (the local frame that georeferenced coordinates are computed in) and
 :mod:`.geom_cpu` (numba geometry helpers: the one covariance step and the one cyclic-Jacobi
 eigen-solver, 3x3 for normals and SHOT frames, 4x4 for Horn's rigid fits).
 """

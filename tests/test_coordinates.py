@@ -1,0 +1,188 @@
+"""Georeferenced coordinates: a scan in UTM-sized coordinates is computed in a local frame (its
+origin, chosen in float64 at ingest or by :func:`scanforest.recognize`) and gives the detections
+of the same scene in small coordinates, its poses back in the file's own coordinates.
+
+The reference is independent of the code under test: PCL's real scene, quantised to the LAS
+grid (scale 1e-4 m) by laspy's own integer records, recognised in its small coordinates as
+before; the georeferenced copy is that scene plus a UTM-sized offset, written by laspy (offset in
+the header) and as a float64 array.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from _userpath import fresh_env, ok, one_line_error, sf
+
+OFFSET = np.array([512345.0, 4123456.0, 87.0])
+SCALE = 1e-4
+SCENE = "milk_cartoon_all_small_clorox.pcd"
+#: measured on PCL's scene (API and CLI alike): the georeferenced copy's pose differs from the
+#: reference's by 2.0e-7 (rotation entries) and 1.9e-7 m (translation, less the offset); the
+#: bounds are 25x that, for other CPUs' float32 rounding, and well inside the 1e-4 asked for
+ROT_TOL, TRA_TOL = 5e-6, 5e-6
+
+
+@pytest.fixture(scope="module")
+def geo(pcl_dir, tmp_path_factory):
+    """The georeferenced scene as a LAS file and a float64 NPY, the reference scene (the same
+    points in small coordinates, float64 NPY), the library of PCL's milk model and the
+    reference detections."""
+    import laspy
+    import scanforest as sf
+
+    folder = tmp_path_factory.mktemp("geo")
+    P = sf.read(pcl_dir / SCENE).points.astype(np.float64)
+    header = laspy.LasHeader(point_format=0, version="1.2")
+    header.offsets, header.scales = OFFSET, np.full(3, SCALE)
+    las = laspy.LasData(header)
+    las.x, las.y, las.z = (P[:, i] + OFFSET[i] for i in range(3))
+    las.write(folder / "scene_utm.las")
+    back = laspy.read(folder / "scene_utm.las")
+    ints = np.stack([np.asarray(back.X), np.asarray(back.Y), np.asarray(back.Z)], axis=1).astype(np.float64)
+    ref = ints * SCALE  # the scene on the LAS grid, in small coordinates
+    geo64 = np.stack([np.asarray(back.x), np.asarray(back.y), np.asarray(back.z)], axis=1)
+    assert np.abs(geo64 - OFFSET - ref).max() < 1e-8  # laspy: x = X * scale + offset
+    np.save(folder / "scene_ref.npy", ref)
+    np.save(folder / "scene_utm.npy", ref + OFFSET)
+    model = sf.read(pcl_dir / "milk.pcd").points
+    lib = sf.ModelLibrary.build([model], names=["milk"], device="cpu")
+    want = sf.recognize(ref, lib, device="cpu")
+    assert len(want) == 1 and want[0].model == "milk"  # the tutorial's detection, as in small coordinates
+    return {"folder": folder, "las": folder / "scene_utm.las", "geo64": geo64, "ref": ref, "lib": lib,
+            "want": want}
+
+
+def _same(got, want, offset=OFFSET):
+    name = lambda d: (d.model if hasattr(d, "model") else d["model"]).split(".")[0]  # noqa: E731 - "milk.pcd": the scan
+    assert [name(d) for d in got] == [name(d) for d in want]
+    for g, w in zip(got, want):
+        pose, ref = np.asarray(g.pose if hasattr(g, "pose") else g["pose"], np.float64), np.asarray(w.pose)
+        assert pose.dtype == np.float64
+        assert np.abs(pose[:3, :3] - ref[:3, :3]).max() < ROT_TOL, (pose, ref)
+        assert np.abs(pose[:3, 3] - (ref[:3, 3] + offset)).max() < TRA_TOL, (pose, ref)
+
+
+def test_api_recognises_georeferenced_float64_points(geo):
+    """``sf.recognize`` on float64 UTM points (from the LAS reader and from an array), with the
+    file's offset as the origin: the reference detection, its pose in the caller's coordinates.
+    Without the local frame the same call finds nothing (float32 spacing ~0.5 m at 4e6 m)."""
+    import scanforest as sf
+    from scanforest.tasks.readers import read_cloud
+
+    cloud = read_cloud(geo["las"])
+    assert cloud.points.dtype == np.float64 and np.array_equal(cloud.points, geo["geo64"])
+    got = sf.recognize(cloud.points, geo["lib"], origin=cloud.meta["offsets"], device="cpu")
+    _same(got, geo["want"])
+    assert got.info["origin"] == OFFSET.tolist()
+    got = sf.recognize(geo["ref"] + OFFSET, geo["lib"], origin=OFFSET, device="cpu")
+    _same(got, geo["want"])
+    # the origin chosen when none is given: the bounding box's centre, rounded to 1 m
+    pts = geo["ref"] + OFFSET
+    auto = sf.recognize(pts, geo["lib"], device="cpu", verify=False)
+    assert auto.info["origin"] == np.round((pts.min(0) + pts.max(0)) / 2).tolist()
+
+
+def test_ingest_describe_in_the_local_frame(geo, tmp_path):
+    """Ingest keeps the file's coordinates bit-exact and records the origin (the LAS offset; 0
+    for small coordinates); the describe stage of the georeferenced scan has the reference's
+    keypoints and its descriptors within float32 noise (measured against the reference's own)."""
+    from scanforest.tasks.describe import DescribeParams, describe_cloud, describe_scan
+    from scanforest.tasks.ingest import Source, ingest_file
+    from scanforest.tasks.store import ScanStore
+
+    store = str(tmp_path / "s.zarr")
+    ScanStore(store, create=True)
+    for name in ("scene_utm.las", "scene_ref.npy"):
+        assert ingest_file(store, Source(str(geo["folder"] / name), name))["status"] == "ingested"
+    st = ScanStore(store)
+    assert st.attrs("scene_utm.las")["origin"] == OFFSET.tolist()
+    assert st.attrs("scene_ref.npy")["origin"] == [0.0, 0.0, 0.0]
+    assert np.array_equal(st.read("scene_utm.las"), geo["geo64"])  # the file's own coordinates
+    params = DescribeParams()
+    for sid in ("scene_utm.las", "scene_ref.npy"):
+        describe_scan(store, sid, params, device="cpu")
+    a, b = (st.read_many(s, ["kp_index", "kp_shot"]) for s in ("scene_utm.las", "scene_ref.npy"))
+    assert len(a["kp_index"]) > 100 and np.array_equal(a["kp_index"], b["kp_index"])
+    # float32 noise: the georeferenced points come back from float64 one float32 ulp off the
+    # reference in ~1% of their coordinates, and normals and SHOT move where a neighbourhood is
+    # near-degenerate. The yardstick is the reference itself with as many coordinates moved by
+    # one ulp: the shifted description may differ from the reference about as much as that does.
+    ref32 = geo["ref"].astype(np.float32)
+    moved = int((_local(geo["geo64"]) != ref32).sum())
+    assert 0 < moved < 0.05 * ref32.size
+    noisy = ref32.copy().reshape(-1)
+    idx = np.random.default_rng(1).choice(noisy.size, moved, replace=False)
+    noisy[idx] = np.nextafter(noisy[idx], np.float32(np.inf))
+    c = describe_cloud(noisy.reshape(-1, 3), params, device="cpu")["arrays"]
+    ok_rows = np.isfinite(b["kp_shot"]).all(1)
+    assert np.array_equal(ok_rows, np.isfinite(a["kp_shot"]).all(1))
+
+    def rows_off(x):  # per keypoint, the largest descriptor difference from the reference
+        return np.abs(np.nan_to_num(x["kp_shot"][ok_rows]) - b["kp_shot"][ok_rows]).max(1)
+
+    shift, noise = rows_off(a), rows_off(c)
+    assert np.median(shift) == 0.0
+    assert (shift > 1e-5).mean() <= 2 * (noise > 1e-5).mean() + 0.01, ((shift > 1e-5).mean(), (noise > 1e-5).mean())
+    assert np.percentile(shift, 99) <= 2 * np.percentile(noise, 99) + 1e-3
+
+
+def _local(points):
+    from scanforest.kernels.coordinates import to_local
+
+    return to_local(points, OFFSET)
+
+
+def test_cli_recognises_a_georeferenced_las_scene(geo, pcl_dir, tmp_path, tmp_path_factory):
+    """ingest -> describe -> library build -> match -> recognize on the LAS scene in a
+    subprocess: the reference detection, from the stored description, with its pose stored and
+    exported in the file's coordinates."""
+    env = fresh_env(tmp_path_factory, cold=False)
+    clouds = tmp_path / "clouds"
+    clouds.mkdir()
+    (clouds / "milk.pcd").symlink_to(pcl_dir / "milk.pcd")
+    (clouds / "scene_utm.las").symlink_to(geo["las"])
+    store = str(tmp_path / "geo.zarr")
+    ing = json.loads(ok(sf("ingest", str(clouds), store, "-w", "1", "--json", env=env, cwd=tmp_path)))
+    assert ing["ingested"] == 2, ing
+    ok(sf("describe", store, "--scan", "scene_utm.las", "-w", "1", env=env, cwd=tmp_path))
+    ok(sf("library", "build", store, "-m", "milk.pcd", env=env, cwd=tmp_path))
+    ok(sf("match", store, "--library", "default", "-q", "scene_utm.las", "-w", "1", env=env, cwd=tmp_path))
+    rc = json.loads(ok(sf("recognize", store, "-s", "scene_utm.las", "-w", "1", "--json", env=env, cwd=tmp_path)))
+    assert rc["recognized"] == 1 and rc["detections"] == 1 and rc["from_stored"] == 1, rc
+    from scanforest.tasks.recognize import detections_table
+    from scanforest.tasks.store import ScanStore
+
+    det = ScanStore(store, mode="r").attrs("scene_utm.las")["stages"]["recognize"]["detections"]
+    _same(det, geo["want"])
+    df = detections_table(store, ["scene_utm.las"])  # what the CSV / Parquet exports hold
+    assert np.abs(df[["pose_03", "pose_13", "pose_23"]].to_numpy()[0]
+                  - (geo["want"][0].pose[:3, 3] + OFFSET)).max() < TRA_TOL
+
+
+def test_coordinates_too_coarse_for_the_radii(tmp_path, tmp_path_factory):
+    """A scan 200 km across: float32 spacing in its local frame (~8 mm) is more than 1/100 of
+    the radii; the API raises InputError, the CLI says so in one line and exits 2."""
+    import scanforest
+    from scanforest.kernels.coordinates import check_spacing, choose_origin
+
+    rng = np.random.default_rng(0)
+    pts = np.concatenate([rng.uniform(-1, 1, (400, 3)), [[1e5, 0, 0], [-1e5, 0, 0]]]) + OFFSET
+    model = rng.uniform(-0.1, 0.1, (300, 3)).astype(np.float32)
+    lib = scanforest.ModelLibrary.build([model], names=["m"], device="cpu")
+    with pytest.raises(scanforest.InputError, match="float32 spacing"):
+        scanforest.recognize(pts, lib, device="cpu")
+    assert choose_origin(pts.min(0), pts.max(0)).tolist() == OFFSET.tolist()
+    check_spacing(100.0, {"shot_radius": 0.02}, "x")  # 100 m from the origin: fine
+    scans = tmp_path / "scans"
+    scans.mkdir()
+    np.save(scans / "wide.npy", pts)
+    env = fresh_env(tmp_path_factory, cold=False)
+    store = str(tmp_path / "wide.zarr")
+    from scanforest.tasks.ingest import Source, ingest_file
+    from scanforest.tasks.store import ScanStore
+
+    ScanStore(store, create=True)
+    assert ingest_file(store, Source(str(scans / "wide.npy"), "wide.npy"))["status"] == "ingested"
+    one_line_error(sf("describe", store, env=env, cwd=tmp_path), "wide.npy", "float32 spacing")
