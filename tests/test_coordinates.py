@@ -122,6 +122,12 @@ def test_ingest_describe_in_the_local_frame(geo, tmp_path):
     def rows_off(x):  # per keypoint, the largest descriptor difference from the reference
         return np.abs(np.nan_to_num(x["kp_shot"][ok_rows]) - b["kp_shot"][ok_rows]).max(1)
 
+    # a scan written before origins existed (no attribute) reads as origin 0: described as before
+    del st.root["scans"]["scene_ref.npy"].attrs["origin"]
+    describe_scan(store, "scene_ref.npy", params, device="cpu", force=True)
+    again = st.read_many("scene_ref.npy", ["kp_index", "kp_shot"])
+    assert np.array_equal(again["kp_index"], b["kp_index"])
+    assert np.array_equal(again["kp_shot"], b["kp_shot"], equal_nan=True)
     shift, noise = rows_off(a), rows_off(c)
     assert np.median(shift) == 0.0
     assert (shift > 1e-5).mean() <= 2 * (noise > 1e-5).mean() + 0.01, ((shift > 1e-5).mean(), (noise > 1e-5).mean())
