@@ -93,7 +93,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         workers: Optional[int] = WorkersOpt,
         as_json: bool = JsonOpt,
     ):
-        """Ingest scans (PCD, PLY, LAS/LAZ, XYZ/CSV, NPY) into a Zarr v3 store; resumable.
+        """Ingest scans (PCD, PLY, LAS/LAZ, E57, XYZ/CSV, NPY) into a Zarr v3 store; resumable.
 
         Unchanged files already in the store are skipped; unreadable files are quarantined with
         the reason and the batch goes on.
