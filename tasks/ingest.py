@@ -26,7 +26,7 @@ from typing import Any
 
 from scanforest.kernels.errors import InputError, ScanReadError
 
-from .readers import FORMATS, MULTI_SCAN_FORMATS, read_cloud, scan_parts
+from .readers import FORMATS, MULTI_SCAN_FORMATS, copc_settings, is_copc, open_blocks, read_cloud, scan_parts
 from .store import MAX_ID_BYTES, ScanStore, file_lock, legacy_scan_id, scan_id_for, sha256_bytes, sha256_file
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".zip")
@@ -90,12 +90,17 @@ def read_sidecar(path: str | os.PathLike) -> dict[str, Any] | None:
     return json.loads(side.read_text())
 
 
-def ingest_file(store_path: str, source: Source, *, units: str = "m", run: str | None = None) -> dict[str, Any]:
+def ingest_file(store_path: str, source: Source, *, units: str = "m", run: str | None = None,
+                copc: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ingest one file into the store; never raises for a bad file (it is quarantined).
 
     ``run``: the ingest run's token, kept in the scan's attributes. When Dask runs this unit again
     after its worker was lost, the scan that the lost worker had finished is reported as
     ``ingested`` by this run, not ``skipped`` (a skip is work done by an earlier or another run).
+
+    ``copc``: the query of COPC files (:func:`~.readers.copc_settings`: a level, or a resolution,
+    and bounds; default the full point cloud), recorded in the scan's ``copc`` attribute: a COPC
+    scan is current only when it came from the same bytes with the same query.
 
     The scan keeps the file's ``legacy_id`` instead of its ``scan_id`` when the store holds a
     complete scan under that old id whose ``source`` is this very file: a store written before
@@ -104,26 +109,30 @@ def ingest_file(store_path: str, source: Source, *, units: str = "m", run: str |
 
     The scan's claim is held from the "is it current?" check to the complete flag, so two
     ingests of the same file at once write it once: the second waits, then finds it current.
+    A LAS/LAZ file of more than :data:`~.readers.LAS_WHOLE_MAX_POINTS` points and a COPC file
+    are hashed streaming and read and written block by block (:func:`~.readers.open_blocks`,
+    :meth:`~.store.ScanStore.write_scan_blocks`), never whole in memory.
     Returns a record: ``status`` (``ingested`` | ``skipped`` | ``quarantined``), ``scan_id``,
     ``source``, ``points``, ``bytes``, ``seconds`` and ``reason`` for quarantined files. A file of
     several scans (E57) is one record too, ``scan_id`` its own id and ``scans`` a record per scan
     (see :func:`_ingest_parts`).
     """
-    return _ingest_one(ScanStore(store_path), source, units=units, run=run, t0=time.perf_counter())
+    return _ingest_one(ScanStore(store_path), source, units=units, run=run, t0=time.perf_counter(), copc=copc)
 
 
 def ingest_files(store_path: str, sources: list[Source], *, units: str = "m",
-                 run: str | None = None) -> list[dict[str, Any]]:
+                 run: str | None = None, copc: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """:func:`ingest_file` for a batch of files in one unit of work (one Dask task): the store is
     opened once, and the worker goes from one file to the next without a scheduler round trip
     (one Dask task per file left a worker idle 1-2 ms between files of ~40 ms). Each file keeps
     its own claim and complete flag, so a batch cut off midway is resumed file by file."""
     store = ScanStore(store_path)
-    return [_ingest_one(store, s, units=units, run=run, t0=time.perf_counter()) for s in sources]
+    return [_ingest_one(store, s, units=units, run=run, t0=time.perf_counter(), copc=copc) for s in sources]
 
 
 def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None, t0: float,
-                part: str | None = None, digest: str | None = None) -> dict[str, Any]:
+                part: str | None = None, digest: str | None = None,
+                copc: dict[str, Any] | None = None) -> dict[str, Any]:
     """One file, or with ``part`` one scan of a file of several (``digest``: the file's sha256,
     ``source.scan_id``: the scan's id; the reader reads the file itself)."""
     if part is None:
@@ -135,56 +144,113 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
     def done(status: str, **fields) -> dict[str, Any]:
         return {**rec, "status": status, **fields, "seconds": time.perf_counter() - t0}
 
+    expect: dict[str, Any] = {}  # attributes a current scan has besides its sha256
+    if is_copc(source.path):
+        try:
+            expect["copc"] = copc_settings(**(copc or {}))
+        except InputError as exc:
+            raise InputError(f"{source.path}: {exc}") from exc
+    blockwise = part is None and (bool(expect) or _many_points(source.path))
     data = None
     if digest is None:
         try:
-            data = Path(source.path).read_bytes()
+            if blockwise:  # hashed streaming: the file is never in memory whole
+                digest, rec["bytes"] = sha256_file(source.path), os.path.getsize(source.path)
+            else:
+                data = Path(source.path).read_bytes()
+                digest, rec["bytes"] = sha256_bytes(data), len(data)
         except OSError as exc:
             store.quarantine(source.path, f"cannot read file: {exc.strerror or exc}", key=source.scan_id)
             return done("quarantined", reason=f"cannot read file: {exc}")
-        digest = sha256_bytes(data)
-        rec["bytes"] = len(data)
+
     def current() -> dict[str, Any]:
         a = store.attrs(source.scan_id)
         return done("ingested" if run and a.get("ingest_run") == run else "skipped", points=int(a.get("n_points", 0)))
 
-    if store.is_current(source.scan_id, digest):  # the common re-ingest case, without waiting for a claim
+    if store.is_current(source.scan_id, digest, **expect):  # the common re-ingest case, without waiting for a claim
         return current()
     with store.claim(source.scan_id):
-        if store.is_current(source.scan_id, digest):  # another ingest wrote it while we waited
+        if store.is_current(source.scan_id, digest, **expect):  # another ingest wrote it while we waited
             return current()
         try:
-            cloud = read_cloud(source.path, data, part=part)
+            scan = open_blocks(source.path, copc=expect.get("copc")) if blockwise else None
+            cloud = read_cloud(source.path, data, part=part) if scan is None else None
         except ScanReadError as exc:
             store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
             return done("quarantined", reason=exc.reason)
-        attrs: dict[str, Any] = {
-            "source": source.path,
-            "sha256": digest,
-            "format": cloud.meta.get("format"),
-            "encoding": cloud.meta.get("encoding"),
-            "n_points": len(cloud),
-            "n_source_points": cloud.meta.get("n_source_points", len(cloud)),
-            "units": units,
-            "bbox": {"min": cloud.bbox[0], "max": cloud.bbox[1]},
-            "origin": _origin(cloud),
-            "ingested_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "dtype": str(cloud.points.dtype),
-            "ingest_run": run,
-        }
-        for key in ("width", "height", "viewpoint", "organized", "pose", "pose_maps", "crs", "e57"):
-            if key in cloud.meta:
-                attrs[key] = cloud.meta[key]
         try:
-            attrs.update(read_sidecar(source.path) or {})
+            sidecar = read_sidecar(source.path) or {}
         except (OSError, ValueError) as exc:
             side = sidecar_for(source.path).name
             store.quarantine(source.path, f"ground-truth sidecar {side} is unreadable: {exc}", digest,
                              key=source.scan_id)
             return done("quarantined", reason=f"bad sidecar {side}")
-        store.write_scan(source.scan_id, cloud.arrays(), attrs)
+        if scan is None:
+            n = len(cloud)
+            store.write_scan(source.scan_id, stored_arrays(cloud.arrays()),
+                             {**_scan_attrs(source, digest, cloud.meta, n, cloud.bbox, str(cloud.points.dtype),
+                                            units, run), **sidecar})
+        else:
+            try:
+                store.write_scan_blocks(
+                    source.scan_id, (stored_arrays(b) if isinstance(b, dict) else b for b in scan.blocks),
+                    scan.n_points, scan.columns,
+                    lambda: {**_scan_attrs(source, digest, scan.meta, scan.n_kept, scan.bbox, "float64", units, run),
+                             **sidecar},
+                    at_most=not scan.exact)
+            except ScanReadError as exc:  # found midway: the scan's group stays incomplete (invisible)
+                store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
+                return done("quarantined", reason=exc.reason)
+            n = scan.n_kept
         store.release(source.scan_id)
-    return done("ingested", points=len(cloud))
+    return done("ingested", points=n)
+
+
+def stored_arrays(arrays: dict[str, Any]) -> dict[str, Any]:
+    """The store's arrays from a reader's (a whole cloud's, or one block's rows of them): the one
+    place where read points become stored points, for the whole-file and the block-wise path
+    alike. They are stored as read (bit-exact: float64 LAS coordinates stay the file's)."""
+    return arrays
+
+
+def _scan_attrs(source: Source, digest: str, meta: dict[str, Any], n_points: int,
+                bbox: tuple[list[float], list[float]], dtype: str, units: str, run: str | None) -> dict[str, Any]:
+    """A scan's attributes from its reader's ``meta`` and the figures of all its points (the
+    whole-file and the block-wise path alike; the sidecar's come on top)."""
+    attrs: dict[str, Any] = {
+        "source": source.path,
+        "sha256": digest,
+        "format": meta.get("format"),
+        "encoding": meta.get("encoding"),
+        "n_points": int(n_points),
+        "n_source_points": meta.get("n_source_points", int(n_points)),
+        "units": units,
+        "bbox": {"min": bbox[0], "max": bbox[1]},
+        "origin": _origin(bbox, meta),
+        "ingested_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "dtype": dtype,
+        "ingest_run": run,
+    }
+    for key in ("width", "height", "viewpoint", "organized", "pose", "pose_maps", "crs", "e57", "copc"):
+        if key in meta:
+            attrs[key] = meta[key]
+    return attrs
+
+
+def _many_points(path: str) -> bool:
+    """Whether a LAS/LAZ file declares more than :data:`~.readers.LAS_WHOLE_MAX_POINTS` points
+    (its header only is read); False for any other file or a header that cannot be read."""
+    if FORMATS.get(Path(path).suffix.lower()) not in ("las", "laz"):
+        return False
+    from . import readers
+
+    try:
+        import laspy
+
+        with laspy.open(path) as reader:
+            return int(reader.header.point_count) > readers.LAS_WHOLE_MAX_POINTS
+    except Exception:  # noqa: BLE001 - read whole: the reader names the problem
+        return False
 
 
 def _ingest_parts(store: ScanStore, source: Source, *, units: str, run: str | None, t0: float) -> dict[str, Any]:
@@ -222,7 +288,7 @@ def _ingest_parts(store: ScanStore, source: Source, *, units: str, run: str | No
     return {**out, "seconds": time.perf_counter() - t0}
 
 
-def _origin(cloud) -> list[float]:
+def _origin(bbox, meta: dict[str, Any]) -> list[float]:
     """The scan's local origin (float64, the file's own coordinates): the stages compute on the
     points minus it (:func:`~.store.local_points`); the points are stored as the file has them.
     ``[0, 0, 0]`` for coordinates below 1024 m; else the file's own offset where it has one that
@@ -230,8 +296,8 @@ def _origin(cloud) -> list[float]:
     (:func:`~scanforest.kernels.coordinates.choose_origin`)."""
     from scanforest.kernels.coordinates import choose_origin
 
-    lo, hi = cloud.bbox
-    return [float(v) for v in choose_origin(lo, hi, cloud.meta.get("offsets"))]
+    lo, hi = bbox
+    return [float(v) for v in choose_origin(lo, hi, meta.get("offsets"))]
 
 
 def _stored_id(store: ScanStore, source: Source) -> str:

@@ -22,7 +22,7 @@ import os
 import re
 import unicodedata
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -294,13 +294,16 @@ class ScanStore(Claims, Integrity):
             raise InputError(f"{self.path}: scan {scan_id!r} is incomplete (an interrupted write); re-ingest it")
         return grp
 
-    def is_current(self, scan_id: str, sha256: str) -> bool:
+    def is_current(self, scan_id: str, sha256: str, **settings) -> bool:
         """True when the scan is complete, intact (every promised array present with its shape and
-        chunks) and came from bytes with this sha256: a damaged scan is re-ingested."""
+        chunks) and came from bytes with this sha256 (and, where given, was read with these
+        ``settings``, e.g. ``copc``: the attributes of those names hold them): a damaged scan, or
+        one read with other settings, is re-ingested."""
         try:
             grp = self.root["scans"][scan_id]
             a = grp.attrs
-            return bool(a.get("complete", False)) and a.get("sha256") == sha256 and not _scan_problems(grp)
+            return (bool(a.get("complete", False)) and a.get("sha256") == sha256
+                    and all(a.get(k) == _jsonable(v) for k, v in settings.items()) and not _scan_problems(grp))
         except (KeyError, OSError):  # no such scan, or a writer is replacing it right now
             return False
 
@@ -324,6 +327,74 @@ class ScanStore(Claims, Integrity):
             for name, arr in arrays.items():
                 self._write_array(grp, name, arr)
             _check_written(scans[scan_id], promised, scan_id)
+            grp.attrs["complete"] = True
+
+    def write_scan_blocks(self, scan_id: str, blocks: Iterable[Any], n_points: int,
+                          columns: dict[str, tuple[Any, tuple[int, ...]]],
+                          attrs: dict[str, Any] | Callable[[], dict[str, Any]], *, at_most: bool = False) -> None:
+        """:meth:`write_scan` for a scan that does not fit in memory whole: its arrays are created
+        with their final shape (``n_points`` rows; ``columns``: ``{name: (dtype, trailing shape)}``,
+        ``points`` among them) and written block by block as ``blocks`` gives them, so only one
+        block is in memory at a time.
+
+        Each block is a ``{name: rows}`` dict (every column, the same number of rows) written at
+        the rows that follow the previous one, or a ``(start, {name: rows})`` pair written at
+        ``start`` (some of the columns: a correction of rows written before, which does not move
+        on). ``attrs`` may be a function called once every block is written (figures such as the
+        bounding box are known only then). ``at_most``: ``n_points`` is an upper bound (a reader
+        that drops points as it goes): the arrays are cut to the rows written.
+
+        The same guarantees as :meth:`write_scan`: the scan's claim is held throughout; the group
+        is created with ``complete = False`` and its ``arrays`` record, every array is checked
+        after the last block as :meth:`write_scan` checks it (shape, dtype, every chunk stored:
+        nothing is read back whole), and only then is ``complete`` set. Blocks that give more or
+        fewer rows than ``n_points``, an exception of the reader midway, or a crash leave the
+        group incomplete: invisible, and replaced by the next ingest.
+        """
+        self._writable()
+        if "points" not in columns:
+            raise InputError("write_scan_blocks needs a 'points' column")
+        n_points = int(n_points)
+        specs = {name: (np.dtype(dt), tuple(int(s) for s in tail)) for name, (dt, tail) in columns.items()}
+        promised = {name: {"shape": [n_points, *tail], "dtype": str(dt)} for name, (dt, tail) in specs.items()}
+        with self._writing(), self.claim(scan_id):
+            scans = self.root.require_group("scans")
+            grp = scans.create_group(scan_id, overwrite=True, attributes={"arrays": promised, "complete": False})
+            zs = {}
+            for name, (dt, tail) in specs.items():
+                shape = (n_points, *tail)
+                zs[name] = grp.create_array(name, shape=shape, dtype=dt, chunks=(min(CHUNK_ROWS, max(1, n_points)), *tail),
+                                            overwrite=True, config=_ARRAY_CONFIG)
+            row = 0
+            for block in blocks:
+                start, block = block if isinstance(block, tuple) else (None, block)
+                if start is None and set(block) != set(specs):
+                    raise ValueError(f"{scan_id}: a block gives {sorted(block)}, the scan's columns are {sorted(specs)}")
+                for name, rows in block.items():
+                    rows = np.asarray(rows)
+                    if rows.dtype != specs[name][0] or rows.shape[1:] != specs[name][1]:
+                        raise ValueError(f"{scan_id}: block of {name!r} is {rows.dtype} {rows.shape[1:]}, "
+                                         f"the column is {specs[name][0]} {specs[name][1]}")
+                    at = row if start is None else int(start)
+                    if at + len(rows) > n_points:
+                        raise ValueError(f"{scan_id}: blocks give more than the {n_points} rows promised")
+                    if len(rows):
+                        zs[name][at:at + len(rows)] = rows
+                if start is None:
+                    lengths = {len(v) for v in block.values()}
+                    if len(lengths) != 1:
+                        raise ValueError(f"{scan_id}: a block's columns have different row counts {sorted(lengths)}")
+                    row += lengths.pop()
+            if row != n_points and not (at_most and row < n_points):
+                raise ValueError(f"{scan_id}: blocks gave {row} rows, {n_points} were promised")
+            if row != n_points:
+                for name, z in zs.items():
+                    z.resize((row, *specs[name][1]))
+                    promised[name]["shape"][0] = row
+                grp.attrs["arrays"] = promised
+            final = attrs() if callable(attrs) else attrs
+            _check_written(scans[scan_id], promised, scan_id)
+            grp.attrs.update({**_jsonable(final), "arrays": promised})
             grp.attrs["complete"] = True
 
     @staticmethod
