@@ -15,6 +15,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
 from scanforest.tasks.ingest import Staging, check_source, discover, ignored_note
+from scanforest.tasks.readers import copc_settings
 from scanforest.tasks.store import ScanStore, scan_id_for
 
 from .batching import auto_batch, map_batches
@@ -27,9 +28,12 @@ from .records import RUN_HOOKS, record_run
 
 @flow(name="scanforest-ingest", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)
 def ingest_flow(source: str, store: str, units: str = "m", scheduler: str | None = None,
-                workers: int | None = None, progress: bool = True, batch: int | None = None) -> dict[str, Any]:
+                workers: int | None = None, progress: bool = True, batch: int | None = None,
+                copc: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ingest every scan under ``source`` (folder, glob or archive) into ``store``.
 
+    ``copc``: the query of COPC files (:func:`~scanforest.tasks.readers.copc_settings`: ``level``
+    or ``resolution``, and ``bounds``); default their full point cloud.
     Runs its tasks on the Dask cluster at ``scheduler`` or on a local cluster of ``workers``
     processes. Returns the summary: ingested / skipped / quarantined / ignored, points, bytes, seconds.
     """
@@ -37,8 +41,9 @@ def ingest_flow(source: str, store: str, units: str = "m", scheduler: str | None
     source, store = absolute_path(source), absolute_path(store)
     existing = _is_store(store)
     check_source(source, allow_empty=existing)
+    copc = copc_settings(**(copc or {}))
     with dask_client(scheduler, n_workers=workers, device="cpu") as client:
-        summary = _ingest(source, store, units, progress, batch, n_workers(client), existing)
+        summary = _ingest(source, store, units, progress, batch, n_workers(client), existing, copc)
         summary["workers"] = n_workers(client)
     return summary
 
@@ -50,7 +55,7 @@ def _is_store(store: str) -> bool:
 
 
 def _ingest(source: str, store: str, units: str, progress: bool, batch: int | None, nw: int,
-            existing: bool = False) -> dict[str, Any]:
+            existing: bool = False, copc: dict[str, Any] | None = None) -> dict[str, Any]:
     """Discover, create the store (only now: a source without scans leaves nothing behind), ingest."""
     t0 = time.perf_counter()
     ignored: list[dict[str, str]] = []
@@ -68,7 +73,7 @@ def _ingest(source: str, store: str, units: str, progress: bool, batch: int | No
                           key=scan_id_for(prob["source"].replace("::", "/").lstrip("/")))
         run = uuid.uuid4().hex  # marks the scans this run writes (see ingest_file)
         records = map_batches(ingest_scan, sources, item_param="sources",
-                              common=dict(store=store, units=units, run=run),
+                              common=dict(store=store, units=units, run=run, copc=copc),
                               label="ingest", batch=batch or auto_batch(len(sources), nw), progress=progress, workers=nw)
         summary = summarize(records, time.perf_counter() - t0)
         summary["quarantined"] += len(problems)
@@ -79,7 +84,10 @@ def _ingest(source: str, store: str, units: str, progress: bool, batch: int | No
         # extracted files are kept for the retry of quarantined ones, unless another ingest still reads them
         if summary["quarantined"] == len(problems) or not staging.holds_files():
             staging.remove()
-    record_run(st, "ingest", {"source": str(source), "units": units}, summary, records)
+    params = {"source": str(source), "units": units}
+    if copc and any(v is not None for v in copc.values()):
+        params["copc"] = copc
+    record_run(st, "ingest", params, summary, records)
     return summary
 
 
@@ -101,10 +109,13 @@ def summarize(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
 
 
 def run_ingest(source: str, store: str, *, scheduler: str | None = None, workers: int | None = None,
-               units: str = "m", progress: bool = True, batch: int | None = None) -> dict[str, Any]:
-    """Ingest with the embedded defaults: a local Dask cluster (or ``scheduler``) and Prefect's API."""
-    # a bad source is one line, before Prefect or Dask start
+               units: str = "m", progress: bool = True, batch: int | None = None,
+               copc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Ingest with the embedded defaults: a local Dask cluster (or ``scheduler``) and Prefect's API.
+    ``copc``: :func:`ingest_flow`'s."""
+    # a bad source or COPC query is one line, before Prefect or Dask start
     check_source(absolute_path(str(source)), allow_empty=_is_store(absolute_path(str(store))))
+    copc = copc_settings(**(copc or {}))
     from .noop import quick_ingest
 
     summary = quick_ingest(str(source), str(store))  # an empty drop folder: answered before Prefect or Dask
@@ -113,7 +124,7 @@ def run_ingest(source: str, store: str, *, scheduler: str | None = None, workers
         ensure_prefect_api()
         quiet_prefect_logs()
         summary = ingest_flow(source=str(source), store=str(store), units=units, scheduler=scheduler,
-                              workers=workers, progress=progress, batch=batch)
+                              workers=workers, progress=progress, batch=batch, copc=copc)
     if progress and summary.get("ignored_note"):
         print(summary["ignored_note"], file=sys.stderr)
     return summary

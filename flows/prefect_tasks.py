@@ -92,11 +92,12 @@ def batch_name(items: list, attr: str | None = None) -> str:
 
 @task(name="ingest", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
       task_run_name=lambda: "ingest " + run_label("sources", "scan_id"))
-def ingest_scan(store: str, sources: list[Source], units: str = "m", run: str | None = None) -> list[dict[str, Any]]:
+def ingest_scan(store: str, sources: list[Source], units: str = "m", run: str | None = None,
+                copc: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Ingest a batch of scan files in one Dask task (each skipped when unchanged, quarantined when
-    unreadable); a worker lost midway has the batch rescheduled, and the files it finished are
-    found current."""
-    return on_cluster(ingest_files, store, list(sources), units=units, run=run)
+    unreadable; ``copc``: the query of COPC files); a worker lost midway has the batch
+    rescheduled, and the files it finished are found current."""
+    return on_cluster(ingest_files, store, list(sources), units=units, run=run, copc=copc)
 
 
 @task(name="describe", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,

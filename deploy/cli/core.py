@@ -89,18 +89,27 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         store: str = typer.Argument(..., callback=new_store, help="The Zarr scan store (created if missing; "
                                     "its folder must exist)."),
         units: str = typer.Option("m", help="Length unit recorded for the scans."),
+        copc_level: Optional[int] = typer.Option(None, "--copc-level", help="COPC files: keep the octree's "
+                                                 "levels 0..L (a decimated cloud); default all."),
+        copc_resolution: Optional[float] = typer.Option(None, "--copc-resolution", help="COPC files: keep the "
+                                                        "levels that give this point spacing (laspy's rule)."),
+        bounds: Optional[str] = typer.Option(None, "--bounds", help="COPC files: keep the points in "
+                                             "xmin,ymin,zmin,xmax,ymax,zmax."),
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,
         as_json: bool = JsonOpt,
     ):
-        """Ingest scans (PCD, PLY, LAS/LAZ, E57, XYZ/CSV, NPY) into a Zarr v3 store; resumable.
+        """Ingest scans (PCD, PLY, LAS/LAZ, COPC, XYZ/CSV, NPY, E57) into a Zarr v3 store; resumable.
 
-        Unchanged files already in the store are skipped; unreadable files are quarantined with
-        the reason and the batch goes on.
+        Unchanged files already in the store are skipped (a COPC file also when read with the same
+        query); unreadable files are quarantined with the reason and the batch goes on.
         """
         from scanforest.flows.ingest import run_ingest
+        from scanforest.tasks.readers import copc_settings
 
-        summary = run_ingest(source, store, scheduler=scheduler, workers=workers, units=units, progress=not as_json)
+        copc = copc_settings(level=copc_level, resolution=copc_resolution, bounds=bounds)
+        summary = run_ingest(source, store, scheduler=scheduler, workers=workers, units=units, progress=not as_json,
+                             copc=copc)
         print_summary(f"ingest {source} -> {store}", summary, as_json=as_json, keys=INGEST_KEYS)
 
     @app.command()

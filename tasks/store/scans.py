@@ -363,13 +363,14 @@ class ScanStore(Claims, Integrity):
             zs = {}
             for name, (dt, tail) in specs.items():
                 shape = (n_points, *tail)
-                zs[name] = grp.create_array(name, shape=shape, dtype=dt, chunks=(min(CHUNK_ROWS, max(1, n_points)), *tail),
-                                            overwrite=True, config=_ARRAY_CONFIG)
+                zs[name] = grp.create_array(name, shape=shape, dtype=dt, overwrite=True, config=_ARRAY_CONFIG,
+                                            chunks=(min(CHUNK_ROWS, max(1, n_points)), *tail))
             row = 0
             for block in blocks:
                 start, block = block if isinstance(block, tuple) else (None, block)
                 if start is None and set(block) != set(specs):
-                    raise ValueError(f"{scan_id}: a block gives {sorted(block)}, the scan's columns are {sorted(specs)}")
+                    raise ValueError(f"{scan_id}: a block gives {sorted(block)}, "
+                                     f"the scan's columns are {sorted(specs)}")
                 for name, rows in block.items():
                     rows = np.asarray(rows)
                     if rows.dtype != specs[name][0] or rows.shape[1:] != specs[name][1]:
