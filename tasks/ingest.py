@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from scanforest.kernels.errors import InputError, ScanReadError
 
 from .readers import FORMATS, MULTI_SCAN_FORMATS, copc_settings, is_copc, open_blocks, read_cloud, scan_parts
@@ -150,7 +152,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
             expect["copc"] = copc_settings(**(copc or {}))
         except InputError as exc:
             raise InputError(f"{source.path}: {exc}") from exc
-    blockwise = part is None and (bool(expect) or _many_points(source.path))
+    blockwise = part is not None or bool(expect) or _many_points(source.path)
     data = None
     if digest is None:
         try:
@@ -173,7 +175,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
         if store.is_current(source.scan_id, digest, **expect):  # another ingest wrote it while we waited
             return current()
         try:
-            scan = open_blocks(source.path, copc=expect.get("copc")) if blockwise else None
+            scan = open_blocks(source.path, copc=expect.get("copc"), part=part) if blockwise else None
             cloud = read_cloud(source.path, data, part=part) if scan is None else None
         except ScanReadError as exc:
             store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
@@ -195,9 +197,9 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
                 store.write_scan_blocks(
                     source.scan_id, (stored_arrays(b) if isinstance(b, dict) else b for b in scan.blocks),
                     scan.n_points, scan.columns,
-                    lambda: {**_scan_attrs(source, digest, scan.meta, scan.n_kept, scan.bbox, "float64", units, run),
-                             **sidecar},
-                    at_most=not scan.exact)
+                    lambda: {**_scan_attrs(source, digest, scan.meta, scan.n_kept, scan.bbox,
+                                           str(np.dtype(scan.columns["points"][0])), units, run), **sidecar},
+                    at_most=not scan.exact, optional=scan.optional)
             except ScanReadError as exc:  # found midway: the scan's group stays incomplete (invisible)
                 store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
                 return done("quarantined", reason=exc.reason)

@@ -455,6 +455,7 @@ class BlockScan:
     meta: dict[str, Any]
     blocks: Any = None
     exact: bool = True
+    optional: set[str] = field(default_factory=set)
     n_kept: int = 0
     bbox: tuple[list[float], list[float]] | None = None
 
@@ -492,12 +493,13 @@ def is_copc(path: str | os.PathLike) -> bool:
 
 
 def open_blocks(path: str | os.PathLike, *, copc: dict[str, Any] | None = None,
-                block_points: int | None = None) -> BlockScan | None:
-    """A LAS/LAZ file of more than :data:`LAS_WHOLE_MAX_POINTS` points, or any COPC file
-    (:func:`is_copc`, queried with ``copc``: :func:`copc_settings`), opened to be read in blocks
-    of ``block_points`` (default :data:`LAS_BLOCK_POINTS`); None for any other file (read whole
-    by :func:`read_cloud`), a LAS file whose header cannot promise finite coordinates included.
-    The points and attributes are those :func:`read_cloud` gives, bit for bit.
+                block_points: int | None = None, part: str | None = None) -> BlockScan | None:
+    """A LAS/LAZ file of more than :data:`LAS_WHOLE_MAX_POINTS` points, any COPC file
+    (:func:`is_copc`, queried with ``copc``: :func:`copc_settings`), or scan ``part`` of an E57
+    file, opened to be read in blocks (LAS: of ``block_points``, default :data:`LAS_BLOCK_POINTS`;
+    E57: of :data:`E57_BLOCK_ROWS`); None for any other file (read whole by :func:`read_cloud`),
+    a LAS file whose header cannot promise finite coordinates included. The points and
+    attributes are those :func:`read_cloud` gives, bit for bit.
 
     Raises
     ------
@@ -505,6 +507,8 @@ def open_blocks(path: str | os.PathLike, *, copc: dict[str, Any] | None = None,
         The file cannot be opened, its header is corrupt, or its query selects no point.
     """
     block = int(block_points or LAS_BLOCK_POINTS)
+    if detect_format(path) == "e57":
+        return _e57_block_scan(path, part)
     if is_copc(path):
         return _copc_blocks(path, copc_settings(**(copc or {})), block)
     if detect_format(path) not in ("las", "laz"):
@@ -881,16 +885,7 @@ def _e57_count(path, e57) -> int:
 def _read_e57(path, data: bytes | None, part: str | None) -> PointCloud:
     with _OpenedE57(path, data) as e57:
         n = _e57_count(path, e57)
-        if part is None or part == "":
-            if n > 1:
-                raise ScanReadError(path, f"E57 file holds {n} scans: read one with part='scan000' .. "
-                                          f"'{_e57_part(n - 1)}' (ingest stores each as a scan of its own)")
-            index = 0
-        else:
-            index = int(part[4:]) if re.fullmatch(r"scan\d{3,}", part) else -1
-            if not 0 <= index < n:
-                raise ScanReadError(path, f"E57 file has no scan {part!r} "
-                                          f"(it holds {n}: scan000 .. {_e57_part(n - 1)})")
+        index = _e57_index(path, n, part)
         try:
             cloud = _read_e57_scan(path, e57, index, n)
         except (ScanReadError, MemoryError):
@@ -930,106 +925,223 @@ def _e57_string(node, name: str) -> str | None:
         return None
 
 
+class _E57Scan:
+    """Scan ``index`` of an open E57 file, set up to be read block by block (:meth:`blocks`): its
+    fields, point count, coordinate type and ``meta`` (pose, names, CRS, grid), read from its header."""
+
+    def __init__(self, path, e57, index: int, count: int):
+        from pye57 import libe57
+        from pye57.utils import get_node
+
+        self.path, self.e57, self.index = path, e57, index
+        node = e57.data3d[index]  # typed nodes: a StructureNode, its points a CompressedVectorNode
+        self.points_node = node["points"]
+        proto = libe57.StructureNode(self.points_node.prototype())
+        fields = {proto.get(i).elementName() for i in range(proto.childCount())}
+        self.n = n = int(self.points_node.childCount())
+        if set(_E57_XYZ) <= fields:
+            self.coords, self.state, self.spherical = _E57_XYZ, "cartesianInvalidState", False
+            nodes = [get_node(proto, f) for f in self.coords]
+            single = all(isinstance(c, libe57.FloatNode) and c.precision() == libe57.E57_SINGLE for c in nodes)
+        elif set(_E57_RAE) <= fields:
+            self.coords, self.state, self.spherical, single = _E57_RAE, "sphericalInvalidState", True, False
+        else:
+            raise ScanReadError(path, f"E57 scan {index} has neither cartesian nor spherical coordinates "
+                                      f"(fields: {' '.join(sorted(fields))})")
+        # single-precision coordinates stay float32 (exact); double, scaled-integer and spherical are float64
+        self.dtype = np.float32 if single else np.float64
+        want: dict[str, Any] = {f: np.float64 for f in self.coords}
+        self.has_intensity = "intensity" in fields
+        self.has_rgb = set(_E57_RGB) <= fields
+        self.has_grid = {"rowIndex", "columnIndex"} <= fields
+        if self.has_intensity:
+            want["intensity"] = np.float64
+        if self.has_rgb:
+            want.update({f: np.float64 for f in _E57_RGB})
+        # integer buffers as C long long: pye57's binding takes numpy's int64 (format "l" on Linux) for 32 bits
+        if self.has_grid:
+            want.update(rowIndex=np.longlong, columnIndex=np.longlong)
+        if self.state in fields:
+            want[self.state] = np.longlong
+        self.want = want
+        if self.has_grid:
+            self.grid = _e57_grid(node, proto)
+            rmin, rmax, cmin, cmax = self.grid
+            self.width, self.height = cmax - cmin + 1, rmax - rmin + 1
+        if self.has_rgb:
+            self.rgb_max = [float(get_node(proto, f).maximum()) for f in _E57_RGB]
+        pose, has_pose = _e57_pose(node)
+        record = {"scan_index": index, "scan_count": count, "name": _e57_string(node, "name"),
+                  "guid": _e57_string(node, "guid"), "file_guid": _e57_string(e57.root, "guid"),
+                  "coordinates": "spherical" if self.spherical else "cartesian", "has_pose": has_pose}
+        self.meta: dict[str, Any] = {
+            "format": "e57", "encoding": "e57", "n_source_points": n, "e57": record, "pose": pose.tolist(),
+            "pose_maps": "points (the scan's own frame) -> the E57 file's common frame: p' = R p + t"}
+        crs = _e57_string(e57.root, "coordinateMetadata")
+        if crs:
+            self.meta["crs"] = crs
+        if self.has_grid:
+            self.meta.update(width=int(self.width), height=int(self.height), organized=True)
+
+    def columns(self) -> dict[str, tuple[Any, tuple[int, ...]]]:
+        cols: dict[str, tuple[Any, tuple[int, ...]]] = {"points": (self.dtype, (3,))}
+        if self.has_intensity:
+            cols["intensity"] = (np.float32, ())
+        if self.has_rgb:
+            cols["colors"] = (np.uint8, (3,))
+        if self.has_grid:
+            cols["pixel_index"] = (np.int64, ())
+        return cols
+
+    def blocks(self):
+        """The scan's valid points (its invalid state dropped), one block per libE57 read of
+        :data:`E57_BLOCK_ROWS` points: ``{points, intensity, colors, pixel_index}`` as it has them."""
+        from pye57 import libe57
+
+        path, index, n, bufs = self.path, self.index, self.n, {}
+        cap = max(1, min(n, E57_BLOCK_ROWS))
+        bufs = {f: np.empty(cap, dt) for f, dt in self.want.items()}
+        vec = libe57.VectorSourceDestBuffer()
+        for f, b in bufs.items():
+            vec.append(libe57.SourceDestBuffer(self.e57.image_file, f, b, cap, True, True))
+        if self.has_grid:
+            rmin, rmax, cmin, cmax = self.grid
+        seen = 0
+        reader = self.points_node.reader(vec)
+        try:
+            while (got := int(reader.read())) > 0:
+                if seen + got > n:
+                    raise ScanReadError(path, f"E57 scan {index} has more points than its {n} declared")
+                valid = bufs[self.state][:got] == 0 if self.state in bufs else np.ones(got, bool)
+                m = int(valid.sum())
+                a, b, c = (bufs[f][:got][valid] for f in self.coords)
+                if self.spherical:  # range, azimuth, elevation -> x, y, z (E57 convention), float64
+                    a, b, c = a * np.cos(c) * np.cos(b), a * np.cos(c) * np.sin(b), a * np.sin(c)
+                block = {"points": np.empty((m, 3), self.dtype)}
+                block["points"][:, 0], block["points"][:, 1], block["points"][:, 2] = a, b, c
+                if self.has_intensity:
+                    block["intensity"] = bufs["intensity"][:got][valid].astype(np.float32)
+                if self.has_rgb:
+                    colors = block["colors"] = np.empty((m, 3), np.uint8)
+                    for j, f in enumerate(_E57_RGB):
+                        v = bufs[f][:got][valid]  # 8-bit as is, wider colour scaled from its declared maximum
+                        if self.rgb_max[j] > 255:
+                            v = np.clip(np.rint(v * (255 / self.rgb_max[j])), 0, 255)
+                        colors[:, j] = v
+                if self.has_grid:
+                    row, col = bufs["rowIndex"][:got][valid], bufs["columnIndex"][:got][valid]
+                    if m and (row.min() < rmin or row.max() > rmax or col.min() < cmin or col.max() > cmax):
+                        raise ScanReadError(path, f"E57 scan {index}: rowIndex/columnIndex outside its index bounds "
+                                                  f"rows {rmin}..{rmax}, columns {cmin}..{cmax}")
+                    block["pixel_index"] = ((row - rmin) * self.width + (col - cmin)).astype(np.int64)
+                seen += got
+                yield block
+        finally:
+            reader.close()
+        if seen != n:
+            raise ScanReadError(path, f"truncated E57 scan {index}: {seen} of its {n} points present")
+
+
 def _read_e57_scan(path, e57, index: int, count: int) -> PointCloud:
     """Scan ``index`` of an open E57 file: its points in its own frame, invalid ones dropped, read
     in blocks of :data:`E57_BLOCK_ROWS` points into arrays sized once."""
-    from pye57 import libe57
-    from pye57.utils import get_node
-
-    node = e57.data3d[index]  # typed nodes: a StructureNode, its points a CompressedVectorNode
-    points_node = node["points"]
-    proto = libe57.StructureNode(points_node.prototype())
-    fields = {proto.get(i).elementName() for i in range(proto.childCount())}
-    n = int(points_node.childCount())
-    if set(_E57_XYZ) <= fields:
-        coords, state, spherical = _E57_XYZ, "cartesianInvalidState", False
-        nodes = [get_node(proto, f) for f in coords]
-        single = all(isinstance(c, libe57.FloatNode) and c.precision() == libe57.E57_SINGLE for c in nodes)
-    elif set(_E57_RAE) <= fields:
-        coords, state, spherical, single = _E57_RAE, "sphericalInvalidState", True, False
-    else:
-        raise ScanReadError(path, f"E57 scan {index} has neither cartesian nor spherical coordinates "
-                                  f"(fields: {' '.join(sorted(fields))})")
-    # single-precision coordinates stay float32 (exact); double, scaled-integer and spherical are float64
-    dtype = np.float32 if single else np.float64
-    want: dict[str, Any] = {f: np.float64 for f in coords}
-    has_intensity = "intensity" in fields
-    has_rgb = set(_E57_RGB) <= fields
-    has_grid = {"rowIndex", "columnIndex"} <= fields
-    if has_intensity:
-        want["intensity"] = np.float64
-    if has_rgb:
-        want.update({f: np.float64 for f in _E57_RGB})
-    # integer buffers as C long long: pye57's binding takes numpy's int64 (format "l" on Linux) for 32 bits
-    if has_grid:
-        want.update(rowIndex=np.longlong, columnIndex=np.longlong)
-    if state in fields:
-        want[state] = np.longlong
-    if has_grid:
-        rmin, rmax, cmin, cmax = _e57_grid(node, proto)
-        width, height = cmax - cmin + 1, rmax - rmin + 1
-    if has_rgb:
-        rgb_max = [float(get_node(proto, f).maximum()) for f in _E57_RGB]
-
-    cap = max(1, min(n, E57_BLOCK_ROWS))
-    bufs = {f: np.empty(cap, dt) for f, dt in want.items()}
-    vec = libe57.VectorSourceDestBuffer()
-    for f, b in bufs.items():
-        vec.append(libe57.SourceDestBuffer(e57.image_file, f, b, cap, True, True))
-    points = np.empty((n, 3), dtype)
-    intensity = np.empty(n, np.float32) if has_intensity else None
-    colors = np.empty((n, 3), np.uint8) if has_rgb else None
-    pixel_index = np.empty(n, np.int64) if has_grid else None
-    kept = seen = 0
-    reader = points_node.reader(vec)
-    try:
-        while (got := int(reader.read())) > 0:
-            if seen + got > n:
-                raise ScanReadError(path, f"E57 scan {index} has more points than its {n} declared")
-            valid = bufs[state][:got] == 0 if state in bufs else np.ones(got, bool)
-            m = int(valid.sum())
-            a, b, c = (bufs[f][:got][valid] for f in coords)
-            if spherical:  # range, azimuth, elevation -> x, y, z (E57 convention), float64
-                a, b, c = a * np.cos(c) * np.cos(b), a * np.cos(c) * np.sin(b), a * np.sin(c)
-            dst = points[kept:kept + m]
-            dst[:, 0], dst[:, 1], dst[:, 2] = a, b, c
-            if has_intensity:
-                intensity[kept:kept + m] = bufs["intensity"][:got][valid]
-            if has_rgb:
-                for j, f in enumerate(_E57_RGB):
-                    v = bufs[f][:got][valid]  # 8-bit as is, wider colour scaled from its declared maximum
-                    if rgb_max[j] > 255:
-                        v = np.clip(np.rint(v * (255 / rgb_max[j])), 0, 255)
-                    colors[kept:kept + m, j] = v
-            if has_grid:
-                row, col = bufs["rowIndex"][:got][valid], bufs["columnIndex"][:got][valid]
-                if m and (row.min() < rmin or row.max() > rmax or col.min() < cmin or col.max() > cmax):
-                    raise ScanReadError(path, f"E57 scan {index}: rowIndex/columnIndex outside its index bounds "
-                                              f"rows {rmin}..{rmax}, columns {cmin}..{cmax}")
-                pixel_index[kept:kept + m] = (row - rmin) * width + (col - cmin)
-            kept += m
-            seen += got
-    finally:
-        reader.close()
-    if seen != n:
-        raise ScanReadError(path, f"truncated E57 scan {index}: {seen} of its {n} points present")
-    cloud = PointCloud(points[:kept], intensity=None if intensity is None else intensity[:kept],
-                       colors=None if colors is None else colors[:kept],
-                       pixel_index=None if pixel_index is None else pixel_index[:kept])
-    pose, has_pose = _e57_pose(node)
-    record = {"scan_index": index, "scan_count": count, "name": _e57_string(node, "name"),
-              "guid": _e57_string(node, "guid"), "file_guid": _e57_string(e57.root, "guid"),
-              "coordinates": "spherical" if spherical else "cartesian", "has_pose": has_pose}
-    cloud.meta.update(format="e57", encoding="e57", n_source_points=n, e57=record, pose=pose.tolist(),
-                      pose_maps="points (the scan's own frame) -> the E57 file's common frame: p' = R p + t")
-    crs = _e57_string(e57.root, "coordinateMetadata")
-    if crs:
-        cloud.meta["crs"] = crs
-    if has_grid:
-        cloud.meta.update(width=int(width), height=int(height), organized=True)
+    scan = _E57Scan(path, e57, index, count)
+    n = scan.n
+    out = {name: np.empty((n, *tail), dt) for name, (dt, tail) in scan.columns().items()}
+    kept = 0
+    for block in scan.blocks():
+        m = len(block["points"])
+        for name, rows in block.items():
+            out[name][kept:kept + m] = rows
+        kept += m
+    cloud = PointCloud(out["points"][:kept], intensity=out["intensity"][:kept] if scan.has_intensity else None,
+                       colors=out["colors"][:kept] if scan.has_rgb else None,
+                       pixel_index=out["pixel_index"][:kept] if scan.has_grid else None)
+    cloud.meta.update(scan.meta)
     if kept == 0 and n:
         raise ScanReadError(path, f"E57 scan {index}: all {n} points are marked invalid")
     return cloud
+
+
+def _e57_index(path, n: int, part: str | None) -> int:
+    """The index of scan ``part`` (``scan001``) of an E57 file of ``n`` scans (0 for none: then it must hold one)."""
+    if part is None or part == "":
+        if n > 1:
+            raise ScanReadError(path, f"E57 file holds {n} scans: read one with part='scan000' .. "
+                                      f"'{_e57_part(n - 1)}' (ingest stores each as a scan of its own)")
+        return 0
+    index = int(part[4:]) if re.fullmatch(r"scan\d{3,}", part) else -1
+    if not 0 <= index < n:
+        raise ScanReadError(path, f"E57 file has no scan {part!r} "
+                                  f"(it holds {n}: scan000 .. {_e57_part(n - 1)})")
+    return index
+
+
+def _e57_block_scan(path, part: str | None) -> BlockScan:
+    """Scan ``part`` of an E57 file opened to be read and stored block by block: the blocks of
+    :meth:`_E57Scan.blocks` with :func:`_finalise`'s rule applied to each (non-finite points
+    dropped; where the scan has no grid and a point is dropped, ``pixel_index`` records each kept
+    point's place among the valid ones)."""
+    opened = _OpenedE57(path)
+    e57 = opened.__enter__()
+    index = part
+    try:
+        n = _e57_count(path, e57)
+        index = _e57_index(path, n, part)
+        sc = _E57Scan(path, e57, index, n)
+    except BaseException as exc:
+        opened.__exit__(None, None, None)
+        if isinstance(exc, (ScanReadError, MemoryError)) or not isinstance(exc, Exception):
+            raise
+        raise ScanReadError(path, _e57_reason(exc, f"E57 scan {index} is corrupt or truncated")) from exc
+    cols = sc.columns()
+    optional = set()
+    if "pixel_index" not in cols:
+        cols["pixel_index"] = (np.int64, ())
+        optional.add("pixel_index")
+    scan = BlockScan(sc.n, cols, dict(sc.meta), exact=False, optional=optional)
+
+    def blocks():
+        valid = kept = 0
+        indexed = not optional
+        lo, hi = np.full(3, np.inf), np.full(3, -np.inf)
+        with opened:
+            try:
+                for block in sc.blocks():
+                    m = len(block["points"])
+                    finite = np.isfinite(block["points"]).all(axis=1)
+                    if not finite.all():
+                        if not indexed:  # the rows kept so far are the valid points 0 .. kept-1
+                            indexed = True
+                            for start in range(0, kept, E57_BLOCK_ROWS):
+                                stop = min(kept, start + E57_BLOCK_ROWS)
+                                yield start, {"pixel_index": np.arange(start, stop, dtype=np.int64)}
+                        keep = np.flatnonzero(finite)
+                        block = {k: v[keep] for k, v in block.items()}
+                        if "pixel_index" not in block:
+                            block["pixel_index"] = (valid + keep).astype(np.int64)
+                    elif indexed and "pixel_index" not in block:
+                        block["pixel_index"] = np.arange(valid, valid + m, dtype=np.int64)
+                    valid += m
+                    if len(block["points"]):
+                        lo = np.minimum(lo, block["points"].min(0))
+                        hi = np.maximum(hi, block["points"].max(0))
+                        kept += len(block["points"])
+                        yield block
+            except (ScanReadError, MemoryError):
+                raise
+            except Exception as exc:  # noqa: BLE001
+                raise ScanReadError(path, _e57_reason(exc, f"E57 scan {index} is corrupt or truncated")) from exc
+        if valid == 0 and sc.n:
+            raise ScanReadError(path, f"E57 scan {index}: all {sc.n} points are marked invalid")
+        if sc.n == 0:
+            raise ScanReadError(path, "zero-point cloud (the file declares no points)")
+        if kept == 0:
+            raise ScanReadError(path, f"no finite point: all {valid} points are NaN or infinite")
+        scan.n_kept, scan.bbox = kept, (lo.astype(np.float64).tolist(), hi.astype(np.float64).tolist())
+
+    scan.blocks = blocks()
+    return scan
 
 
 def _e57_grid(node, proto) -> tuple[int, int, int, int]:

@@ -331,7 +331,8 @@ class ScanStore(Claims, Integrity):
 
     def write_scan_blocks(self, scan_id: str, blocks: Iterable[Any], n_points: int,
                           columns: dict[str, tuple[Any, tuple[int, ...]]],
-                          attrs: dict[str, Any] | Callable[[], dict[str, Any]], *, at_most: bool = False) -> None:
+                          attrs: dict[str, Any] | Callable[[], dict[str, Any]], *, at_most: bool = False,
+                          optional: Iterable[str] = ()) -> None:
         """:meth:`write_scan` for a scan that does not fit in memory whole: its arrays are created
         with their final shape (``n_points`` rows; ``columns``: ``{name: (dtype, trailing shape)}``,
         ``points`` among them) and written block by block as ``blocks`` gives them, so only one
@@ -342,7 +343,9 @@ class ScanStore(Claims, Integrity):
         ``start`` (some of the columns: a correction of rows written before, which does not move
         on). ``attrs`` may be a function called once every block is written (figures such as the
         bounding box are known only then). ``at_most``: ``n_points`` is an upper bound (a reader
-        that drops points as it goes): the arrays are cut to the rows written.
+        that drops points as it goes): the arrays are cut to the rows written. ``optional``:
+        columns that blocks may leave out (a reader that finds out midway that it needs one gives
+        its earlier rows as corrections first); one that no block gave is not stored.
 
         The same guarantees as :meth:`write_scan`: the scan's claim is held throughout; the group
         is created with ``complete = False`` and its ``arrays`` record, every array is checked
@@ -366,9 +369,11 @@ class ScanStore(Claims, Integrity):
                 zs[name] = grp.create_array(name, shape=shape, dtype=dt, overwrite=True, config=_ARRAY_CONFIG,
                                             chunks=(min(CHUNK_ROWS, max(1, n_points)), *tail))
             row = 0
+            optional, used = set(optional), set()
             for block in blocks:
                 start, block = block if isinstance(block, tuple) else (None, block)
-                if start is None and set(block) != set(specs):
+                used |= optional & set(block)
+                if start is None and not set(specs) - optional <= set(block) <= set(specs):
                     raise ValueError(f"{scan_id}: a block gives {sorted(block)}, "
                                      f"the scan's columns are {sorted(specs)}")
                 for name, rows in block.items():
@@ -388,10 +393,14 @@ class ScanStore(Claims, Integrity):
                     row += lengths.pop()
             if row != n_points and not (at_most and row < n_points):
                 raise ValueError(f"{scan_id}: blocks gave {row} rows, {n_points} were promised")
+            for name in optional - used:
+                del grp[name]
+                del zs[name], promised[name]
             if row != n_points:
                 for name, z in zs.items():
                     z.resize((row, *specs[name][1]))
                     promised[name]["shape"][0] = row
+            if row != n_points or optional - used:
                 grp.attrs["arrays"] = promised
             final = attrs() if callable(attrs) else attrs
             _check_written(scans[scan_id], promised, scan_id)
