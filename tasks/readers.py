@@ -536,6 +536,24 @@ def open_blocks(path: str | os.PathLike, *, copc: dict[str, Any] | None = None,
     return scan
 
 
+def las_point_count(path: str | os.PathLike) -> int | None:
+    """The point count a LAS/LAZ header declares, from its first 255 bytes (the 64-bit count of
+    LAS 1.4 where set, else the legacy 32-bit one); None where the file is not LAS or unreadable.
+    Ingest asks it of every LAS/LAZ file to choose the block-wise path: ~0.02 ms, where opening
+    the file with laspy costs ~1.2 ms, more than reading and hashing a small file."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(255)
+    except OSError:
+        return None
+    if len(head) < 111 or head[:4] != b"LASF":
+        return None
+    legacy = int.from_bytes(head[107:111], "little")
+    if (head[24], head[25]) >= (1, 4) and len(head) >= 255:
+        return int.from_bytes(head[247:255], "little") or legacy
+    return legacy
+
+
 def _finite_las(header) -> bool:
     """Whether every coordinate the header allows (int32 x scale + offset) is finite: then no point
     is dropped, as the block-wise path assumes."""

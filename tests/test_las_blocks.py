@@ -261,3 +261,15 @@ def test_e57_scan_with_nan_points_is_stored_in_blocks_as_read_whole(tmp_path, rn
     assert st.attrs(sid)["n_points"] == len(whole) and st.attrs(sid)["bbox"] == {"min": whole.bbox[0],
                                                                                   "max": whole.bbox[1]}
     assert st.attrs(sid)["dtype"] == str(whole.points.dtype) and st.verify() == []
+
+
+@pytest.mark.parametrize("version,fmt", [("1.2", 3), ("1.4", 6)])
+def test_las_point_count_reads_the_header_as_laspy_does(tmp_path, rng, version, fmt):
+    las = laspy.LasData(laspy.LasHeader(point_format=fmt, version=version))
+    las.x = las.y = las.z = rng.uniform(0, 1, 777)
+    for suffix in (".las", ".laz"):
+        las.write(tmp_path / f"a{suffix}")
+        with laspy.open(tmp_path / f"a{suffix}") as r:
+            assert readers.las_point_count(tmp_path / f"a{suffix}") == r.header.point_count == 777
+    (tmp_path / "b.las").write_bytes(b"not a LAS file")
+    assert readers.las_point_count(tmp_path / "b.las") is None and readers.las_point_count(tmp_path / "c.las") is None
