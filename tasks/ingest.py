@@ -263,6 +263,41 @@ def _origin(bbox, meta: dict[str, Any]) -> list[float]:
     return [float(v) for v in choose_origin(lo, hi, meta.get("offsets"))]
 
 
+def _ingest_parts(store: ScanStore, source: Source, *, units: str, run: str | None, t0: float) -> dict[str, Any]:
+    """A file of several scans (E57): each scan ingested as a scan of its own (:func:`part_scan_id`),
+    each with its own claim and complete flag, all from the file's sha256 (hashed streaming: the
+    file is never in memory whole). One record for the file: ``scans`` holds each scan's record;
+    ``status`` is ``quarantined`` when the file or any scan of it could not be read (the readable
+    scans are stored all the same, the unreadable ones quarantined under their own ids, a file
+    that cannot be opened under its own), else ``ingested`` when this run wrote a scan of it,
+    else ``skipped``."""
+    rec: dict[str, Any] = {"source": source.path, "scan_id": source.scan_id, "points": 0, "bytes": 0}
+    try:
+        digest = sha256_file(source.path)
+        rec["bytes"] = os.path.getsize(source.path)
+        parts = scan_parts(source.path)
+    except OSError as exc:
+        store.quarantine(source.path, f"cannot read file: {exc.strerror or exc}", key=source.scan_id)
+        return {**rec, "status": "quarantined", "reason": f"cannot read file: {exc}",
+                "seconds": time.perf_counter() - t0}
+    except ScanReadError as exc:
+        store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
+        return {**rec, "status": "quarantined", "reason": exc.reason, "seconds": time.perf_counter() - t0}
+    scans = [_ingest_one(store, replace(source, scan_id=part_scan_id(source.scan_id, part), legacy_id=None),
+                         units=units, run=run, t0=time.perf_counter(), part=part, digest=digest)
+             for part in parts]
+    bad = [r for r in scans if r["status"] == "quarantined"]
+    out = {**rec, "points": sum(r["points"] for r in scans if r["status"] != "quarantined"),
+           "scans": [{k: r[k] for k in ("scan_id", "status", "points", "reason") if k in r} for r in scans]}
+    if bad:
+        out.update(status="quarantined", reason=f"{len(bad)} of its {len(scans)} scans unreadable, "
+                                                f"{bad[0]['scan_id']}: {bad[0]['reason']}")
+    else:
+        store.release(source.scan_id)  # the file's own record of an earlier failure
+        out["status"] = "ingested" if any(r["status"] == "ingested" for r in scans) else "skipped"
+    return {**out, "seconds": time.perf_counter() - t0}
+
+
 def _stored_id(store: ScanStore, source: Source) -> str:
     """The file's ``legacy_id`` where the store holds this file's complete scan under it, else its
     ``scan_id`` (see :func:`ingest_file`)."""
