@@ -273,3 +273,27 @@ def test_las_point_count_reads_the_header_as_laspy_does(tmp_path, rng, version, 
             assert readers.las_point_count(tmp_path / f"a{suffix}") == r.header.point_count == 777
     (tmp_path / "b.las").write_bytes(b"not a LAS file")
     assert readers.las_point_count(tmp_path / "b.las") is None and readers.las_point_count(tmp_path / "c.las") is None
+
+
+def test_ingest_command_and_task_pass_the_copc_query_on(tmp_path, copc_file, monkeypatch):
+    """``scanforest ingest --copc-level/--copc-resolution/--bounds`` -> run_ingest -> (the flow) ->
+    the ingest task -> ingest_files: the query arrives checked; a bad one is refused first."""
+    from typer.testing import CliRunner
+
+    import scanforest.flows.ingest as flow_ingest
+    from scanforest.deploy.cli import app
+    from scanforest.tasks.prefect_tasks import ingest_scan
+
+    seen = {}
+    monkeypatch.setattr(flow_ingest, "run_ingest", lambda *a, **kw: seen.update(kw) or {"files": 0})
+    store = tmp_path / "s.zarr"
+    res = CliRunner().invoke(app, ["ingest", str(copc_file.parent), str(store), "--copc-level", "1",
+                                   "--bounds", "100,200,5,104,205,9", "--json"])
+    assert res.exit_code == 0, res.output
+    assert seen["copc"] == {"level": 1, "resolution": None, "bounds": [100, 200, 5, 104, 205, 9]}
+    res = CliRunner().invoke(app, ["ingest", str(copc_file.parent), str(store), "--copc-level", "1",
+                                   "--copc-resolution", "0.5"])
+    assert isinstance(res.exception, InputError) and "not both" in str(res.exception)
+    ScanStore(store, create=True)
+    (rec,) = ingest_scan.fn(str(store), [Source(str(copc_file), copc_file.name)], copc=seen["copc"])
+    assert rec["status"] == "ingested" and ScanStore(store).attrs(copc_file.name)["copc"] == seen["copc"]
