@@ -9,6 +9,8 @@ indexes, sequences, runs) :mod:`.catalog`'s.
 Visibility rule: a scan group is written with ``complete = False`` and flipped to ``True`` only
 after every array is written and read back with the shape its ``arrays`` record promises;
 :meth:`ScanStore.scans` lists complete scans only, and a later ingest replaces an incomplete group.
+A scan too large for memory is written block by block (:meth:`ScanStore.write_scan_blocks`) under
+the same rule.
 """
 from __future__ import annotations
 
