@@ -15,7 +15,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
 from scanforest.tasks.ingest import Staging, check_source, discover, ignored_note
-from scanforest.tasks.readers import copc_settings
+from scanforest.tasks.las import copc_settings
 from scanforest.tasks.store import ScanStore, scan_id_for
 
 from .batching import auto_batch, map_batches
@@ -32,7 +32,7 @@ def ingest_flow(source: str, store: str, units: str = "m", scheduler: str | None
                 copc: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ingest every scan under ``source`` (folder, glob or archive) into ``store``.
 
-    ``copc``: the query of COPC files (:func:`~scanforest.tasks.readers.copc_settings`: ``level``
+    ``copc``: the query of COPC files (:func:`~scanforest.tasks.las.copc_settings`: ``level``
     or ``resolution``, and ``bounds``); default their full point cloud.
     Runs its tasks on the Dask cluster at ``scheduler`` or on a local cluster of ``workers``
     processes. Returns the summary: ingested / skipped / quarantined / ignored, points, bytes, seconds.

@@ -28,7 +28,8 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError, ScanReadError
 
-from .readers import FORMATS, MULTI_SCAN_FORMATS, copc_settings, is_copc, open_blocks, read_cloud, scan_parts
+from .las import copc_settings, is_copc
+from .readers import FORMATS, MULTI_SCAN_FORMATS, open_blocks, read_cloud, scan_parts
 from .store import MAX_ID_BYTES, ScanStore, file_lock, legacy_scan_id, scan_id_for, sha256_bytes, sha256_file
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".zip")
@@ -100,7 +101,7 @@ def ingest_file(store_path: str, source: Source, *, units: str = "m", run: str |
     after its worker was lost, the scan that the lost worker had finished is reported as
     ``ingested`` by this run, not ``skipped`` (a skip is work done by an earlier or another run).
 
-    ``copc``: the query of COPC files (:func:`~.readers.copc_settings`: a level, or a resolution,
+    ``copc``: the query of COPC files (:func:`~.las.copc_settings`: a level, or a resolution,
     and bounds; default the full point cloud), recorded in the scan's ``copc`` attribute: a COPC
     scan is current only when it came from the same bytes with the same query.
 
@@ -111,7 +112,7 @@ def ingest_file(store_path: str, source: Source, *, units: str = "m", run: str |
 
     The scan's claim is held from the "is it current?" check to the complete flag, so two
     ingests of the same file at once write it once: the second waits, then finds it current.
-    A LAS/LAZ file of more than :data:`~.readers.LAS_WHOLE_MAX_POINTS` points and a COPC file
+    A LAS/LAZ file of more than :data:`~.las.LAS_WHOLE_MAX_POINTS` points and a COPC file
     are hashed streaming and read and written block by block (:func:`~.readers.open_blocks`,
     :meth:`~.store.ScanStore.write_scan_blocks`), never whole in memory.
     Returns a record: ``status`` (``ingested`` | ``skipped`` | ``quarantined``), ``scan_id``,
@@ -240,15 +241,15 @@ def _scan_attrs(source: Source, digest: str, meta: dict[str, Any], n_points: int
 
 
 def _many_points(path: str) -> bool:
-    """Whether a LAS/LAZ file declares more than :data:`~.readers.LAS_WHOLE_MAX_POINTS` points
-    (:func:`~.readers.las_point_count`: its header's first bytes only); False for any other file
+    """Whether a LAS/LAZ file declares more than :data:`~.las.LAS_WHOLE_MAX_POINTS` points
+    (:func:`~.las.las_point_count`: its header's first bytes only); False for any other file
     or a header that cannot be read (read whole: the reader names the problem)."""
     if FORMATS.get(Path(path).suffix.lower()) not in ("las", "laz"):
         return False
-    from . import readers
+    from . import las
 
-    n = readers.las_point_count(path)
-    return n is not None and n > readers.LAS_WHOLE_MAX_POINTS
+    n = las.las_point_count(path)
+    return n is not None and n > las.LAS_WHOLE_MAX_POINTS
 
 
 def _origin(bbox, meta: dict[str, Any]) -> list[float]:

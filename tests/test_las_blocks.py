@@ -9,7 +9,9 @@ import pytest
 
 from _copc import write_copc
 from scanforest.kernels.errors import InputError
+from scanforest.tasks import las as las_mod
 from scanforest.tasks import readers
+from scanforest.tasks.blocks import gather_blocks
 from scanforest.tasks.ingest import Source, ingest_file
 from scanforest.tasks.store import ScanStore
 from scanforest.tasks.store import scans as store_scans
@@ -38,8 +40,8 @@ def _write_las(path, rng, n=N, *, wide_colour_at=None):
 
 @pytest.fixture
 def small_budget(monkeypatch):
-    monkeypatch.setattr(readers, "LAS_WHOLE_MAX_POINTS", 1000)
-    monkeypatch.setattr(readers, "LAS_BLOCK_POINTS", 512)
+    monkeypatch.setattr(las_mod, "LAS_WHOLE_MAX_POINTS", 1000)
+    monkeypatch.setattr(las_mod, "LAS_BLOCK_POINTS", 512)
     monkeypatch.setattr(store_scans, "CHUNK_ROWS", 256)
 
 
@@ -63,8 +65,8 @@ def _same_scan(a: ScanStore, b: ScanStore, sid: str):
 def test_las_over_the_budget_is_stored_in_blocks_as_the_whole_file_path_stores_it(tmp_path, rng, monkeypatch, wide):
     las = _write_las(tmp_path / "big.laz", rng, wide_colour_at=wide)
     whole = _ingest(tmp_path / "whole.zarr", tmp_path / "big.laz")  # the default budget: read whole
-    monkeypatch.setattr(readers, "LAS_WHOLE_MAX_POINTS", 1000)
-    monkeypatch.setattr(readers, "LAS_BLOCK_POINTS", 512)
+    monkeypatch.setattr(las_mod, "LAS_WHOLE_MAX_POINTS", 1000)
+    monkeypatch.setattr(las_mod, "LAS_BLOCK_POINTS", 512)
     monkeypatch.setattr(store_scans, "CHUNK_ROWS", 256)
     calls = []
     real = ScanStore.write_scan_blocks
@@ -94,7 +96,7 @@ def test_las_over_the_budget_is_stored_in_blocks_as_the_whole_file_path_stores_i
 def test_interrupted_block_write_is_invisible_and_replaced(tmp_path, rng, monkeypatch, small_budget):
     _write_las(tmp_path / "big.las", rng)
     store = tmp_path / "s.zarr"
-    real = readers._las_columns
+    real = las_mod.las_columns
     seen = []
 
     def failing(record, dims):
@@ -103,14 +105,14 @@ def test_interrupted_block_write_is_invisible_and_replaced(tmp_path, rng, monkey
             raise KeyboardInterrupt  # a kill in the middle of the third block
         return real(record, dims)
 
-    monkeypatch.setattr(readers, "_las_columns", failing)
+    monkeypatch.setattr(las_mod, "las_columns", failing)
     with pytest.raises(KeyboardInterrupt):
         _ingest(store, tmp_path / "big.las")
     st = ScanStore(store)
     assert st.scans() == [] and st.scans(include_incomplete=True) == ["big.las"]
     with pytest.raises(InputError, match="incomplete"):
         st.read("big.las")
-    monkeypatch.setattr(readers, "_las_columns", real)
+    monkeypatch.setattr(las_mod, "las_columns", real)
     assert _ingest(store, tmp_path / "big.las")["status"] == "ingested"
     st = ScanStore(store)
     assert st.scans() == ["big.las"] and st.read("big.las").shape == (N, 3)
@@ -176,13 +178,13 @@ def test_copc_full_cloud_and_queries_match_laspy(tmp_path, copc_file):
                                                                          maxs=np.array(box[3:], float))})]
     for ours, theirs in cases:
         scan = readers.open_blocks(copc_file, copc=ours, block_points=300)  # several nodes a block
-        got = readers.gather_blocks(scan)["points"]
+        got = gather_blocks(scan)["points"]
         assert np.array_equal(got, _query(copc_file, **theirs)[0]), ours
         assert scan.n_kept == len(got) and 0 < len(got) <= 3000
 
 
 def test_copc_ingest_records_its_query_in_the_up_to_date_check(tmp_path, copc_file, monkeypatch):
-    monkeypatch.setattr(readers, "LAS_BLOCK_POINTS", 300)
+    monkeypatch.setattr(las_mod, "LAS_BLOCK_POINTS", 300)
     store = tmp_path / "s.zarr"
     sid = copc_file.name
     assert _ingest(store, copc_file)["status"] == "ingested"
@@ -203,12 +205,12 @@ def test_copc_ingest_records_its_query_in_the_up_to_date_check(tmp_path, copc_fi
 
 
 def test_copc_settings_are_checked():
-    assert readers.copc_settings() == {"level": None, "resolution": None, "bounds": None}
-    assert readers.copc_settings(level=2, bounds="1,2,3,4,5,6")["bounds"] == [1, 2, 3, 4, 5, 6]
+    assert las_mod.copc_settings() == {"level": None, "resolution": None, "bounds": None}
+    assert las_mod.copc_settings(level=2, bounds="1,2,3,4,5,6")["bounds"] == [1, 2, 3, 4, 5, 6]
     for bad in ({"level": 1, "resolution": 0.5}, {"level": -1}, {"resolution": 0}, {"bounds": "1,2,3"},
                 {"bounds": "4,5,6,1,2,3"}, {"bounds": "a,b,c,d,e,f"}):
         with pytest.raises(InputError):
-            readers.copc_settings(**bad)
+            las_mod.copc_settings(**bad)
 
 
 # ------------------------------------------------------------------------------------------ E57
@@ -270,9 +272,9 @@ def test_las_point_count_reads_the_header_as_laspy_does(tmp_path, rng, version, 
     for suffix in (".las", ".laz"):
         las.write(tmp_path / f"a{suffix}")
         with laspy.open(tmp_path / f"a{suffix}") as r:
-            assert readers.las_point_count(tmp_path / f"a{suffix}") == r.header.point_count == 777
+            assert las_mod.las_point_count(tmp_path / f"a{suffix}") == r.header.point_count == 777
     (tmp_path / "b.las").write_bytes(b"not a LAS file")
-    assert readers.las_point_count(tmp_path / "b.las") is None and readers.las_point_count(tmp_path / "c.las") is None
+    assert las_mod.las_point_count(tmp_path / "b.las") is None and las_mod.las_point_count(tmp_path / "c.las") is None
 
 
 def test_ingest_command_and_task_pass_the_copc_query_on(tmp_path, copc_file, monkeypatch):

@@ -7,7 +7,7 @@ and of each Dask worker is sampled through the flow's runs (:class:`RssSampler`)
 whether it grew (the first 10% of the samples against the last 10%). ``--format laz`` makes LAZ
 files instead of PCD, and ``--las-points N`` one more LAZ file of N points (written in blocks:
 the generator holds one block at a time), ingested by a run of its own (block by block, see
-:func:`scanforest.tasks.readers.open_blocks`), so its peak shows the memory bound.
+:func:`scanforest.tasks.las.open_las_blocks`), so its peak shows the memory bound.
 """
 from __future__ import annotations
 

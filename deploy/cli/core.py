@@ -105,7 +105,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         query); unreadable files are quarantined with the reason and the batch goes on.
         """
         from scanforest.flows.ingest import run_ingest
-        from scanforest.tasks.readers import copc_settings
+        from scanforest.tasks.las import copc_settings
 
         copc = copc_settings(level=copc_level, resolution=copc_resolution, bounds=bounds)
         summary = run_ingest(source, store, scheduler=scheduler, workers=workers, units=units, progress=not as_json,
