@@ -284,7 +284,7 @@ def test_ingest_command_and_task_pass_the_copc_query_on(tmp_path, copc_file, mon
 
     import scanforest.flows.ingest as flow_ingest
     from scanforest.deploy.cli import app
-    from scanforest.tasks.prefect_tasks import ingest_scan
+    from scanforest.flows.prefect_tasks import ingest_scan
 
     seen = {}
     monkeypatch.setattr(flow_ingest, "run_ingest", lambda *a, **kw: seen.update(kw) or {"files": 0})
