@@ -83,6 +83,8 @@ def test_las_over_the_budget_is_stored_in_blocks_as_the_whole_file_path_stores_i
     assert any(isinstance(b, tuple) for b in calls[0]) == (wide is not None)  # the colour correction
     a, b = ScanStore(tmp_path / "whole.zarr"), ScanStore(tmp_path / "blocks.zarr")
     _same_scan(a, b, "big.laz")
+    # georeferenced: both paths take the file's header offset as the scan's local origin
+    assert b.attrs("big.laz")["origin"] == [600_000.0, 5_000_000.0, 20.0]
     assert b._scan("big.laz")["points"].nchunks == 10  # chunks of 256 rows
     # against laspy itself: float64 scaled coordinates, bit for bit; the colours' rule
     pts = b.read("big.laz")
