@@ -80,7 +80,8 @@ def test_api_recognises_georeferenced_float64_points(geo):
     _same(got, geo["want"])
     # the origin chosen when none is given: the bounding box's centre, rounded to 1 m
     pts = geo["ref"] + OFFSET
-    auto = sf.recognize(pts, geo["lib"], device="cpu", verify=False)
+    with pytest.warns(UserWarning, match="viewpoint. is relative to it"):
+        auto = sf.recognize(pts, geo["lib"], device="cpu", verify=False)
     assert auto.info["origin"] == np.round((pts.min(0) + pts.max(0)) / 2).tolist()
 
 

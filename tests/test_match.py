@@ -78,6 +78,9 @@ def test_distributed_equals_bruteforce(tmp_path, rng, local_client, shards):
     np.testing.assert_array_equal(d3, bd)
     with pytest.raises(InputError, match="must be"):
         di.query(idx.QueryFile.write(tmp_path / "q2.npy", Q[:, :5]), 4)
+    if shards != 2:  # the path below is the same for every shard count (CI's time)
+        di.close()
+        return
     # the queries read by the workers from described scans in the store, keypoints without a
     # descriptor (NaN rows) among them: those answer (inf, -1), the others the brute force's
     from scanforest.tasks.store import ScanStore

@@ -560,13 +560,10 @@ def test_flow_is_a_deprecated_alias_of_motion(tmp_path_factory, tmp_path):
     helped = sf("motion", "--help", env=env, cwd=tmp_path)
     text = ok(helped)
     assert "run" in text.split() and "pair" in text.split() and RENAMED not in helped.stderr
-    assert "motion" in ok(sf("--help", env=env, cwd=tmp_path)).split()
     old_help = sf("flow", "--help", env=env, cwd=tmp_path)
     assert "pair" in ok(old_help).split() and old_help.stderr.splitlines().count(RENAMED) == 1
     bench_old = sf("bench", "flow", "--help", env=env, cwd=tmp_path)
     assert "--sizes" in ok(bench_old) and bench_old.stderr.splitlines().count(BENCH_RENAMED) == 1
-    bench_new = sf("bench", "motion", "--help", env=env, cwd=tmp_path)
-    assert "--sizes" in ok(bench_new) and BENCH_RENAMED not in bench_new.stderr
 
 
 def test_motion_run_bad_frames_fail_in_one_line_without_retries(tmp_path_factory, tmp_path):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -307,6 +308,10 @@ def _local(pts, origin, xp, radii: dict):
             origin = choose_origin(to_numpy(pts.min(axis=0)), to_numpy(pts.max(axis=0)))
         else:
             origin = np.zeros(3)
+        if not is_zero(origin):  # said, not silent: the viewpoint is relative to this origin
+            warnings.warn(f"scene_points are far from 0: computed about the origin {origin.tolist()} chosen from "
+                          "their bounding box, and `viewpoint` is relative to it; pass origin= (the file's "
+                          "offset or the scanner's position) to choose it", UserWarning, stacklevel=4)
     origin = np.asarray(origin, np.float64).reshape(3)
     local = to_local(pts, origin, xp)
     if int(local.shape[0]):
