@@ -89,7 +89,8 @@ def _match_claimed(di, st, scan_ids, k, claims, held, run) -> list[dict[str, Any
     for sid in scan_ids:
         t0 = time.perf_counter()
         # the describe record the matches belong to: a scan described again is matched again
-        described = stage_digest(st.stage(sid, "describe"))
+        drec = st.stage(sid, "describe")
+        described = stage_digest(drec)
         done = {"index": di.name, "content_hash": tag, "k": k, "describe": described}
         if st.has_stage(sid, "match", **done):
             recs[sid] = {"scan_id": sid, "status": "skipped", "seconds": time.perf_counter() - t0}
@@ -100,11 +101,11 @@ def _match_claimed(di, st, scan_ids, k, claims, held, run) -> list[dict[str, Any
         if st.has_stage(sid, "match", **done):  # finished by another run between the two looks
             recs[sid] = {"scan_id": sid, "status": "skipped", "seconds": time.perf_counter() - t0}
             continue
-        todo.append((sid, described, time.perf_counter() - t0))
+        todo.append((sid, described, drec, time.perf_counter() - t0))
     if todo:
         # the workers read the descriptors from the store (no descriptor through this process);
         # a keypoint without one answers (inf, -1), as written before
-        src = idx.StoredQueries.of(st, [sid for sid, _, _ in todo])
+        src = idx.StoredQueries.of(st, [t[0] for t in todo], records=[t[2] for t in todo])
         d_all = np.zeros((0, k), np.float32)
         i_all = np.zeros((0, k), np.int64)
         compute = 0.0
@@ -114,7 +115,7 @@ def _match_claimed(di, st, scan_ids, k, claims, held, run) -> list[dict[str, Any
         valid = i_all[:, 0] >= 0 if len(i_all) else np.zeros(0, bool)
         n_rows = max(1, int(valid.sum()))
         a = 0
-        for (sid, described, t_check), m in zip(todo, src.rows):
+        for (sid, described, _, t_check), m in zip(todo, src.rows):
             t0 = time.perf_counter()
             ids, dist = i_all[a:a + m], d_all[a:a + m]
             n = int(valid[a:a + m].sum())

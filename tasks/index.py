@@ -619,11 +619,12 @@ class StoredQueries:
     array: str = "kp_shot"
 
     @staticmethod
-    def of(st: ScanStore, scan_ids, array: str = "kp_shot") -> "StoredQueries":
-        """The scans' rows, from their describe records (the array's shape written with it)."""
+    def of(st: ScanStore, scan_ids, array: str = "kp_shot", records=None) -> "StoredQueries":
+        """The scans' rows, from their describe records (the array's shape written with it;
+        ``records``: those records where the caller has read them already)."""
         rows, d = [], None
-        for sid in scan_ids:
-            rec = st.stage(sid, "describe") or {}
+        for j, sid in enumerate(scan_ids):
+            rec = (st.stage(sid, "describe") if records is None else records[j]) or {}
             shape = ((rec.get("arrays") or {}).get(array) or {}).get("shape")
             if not shape:  # a record without the arrays' shapes (an older store): read the array
                 shape = st.read(sid, array).shape

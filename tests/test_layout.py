@@ -172,15 +172,20 @@ def test_kernels_import_nothing_from_tasks_flows_or_orchestration_in_source():
     assert not bad, "\n".join(bad)
 
 
-def test_importing_every_kernels_module_pulls_no_orchestration():
-    names = sorted(m for m in _modules() if m.startswith("scanforest.kernels"))
+def _loaded_after_importing(names: list[str]) -> list[str]:
+    """Every module a fresh interpreter holds after importing ``names``."""
     code = ("import importlib, json, sys\n"
             f"for name in {names!r}:\n"
             "    importlib.import_module(name)\n"
             "print(json.dumps(sorted(sys.modules)))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    loaded = json.loads(res.stdout.strip().splitlines()[-1])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_importing_every_kernels_module_pulls_no_orchestration():
+    names = sorted(m for m in _modules() if m.startswith("scanforest.kernels"))
+    loaded = _loaded_after_importing(names)
     assert not [m for m in loaded if _forbidden(m)]
 
 
@@ -299,13 +304,7 @@ def test_tasks_import_no_prefect():
            for name in names for target, _, line in _imports(name, _modules()[name])
            if target.split(".")[0] in TASKS_FORBIDDEN]
     assert not bad, "\n".join(bad)
-    code = ("import importlib, json, sys\n"
-            f"for name in {names!r}:\n"
-            "    importlib.import_module(name)\n"
-            "print(json.dumps(sorted(sys.modules)))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    loaded = json.loads(res.stdout.strip().splitlines()[-1])
+    loaded = _loaded_after_importing(names)
     assert not [m for m in loaded if m.split(".")[0] in TASKS_FORBIDDEN]
 
 
