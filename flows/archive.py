@@ -33,8 +33,8 @@ from scanforest.tasks.describe import DescribeParams
 from scanforest.tasks.recognize import build_library, describe_params_for, description_key
 from scanforest.tasks.store import ScanStore
 
-from .batching import auto_batch, map_batches
-from .cluster import cluster_scope, dask_client, n_workers
+from .batching import TASKS_IN_FLIGHT, auto_batch, map_batches
+from .cluster import cluster_scope, dask_client, n_workers, warm_gpu_workers
 from .describe import describe_flow
 from .ingest import ingest_flow
 from .inputs import absolute_path
@@ -83,6 +83,7 @@ def archive_flow(store: str, source: str | None = None, models: str = "models__*
         if int(k) < need:
             raise InputError(f"k={k} neighbours are fewer than recognition uses ({need}: match_k"
                              f"{' + 1 for the ratio test' if need > int(rec_params.get('match_k', 1)) else ''})")
+        warm_gpu_workers(device)  # while the library and the index are built here
         out["library"] = build_library(store, model_ids, name=library, params=library_params or {}, device=device)
         lib_attrs = ScanStore(store, mode="r").catalog.library_attrs(library)
         params = describe_params_for(rec_params, lib_attrs.get("params"))
@@ -110,7 +111,7 @@ def archive_flow(store: str, source: str | None = None, models: str = "models__*
         return out
 
 
-@flow(name="scanforest-process", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)
+@flow(name="scanforest-process", task_runner=ThreadPoolTaskRunner(max_workers=TASKS_IN_FLIGHT), **RUN_HOOKS)
 def process_flow(store: str, scenes: list[str], library: str, index: str, k: int = 4, params: dict | None = None,
                  device: str = "auto", scheduler: str | None = None, workers: int | None = None,
                  batch: int | None = None, progress: bool = True) -> dict[str, Any]:

@@ -4,6 +4,13 @@ thread-pool task runner (:func:`map_batches`, :func:`map_units`), with a progres
 from __future__ import annotations
 
 
+#: Prefect task runs a flow keeps in flight (threads of its task runner, each waiting on one Dask
+#: task): two per worker up to 64 workers, so that a worker that finishes a task finds its next
+#: one already queued on the scheduler (with one per worker, 32 workers on four H100s went idle
+#: between tasks while the flow process handed the next one out)
+TASKS_IN_FLIGHT = 128
+
+
 def auto_batch(n_items: int, workers: int, *, max_batch: int = 32) -> int:
     """Items per Prefect task: one each for small runs; for archives, enough per task that the
     per-task orchestration (~25-50 ms on 2 cores) stays a few percent of the work, while keeping

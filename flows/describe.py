@@ -12,7 +12,7 @@ from scanforest.tasks.describe import DescribeParams
 from scanforest.tasks.store import ScanStore, utc_now
 from scanforest.tasks.units import HELD
 
-from .batching import auto_batch, map_batches
+from .batching import TASKS_IN_FLIGHT, auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
 from .inputs import absolute_path, open_store, require_scans
 from .noop import describe_noop
@@ -21,7 +21,7 @@ from .prefect_tasks import current_run, describe_scan_task
 from .records import RUN_HOOKS, count_redone, failures, record_run
 
 
-@flow(name="scanforest-describe", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)
+@flow(name="scanforest-describe", task_runner=ThreadPoolTaskRunner(max_workers=TASKS_IN_FLIGHT), **RUN_HOOKS)
 def describe_flow(store: str, scans: list[str] | None = None, params: DescribeParams | None = None,
                   device: str = "auto", scheduler: str | None = None, workers: int | None = None,
                   progress: bool = True, batch: int | None = None) -> dict[str, Any]:

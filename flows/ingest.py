@@ -18,7 +18,7 @@ from scanforest.tasks.ingest import Staging, check_source, discover, ignored_not
 from scanforest.tasks.las import copc_settings
 from scanforest.tasks.store import ScanStore, scan_id_for
 
-from .batching import auto_batch, map_batches
+from .batching import TASKS_IN_FLIGHT, auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
 from .inputs import absolute_path
 from .prefect_api import ensure_prefect_api, quiet_prefect_logs
@@ -26,7 +26,7 @@ from .prefect_tasks import ingest_scan
 from .records import RUN_HOOKS, record_run
 
 
-@flow(name="scanforest-ingest", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)
+@flow(name="scanforest-ingest", task_runner=ThreadPoolTaskRunner(max_workers=TASKS_IN_FLIGHT), **RUN_HOOKS)
 def ingest_flow(source: str, store: str, units: str = "m", scheduler: str | None = None,
                 workers: int | None = None, progress: bool = True, batch: int | None = None,
                 copc: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -153,5 +153,7 @@ def process_batch_task(store: str, scan_ids: list[str], library: str, index: str
     worker, each scene's data resident on its device (:func:`scanforest.tasks.pipeline.process_batch`)."""
     from scanforest.tasks.pipeline import process_batch
 
+    from .worker_setup import leave_the_worker_pool
+
     return on_cluster(process_batch, store, scan_ids, library=library, index=index, params=params, k=k,
-                      device=device)
+                      device=device, while_writing=leave_the_worker_pool)

@@ -14,7 +14,7 @@ from scanforest.kernels.errors import InputError
 from scanforest.tasks.recognize import LIBRARY_DEFAULTS, build_library, detections_table, load_library
 from scanforest.tasks.store import ScanStore, utc_now
 
-from .batching import auto_batch, map_batches
+from .batching import TASKS_IN_FLIGHT, auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
 from .inputs import absolute_path, open_store, require_scans
 from .prefect_api import ensure_prefect_api
@@ -22,7 +22,7 @@ from .prefect_tasks import recognize_batch_task
 from .records import RUN_HOOKS, count_redone, failures, record_run
 
 
-@flow(name="scanforest-recognize", task_runner=ThreadPoolTaskRunner(max_workers=32), **RUN_HOOKS)
+@flow(name="scanforest-recognize", task_runner=ThreadPoolTaskRunner(max_workers=TASKS_IN_FLIGHT), **RUN_HOOKS)
 def recognize_flow(store: str, models: list[str], scenes: list[str] | None = None, library: str = "default",
                    library_params: dict | None = None, params: dict | None = None, device: str = "auto",
                    scheduler: str | None = None, workers: int | None = None, batch: int | None = None,

@@ -26,6 +26,18 @@ class _LocalShutdownNoise(logging.Filter):
 WORKER_PRELOAD = ("zarr", "scanforest.tasks.ingest") + FORMAT_LIBRARIES  # tasks.ingest imports the store
 
 
+def leave_the_worker_pool() -> None:
+    """Inside a Dask task: give this worker's slot to its next task (``distributed.secede``), for
+    a task that only waits from here on (the one pass waiting on its last writes, while the next
+    batch computes on the device); a no-op outside a worker."""
+    try:
+        from distributed import secede
+
+        secede()
+    except (ImportError, ValueError):  # not in a Dask worker's task
+        pass
+
+
 def worker_plugin(env: dict[str, str], local: bool = False):
     """Worker plugin, run in every worker (present and future) before its first task: give it the
     flow's Prefect API URL, settle numba's thread count while no numba thread runs

@@ -91,7 +91,7 @@ def search_index(shards, Q, k: int):
 
 
 def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: str, params: dict[str, Any],
-                  k: int, device: str = "auto") -> list[dict[str, Any]]:
+                  k: int, device: str = "auto", while_writing=None) -> list[dict[str, Any]]:
     """Describe, match and recognise ``scan_ids`` in one pass on this worker (see the module).
 
     ``params`` are the recognition parameters; the description follows from them and the
@@ -102,10 +102,17 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
     equal share of the batch's wall time on the worker (loading the library and the index
     included). The writes overlap the next scans' compute, so the ``seconds`` add up to more
     than the worker was busy, and the shares to exactly that (the busy time an orchestration
-    overhead is measured against). ``cpu_seconds``: an equal share of the CPU time the worker
-    process (all its threads: writers, CUDA's waits) spent while the batch ran."""
+    overhead is measured against; with ``while_writing``, the batch's time up to it: the slot's
+    time). ``cpu_seconds``: an equal share of the CPU time the worker
+    process (all its threads: writers, CUDA's waits) spent while the batch ran.
+
+    ``while_writing``: called once the batch's compute is done, before it waits on its last
+    writes (a Dask task gives its worker slot to the next batch there, so the device computes
+    while these writes finish: :func:`scanforest.flows.prefect_tasks.leave_the_worker_pool`)."""
     t_task, c_task = time.perf_counter(), time.process_time()
     from scanforest.kernels.backend import resolve_device
+
+    _WARM.wait_done()  # a warm-up started on this worker (:func:`warm_worker`) is finished first
 
     from .recognize import _load_library_cached, describe_params_for
 
@@ -116,13 +123,24 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
     if src.get("name") != library or src.get("content_hash") != lib_attrs.get("content_hash"):
         raise InputError(f"index {index!r} is not built over library {library!r} as it is now "
                          "(build it with `scanforest index build --library`)")
+    # the set-up's parts, timed apart: the first batch of a worker process pays the device's
+    # context, the library and the index; the later ones find them resident
+    t_open = time.perf_counter()
     dev = resolve_device(device)
-    ctx = OnePass(st=st, lib=_load_library_cached(st, library, lib_attrs["content_hash"]), lib_attrs=lib_attrs,
-                  library=library, index=index, index_hash=iattrs["content_hash"],
-                  shards=_resident_index(st, index, iattrs["content_hash"], dev),
+    t_dev = time.perf_counter()
+    lib = _load_library_cached(st, library, lib_attrs["content_hash"])
+    t_lib = time.perf_counter()
+    shards = _resident_index(st, index, iattrs["content_hash"], dev)
+    t_idx = time.perf_counter()
+    ctx = OnePass(st=st, lib=lib, lib_attrs=lib_attrs, library=library, index=index,
+                  index_hash=iattrs["content_hash"], shards=shards,
                   dparams=describe_params_for(params, lib_attrs.get("params")), params=dict(params or {}),
                   k=int(k), dev=dev)
     setup = time.perf_counter() - t_task  # the store, the library and the index (cached once loaded)
+    first = (store_path, index, iattrs["content_hash"], dev) not in _SET_UP
+    _SET_UP.add((store_path, index, iattrs["content_hash"], dev))
+    parts = {"setup_open": t_open - t_task, "setup_device": t_dev - t_open, "setup_library": t_lib - t_dev,
+             "setup_index": t_idx - t_lib}
     out: dict[str, dict[str, Any]] = {}
     with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="sf-writeback") as writer:
         pending = []
@@ -143,7 +161,12 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
                     out[sid]["batched_fallback"] = res["batched_fallback"]
                 if "write" in out[sid]:
                     pending.append(out[sid])
-        t_wait = time.perf_counter()
+        t_wait = t_slot = time.perf_counter()
+        c_slot = time.process_time()
+        if while_writing is not None and pending:
+            while_writing()  # the worker's slot (and its process's CPU) is the next batch's from here
+        else:
+            t_slot = c_slot = None
         for res in pending:  # the batch is done when its writes are
             fut = res.pop("write")
             try:
@@ -156,12 +179,84 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
                 res.update(isolated(_raise, sid, exc))
     t_end = time.perf_counter()
     n = max(1, len(scan_ids))
-    share, cpu = (t_end - t_task) / n, (time.process_time() - c_task) / n
+    share = ((t_end if t_slot is None else t_slot) - t_task) / n
+    cpu = ((time.process_time() if c_slot is None else c_slot) - c_task) / n
     for sid in scan_ids:
         out[sid]["task_seconds"], out[sid]["cpu_seconds"] = share, cpu
         if "timings" in out[sid]:  # the batch's own shares: its set-up, and its end waiting on the writes
-            out[sid]["timings"].update(batch_setup=setup / n, write_wait=(t_end - t_wait) / n)
+            tm = out[sid]["timings"]
+            tm.update(write_wait=(t_end - t_wait) / n)
+            # a worker's first batch's set-up apart from the later ones' (the per-process costs)
+            tm["first_batch_setup" if first else "batch_setup"] = setup / n
+            tm.update({k: v / n for k, v in parts.items()})
     return [out[s] for s in scan_ids]
+
+
+#: (store, index, its content hash, device) this worker process has set a batch up for
+_SET_UP: set[tuple[str, str, str, str]] = set()
+
+
+class _Warm:
+    """The warm-up of this process (:func:`warm_worker`): started at most once, waited for by
+    the first batch."""
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+        self.thread = None
+        self.seconds: float | None = None
+        self.error: str | None = None
+
+    def wait_done(self) -> None:
+        t = self.thread
+        if t is not None:
+            t.join()
+
+
+_WARM = _Warm()
+
+
+def warm_worker(device: str = "auto") -> bool:
+    """Start, once per process and in a background thread, what the first batch of the one pass
+    would otherwise pay on this worker: the device's context, and the first use (compiled or
+    loaded modules, CuPy's and numba's caches) of the description and search kernels, on a small
+    synthetic cloud. The archive flow starts it on every worker while ingest runs (on four H100s,
+    32 workers paid 3.3 s for the device and 4.5 s for the index in their first batch, against
+    0.5 and 1.3 s with 8 workers on one).
+
+    Returns immediately (False when already started). A failed warm-up is logged and left: the
+    first batch then pays and raises what it raises."""
+    import threading
+
+    with _WARM.lock:
+        if _WARM.thread is not None:
+            return False
+        _WARM.thread = threading.Thread(target=_warm_up, args=(device,), name="sf-warm-up", daemon=True)
+        _WARM.thread.start()
+    return True
+
+
+def _warm_up(device: str) -> None:
+    t0 = time.perf_counter()
+    try:
+        from scanforest.kernels.backend import resolve_device
+        from scanforest.kernels.knn.kdforest import KDForest
+
+        from .describe import DescribeParams, describe_cloud
+
+        dev = resolve_device(device)
+        rng = np.random.default_rng(0)
+        # a 0.2 m patch of 4,000 points: normals, keypoints, frames and SHOT as the pass runs them
+        pts = (rng.random((4_000, 3)) * [0.2, 0.2, 0.02]).astype(np.float32)
+        d = describe_cloud(pts, DescribeParams(keypoint_radius=0.02, shot_radius=0.04), device=dev)
+        rows = d["arrays"]["kp_shot"]
+        if len(rows):
+            KDForest(device=dev, method="exact").fit(rows).query(rows, k=2)
+        _WARM.seconds = time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 - a warm-up only: the first batch raises what matters
+        _WARM.error = f"{type(exc).__name__}: {exc}"
+        logging.getLogger(__name__).warning("worker warm-up failed (the first batch pays it): %s", _WARM.error)
 
 
 #: scenes recognised together (their geometric-consistency sweeps in one launch on a GPU)

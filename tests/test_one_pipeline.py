@@ -284,3 +284,15 @@ def test_stored_shards_read_the_index_attrs_once(world, monkeypatch):
     src = idx.StoredShards(world["store"], "ix")
     assert src.attrs["shards"] == src.attrs["shards"] and len(src.attrs["shards"]) == 2
     assert opened == [world["store"]]
+
+
+def test_a_worker_warms_up_once_in_the_background():
+    """``warm_worker`` (the archive's GPU workers, while the library and the index are built)
+    starts one background warm-up per process that runs the description and search kernels on a
+    synthetic cloud; the first batch waits for it, a second call starts nothing."""
+    from scanforest.tasks import pipeline
+
+    pipeline.warm_worker("cpu")
+    pipeline._WARM.wait_done()
+    assert pipeline.warm_worker("cpu") is False
+    assert pipeline._WARM.error is None and pipeline._WARM.seconds is not None and pipeline._WARM.seconds > 0

@@ -74,7 +74,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     ``workdir/bench-stages.json``, so a long archive can be measured stage by stage (for example
     within a per-command time limit) and the whole-archive figures combine the recorded stages."""
     from scanforest.flows.archive import process_flow
-    from scanforest.flows.cluster import cluster_scope, dask_client
+    from scanforest.flows.cluster import cluster_scope, dask_client, warm_gpu_workers
     from scanforest.flows.describe import run_describe
     from scanforest.flows.ingest import run_ingest
     from scanforest.flows.match import run_index_build, run_match
@@ -177,7 +177,9 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
                         recomputed=s["recomputed"])
 
         if "process" in todo:
-            # one shard: every worker holds the whole (small) index over the library on its device
+            # one shard: every worker holds the whole (small) index over the library on its device;
+            # the workers warm up meanwhile, as in the archive flow
+            warm_gpu_workers(dev)
             library_and_index(1)
             with Utilization() as u, timeline("process"):
                 s = process_flow(str(store), scene_ids, library="bench", index="models", k=4, params=rec_params,
