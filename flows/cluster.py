@@ -118,7 +118,7 @@ def _local_cluster(n_workers: int | None, threads_per_worker: int, device: str, 
 @contextlib.contextmanager
 def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
                 threads_per_worker: int = 1, device: str = "auto",
-                memory_limit: str | None = "auto") -> Iterator:
+                memory_limit: str | None = "auto", preload: tuple[str, ...] = ()) -> Iterator:
     """A Dask client: connect to ``scheduler`` or start a local cluster for the duration (inside
     a :func:`cluster_scope`: the scope's cluster, started once).
 
@@ -132,6 +132,10 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
         :func:`_gpu_cluster`).
     device : {"auto", "cpu", "gpu"}
         ``gpu``/``auto`` with dask-cuda and a visible GPU start ``LocalCUDACluster``.
+    preload : tuple of str
+        Modules the workers import as they start besides every stage's
+        (:data:`~scanforest.flows.worker_setup.WORKER_PRELOAD`): the stage that starts the
+        cluster (or asks a scheduler's workers) names its own (ingest: the format readers).
     """
     from distributed import Client
 
@@ -151,7 +155,8 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
                                      memory_limit)
             _scope["cluster"], _scope["client"] = cluster, Client(cluster)
             quiet_prefect_logs()
-            _scope["client"].register_plugin(worker_plugin(env, local=True), name="scanforest-worker-setup")
+            _scope["client"].register_plugin(worker_plugin(env, local=True, preload=preload),
+                                             name="scanforest-worker-setup")
         yield _scope["client"]  # closed by the scope
         return
     else:
@@ -159,7 +164,8 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
         client = Client(cluster)
     quiet_prefect_logs()
     try:
-        client.register_plugin(worker_plugin(env, local=cluster is not None), name="scanforest-worker-setup")
+        client.register_plugin(worker_plugin(env, local=cluster is not None, preload=preload),
+                               name="scanforest-worker-setup")
         yield client
     finally:
         client.close()

@@ -24,6 +24,7 @@ from .inputs import absolute_path
 from .prefect_api import ensure_prefect_api, quiet_prefect_logs
 from .prefect_tasks import ingest_scan
 from .records import RUN_HOOKS, record_run
+from .worker_setup import INGEST_PRELOAD
 
 
 @flow(name="scanforest-ingest", task_runner=ThreadPoolTaskRunner(max_workers=TASKS_IN_FLIGHT), **RUN_HOOKS)
@@ -42,7 +43,7 @@ def ingest_flow(source: str, store: str, units: str = "m", scheduler: str | None
     existing = _is_store(store)
     check_source(source, allow_empty=existing)
     copc = copc_settings(**(copc or {}))
-    with dask_client(scheduler, n_workers=workers, device="cpu") as client:
+    with dask_client(scheduler, n_workers=workers, device="cpu", preload=INGEST_PRELOAD) as client:
         summary = _ingest(source, store, units, progress, batch, n_workers(client), existing, copc)
         summary["workers"] = n_workers(client)
     return summary

@@ -23,7 +23,10 @@ class _LocalShutdownNoise(logging.Filter):
 #: modules every stage's unit of work uses, imported by each worker as it starts (Dask's
 #: "preload"): imported by the first task instead, they cost a worker about 0.3 s alone and
 #: 1-1.5 s with 8 workers importing at once on 16 cores, inside the first stage's wall time
-WORKER_PRELOAD = ("zarr", "scanforest.tasks.ingest") + FORMAT_LIBRARIES  # tasks.ingest imports the store
+WORKER_PRELOAD = ("zarr", "scanforest.tasks.ingest")  # tasks.ingest imports the store
+#: what the workers of a cluster whose first stage is ingest import besides (the format readers:
+#: about 1 s of CPU a worker, which the other stages never use)
+INGEST_PRELOAD = FORMAT_LIBRARIES
 
 
 def leave_the_worker_pool() -> None:
@@ -38,10 +41,11 @@ def leave_the_worker_pool() -> None:
         pass
 
 
-def worker_plugin(env: dict[str, str], local: bool = False):
+def worker_plugin(env: dict[str, str], local: bool = False, preload: tuple[str, ...] = ()):
     """Worker plugin, run in every worker (present and future) before its first task: give it the
     flow's Prefect API URL, settle numba's thread count while no numba thread runs
-    (:func:`scanforest.kernels.backend.settle_numba_threads`) and import :data:`WORKER_PRELOAD`.
+    (:func:`scanforest.kernels.backend.settle_numba_threads`) and import :data:`WORKER_PRELOAD`
+    and ``preload`` (:data:`INGEST_PRELOAD` for ingest).
     ``local``: the command started this cluster, and its shutdown is not an error
     (:class:`_LocalShutdownNoise`)."""
     from distributed.diagnostics.plugin import WorkerPlugin
@@ -49,9 +53,10 @@ def worker_plugin(env: dict[str, str], local: bool = False):
     class WorkerSetup(WorkerPlugin):
         name = "scanforest-worker-setup"
 
-        def __init__(self, env, local):
+        def __init__(self, env, local, preload):
             self.env = env
             self.local = local
+            self.preload = tuple(preload)
 
         def setup(self, worker):
             os.environ.update(self.env)
@@ -60,8 +65,8 @@ def worker_plugin(env: dict[str, str], local: bool = False):
             from scanforest.kernels.backend import settle_numba_threads
 
             settle_numba_threads()
-            for name in WORKER_PRELOAD:  # a missing one fails the task that needs it, with its own error
+            for name in WORKER_PRELOAD + self.preload:  # a missing one fails the task that needs it, with its own error
                 with contextlib.suppress(ImportError):
                     importlib.import_module(name)
 
-    return WorkerSetup(env, local)
+    return WorkerSetup(env, local, preload)

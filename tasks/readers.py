@@ -35,7 +35,7 @@ from .blocks import BlockScan, gather_blocks
 from .las import copc_blocks, copc_settings, is_copc, las_colors, las_columns, las_meta, open_las_blocks
 
 #: the format libraries, imported where a format is read (a missing optional one fails only its
-#: format); Dask workers import them as they start (``flows.worker_setup.WORKER_PRELOAD``)
+#: format); ingest's Dask workers import them as they start (``flows.worker_setup.INGEST_PRELOAD``)
 FORMAT_LIBRARIES = ("pypcd4", "plyfile", "laspy")
 
 #: file suffix -> format name

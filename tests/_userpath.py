@@ -12,20 +12,23 @@ from pathlib import Path
 SCANFOREST = str(Path(sys.executable).with_name("scanforest"))
 
 
-def fresh_env(tmp_path_factory, *, cold: bool = True) -> dict[str, str]:
+def fresh_env(tmp_path_factory, *, cold: bool = True, api: str | None = None) -> dict[str, str]:
     """The environment of a fresh machine: an empty numba cache, an empty Prefect home, no Prefect
     API set, no thread settings of ours, nothing but what a user's shell has. ``cold=False``: a
     user's second run instead: the numba cache of the test run (the kernels compiled once serve
     every such test) and a Prefect home whose database is migrated (a copy of one migrated once
-    per test process: a new one costs the first command 6-7 s of CI's 2 cores)."""
+    per test process: a new one costs the first command 6-7 s of CI's 2 cores). ``api``: a user
+    with a Prefect server instead (``PREFECT_API_URL``; conftest's ``prefect_api``)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PREFECT_API_URL", "NUMBA_NUM_THREADS", "SCANFOREST_"))}
     home = tmp_path_factory.mktemp("prefect-home")
     if cold:
         env["NUMBA_CACHE_DIR"] = str(tmp_path_factory.mktemp("numba-cache-cold"))
-    else:
+    elif api is None:
         shutil.copy(_migrated_db(tmp_path_factory, env), home / "prefect.db")
     env.update(PREFECT_HOME=str(home), PYTHONUNBUFFERED="1", COLUMNS="120")
+    if api is not None:
+        env["PREFECT_API_URL"] = api
     return env
 
 

@@ -26,6 +26,19 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+@pytest.fixture(scope="session")
+def prefect_api() -> str:
+    """This test process's Prefect API (the temporary local one its in-process flows use, started
+    once), for the command-line tests whose subject is not the API's own start: a user with a
+    Prefect server (``PREFECT_API_URL``) runs the same commands. The local API's start on a fresh
+    machine is the user-path tests' (test_user_paths, test_noop_and_demo, test_prefect_server,
+    test_user_errors); a command that starts its own costs CI's 2 cores 5-6 s of CPU, and 52 such
+    starts were 13% of a CI run's CPU (2026-11-28)."""
+    from scanforest.flows.prefect_api import ensure_prefect_api
+
+    return ensure_prefect_api()
+
+
 def _gpu() -> bool:
     from scanforest.kernels.backend import gpu_available
 

@@ -2,7 +2,8 @@
 
 ``scanforest demo`` runs the archive chain (ingest -> library -> describe -> index -> match ->
 recognize) on a synthetic archive. The run is killed (SIGKILL to its whole process group: the
-command, its Dask workers and its local Prefect API) while recognize is writing detections; the
+command and its Dask workers; it reports to the test process's Prefect API, a user's server) while
+recognize is writing detections; the
 same command then finishes the job. Nothing may be lost or written twice: every scene has one
 recognize record, its detection arrays agree with the record, the scenes done before the kill are
 not redone, and the detections equal those of an uninterrupted recognize stage: every scene
@@ -29,8 +30,8 @@ DEMO = ("--scenes", str(SCENES), "--points", "12000")  # the sparse preset's sma
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    return fresh_env(tmp_path_factory, cold=False)
+def env(prefect_api, tmp_path_factory) -> dict[str, str]:
+    return fresh_env(tmp_path_factory, cold=False, api=prefect_api)
 
 
 def _recognized(store) -> dict[str, dict]:

@@ -141,7 +141,7 @@ def _local(points):
     return to_local(points, OFFSET)
 
 
-def test_cli_recognises_a_georeferenced_las_scene(geo, pcl_dir, tmp_path, tmp_path_factory):
+def test_cli_recognises_a_georeferenced_las_scene(prefect_api, geo, pcl_dir, tmp_path, tmp_path_factory):
     """The LAS scene ingested (its origin the header's offset), then `scanforest recognize` in a
     subprocess (the library built, the scene described and matched there): the reference
     detection, its pose stored and exported in the file's coordinates. (One command: CI's time;
@@ -150,7 +150,7 @@ def test_cli_recognises_a_georeferenced_las_scene(geo, pcl_dir, tmp_path, tmp_pa
     from scanforest.tasks.recognize import detections_table
     from scanforest.tasks.store import ScanStore
 
-    env = fresh_env(tmp_path_factory, cold=False)
+    env = fresh_env(tmp_path_factory, cold=False, api=prefect_api)
     store = str(tmp_path / "geo.zarr")
     ScanStore(store, create=True)
     for path, sid in ((pcl_dir / "milk.pcd", "milk.pcd"), (geo["las"], "scene_utm.las")):
@@ -168,7 +168,7 @@ def test_cli_recognises_a_georeferenced_las_scene(geo, pcl_dir, tmp_path, tmp_pa
     assert len(csv) == 2 and f"{OFFSET[1]:.0f}"[:4] in csv[1], csv  # the export's translation: file coordinates
 
 
-def test_coordinates_too_coarse_for_the_radii(tmp_path, tmp_path_factory):
+def test_coordinates_too_coarse_for_the_radii(prefect_api, tmp_path, tmp_path_factory):
     """A scan 200 km across: float32 spacing in its local frame (~8 mm) is more than 1/100 of
     the radii; the API raises InputError, the CLI says so in one line and exits 2."""
     import scanforest
@@ -185,7 +185,7 @@ def test_coordinates_too_coarse_for_the_radii(tmp_path, tmp_path_factory):
     scans = tmp_path / "scans"
     scans.mkdir()
     np.save(scans / "wide.npy", pts)
-    env = fresh_env(tmp_path_factory, cold=False)
+    env = fresh_env(tmp_path_factory, cold=False, api=prefect_api)
     store = str(tmp_path / "wide.zarr")
     from scanforest.tasks.ingest import Source, ingest_file
     from scanforest.tasks.store import ScanStore

@@ -30,9 +30,10 @@ POSES = [(Rotation.from_euler("zyx", [30, -10, 5], degrees=True), np.array([12.5
 
 
 @pytest.fixture(scope="module")
-def env() -> dict[str, str]:
-    """This test process's environment (its Prefect home included), no Prefect API set."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
+def env(prefect_api) -> dict[str, str]:
+    """This test process's environment, its Prefect API included (conftest's ``prefect_api``: a
+    user with a server)."""
+    return {**os.environ, "PREFECT_API_URL": prefect_api}
 
 
 def _wxyz(rot: Rotation) -> np.ndarray:

@@ -135,7 +135,7 @@ def test_a_batch_of_files_is_one_unit_that_goes_on_past_a_bad_file(tmp_path, arc
     assert [r["status"] for r in ingest_files(str(store), srcs[:1], run="r1")] == ["ingested"]
 
 
-def test_ingest_killed_midway_and_rerun(tmp_path):
+def test_ingest_killed_midway_and_rerun(tmp_path, prefect_api):
     """A real process kill (SIGKILL of the whole process group) during ingest, then a rerun."""
     src = tmp_path / "src"
     src.mkdir()
@@ -144,8 +144,7 @@ def test_ingest_killed_midway_and_rerun(tmp_path):
         sc = synthetic.make_scene(lib, n_instances=2, n_points=120_000, seed=i, occlusion=False)
         write_cloud(src / f"s{i:03d}.pcd", sc.points, encoding="binary")
     store = tmp_path / "s.zarr"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("PREFECT_API_URL", None)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PREFECT_API_URL=prefect_api)
     proc = subprocess.Popen([sys.executable, "-m", "scanforest.deploy.cli", "ingest", str(src), str(store),
                              "--workers", "1"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

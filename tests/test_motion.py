@@ -529,7 +529,7 @@ def test_motion_cli_pair_and_run(tmp_path):
     assert [r["flow"] for r in ScanStore(store, mode="r").runs()] == ["flow", "motion", "motion"]
 
 
-def test_flow_is_a_deprecated_alias_of_motion(tmp_path_factory, tmp_path):
+def test_flow_is_a_deprecated_alias_of_motion(prefect_api, tmp_path_factory, tmp_path):
     """``scanforest flow pair`` as a user runs it (issue 40): the same result as ``scanforest
     motion pair`` and one line on stderr naming the new command; ``scanforest motion --help``
     lists run and pair without that line; ``bench flow`` is ``bench motion`` the same way."""
@@ -538,7 +538,7 @@ def test_flow_is_a_deprecated_alias_of_motion(tmp_path_factory, tmp_path):
     from scanforest.deploy.bench.motion import RENAMED as BENCH_RENAMED
     from scanforest.deploy.cli.motion import RENAMED
 
-    env = fresh_env(tmp_path_factory, cold=False)
+    env = fresh_env(tmp_path_factory, cold=False, api=prefect_api)
     seq = sequence("layers", height=32, width=40, n_frames=2, seed=6)
     for i, f in enumerate(seq.frames):
         np.save(tmp_path / f"{i}.npy", f)
@@ -566,7 +566,7 @@ def test_flow_is_a_deprecated_alias_of_motion(tmp_path_factory, tmp_path):
     assert "--sizes" in ok(bench_old) and bench_old.stderr.splitlines().count(BENCH_RENAMED) == 1
 
 
-def test_motion_run_bad_frames_fail_in_one_line_without_retries(tmp_path_factory, tmp_path):
+def test_motion_run_bad_frames_fail_in_one_line_without_retries(prefect_api, tmp_path_factory, tmp_path):
     """``scanforest motion run`` as a user runs it: a folder with one frame, a non-image among the
     frames and frames smaller than the built-in tracker's window each end in exit 2 and one
     ``error:`` line (no worker traceback, no retries), and a bad ``--tracker`` before anything
@@ -575,7 +575,7 @@ def test_motion_run_bad_frames_fail_in_one_line_without_retries(tmp_path_factory
 
     from _userpath import fresh_env, one_line_error, sf
 
-    env = fresh_env(tmp_path_factory, cold=False)
+    env = fresh_env(tmp_path_factory, cold=False, api=prefect_api)
     rng = np.random.default_rng(0)
     one, bad, tiny = (tmp_path / n for n in ("one", "bad", "tiny"))
     for d in (one, bad, tiny):

@@ -35,7 +35,7 @@ def test_recognize_flow_finds_the_milk_carton(tmp_path, pcl_dir):
     assert again["skipped"] == 1 and again["library"] == "unchanged"
 
 
-def test_flow_process_killed_midway_then_rerun(tmp_path):
+def test_flow_process_killed_midway_then_rerun(tmp_path, prefect_api):
     """SIGKILL the whole recognize process group mid-archive, rerun: every scene done exactly once."""
     import os
     import signal
@@ -53,7 +53,7 @@ def test_flow_process_killed_midway_then_rerun(tmp_path):
     args = [sys.executable, "-m", "scanforest.deploy.cli", "recognize", store, "-m", "models__*",
             "--model-ss", "0.01", "--descr-rad", "0.04", "--rf-rad", "0.03", "--scene-ss", "0.02",
             "--cg-size", "0.02", "--device", "cpu", "--workers", "1"]
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}  # a user with a server (conftest)
     proc = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:

@@ -25,10 +25,10 @@ LONG = "é" * 125 + "a.pcd"  # 255 bytes in UTF-8, the most a file name may have
 
 
 @pytest.fixture(scope="module")
-def env() -> dict[str, str]:
-    """This test process's environment, its Prefect home included: a fresh one would cost each
-    module its database migrations (8 s of CPU on 2 cores); no Prefect API set."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
+def env(prefect_api) -> dict[str, str]:
+    """This test process's environment, its Prefect API included (conftest's ``prefect_api``: a
+    user with a server; a local API per command costs CI 5-6 s of CPU each)."""
+    return {**os.environ, "PREFECT_API_URL": prefect_api}
 
 
 def _folder(path: Path) -> dict[str, Path]:

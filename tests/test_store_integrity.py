@@ -17,9 +17,13 @@ from scanforest.tasks.readers import read_cloud, write_cloud
 from scanforest.tasks.store import ScanStore, stage_matches
 
 
+#: the commands report to this test process's Prefect API (conftest's ``prefect_api``: a user with
+#: a server), started before them
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
 def _cli(*args, cwd=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("PREFECT_API_URL", None)
     return subprocess.Popen([sys.executable, "-m", "scanforest.deploy.cli", *map(str, args)], env=env, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
