@@ -141,27 +141,35 @@ def _local(points):
     return to_local(points, OFFSET)
 
 
-def test_cli_recognises_a_georeferenced_las_scene(prefect_api, geo, pcl_dir, tmp_path, tmp_path_factory):
-    """The LAS scene ingested (its origin the header's offset), then `scanforest recognize` in a
-    subprocess (the library built, the scene described and matched there): the reference
-    detection, its pose stored and exported in the file's coordinates. (One command: CI's time;
-    the stored-description path runs in the archive pass's tests and in the API tests above.)"""
-    from scanforest.tasks.ingest import Source, ingest_file
+def test_archive_command_on_a_georeferenced_laz_folder(prefect_api, geo, pcl_dir, tmp_path, tmp_path_factory):
+    """The README's survey archive as a user runs it: ``scanforest archive`` on a folder of the
+    model and the scene as a LAZ file in UTM-sized coordinates (its origin the header's offset),
+    with a truncated LAZ beside them. The truncated file is quarantined with its reason, the
+    archive flow (ingest, library, index, one pass) gives the reference detection, stored and
+    exported in the file's coordinates. (One command: CI's time; the recognize stage's own path
+    on a georeferenced scene is the API tests' above.)"""
+    import laspy
+
     from scanforest.tasks.recognize import detections_table
     from scanforest.tasks.store import ScanStore
 
     env = fresh_env(tmp_path_factory, cold=False, api=prefect_api)
-    store = str(tmp_path / "geo.zarr")
-    ScanStore(store, create=True)
-    for path, sid in ((pcl_dir / "milk.pcd", "milk.pcd"), (geo["las"], "scene_utm.las")):
-        assert ingest_file(store, Source(str(path), sid))["status"] == "ingested"
-    assert ScanStore(store, mode="r").attrs("scene_utm.las")["origin"] != [0.0, 0.0, 0.0]
-    rc = json.loads(ok(sf("recognize", store, "-m", "milk.pcd", "-s", "scene_utm.las", "-w", "1", "--json",
-                          "--export", str(tmp_path / "out"), env=env, cwd=tmp_path)))
-    assert rc["recognized"] == 1 and rc["detections"] == 1, rc
-    det = ScanStore(store, mode="r").attrs("scene_utm.las")["stages"]["recognize"]["detections"]
-    _same(det, geo["want"])
-    df = detections_table(store, ["scene_utm.las"])  # what the CSV / Parquet exports hold
+    src = tmp_path / "survey"
+    (src / "models").mkdir(parents=True)
+    (src / "scenes").mkdir()
+    (src / "models" / "milk.pcd").write_bytes((pcl_dir / "milk.pcd").read_bytes())
+    las = laspy.read(geo["las"])
+    las.write(src / "scenes" / "tile_utm.laz")  # the same records, LAZ-compressed
+    (src / "scenes" / "cut.laz").write_bytes((src / "scenes" / "tile_utm.laz").read_bytes()[:5000])
+    store = str(tmp_path / "survey.zarr")
+    out = ok(sf("archive", str(src), store, "-w", "1", "--export", str(tmp_path / "out"), env=env, cwd=tmp_path))
+    assert "quarantined: " in out and "cut.laz" in out, out
+    st = ScanStore(store, mode="r")
+    assert st.attrs("scenes__tile_utm.laz")["origin"] == OFFSET.tolist()
+    det = st.attrs("scenes__tile_utm.laz")["stages"]["recognize"]["detections"]
+    assert [d["model"] for d in det] == ["models__milk.pcd"]  # the model's scan id under models/
+    _same([{**d, "model": "milk"} for d in det], geo["want"])
+    df = detections_table(store, ["scenes__tile_utm.laz"])  # what the CSV / Parquet exports hold
     assert np.abs(df[["pose_03", "pose_13", "pose_23"]].to_numpy()[0]
                   - (geo["want"][0].pose[:3, 3] + OFFSET)).max() < TRA_TOL
     csv = (tmp_path / "out" / "detections.csv").read_text().splitlines()

@@ -1,11 +1,21 @@
-"""Pipeline commands over a store: describe, index build, match, align-store, recognize."""
+"""Pipeline commands over a store: archive, describe, index build, match, align-store, recognize."""
 from __future__ import annotations
 
 from typing import Optional
 
 import typer
 
-from .core import DeviceOpt, JsonOpt, SchedulerOpt, StoreArg, WorkersOpt, choose_device, print_summary
+from ._store import new_store
+from .core import (
+    INGEST_KEYS,
+    DeviceOpt,
+    JsonOpt,
+    SchedulerOpt,
+    StoreArg,
+    WorkersOpt,
+    choose_device,
+    print_summary,
+)
 
 
 def _pick(store: str, patterns: list[str], what: str) -> list[str]:
@@ -168,6 +178,67 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                 if r.get("status") != "failed":
                     typer.echo(f"{r.get('observed', '?')} -> {r.get('reference', '?')}: {r.get('status')}"
                                + (f", {r['iterations']} iterations" if "iterations" in r else ""))
+
+    @app.command("archive")
+    def archive_cmd(
+        source: str = typer.Argument(..., help="Folder, glob, tar or zip of scans: the models under "
+                                               "models/ (or as --models picks them), the scenes elsewhere."),
+        store: str = typer.Argument(..., callback=new_store, help="The Zarr scan store (created if missing; "
+                                    "its folder must exist)."),
+        models: str = typer.Option("models__*", "--models", "-m",
+                                   help="Glob of the model scans' ids (a file models/milk.pcd is models__milk.pcd)."),
+        library: str = typer.Option("default", help="Library name in the store."),
+        model_ss: Optional[float] = typer.Option(None, help="Model keypoint sampling (the PCL tutorial's 0.01)."),
+        scene_ss: float = typer.Option(0.03, help="Scene keypoint sampling (0.03)."),
+        rf_rad: Optional[float] = typer.Option(None, help="Hough reference-frame radius (0.015)."),
+        descr_rad: Optional[float] = typer.Option(None, help="SHOT radius (0.02)."),
+        method: str = typer.Option("hough", help="hough | gc."),
+        cg_size: float = typer.Option(0.01, help="Hough bin / GC consensus size (0.01)."),
+        cg_thresh: float = typer.Option(5, help="Hough / GC threshold (5)."),
+        export: Optional[str] = typer.Option(None, help="Folder for detections.csv/.parquet (file coordinates)."),
+        device: str = DeviceOpt,
+        scheduler: Optional[str] = SchedulerOpt,
+        workers: Optional[int] = WorkersOpt,
+        as_json: bool = JsonOpt,
+    ):
+        """The archive flow on your scans, as the `archive` deployment and the demo run it: ingest SOURCE
+        into STORE (bad files quarantined), build the model library from the model scans and an index over
+        it, then one pass over the scenes (describe + match + recognize each). Georeferenced scans (LAS/LAZ,
+        E57) are computed in a local frame and their poses stored and exported in the file's coordinates.
+        A rerun resumes: what is done is skipped."""
+        from scanforest.flows.archive import archive_flow
+        from scanforest.flows.prefect_api import ensure_prefect_api
+        from scanforest.flows.recognize import export_results
+
+        library_params = {k: v for k, v in {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad}.items()
+                          if v is not None}
+        params = {"scene_ss": scene_ss, "method": method, "cg_size": cg_size, "cg_thresh": cg_thresh}
+        dev = choose_device(device)
+        ensure_prefect_api()
+        out = archive_flow(store=store, source=source, models=models, library=library, index="models",
+                           library_params=library_params, recognize=params, device=dev, scheduler=scheduler,
+                           workers=workers, progress=not as_json, pipeline="one-pass")
+        p = out["process"]
+        if not as_json:  # each quarantined file with its reason, as ingest prints them
+            print_summary(f"ingest {source} -> {store}", out["ingest"], keys=INGEST_KEYS)
+        res = {"library": out["library"].get("status"), **{k: p.get(k) for k in (
+                   "scenes", "recognized", "skipped", "failed", "detections", "precision", "recall", "workers")},
+               "seconds": p.get("seconds"), "failures": p.get("failures")}
+        if as_json:
+            res["ingest"] = out["ingest"]
+        if export:
+            import fnmatch
+            from pathlib import Path
+
+            from scanforest.tasks.store import ScanStore
+
+            scenes = [s for s in ScanStore(store, mode="r").scans() if not fnmatch.fnmatchcase(s, models)]
+            res["exports"] = export_results(store, scenes, Path(export), render=False, library=library)
+        print_summary(f"one pass over the scenes of {store}", res, as_json=as_json)
+        if not as_json and res.get("exports"):
+            typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
+        if p.get("failed"):
+            raise typer.Exit(1)
 
     @app.command("recognize")
     def recognize_cmd(
