@@ -5,7 +5,7 @@ The flow (Dask workers, Prefect) against a baseline measured in the same run: th
 read and written by one process in a plain loop. The resident memory (RSS) of the flow process
 and of each Dask worker is sampled through the flow's runs (:class:`RssSampler`): its peak, and
 whether it grew (the first 10% of the samples against the last 10%). ``--format laz`` makes LAZ
-files instead of PCD, and ``--las-points N`` one more LAZ file of N points (written in blocks:
+files instead of PCD (``--format mixed``: LAS, LAZ and E57 in turn), and ``--las-points N`` one more LAZ file of N points (written in blocks:
 the generator holds one block at a time), ingested by a run of its own (block by block, see
 :func:`scanforest.tasks.las.open_las_blocks`), so its peak shows the memory bound.
 """
@@ -75,16 +75,49 @@ class RssSampler:
                 "worker_growth_mb": [grow(v) for v in per.values()]}
 
 
-def write_laz_files(folder: Path, files: int, points: int, *, seed: int = 0) -> list[Path]:
-    """``files`` LAZ files of ``points`` points each (point format 3: coordinates, intensity,
-    colour, classification), made once (existing files are kept)."""
+def write_laz_files(folder: Path, files: int, points: int, *, seed: int = 0,
+                    suffixes: tuple[str, ...] = (".laz",)) -> list[Path]:
+    """``files`` tiles of ``points`` points each, made once (existing files are kept): LAZ / LAS
+    (point format 3: coordinates, intensity, colour, classification) and E57 (one scan with
+    intensity and colour), the suffixes taken in turn."""
     out = []
     for i in range(files):
-        p = folder / f"tile_{i:05d}.laz"
+        suffix = suffixes[i % len(suffixes)]
+        p = folder / f"tile_{i:05d}{suffix}"
         if not p.exists():
-            write_laz(p, points, seed=seed + i)
+            (write_e57 if suffix == ".e57" else write_laz)(p, points, seed=seed + i)
         out.append(p)
     return out
+
+
+def _terrain(rng, start: int, m: int, side: int, step: float):
+    """Points ``start .. start + m`` of the terrain tile (local x, y in 0..1000 m, height z)."""
+    import numpy as np
+
+    i = np.arange(start, start + m)
+    x = (i % side) * step + rng.uniform(0, step, m)
+    y = (i // side) * step + rng.uniform(0, step, m)
+    z = 20 + 10 * np.sin(x / 97.0) * np.cos(y / 131.0) + rng.normal(0, 0.05, m)
+    return x, y, z
+
+
+def write_e57(path: Path, points: int, *, seed: int = 0) -> Path:
+    """One E57 file of one scan of the terrain tile (local coordinates, intensity, colour),
+    written by pye57 (the ``e57`` extra)."""
+    import numpy as np
+    import pye57
+
+    rng = np.random.default_rng(seed)
+    side = max(1, int(np.sqrt(points)))
+    x, y, z = _terrain(rng, 0, points, side, 1000.0 / side)
+    data = {"cartesianX": x, "cartesianY": y, "cartesianZ": z,
+            "intensity": rng.uniform(0, 1, points),
+            **{c: rng.integers(60, 200, points).astype(np.uint8) for c in ("colorRed", "colorGreen", "colorBlue")}}
+    tmp = path.with_name(path.name + ".part")
+    with pye57.E57(str(tmp), mode="w") as e57:
+        e57.write_scan_raw(data, name=path.stem)
+    os.replace(tmp, path)
+    return path
 
 
 def write_laz(path: Path, points: int, *, seed: int = 0, block: int = 1 << 20) -> Path:
@@ -104,13 +137,11 @@ def write_laz(path: Path, points: int, *, seed: int = 0, block: int = 1 << 20) -
     with laspy.open(tmp, mode="w", header=header, do_compress=path.suffix.lower() == ".laz") as writer:
         for start in range(0, points, block):
             m = min(block, points - start)
-            i = np.arange(start, start + m)
-            x = (i % side) * step + rng.uniform(0, step, m)
-            y = (i // side) * step + rng.uniform(0, step, m)
+            x, y, z = _terrain(rng, start, m, side, step)
             rec = laspy.ScaleAwarePointRecord.zeros(m, header=header)
             rec.x = 500_000.0 + x
             rec.y = 4_000_000.0 + y
-            rec.z = 20 + 10 * np.sin(x / 97.0) * np.cos(y / 131.0) + rng.normal(0, 0.05, m)
+            rec.z = z
             rec.intensity = rng.integers(0, 4096, m) * 16
             rec.red, rec.green, rec.blue = (rng.integers(60, 200, m) * 256 for _ in range(3))
             rec.classification = np.where(rng.random(m) < 0.8, 2, 5)
@@ -124,7 +155,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     def bench_ingest(
         scans: int = typer.Option(100, help="Synthetic scans in the archive."),
         points: int = typer.Option(300_000, help="Points per scan."),
-        fmt: str = typer.Option("pcd", "--format", help="pcd (synthetic scenes) or laz (random LAZ tiles)."),
+        fmt: str = typer.Option("pcd", "--format", help="pcd (synthetic scenes), laz (terrain LAZ tiles) or "
+                                "mixed (LAS, LAZ and E57 tiles in turn)."),
         las_points: int = typer.Option(0, "--las-points", help="Also one LAZ file of this many points, "
                                        "ingested by a run of its own (block by block); 0: none."),
         workers: Optional[int] = typer.Option(None, "--workers", "-w", callback=check_workers,
@@ -150,10 +182,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         from ._common import BenchReport
 
-        if fmt not in ("pcd", "laz"):
-            raise typer.BadParameter(f"--format must be pcd or laz, got {fmt!r}")
+        if fmt not in ("pcd", "laz", "mixed"):
+            raise typer.BadParameter(f"--format must be pcd, laz or mixed, got {fmt!r}")
         rep = BenchReport("ingest", {"scans": scans, "points": points, "format": fmt, "las_points": las_points})
-        src = workdir / ("archive" if fmt == "pcd" else "laz")
+        src = workdir / {"pcd": "archive", "laz": "laz", "mixed": "mixed"}[fmt]
         src.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         if fmt == "pcd":
@@ -165,9 +197,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                     write_cloud(p, sc.points, encoding="binary_compressed")
             files = sorted(src.glob("*.pcd"))[:scans]
             what = "binary_compressed PCD"
-        else:
+        elif fmt == "laz":
             files = write_laz_files(src, scans, points)
             what = "LAZ (point format 3)"
+        else:
+            files = write_laz_files(src, scans, points, suffixes=(".las", ".laz", ".e57"))
+            what = "LAS, LAZ (point format 3) and E57 (one scan each, in turn)"
         nbytes = sum(f.stat().st_size for f in files)
         rep.note(f"archive: {len(files)} {what} files, {nbytes / 1e6:.1f} MB, made in "
                  f"{time.perf_counter() - t0:.1f} s")
