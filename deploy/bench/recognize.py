@@ -372,7 +372,9 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
               f"trans {tra * 1000:.3f} mm (model side {side_s:.2f} s)", flush=True)
         return sec, found, total, rot, tra
 
-    sf = {}
+    # the model side of every tool first (timed apart), then each scene through every tool in turn,
+    # so that a change of load on the machine falls on both tools alike
+    tools = {}  # name -> (device, kind, run(points) -> (detections, seconds), model side s)
     for dev in devs:
         lib_p, rec_kw = params(dev)
         try:
@@ -381,48 +383,68 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
                 lib = ModelLibrary.build(models, names, models_normals=normals, device=dev, **lib_p)
                 lib_s = time.perf_counter() - t0
                 recognize(scenes[0][1], lib, device=dev, **rec_kw)  # warm-up (kernels compiled)
-                secs, inst = [], []
-                for _, pts, gt in scenes:
-                    runs = []
-                    for _ in range(reps):
-                        t0 = time.perf_counter()
-                        dets = recognize(pts, lib, device=dev, **rec_kw)
-                        runs.append(time.perf_counter() - t0)
-                    secs.append(statistics.median(runs))
-                    inst.append(instance_errors(dets, gt, **rule))
         except Exception as exc:
             import traceback
 
             traceback.print_exc()
             rep.note(f"{tag}: scanforest on {dev} failed: {type(exc).__name__}: {exc}")
             continue
-        d = describe_device(dev) + (f", {nthreads} threads" if dev == "cpu" else "")
-        sf[dev] = (d, rows("scanforest", d, secs, inst, lib_s), inst)
-    o3 = {}
+
+        def run_sf(pts, dev=dev, lib=lib, rec_kw=rec_kw):
+            with numba_threads(threads if dev == "cpu" else 0):
+                t0 = time.perf_counter()
+                dets = recognize(pts, lib, device=dev, **rec_kw)
+                return dets, time.perf_counter() - t0
+
+        name = "scanforest" if len(devs) == 1 else f"scanforest {dev}"
+        tools[name] = (describe_device(dev) + (f", {nthreads} threads" if dev == "cpu" else ""), dev, run_sf,
+                       lib_s)
     d = f"cpu ({nthreads} threads), Open3D {o3d.__version__}"
-    warmed = False
-    for v in voxels:
-        tool = f"Open3D voxel {v * 1000:g} mm"
+    for i, v in enumerate(voxels):
         try:
             rec = Open3DRecognizer(o3d, models, v)
-            if not warmed:  # OpenMP's threads started, allocations made: not counted
+            if i == 0:  # OpenMP's threads started, allocations made: not counted
                 rec.recognize(scenes[0][1])
-                warmed = True
-            secs, inst = [], []
-            for _, pts, gt in scenes:
-                runs = []
-                for _ in range(reps):
-                    found, s = rec.recognize(pts)
-                    runs.append(s)
-                secs.append(statistics.median(runs))
-                inst.append(instance_errors(found, gt, **rule))
         except Exception as exc:
             import traceback
 
             traceback.print_exc()
             rep.note(f"{tag}: Open3D at voxel {v} failed: {type(exc).__name__}: {exc}")
             continue
-        o3[tool] = (rows(tool, d, secs, inst, rec.model_seconds), inst)
+        tools[f"Open3D voxel {v * 1000:g} mm"] = (d, "open3d", rec.recognize, rec.model_seconds)
+    secs = {k: [] for k in tools}
+    inst = {k: [] for k in tools}
+    failed = set()
+    for label, pts, gt in scenes:
+        runs = {k: [] for k in tools}
+        last = {}
+        for _ in range(reps):
+            for k, (_, _, run, _) in tools.items():
+                if k in failed:
+                    continue
+                try:
+                    dets, s = run(pts)
+                except Exception as exc:
+                    import traceback
+
+                    traceback.print_exc()
+                    rep.note(f"{tag}: {k} failed on {label}: {type(exc).__name__}: {exc}")
+                    failed.add(k)
+                    continue
+                runs[k].append(s)
+                last[k] = dets
+        for k in tools:
+            if k not in failed:
+                secs[k].append(statistics.median(runs[k]))
+                inst[k].append(instance_errors(last[k], gt, **rule))
+    sf, o3 = {}, {}  # scanforest's by device, Open3D's by setting: (summary, per-instance)
+    for k, (dname, kind, _, side_s) in tools.items():
+        if k in failed:
+            continue
+        if kind == "open3d":
+            o3[k] = (rows(k, dname, secs[k], inst[k], side_s), inst[k])
+        else:
+            sf[kind] = (dname, rows(k, dname, secs[k], inst[k], side_s), inst[k])
     if not o3 or not sf:
         return
     best_found = max(r[1] for r, _ in o3.values())
@@ -443,7 +465,8 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
         rep.note(f"{tag}: scanforest on {dev} {r[0]:.3f} s/scene, {r[1]}/{r[2]} found, rot {r[3]:.3f} deg, "
                  f"trans {r[4] * 1000:.3f} mm; Open3D ({how}) {ob[0]:.3f} s/scene, {ob[1]}/{ob[2]} found, rot "
                  f"{ob[3]:.3f} deg, trans {ob[4] * 1000:.3f} mm: scanforest {sp:.2f}x Open3D's speed"
-                 f" ({'meets' if sp >= 2 and r[1] >= ob[1] else 'misses'} the 2x goal)")
+                 f" ({'meets' if sp >= 2 and r[1] >= ob[1] and (ob[1] == 0 or r[4] <= ob[4]) else 'misses'} the goal:"
+                 " success at least Open3D's, translation error no larger, >= 2x faster)")
         # instances some Open3D setting finds and scanforest does not
         miss = []
         for si, (label, _, gt) in enumerate(scenes):
