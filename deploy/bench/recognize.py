@@ -50,7 +50,7 @@ TUTORIAL_LIB = dict(model_ss=0.01, descr_rad=0.02, rf_rad=0.015, normal_k=10)
 # Open3D peer: voxel sizes swept (the milk carton and the synthetic models are 0.15-0.35 m; the
 # synthetic sweep starts at 7.5 mm: at 5 mm FPFH of a 300k-point scene alone takes 13 s on 2 cores),
 # the success rule (both tools), the moved variant of PCL's scene
-O3D_VOXELS_REAL = (0.005, 0.0075, 0.01, 0.015, 0.02)
+O3D_VOXELS_REAL = (0.005, 0.0075, 0.01, 0.015, 0.02, 0.03)
 O3D_VOXELS_SYN = (0.0075, 0.01, 0.015, 0.02, 0.03)
 SUCCESS_ROT_DEG, SUCCESS_TRANS_M = 5.0, 0.01
 MOVE_DEG, MOVE_AXIS, MOVE_T = 30.0, (0.3, 1.0, 0.2), (0.6, -0.7, 0.55)  # translation scaled to 0.23 m
@@ -306,10 +306,13 @@ def _open3d_peer(rep, real, pcl_dir, voxels, n_archive, points, repeats, cpu, gp
         vox = _voxels(voxels, O3D_VOXELS_REAL)
         rep.params["open3d_voxels_real"] = vox
         rep.params["real_moved_pose"] = T.tolist()
+        # the sensor moves with the scene: scanforest orients the scene's normals towards it (its
+        # `viewpoint`, as a scan's header gives it); Open3D's pipeline does not use it
         for label, pts, pose in (("PCL milk scene", scene, np.eye(4)),
                                  (f"PCL milk scene moved {MOVE_DEG:g} deg, {MOVE_DIST:g} m", moved, T)):
+            kw = dict(TUTORIAL, viewpoint=tuple(pose[:3, 3]))
             _versus(rep, o3d, label, [model], ["milk"], None, [("scene", pts, [{"model_id": 0, "pose": pose}])],
-                    lambda dev: (TUTORIAL_LIB, dict(TUTORIAL)), devs, vox, max(1, min(repeats, 3)), threads)
+                    lambda dev, kw=kw: (TUTORIAL_LIB, kw), devs, vox, max(1, min(repeats, 3)), threads)
     if sizes:
         from scanforest.kernels.synthetic import scenes as S
 
@@ -358,18 +361,20 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
     what = f"median over {len(scenes)} scene(s){runs_txt}"
     print(f"{tag}: scanforest {devs} and Open3D (voxels {voxels}) on {len(scenes)} scene(s)", flush=True)
 
-    def rows(tool, dev, secs, inst, side_s):
+    def rows(tool, dev, secs, inst, side_s, phases=()):
         found, total, rot, tra = _summary(inst)
         sec = statistics.median(secs)
+        ph = {f"{p}_s": statistics.median(t.get(p, 0.0) for t in phases) for p in PHASES[:-1]} if phases else {}
         rep.add(f"{tag}: {tool} seconds per scene ({what})", sec, "s", dev, higher_is_better=False,
-                per_scene_s=secs, model_side_s=side_s, found=found, instances=total)
+                per_scene_s=secs, model_side_s=side_s, found=found, instances=total, **ph)
         rep.add(f"{tag}: {tool} success (instances within {SUCCESS_ROT_DEG:g} deg, "
                 f"{SUCCESS_TRANS_M * 1000:g} mm)", found / max(total, 1), "", dev, found=found, instances=total)
         rep.add(f"{tag}: {tool} rotation error (median over found)", rot, "deg", dev, higher_is_better=False)
         rep.add(f"{tag}: {tool} translation error (median over found)", tra * 1000, "mm", dev,
                 higher_is_better=False)
         print(f"  {tool} [{dev}]: {sec:.3f} s/scene, {found}/{total} found, rot {rot:.3f} deg, "
-              f"trans {tra * 1000:.3f} mm (model side {side_s:.2f} s)", flush=True)
+              f"trans {tra * 1000:.3f} mm (model side {side_s:.2f} s)"
+              + ("; phases " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in ph.items()) if ph else ""), flush=True)
         return sec, found, total, rot, tra
 
     # the model side of every tool first (timed apart), then each scene through every tool in turn,
@@ -414,6 +419,7 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
         tools[f"Open3D voxel {v * 1000:g} mm"] = (d, "open3d", rec.recognize, rec.model_seconds)
     secs = {k: [] for k in tools}
     inst = {k: [] for k in tools}
+    phases = {k: [] for k in tools}  # scanforest's phase breakdown (its own timings) of the last run
     failed = set()
     for label, pts, gt in scenes:
         runs = {k: [] for k in tools}
@@ -437,6 +443,8 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
             if k not in failed:
                 secs[k].append(statistics.median(runs[k]))
                 inst[k].append(instance_errors(last[k], gt, **rule))
+                if tools[k][1] != "open3d":
+                    phases[k].append(last[k].timings)
     sf, o3 = {}, {}  # scanforest's by device, Open3D's by setting: (summary, per-instance)
     for k, (dname, kind, _, side_s) in tools.items():
         if k in failed:
@@ -444,7 +452,7 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
         if kind == "open3d":
             o3[k] = (rows(k, dname, secs[k], inst[k], side_s), inst[k])
         else:
-            sf[kind] = (dname, rows(k, dname, secs[k], inst[k], side_s), inst[k])
+            sf[kind] = (dname, rows(k, dname, secs[k], inst[k], side_s, phases[k]), inst[k])
     if not o3 or not sf:
         return
     best_found = max(r[1] for r, _ in o3.values())
