@@ -252,7 +252,7 @@ def bench_recognize(
             rep.note(f"archive failed: {type(exc).__name__}: {exc}")
     if open3d is not False and (real or open3d_archive):
         _open3d_peer(rep, real, pcl_dir, open3d_voxels, open3d_archive, open3d_points, repeats, cpu, gpu,
-                     threads, open3d_models)
+                     threads, open3d_models, method)
     rep.finish(out)
 
 
@@ -280,7 +280,8 @@ def _voxels(text, default):
     return v
 
 
-def _open3d_peer(rep, real, pcl_dir, voxels, n_archive, points, repeats, cpu, gpu, threads, n_models=5):
+def _open3d_peer(rep, real, pcl_dir, voxels, n_archive, points, repeats, cpu, gpu, threads, n_models=5,
+                 method="hough"):
     """Open3D's pipeline and scanforest on the same scenes and models (PCL's real scene as it is and
     moved; synthetic archive scenes), rows per tool and the ratio to Open3D's fastest successful
     setting."""
@@ -308,9 +309,9 @@ def _open3d_peer(rep, real, pcl_dir, voxels, n_archive, points, repeats, cpu, gp
         rep.params["real_moved_pose"] = T.tolist()
         # the sensor moves with the scene: scanforest orients the scene's normals towards it (its
         # `viewpoint`, as a scan's header gives it); Open3D's pipeline does not use it
-        for label, pts, pose in (("PCL milk scene", scene, np.eye(4)),
-                                 (f"PCL milk scene moved {MOVE_DEG:g} deg, {MOVE_DIST:g} m", moved, T)):
-            kw = dict(TUTORIAL, viewpoint=tuple(pose[:3, 3]))
+        for label, pts, pose in ((f"PCL milk scene ({method})", scene, np.eye(4)),
+                                 (f"PCL milk scene moved {MOVE_DEG:g} deg, {MOVE_DIST:g} m ({method})", moved, T)):
+            kw = dict(TUTORIAL, method=method, viewpoint=tuple(pose[:3, 3]))
             _versus(rep, o3d, label, [model], ["milk"], None, [("scene", pts, [{"model_id": 0, "pose": pose}])],
                     lambda dev, kw=kw: (TUTORIAL_LIB, kw), devs, vox, max(1, min(repeats, 3)), threads)
     if sizes:
