@@ -20,7 +20,9 @@
   registration (:mod:`._open3d`: voxel downsampling, normals, FPFH, RANSAC on feature matches,
   point-to-plane ICP) on the same scenes and models in the same run, over a sweep of voxel sizes:
   PCL's real scene as it is (true pose: the identity) and moved by a known rigid motion (30 deg,
-  0.23 m), and ``--open3d-archive`` synthetic archive scenes at each of ``--open3d-points``. Per
+  0.23 m; the sensor moves with it: scanforest's ``viewpoint``), scanforest grouping with
+  ``--method``, and ``--open3d-archive`` synthetic archive scenes at each of ``--open3d-points``
+  (the archive bench's scenes, models and presets). Each scene goes through every tool in turn. Per
   tool: seconds per scene (the model side built once and timed apart), instances found within
   5 deg and 1 cm of the true pose, median pose errors, and ``scanforest vs Open3D (fastest
   successful)``.
