@@ -395,3 +395,47 @@ def test_every_call_is_timed_warm_whatever_its_length():
         t, res = _timeit(fn, lambda: None, 3, long_s=long_s)
         assert t < 0.1, (first, long_s, t)  # the warm calls, not the cold one
         assert len(calls) == (4 if long_s > first else 2) and res == len(calls)
+
+
+def _bench_recognize_open3d(tmp_path, *extra):
+    from typer.testing import CliRunner
+
+    from scanforest.deploy.cli import app
+
+    out = tmp_path / "recognize.json"
+    res = CliRunner().invoke(app, ["bench", "recognize", "--no-real", "--open3d-archive", "1", "--open3d-points",
+                                   "5k", "--open3d-models", "1", "--open3d-voxels", "0.02", "--repeats", "1",
+                                   "--threads", "2", "--out", str(out), *extra])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    return res, json.loads(out.read_text())
+
+
+def test_bench_recognize_runs_open3d_on_the_same_scenes(tmp_path, monkeypatch):
+    """``bench recognize --open3d`` (issue 41): scanforest and Open3D's global registration on the
+    same synthetic scene, a row per tool and the ratio to Open3D's fastest successful setting."""
+    pytest.importorskip("open3d")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # restored after the test
+    _, rec = _bench_recognize_open3d(tmp_path, "--open3d")
+    figs = [r["figure"] for r in rec["rows"]]
+    tag = "synthetic archive 1 scenes x 5k pts, noise 0.2, 1 models"
+    for tool in ("scanforest", "Open3D voxel 20 mm"):
+        for what in ("seconds per scene", "success", "rotation error", "translation error"):
+            assert any(f.startswith(f"{tag}: {tool} {what}") for f in figs), (tool, what, figs)
+    ratio = [r for r in rec["rows"] if r["figure"] == f"{tag}: scanforest vs Open3D (fastest successful) "
+             "seconds per scene"]
+    assert len(ratio) == 1 and ratio[0]["baseline"].startswith(f"{tag}: Open3D voxel 20 mm")
+    assert ratio[0]["ratio"] == pytest.approx(ratio[0]["baseline_value"] / ratio[0]["value"])
+    assert rec["params"]["open3d"] is True
+    assert any("where Open3D succeeds and scanforest on cpu does not" in n for n in rec["notes"])
+
+
+def test_bench_recognize_without_open3d_says_so(tmp_path, monkeypatch):
+    """Without Open3D the peer is skipped with a note (how to install it), not a traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "open3d", None)  # `import open3d` raises ImportError
+    res, rec = _bench_recognize_open3d(tmp_path)
+    assert rec["params"]["open3d"] is False
+    assert any("Open3D not importable" in n and "scanforest[bench]" in n for n in rec["notes"])
+    assert "Open3D not importable" in res.output and "Traceback" not in res.output
+    assert not any("Open3D" in r["figure"] for r in rec["rows"])

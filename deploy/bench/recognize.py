@@ -16,6 +16,16 @@
   mesh resolution) recognised one after the other on one device while a process pool generates
   the next scenes; seconds per scene end to end with the phase breakdown, scenes/s over the
   whole archive, precision and recall.
+* **Open3D as the peer** (``--open3d``, on when Open3D imports): Open3D's documented global
+  registration (:mod:`._open3d`: voxel downsampling, normals, FPFH, RANSAC on feature matches,
+  point-to-plane ICP) on the same scenes and models in the same run, over a sweep of voxel sizes:
+  PCL's real scene as it is (true pose: the identity) and moved by a known rigid motion (30 deg,
+  0.23 m; the sensor moves with it: scanforest's ``viewpoint``), scanforest grouping with
+  ``--method``, and ``--open3d-archive`` synthetic archive scenes at each of ``--open3d-points``
+  (the archive bench's scenes, models and presets). Each scene goes through every tool in turn. Per
+  tool: seconds per scene (the model side built once and timed apart), instances found within
+  5 deg and 1 cm of the true pose, median pose errors, and ``scanforest vs Open3D (fastest
+  successful)``.
 """
 from __future__ import annotations
 
@@ -38,6 +48,15 @@ TUTORIAL = dict(scene_ss=0.03, method="hough", cg_size=0.01, cg_thresh=5, max_di
                 normal_k=10, inlier_dist=0.005)
 TUTORIAL_LIB = dict(model_ss=0.01, descr_rad=0.02, rf_rad=0.015, normal_k=10)
 # synthetic setup: SYN_LIB and SYN_REC (model sizes 0.15-0.35 m, resolution ~3 mm)
+
+# Open3D peer: voxel sizes swept (the milk carton and the synthetic models are 0.15-0.35 m; the
+# synthetic sweep starts at 7.5 mm: at 5 mm FPFH of a 300k-point scene alone takes 13 s on 2 cores),
+# the success rule (both tools), the moved variant of PCL's scene
+O3D_VOXELS_REAL = (0.005, 0.0075, 0.01, 0.015, 0.02, 0.03)
+O3D_VOXELS_SYN = (0.0075, 0.01, 0.015, 0.02, 0.03)
+SUCCESS_ROT_DEG, SUCCESS_TRANS_M = 5.0, 0.01
+MOVE_DEG, MOVE_AXIS, MOVE_T = 30.0, (0.3, 1.0, 0.2), (0.6, -0.7, 0.55)  # translation scaled to 0.23 m
+MOVE_DIST = 0.23
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -130,7 +149,17 @@ def bench_recognize(
     pcl_baseline: Path = typer.Option(None, help="PCL baseline binary (build deploy/baselines/"
                                       "pcl_recognize_bench.cpp): PCL's correspondence-grouping tutorial "
                                       "timed on the same scene in the same run."),
-    threads: int = typer.Option(0, help="Threads of the PCL baseline and the CPU backend (0: all cores)."),
+    threads: int = typer.Option(0, help="Threads of the PCL baseline, Open3D and the CPU backend (0: all cores)."),
+    open3d: bool = typer.Option(None, "--open3d/--no-open3d",
+                                help="Open3D's global registration as the peer on the same scenes "
+                                     "(default: on when open3d imports; `pip install 'scanforest[bench]'`)."),
+    open3d_voxels: str = typer.Option("", help="Open3D voxel sizes (m) swept, comma-separated (default: "
+                                               f"{','.join(map(str, O3D_VOXELS_REAL))} on PCL's scene, "
+                                               f"{','.join(map(str, O3D_VOXELS_SYN))} on the synthetic ones)."),
+    open3d_archive: int = typer.Option(0, help="Synthetic archive scenes per size compared with Open3D (0: none)."),
+    open3d_points: str = typer.Option("20k,300k", help="Points per synthetic scene compared with Open3D."),
+    open3d_models: int = typer.Option(5, help="Models in the synthetic library compared with Open3D (5: the "
+                                              "archive bench's; each scene holds min(3, this) of them)."),
     out: Path = typer.Option(None, help="JSON output (file or folder)."),
 ) -> None:
     """Seconds per scene (phase breakdown, CPU vs GPU) and synthetic detection accuracy."""
@@ -223,7 +252,243 @@ def bench_recognize(
 
             traceback.print_exc()
             rep.note(f"archive failed: {type(exc).__name__}: {exc}")
+    if open3d is not False and (real or open3d_archive):
+        _open3d_peer(rep, real, pcl_dir, open3d_voxels, open3d_archive, open3d_points, repeats, cpu, gpu,
+                     threads, open3d_models, method)
     rep.finish(out)
+
+
+def moved_pose() -> np.ndarray:
+    """The known rigid motion of the moved real scene: 30 deg about a fixed oblique axis, 0.23 m."""
+    from scipy.spatial.transform import Rotation
+
+    axis = np.asarray(MOVE_AXIS, np.float64)
+    T = np.eye(4)
+    T[:3, :3] = Rotation.from_rotvec(np.radians(MOVE_DEG) * axis / np.linalg.norm(axis)).as_matrix()
+    t = np.asarray(MOVE_T, np.float64)
+    T[:3, 3] = MOVE_DIST * t / np.linalg.norm(t)
+    return T
+
+
+def _voxels(text, default):
+    from scanforest.kernels.errors import InputError
+
+    try:
+        v = tuple(float(x) for x in text.split(",") if x.strip()) if text.strip() else default
+    except ValueError:
+        raise InputError(f"--open3d-voxels takes sizes in metres, comma-separated; got {text!r}") from None
+    if not v or min(v) <= 0:
+        raise InputError(f"--open3d-voxels must be positive sizes in metres; got {text!r}")
+    return v
+
+
+def _open3d_peer(rep, real, pcl_dir, voxels, n_archive, points, repeats, cpu, gpu, threads, n_models=5,
+                 method="hough"):
+    """Open3D's pipeline and scanforest on the same scenes and models (PCL's real scene as it is and
+    moved; synthetic archive scenes), rows per tool and the ratio to Open3D's fastest successful
+    setting."""
+    from ._common import parse_counts
+    from ._open3d import load
+
+    o3d, why = load(threads)
+    rep.params["open3d"] = o3d is not None
+    rep.note(why)
+    if o3d is None:
+        print(f"note: {why}", flush=True)
+        return
+    sizes = parse_counts(points) if n_archive else []
+    rep.params.update(open3d_success=f"rotation <= {SUCCESS_ROT_DEG} deg and translation <= "
+                                     f"{SUCCESS_TRANS_M * 1000:g} mm", open3d_archive=n_archive,
+                      open3d_points=sizes)
+    devs = (["cpu"] if cpu or not gpu else []) + (["gpu"] if gpu else [])
+    if real:
+        pdir = Path(pcl_dir) if pcl_dir else pcl_data_dir()
+        model, scene = load_milk(pdir)
+        T = moved_pose()
+        moved = np.ascontiguousarray(scene.astype(np.float64) @ T[:3, :3].T + T[:3, 3], np.float32)
+        vox = _voxels(voxels, O3D_VOXELS_REAL)
+        rep.params["open3d_voxels_real"] = vox
+        rep.params["real_moved_pose"] = T.tolist()
+        # the sensor moves with the scene: scanforest orients the scene's normals towards it (its
+        # `viewpoint`, as a scan's header gives it); Open3D's pipeline does not use it
+        for label, pts, pose in ((f"PCL milk scene ({method})", scene, np.eye(4)),
+                                 (f"PCL milk scene moved {MOVE_DEG:g} deg, {MOVE_DIST:g} m ({method})", moved, T)):
+            kw = dict(TUTORIAL, method=method, viewpoint=tuple(pose[:3, 3]))
+            _versus(rep, o3d, label, [model], ["milk"], None, [("scene", pts, [{"model_id": 0, "pose": pose}])],
+                    lambda dev, kw=kw: (TUTORIAL_LIB, kw), devs, vox, max(1, min(repeats, 3)), threads)
+    if sizes:
+        from scanforest.kernels.synthetic import scenes as S
+
+        vox = _voxels(voxels, O3D_VOXELS_SYN)
+        rep.params["open3d_voxels_synthetic"] = vox
+        models = S.model_library(n_models, 12_000, seed=1)  # as the archive bench (5 models)
+        for n in sizes:
+            scs = [S.make_scene(models, n_instances=min(3, n_models), n_points=n, noise=0.2, clutter=3, seed=50_000 + i)
+                   for i in range(n_archive)]
+
+            def params(dev, n=n):
+                lib_p, rec_p = S.recognition_presets(dev, n)
+                return lib_p, dict(rec_p, method="gc", refine="icp")
+
+            _versus(rep, o3d, f"synthetic archive {n_archive} scenes x {n // 1000}k pts, noise 0.2"
+                    + ("" if n_models == 5 else f", {n_models} models"),
+                    [m.points for m in models], [m.name for m in models], [m.normals for m in models],
+                    [(f"seed {50_000 + i}", sc.points, sc.ground_truth) for i, sc in enumerate(scs)],
+                    params, devs, vox, 1, threads)
+
+
+def _summary(inst):
+    """(found, total, median rotation error deg, median translation error m) over found instances."""
+    flat = [x for per in inst for x in per]
+    ok = [x for x in flat if x[0]]
+    med = (lambda v: statistics.median(v) if v else float("nan"))
+    return len(ok), len(flat), med([x[1] for x in ok]), med([x[2] for x in ok])
+
+
+def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels, reps, threads):
+    """scanforest (each device) and Open3D (each voxel size) on ``scenes`` [(label, points, ground
+    truth)]: seconds per scene (median over ``reps`` warm runs of each scene, then over scenes),
+    instances found, median pose errors; the ratio to Open3D's fastest successful setting; the
+    instances Open3D finds and scanforest does not."""
+    import os
+
+    from scanforest.kernels.backend import describe_device
+    from scanforest.kernels.recognition import ModelLibrary, recognize
+
+    from ._common import numba_threads
+    from ._open3d import Open3DRecognizer, instance_errors
+
+    rule = {"max_rotation_deg": SUCCESS_ROT_DEG, "max_translation": SUCCESS_TRANS_M}
+    nthreads = threads or os.cpu_count() or 1
+    runs_txt = f", median of {reps} warm runs each" if reps > 1 else ", one warm run each"
+    what = f"median over {len(scenes)} scene(s){runs_txt}"
+    print(f"{tag}: scanforest {devs} and Open3D (voxels {voxels}) on {len(scenes)} scene(s)", flush=True)
+
+    def rows(tool, dev, secs, inst, side_s, phases=()):
+        found, total, rot, tra = _summary(inst)
+        sec = statistics.median(secs)
+        ph = {f"{p}_s": statistics.median(t.get(p, 0.0) for t in phases) for p in PHASES[:-1]} if phases else {}
+        rep.add(f"{tag}: {tool} seconds per scene ({what})", sec, "s", dev, higher_is_better=False,
+                per_scene_s=secs, model_side_s=side_s, found=found, instances=total, **ph)
+        rep.add(f"{tag}: {tool} success (instances within {SUCCESS_ROT_DEG:g} deg, "
+                f"{SUCCESS_TRANS_M * 1000:g} mm)", found / max(total, 1), "", dev, found=found, instances=total)
+        rep.add(f"{tag}: {tool} rotation error (median over found)", rot, "deg", dev, higher_is_better=False)
+        rep.add(f"{tag}: {tool} translation error (median over found)", tra * 1000, "mm", dev,
+                higher_is_better=False)
+        print(f"  {tool} [{dev}]: {sec:.3f} s/scene, {found}/{total} found, rot {rot:.3f} deg, "
+              f"trans {tra * 1000:.3f} mm (model side {side_s:.2f} s)"
+              + ("; phases " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in ph.items()) if ph else ""), flush=True)
+        return sec, found, total, rot, tra
+
+    # the model side of every tool first (timed apart), then each scene through every tool in turn,
+    # so that a change of load on the machine falls on both tools alike
+    tools = {}  # name -> (device, kind, run(points) -> (detections, seconds), model side s)
+    for dev in devs:
+        lib_p, rec_kw = params(dev)
+        try:
+            with numba_threads(threads if dev == "cpu" else 0):
+                t0 = time.perf_counter()
+                lib = ModelLibrary.build(models, names, models_normals=normals, device=dev, **lib_p)
+                lib_s = time.perf_counter() - t0
+                recognize(scenes[0][1], lib, device=dev, **rec_kw)  # warm-up (kernels compiled)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            rep.note(f"{tag}: scanforest on {dev} failed: {type(exc).__name__}: {exc}")
+            continue
+
+        def run_sf(pts, dev=dev, lib=lib, rec_kw=rec_kw):
+            with numba_threads(threads if dev == "cpu" else 0):
+                t0 = time.perf_counter()
+                dets = recognize(pts, lib, device=dev, **rec_kw)
+                return dets, time.perf_counter() - t0
+
+        name = "scanforest" if len(devs) == 1 else f"scanforest {dev}"
+        tools[name] = (describe_device(dev) + (f", {nthreads} threads" if dev == "cpu" else ""), dev, run_sf,
+                       lib_s)
+    d = f"cpu ({nthreads} threads), Open3D {o3d.__version__}"
+    for i, v in enumerate(voxels):
+        try:
+            rec = Open3DRecognizer(o3d, models, v)
+            if i == 0:  # OpenMP's threads started, allocations made: not counted
+                rec.recognize(scenes[0][1])
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            rep.note(f"{tag}: Open3D at voxel {v} failed: {type(exc).__name__}: {exc}")
+            continue
+        tools[f"Open3D voxel {v * 1000:g} mm"] = (d, "open3d", rec.recognize, rec.model_seconds)
+    secs = {k: [] for k in tools}
+    inst = {k: [] for k in tools}
+    phases = {k: [] for k in tools}  # scanforest's phase breakdown (its own timings) of the last run
+    failed = set()
+    for label, pts, gt in scenes:
+        runs = {k: [] for k in tools}
+        last = {}
+        for _ in range(reps):
+            for k, (_, _, run, _) in tools.items():
+                if k in failed:
+                    continue
+                try:
+                    dets, s = run(pts)
+                except Exception as exc:
+                    import traceback
+
+                    traceback.print_exc()
+                    rep.note(f"{tag}: {k} failed on {label}: {type(exc).__name__}: {exc}")
+                    failed.add(k)
+                    continue
+                runs[k].append(s)
+                last[k] = dets
+        for k in tools:
+            if k not in failed:
+                secs[k].append(statistics.median(runs[k]))
+                inst[k].append(instance_errors(last[k], gt, **rule))
+                if tools[k][1] != "open3d":
+                    phases[k].append(last[k].timings)
+    sf, o3 = {}, {}  # scanforest's by device, Open3D's by setting: (summary, per-instance)
+    for k, (dname, kind, _, side_s) in tools.items():
+        if k in failed:
+            continue
+        if kind == "open3d":
+            o3[k] = (rows(k, dname, secs[k], inst[k], side_s), inst[k])
+        else:
+            sf[kind] = (dname, rows(k, dname, secs[k], inst[k], side_s, phases[k]), inst[k])
+    if not o3 or not sf:
+        return
+    best_found = max(r[1] for r, _ in o3.values())
+    pool = {k: r for k, (r, _) in o3.items() if r[1] == best_found} if best_found else {}
+    if pool:
+        tool = min(pool, key=lambda k: pool[k][0])
+        how = f"fastest successful: {tool}, {best_found}/{pool[tool][2]} found"
+    else:
+        tool = min(o3, key=lambda k: o3[k][0][0])
+        how = f"no Open3D setting found an instance; its fastest: {tool}"
+    ob = o3[tool][0]
+    for dev, (dname, r, _) in sf.items():
+        rep.add(f"{tag}: scanforest vs Open3D (fastest successful) seconds per scene", r[0], "s", dname,
+                baseline=f"{tag}: {tool} seconds per scene ({how})", baseline_value=ob[0], higher_is_better=False,
+                scanforest_found=r[1], open3d_found=ob[1], instances=r[2], scanforest_rot_deg=r[3],
+                open3d_rot_deg=ob[3], scanforest_trans_mm=r[4] * 1000, open3d_trans_mm=ob[4] * 1000)
+        sp = ob[0] / r[0] if r[0] else float("nan")
+        rep.note(f"{tag}: scanforest on {dev} {r[0]:.3f} s/scene, {r[1]}/{r[2]} found, rot {r[3]:.3f} deg, "
+                 f"trans {r[4] * 1000:.3f} mm; Open3D ({how}) {ob[0]:.3f} s/scene, {ob[1]}/{ob[2]} found, rot "
+                 f"{ob[3]:.3f} deg, trans {ob[4] * 1000:.3f} mm: scanforest {sp:.2f}x Open3D's speed"
+                 f" ({'meets' if sp >= 2 and r[1] >= ob[1] and (ob[1] == 0 or r[4] <= ob[4]) else 'misses'} the goal:"
+                 " success at least Open3D's, translation error no larger, >= 2x faster)")
+        # instances some Open3D setting finds and scanforest does not
+        miss = []
+        for si, (label, _, gt) in enumerate(scenes):
+            for gi, g in enumerate(gt):
+                if sf[dev][2][si][gi][0]:
+                    continue
+                by = [k for k, (_, inst) in o3.items() if inst[si][gi][0]]
+                if by:
+                    miss.append(f"{label} instance {gi} (model {names[int(g['model_id'])]}) found by {', '.join(by)}")
+        rep.note(f"{tag}: where Open3D succeeds and scanforest on {dev} does not: "
+                 + ("; ".join(miss) if miss else "nowhere"))
 
 
 def _synthetic(rep, noises, n_scenes, n_points, method, device, refine="icp"):
