@@ -63,7 +63,8 @@ class KDForest:
         32-row leaves at 56 leaves per query ran 3,198 queries/s (median of three interleaved
         rounds) against 2,259 for 1 tree of 64 (64 leaves), 2,890 for 4 x 64 (36 leaves),
         2,305 for 2 x 64, 2,229 for 8 x 16 and FLANN's default 4-tree index's 2,059 (448
-        checks): 1.55x FLANN, where 1 x 64 was 1.10x. The CPU memory is 4 copies of the rows.
+        checks): 1.55x FLANN, where 1 x 64 was 1.10x; ``bench tools`` the same day: 1.90x
+        (2,122 against 1,118 queries/s). The CPU memory is 4 copies of the rows.
         GPU: one tree, unchanged (on one H100 one tree was the faster forest at every recall
         measured, docs/benchmarks.md, 2026-11-26).
     leaf_size : int or None, default None
