@@ -237,7 +237,7 @@ def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, 
 #: the PCL SHOT352 (one tree, P-BANNS in batched rounds; leaf size 32 up to recall 0.95, 128 above:
 #: on one H200 32-row leaves reached 0.979 at 512 leaves, 128-row ones 0.986 at 256 leaves at
 #: 1.02x the speed; docs/benchmarks.md), every real row (n = 0; synthetic data: the CPU's n) and
-#: 20k queries; on a CPU FLANN's four trees
+#: 20k queries; on a CPU FLANN's four trees, of 32-row leaves (``KDForest()``'s CPU default)
 DEFAULTS = {"gpu": {"n": 0, "m": 20000, "trees": 1, "forests": ((32, (64, 128, 256, 512, 768)),
                                                                (128, (64, 128, 192, 256)))},
             "cpu": {"n": 100_000, "m": 2000, "trees": 4, "forests": ((32, (16, 32, 64, 128)),)}}
