@@ -210,6 +210,13 @@ def check_index_build(store: str, reference: list[str] | None, shards, params: d
     for key in ("leaf_size", "backtracks"):
         if p.get(key) is not None and int(p[key]) < 1:
             raise InputError(f"--{key.replace('_', '-')} must be at least 1, got {p[key]}")
+    if p.get("recall") is not None:
+        from scanforest.kernels.knn.kdforest import check_recall
+
+        check_recall(p["recall"])
+        if p.get("backtracks") is not None:
+            raise InputError(f"give --recall or --backtracks, not both (got --recall {p['recall']} and "
+                             f"--backtracks {p['backtracks']})")
     if dtype not in ("float32", "float16"):
         raise InputError(f"--dtype must be float32 or float16, got {dtype!r}")
     return st

@@ -44,10 +44,12 @@ log = logging.getLogger("scanforest")
 
 TREE_ARRAYS = ("perm", "child", "split_dim", "split_val", "start", "end", "lo", "hi")
 FOREST_KEYS = ("n_trees", "leaf_size", "backtracks", "method", "random_dims", "seed", "max_depth", "sliding_window",
-               "split", "descent", "leaves_per_round")
+               "split", "descent", "leaves_per_round", "recall")
 
 
 REFERENCE_DTYPES = ("float32", "float16")
+#: the forest layout of a stored index where its parameters leave it out
+STORED_LAYOUT = {"n_trees": 1, "leaf_size": 64}
 
 
 def content_hash(reference: np.ndarray, params: dict[str, Any]) -> str:
@@ -232,9 +234,26 @@ def _all_finite(a: np.ndarray, step: int = 1 << 18) -> bool:
 def _fit_forest(X, params: dict[str, Any], shard: int, device: str, keep_rows: bool = True):
     from scanforest.kernels.knn.kdforest import KDForest
 
+    # a stored index keeps its layout whatever device builds it: one tree of 64-row leaves unless
+    # its parameters say otherwise (what the memory plans assume; KDForest's own defaults differ by device)
     p = dict(params)
+    for key, value in STORED_LAYOUT.items():
+        if p.get(key) is None:
+            p[key] = value
     p["seed"] = int(p.get("seed", 0)) + shard
-    return KDForest(device=device, **p).fit(X, keep_rows=keep_rows)
+    recall = p.pop("recall", None)
+    return _searched_at(KDForest(device=device, **p).fit(X, keep_rows=keep_rows), recall if keep_rows else None)
+
+
+def _searched_at(forest, recall):
+    """``forest``, its queries that name no budget searched at the recall target ``recall``
+    (an index built with ``--recall``): each shard calibrates its budget per ``k`` on its own
+    rows at its first such query (:meth:`KDForest.calibrate`)."""
+    if recall is not None:
+        from scanforest.kernels.knn.kdforest import check_recall
+
+        forest.recall_target_ = check_recall(recall)
+    return forest
 
 
 def _write_tree(store: ScanStore, grp, tree) -> None:
@@ -362,11 +381,12 @@ def resident_forest(tree, params: dict[str, Any], shard: int, dev: str, rows: in
 
     p = dict(params)
     p["seed"] = int(p.get("seed", 0)) + shard
+    recall = p.pop("recall", None)
     forest = KDForest(device=dev, **p)
     forest._validate()
     forest.device_, forest.n_samples_fit_, forest.n_features_in_ = dev, int(rows), int(tree.points.shape[1])
     forest._fit_X, forest.tree_, forest.stats_ = None, tree, {}
-    return forest
+    return _searched_at(forest, recall)
 
 
 # rows per host block when a shard streams from the store to a GPU (a whole number of chunks):

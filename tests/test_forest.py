@@ -69,7 +69,7 @@ def test_single_tree_forest_is_the_tree(rng):
     t = build_kdtree(X, leaf_size=16, device="cpu")
     for b in (1, 4, None):
         d1, i1 = query_kdtree(t, Q, 5, backtracks=b)
-        d2, i2 = KDForest(leaf_size=16, backtracks=b, method="anns", device="cpu").fit(X).query(Q, 5)
+        d2, i2 = KDForest(n_trees=1, leaf_size=16, backtracks=b, method="anns", device="cpu").fit(X).query(Q, 5)
         np.testing.assert_array_equal(i1, i2)
         np.testing.assert_array_equal(d1, d2)
 

@@ -303,7 +303,7 @@ def test_kdforest_api(rng):
         np.testing.assert_array_equal(d, bd)
     dist, ids = KDForest(device="cpu").fit(X).kneighbors(X[:3], 2)
     np.testing.assert_array_equal(ids[:, 0], [0, 1, 2])
-    assert "leaf_size=64" in repr(KDForest())
+    assert "n_trees=None, leaf_size=None" in repr(KDForest())  # the device's defaults, resolved by fit
 
 
 @pytest.mark.parametrize("params,X,msg", [

@@ -136,7 +136,7 @@ def test_index_records_its_split_rule_and_rebuilds_when_it_changes(tmp_path, rng
     again = idx.build_index(store, "t", X, params={"method": "anns", "leaf_size": 16, "split": "variance"})
     assert again["status"] == "unchanged"
     tree = idx.load_shard(store, "t", 0, "cpu").forest.tree_
-    fit = KDForest(method="anns", leaf_size=16, device="cpu").fit(X).tree_
+    fit = KDForest(method="anns", n_trees=1, leaf_size=16, device="cpu").fit(X).tree_  # a stored index: one tree
     np.testing.assert_array_equal(tree.split_dim, fit.split_dim)
     np.testing.assert_array_equal(tree.split_val, fit.split_val)
     exact = idx.build_index(store, "e", X, params={"method": "exact"})  # no trees: no split rule

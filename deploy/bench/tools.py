@@ -4,7 +4,9 @@ One data set (synthetic Gaussian clusters, or SHOT352 of real clouds), one exact
 brute force), and on it every tool's recall@P / queries-per-second curve:
 
 * scanforest's KD-forest (``KDForest``: ``--trees`` randomized trees sharing one budget of
-  ``--budgets`` leaves per query), on the CPU or the GPU;
+  ``--budgets`` leaves per query), on the CPU or the GPU; with ``--recall``, also ``KDForest()``
+  with the device's defaults searched at each recall target (the budget the index calibrates on
+  its own rows, the calibration's time and estimate reported);
 * FLANN's randomized KD-forest (``KDTreeIndex``, the forest PCL's recognition matches SHOT
   with), an external program (``deploy/baselines/flann_knn_bench.cpp``) given by
   ``--flann-baseline``, with ``--flann-trees`` trees (default: the same) and ``--flann-checks``
@@ -181,6 +183,31 @@ def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degre
     return curves
 
 
+def _recall_rows(rep, KDForest, X, Q, k, ed, recalls, method, split, dev, gdev, sync, repeat, base, mine):
+    """``KDForest()`` (the device's defaults) searched at each recall target: the budget it
+    calibrates on its own rows (the calibration timed apart), its queries/s and measured recall."""
+    t0 = time.perf_counter()
+    forest = KDForest(method=method, split=split, device=dev).fit(X)
+    sync()
+    build = time.perf_counter() - t0
+    shape = f"{forest.n_trees_} trees, leaf size {forest.leaf_size_}"
+    rep.add(f"scanforest KDForest() build ({shape}: the {dev} defaults)", build, "s", gdev, higher_is_better=False)
+    for r in recalls:
+        cal = forest.calibrate(k, r)
+        sync()
+        b = "unlimited" if cal["budget"] is None else f"{cal['budget']} leaves"
+        rep.add(f"scanforest KDForest() recall={r} calibration ({b}, sample recall {cal['recall']:.3f} on "
+                f"{cal['sample']} rows, {len(cal['probes'])} probes)", cal["seconds"], "s", gdev,
+                higher_is_better=False)
+        t, (_, fi) = _timeit(lambda: forest.query(Q, k, recall=r), sync, repeat)
+        got = canonical_recall(X, Q, fi, ed, k)
+        rep.add(f"scanforest KDForest() recall={r} queries/s ({shape}, {b})", len(Q) / t, "queries/s", gdev,
+                baseline=base[0], baseline_value=base[1], recall=got, target=r, budget=cal["budget"],
+                estimate=cal["recall"], calibration_s=cal["seconds"], build_s=build)
+        rep.add(f"scanforest KDForest() recall={r} recall@{k} on the queries", got, "", gdev)
+        mine.append((len(Q) / t, got, f"KDForest() recall={r}: {b}"))
+
+
 def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, base):
     """FLANN's KDTreeIndex through ``deploy/baselines/flann_knn_bench``: rows and its curve."""
     from ._common import baseline_lines
@@ -210,7 +237,7 @@ def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, 
 #: the PCL SHOT352 (one tree, P-BANNS in batched rounds; leaf size 32 up to recall 0.95, 128 above:
 #: on one H200 32-row leaves reached 0.979 at 512 leaves, 128-row ones 0.986 at 256 leaves at
 #: 1.02x the speed; docs/benchmarks.md), every real row (n = 0; synthetic data: the CPU's n) and
-#: 20k queries; on a CPU FLANN's four trees
+#: 20k queries; on a CPU FLANN's four trees, of 32-row leaves (``KDForest()``'s CPU default)
 DEFAULTS = {"gpu": {"n": 0, "m": 20000, "trees": 1, "forests": ((32, (64, 128, 256, 512, 768)),
                                                                (128, (64, 128, 192, 256)))},
             "cpu": {"n": 100_000, "m": 2000, "trees": 4, "forests": ((32, (16, 32, 64, 128)),)}}
@@ -222,18 +249,20 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32, ef_construction: int = 80, ef_search=(16, 64, 256),
         threads: int = 0, clusters: int = 1000, real: str | None = None, targets=(0.9, 0.95, 0.98),
         repeat: int = 3, gpu_nprobes=(4, 8, 16, 32), cagra_degree: int = 32, itopk=(32, 64, 128, 256), out=None,
-        forests=None):
+        forests=None, recalls=()):
     """Measure every tool on one data set and print the table (see the module docstring).
 
     ``forests``: several scanforest forests, ``[(leaf_size, budgets), ...]`` (a curve each; the
-    fastest point at a recall is scanforest's); default one, ``leaf_size`` with ``budgets``."""
+    fastest point at a recall is scanforest's); default one, ``leaf_size`` with ``budgets``.
+    ``recalls``: targets searched by ``KDForest()`` (the device's defaults) with ``recall=``."""
     from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
     from scanforest.kernels.knn.bruteforce import knn_bruteforce
-    from scanforest.kernels.knn.kdforest import KDForest
+    from scanforest.kernels.knn.kdforest import KDForest, check_recall
 
     from ._common import BenchReport, numba_threads
 
     targets = [float(t) for t in (targets if isinstance(targets, (list, tuple)) else [targets])]
+    recalls = [check_recall(float(r)) for r in recalls]
     if not targets or not all(0 < t <= 1 for t in targets):
         raise InputError(f"--target values must be in (0, 1], got {targets}")
     forests = [(int(ls), [int(b) for b in bs]) for ls, bs in (forests or [(leaf_size, budgets)])]
@@ -254,7 +283,8 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                                 "flann_baseline": flann_baseline, "flann_checks": checks,
                                 "flann_trees": flann_trees, "nlist": nlist, "nprobes": list(nprobes), "hnsw_m": hnsw_m,
                                 "ef_construction": ef_construction, "ef_search": list(ef_search),
-                                "threads": threads, "clusters": clusters, "real": real, "targets": targets},
+                                "threads": threads, "clusters": clusters, "real": real, "targets": targets,
+                                **({"recalls": recalls} if recalls else {})},
                       echo=True)
     if dev == "gpu":
         import cupy as cp
@@ -306,6 +336,8 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                 rep.add(f"{name} recall@{k}, {trees} trees, {b} leaves", r, "", gdev)
                 mine.append((m / t, r, f"{leaf}{b} leaves"))
             forest = None  # its GPU memory goes back before the next forest and the other tools
+        if recalls:
+            _recall_rows(rep, KDForest, X, Q, k, ed, recalls, method, split, dev, gdev, sync, repeat, base, mine)
     if flann_baseline:
         curves.update(_flann_rows(rep, flann_baseline, Xh, Qh, k, ed, flann_trees, threads, checks, repeat, cdev,
                                   base))
@@ -385,6 +417,8 @@ def register(app, bench) -> None:
         cagra_degree: int = typer.Option(32, "--cagra-degree", help="FAISS GPU CAGRA graph degree"),
         itopk: str = typer.Option("32,64,128,256", "--itopk", help="FAISS GPU CAGRA itopk_size (comma list; empty: "
                                   "no CAGRA)"),
+        recall: str = typer.Option("", "--recall", help="recall@P targets (comma list): KDForest() with the "
+                                   "device's defaults, its budget calibrated on its own rows for each"),
         out: str = typer.Option(None, "--out", help="JSON file or folder"),
     ):
         """scanforest's KD-forest against FLANN's KD-forest and FAISS (Flat, IVF-Flat, HNSW; on the GPU also
@@ -404,4 +438,5 @@ def register(app, bench) -> None:
             nprobes=parse_counts(nprobe), hnsw_m=hnsw_m,
             ef_construction=ef_construction, ef_search=parse_counts(ef_search), threads=threads, clusters=clusters,
             real=real, targets=[float(t) for t in target.split(",") if t.strip()], repeat=repeat,
-            gpu_nprobes=parse_counts(gpu_nprobe), cagra_degree=cagra_degree, itopk=parse_counts(itopk), out=out)
+            gpu_nprobes=parse_counts(gpu_nprobe), cagra_degree=cagra_degree, itopk=parse_counts(itopk), out=out,
+            recalls=[float(r) for r in recall.split(",") if r.strip()])

@@ -85,6 +85,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         method: str = typer.Option("banns", help="banns | anns | exact."),
         leaf_size: int = typer.Option(64, help="KD-tree leaf size."),
         backtracks: Optional[int] = typer.Option(None, help="Leaf visits per query (None = exact search)."),
+        recall: Optional[float] = typer.Option(None, "--recall", help="Target recall@k in (0, 1) instead of "
+                                               "--backtracks: each shard calibrates its leaf budget on its own "
+                                               "rows (per k, at its first search)."),
         random_dims: Optional[int] = typer.Option(None, help="Randomized split among the F widest dimensions."),
         seed: int = typer.Option(0),
         dtype: str = typer.Option("float32", help="Stored rows: float32, or float16 (half the disk and host "
@@ -101,7 +104,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             raise InputError("give the index's reference: --reference SCANS or --library NAME (one of them)")
         chosen = _pick(store, reference, "--reference") if reference else None
         params = {"method": method, "leaf_size": leaf_size, "backtracks": backtracks,
-                  "random_dims": random_dims, "seed": seed}
+                  "random_dims": random_dims, "seed": seed, **({} if recall is None else {"recall": recall})}
         check_index_build(store, chosen, shards, params, dtype, library=library)
         res = run_index_build(store, chosen, name=name, params=params, device=choose_device(device),
                               shards=shards if shards == "auto" else int(shards), dtype=dtype, library=library)

@@ -1,11 +1,13 @@
 """scikit-learn-style nearest-neighbour index over the array KD-tree (CPU and GPU)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..backend import is_cupy, resolve_device
 from ..errors import InputError
-from .bruteforce import ExactSearch, check_k, check_points
+from .bruteforce import MAX_K, ExactSearch, check_k, check_points
 from .kdtree import (_bound_limit, _check_budget, _check_build_params, _check_n_trees, build_kdforest, check_split,
                      check_bounds, heap_capacity, query_kdtree, resolve_descent)
 
@@ -15,23 +17,64 @@ METHODS = ("banns", "anns", "exact")  # search methods, in the order of the docs
 _METHODS = METHODS
 _UNSET = object()
 
+#: what ``KDForest()`` builds on each device when ``n_trees`` / ``leaf_size`` are left None
+#: (the measurements behind each value are in the class docstring and docs/benchmarks.md)
+DEVICE_DEFAULTS = {"cpu": {"n_trees": 4, "leaf_size": 32}, "gpu": {"n_trees": 1, "leaf_size": 64}}
+#: rows of the index a ``recall=`` calibration queries (leave-one-out), drawn with this seed
+CALIBRATION_ROWS = 2000
+CALIBRATION_SEED = 0
+#: the first budget (leaves per query) a calibration tries, doubled until the target is met
+CALIBRATION_START = 8
+
+
+def resolve_defaults(device: str, d: int, n_trees=None, leaf_size=None) -> tuple[int, int]:
+    """``(n_trees, leaf_size)`` of a forest on ``device`` over ``d``-dimensional rows: the given
+    values, or :data:`DEVICE_DEFAULTS` for those left None. A defaulted tree count is 1 on
+    one-dimensional rows (randomized trees need ``random_dims >= 2``)."""
+    dflt = DEVICE_DEFAULTS["gpu" if device == "gpu" else "cpu"]
+    if n_trees is None:
+        n_trees = dflt["n_trees"] if d >= 2 else 1
+    return int(n_trees), int(dflt["leaf_size"] if leaf_size is None else leaf_size)
+
+
+def check_recall(recall) -> float:
+    """A recall target: a float in (0, 1)."""
+    if isinstance(recall, bool) or not isinstance(recall, (int, float, np.integer, np.floating)) \
+            or not 0.0 < float(recall) < 1.0:
+        raise InputError(f"recall must be a number in (0, 1) (the recall@k the index calibrates its budget for; "
+                         f"for an exact search leave it out with backtracks=None), got {recall!r}")
+    return float(recall)
+
 
 class KDForest:
     """Approximate (or exact) k-nearest-neighbour index on KD-trees, CPU or GPU.
 
     Parameters
     ----------
-    n_trees : int, default 1
+    n_trees : int or None, default None
         Number of randomized trees over the SAME points (FLANN-style replicated forest). Tree
         ``t`` uses the seed ``seed + t``. The search keeps ONE priority queue per query over the
         boxes of all trees (the closest pending box of any tree is scanned next), so the trees
         share one budget of ``backtracks`` leaves; a point found through several trees counts
-        once. Memory: T copies of the points.
-    leaf_size : int, default 64
-        Maximum number of points in a leaf.
+        once. Memory: T copies of the points. ``None``: the default of the device the index is
+        fitted on (:data:`DEVICE_DEFAULTS`, resolved in :meth:`fit` into ``n_trees_``):
+        4 on the CPU, 1 on the GPU. CPU: on held-out SHOT352 of the PCL clouds (200k indexed,
+        2,000 queries, 2 threads, recall@4 >= 0.9; docs/benchmarks.md, 2026-11-28) 4 trees of
+        32-row leaves at 56 leaves per query ran 3,198 queries/s (median of three interleaved
+        rounds) against 2,259 for 1 tree of 64 (64 leaves), 2,890 for 4 x 64 (36 leaves),
+        2,305 for 2 x 64, 2,229 for 8 x 16 and FLANN's default 4-tree index's 2,059 (448
+        checks): 1.55x FLANN, where 1 x 64 was 1.10x; ``bench tools`` the same day: 1.90x
+        (2,122 against 1,118 queries/s). The CPU memory is 4 copies of the rows.
+        GPU: one tree, unchanged (on one H100 one tree was the faster forest at every recall
+        measured, docs/benchmarks.md, 2026-11-26).
+    leaf_size : int or None, default None
+        Maximum number of points in a leaf. ``None``: the device's default (``leaf_size_``):
+        32 on the CPU (the measurement above: 16- and 64-row leaves were slower at 4 trees), 64
+        on the GPU (unchanged).
     backtracks : int or None, default None
         Maximum number of leaves scanned per query. ``None`` means unlimited: the search is
-        exact (identical to brute force, ties by id).
+        exact (identical to brute force, ties by id). Or leave the budget to the index: give
+        :meth:`fit` or :meth:`query` a ``recall=`` target instead (not both).
     method : {"banns", "anns", "exact"}, default "banns"
         P-BANNS (buffered rounds, each leaf scanned once for the queries that take it; both
         devices), P-ANNS (one query per thread), or the exact GEMM brute force.
@@ -76,9 +119,35 @@ class KDForest:
     n_features_in_ : int
     device_ : str
         ``"cpu"`` or ``"gpu"``.
+    n_trees_, leaf_size_ : int
+        The tree count and leaf size :meth:`fit` built with (the device's defaults where the
+        parameters are None).
     stats_ : dict
         Statistics of the last query: ``leaves_visited`` ((M,) int32 numpy, leaves scanned per
         query over all trees), ``heap_overflow``, and the P-BANNS rounds and phase timings.
+    recall_target_ : float or None
+        The ``recall=`` of :meth:`fit`: a query that names neither ``backtracks=`` nor
+        ``recall=`` searches at the budget calibrated for its ``k`` at this target.
+    calibration_ : dict
+        After a search with a ``recall=`` target (given to :meth:`fit` or :meth:`query`): the
+        estimate the budget came from (see :meth:`calibrate`): ``target``, ``k``, ``budget``
+        (leaves per query; None: unlimited), ``recall`` (measured on the sample), ``sample``
+        (rows), ``seconds``, ``probes`` (``[(budget, recall), ...]`` in the order tried) and
+        ``rule``. Calibrations are cached per ``(k, target)`` until the next :meth:`fit`.
+
+    Notes
+    -----
+    Recall targets: ``fit(X, recall=0.9)`` or ``query(Q, k, recall=0.9)`` leave the leaf budget
+    to the index. It queries ``min(N, CALIBRATION_ROWS)`` of its own rows (drawn with
+    ``CALIBRATION_SEED``) for ``k + 1`` neighbours and drops each row's own id (leave-one-out:
+    each row is searched as a query the index does not hold, its descent and pruning those of a
+    search for its ``k`` nearest other rows), scores the answers against the exact brute force
+    with the bench's rule (a returned neighbour counts when its distance is at most the exact
+    ``k``-th; ties count), and takes the smallest budget whose measured recall@k is >= the
+    target: doubling from :data:`CALIBRATION_START` leaves, then bisection down to a step of
+    1/16 of the budget. Queries the index has not seen land within the sampling error of the
+    estimate (about 0.01 at 2,000 rows; held-out SHOT352 queries: docs/benchmarks.md). An
+    unlimited budget stays the exact answer.
 
     Examples
     --------
@@ -90,7 +159,7 @@ class KDForest:
     [0, 1, 2, 3, 4]
     """
 
-    def __init__(self, *, n_trees: int = 1, leaf_size: int = 64, backtracks: int | None = None,
+    def __init__(self, *, n_trees: int | None = None, leaf_size: int | None = None, backtracks: int | None = None,
                  method: str = "banns", random_dims: int | None = None, seed: int = 0,
                  device: str = "auto", max_depth: int | None = None, sliding_window: bool = True,
                  split: str = "variance", heap_cap: int | None = None, descent: str = "auto",
@@ -126,9 +195,12 @@ class KDForest:
         return f"KDForest({args})"
 
     def _validate(self):
-        if isinstance(self.n_trees, bool) or not isinstance(self.n_trees, (int, np.integer)) or self.n_trees < 1:
-            raise InputError(f"n_trees must be an integer >= 1, got {self.n_trees!r}")
-        _check_n_trees(self.n_trees)
+        """Check the parameters; ``(leaf_size or None, max_depth, random_dims, seed)``."""
+        if self.n_trees is not None:
+            if isinstance(self.n_trees, bool) or not isinstance(self.n_trees, (int, np.integer)) or self.n_trees < 1:
+                raise InputError(f"n_trees must be an integer >= 1 or None (the device's default), "
+                                 f"got {self.n_trees!r}")
+            _check_n_trees(self.n_trees)
         if self.method not in _METHODS:
             raise InputError(f"method must be one of {_METHODS}, got {self.method!r}")
         if not isinstance(self.sliding_window, (bool, np.bool_)):
@@ -137,16 +209,29 @@ class KDForest:
         heap_capacity(1, self.heap_cap)
         check_split(self.split)
         resolve_descent(self.descent)
-        return _check_build_params(self.leaf_size, self.max_depth, self.random_dims, self.seed)
+        leaf_size, max_depth, rand_f, seed = _check_build_params(1 if self.leaf_size is None else self.leaf_size,
+                                                                 self.max_depth, self.random_dims, self.seed)
+        return (None if self.leaf_size is None else leaf_size), max_depth, rand_f, seed
 
-    def fit(self, X, y=None, *, keep_rows: bool = True) -> "KDForest":
+    def fit(self, X, y=None, *, keep_rows: bool = True, recall: float | None = None,
+            recall_k: int = 4) -> "KDForest":
         """Validate the parameters and build the index of ``X`` ((N, d) float array).
 
         ``keep_rows=False`` builds the trees only, keeping no copy of the rows (``tree_.points``
         is None and this forest cannot answer queries): the arrays an index in a store needs,
-        built with one copy of the rows on the device."""
+        built with one copy of the rows on the device.
+
+        ``recall``: a target recall@k in (0, 1) instead of a leaf budget (``backtracks`` must
+        then be None): the budget is calibrated now for ``k = recall_k`` (``calibration_``), and
+        every :meth:`query` that names no budget searches with the budget calibrated for its
+        own ``k`` (calibrated at its first use)."""
+        if recall is not None:
+            recall = check_recall(recall)
+            if self.backtracks is not None:
+                raise InputError(f"give recall= or a budget (backtracks={self.backtracks!r}), not both")
+            if not keep_rows:
+                raise InputError("recall= needs the rows (keep_rows=True): the calibration searches them")
         leaf_size, max_depth, rand_f, seed = self._validate()
-        n_trees = int(self.n_trees)
         dev = resolve_device(self.device, X)
         if dev == "gpu":
             import cupy as cp
@@ -159,6 +244,8 @@ class KDForest:
             X = check_points(to_numpy(X), "X", xp=np)
         self.device_ = dev
         d = int(X.shape[1])
+        n_trees, leaf_size = resolve_defaults(dev, d, self.n_trees, leaf_size)
+        self.n_trees_, self.leaf_size_ = n_trees, leaf_size
         if self.random_dims is None:
             rand_f = min(5, d) if n_trees > 1 else 0
         elif rand_f > d:
@@ -176,9 +263,14 @@ class KDForest:
                                         random_dims=rand_f or None, seed=seed, split=self.split, device=dev,
                                         leaf_rows=keep_rows)
         self.stats_ = {}
+        self._calibrations, self.recall_target_ = {}, recall
+        self.__dict__.pop("calibration_", None)
+        if recall is not None and self.method != "exact":
+            self.calibrate(check_k(recall_k, self.n_samples_fit_), recall)
         return self
 
-    def query(self, Q, k: int = 1, *, bounds=None, backtracks=_UNSET, return_stats: bool = False):
+    def query(self, Q, k: int = 1, *, bounds=None, backtracks=_UNSET, recall: float | None = None,
+              return_stats: bool = False):
         """The ``k`` nearest indexed points of each row of ``Q``.
 
         Parameters
@@ -191,8 +283,14 @@ class KDForest:
             points strictly closer than the bound are returned, the rest of the row being
             ``(inf, -1)``. ``stats_["leaves_visited"]`` shows the saved work.
         backtracks : int or None, optional, keyword-only
-            Overrides the fitted ``backtracks`` for this call (``None``: unlimited), e.g. a
-            small budget for the first phase of a bound synchronisation.
+            Overrides the fitted ``backtracks`` (or the budget of a ``fit(recall=...)`` target)
+            for this call (``None``: unlimited), e.g. a small budget for the first phase of a
+            bound synchronisation.
+        recall : float in (0, 1), optional, keyword-only
+            A target recall@k instead of a budget: the smallest budget whose recall@k on a
+            sample of the index's own rows is >= the target (:meth:`calibrate`, cached per
+            ``(k, recall)``; ``calibration_`` tells the estimate). Not with ``backtracks=`` or
+            a fitted ``backtracks``.
         return_stats : bool, keyword-only
             Also return this search's statistics (what ``stats_`` holds after it): the way to
             read them when several threads search one forest at once.
@@ -214,6 +312,13 @@ class KDForest:
         if self.method not in _METHODS:
             raise InputError(f"method must be one of {_METHODS}, got {self.method!r}")
         k = check_k(k, self.n_samples_fit_)
+        if recall is not None:
+            recall = check_recall(recall)
+            if backtracks is not _UNSET or self.backtracks is not None:
+                given = backtracks if backtracks is not _UNSET else self.backtracks
+                raise InputError(f"give recall= or a budget (backtracks={given!r}), not both")
+        elif backtracks is _UNSET:
+            recall = getattr(self, "recall_target_", None)
         if self.device_ == "gpu":
             import cupy as cp
 
@@ -236,17 +341,117 @@ class KDForest:
                 dist[drop] = np.inf
                 ids[drop] = -1
             return (dist, ids, stats) if return_stats else (dist, ids)
-        if int(self.n_trees) != self.tree_.n_trees:
-            raise InputError(f"this KDForest has n_trees={self.n_trees} but its tree_ holds {self.tree_.n_trees} "
+        want = self.n_trees if self.n_trees is not None else getattr(self, "n_trees_", self.tree_.n_trees)
+        if int(want) != self.tree_.n_trees:
+            raise InputError(f"this KDForest has n_trees={want} but its tree_ holds {self.tree_.n_trees} "
                              "tree(s) (a forest loaded without its roots array?)")
-        budget = self.backtracks if backtracks is _UNSET else backtracks
-        _check_budget(budget)
-        dist, ids, stats = query_kdtree(self.tree_, Q, k, method=self.method, backtracks=budget,
-                                        sliding_window=self.sliding_window, bounds=bounds, return_stats=True,
-                                        heap_cap=self.heap_cap, descent=self.descent,
-                                        leaves_per_round=self.leaves_per_round)
-        self.stats_ = stats = dict(stats, method=self.method)
+        if recall is not None:
+            budget = self.calibrate(k, recall)["budget"]
+        else:
+            budget = self.backtracks if backtracks is _UNSET else backtracks
+            _check_budget(budget)
+        dist, ids, stats = self._search(Q, k, budget, bounds)
+        self.stats_ = stats = dict(stats, method=self.method, **({} if recall is None else {"backtracks": budget}))
         return (dist, ids, stats) if return_stats else (dist, ids)
+
+    def _search(self, Q, k: int, budget, bounds=None):
+        """The forest's search of ``Q`` at a leaf budget (None: unlimited), with its parameters."""
+        return query_kdtree(self.tree_, Q, k, method=self.method, backtracks=budget,
+                            sliding_window=self.sliding_window, bounds=bounds, return_stats=True,
+                            heap_cap=self.heap_cap, descent=self.descent, leaves_per_round=self.leaves_per_round)
+
+    def calibrate(self, k: int, recall: float) -> dict:
+        """The smallest leaf budget whose recall@``k`` on a sample of the indexed rows is >= ``recall``.
+
+        Leave-one-out on ``min(N, CALIBRATION_ROWS)`` indexed rows (drawn with
+        ``CALIBRATION_SEED``): each is searched for ``k + 1`` neighbours and its own id dropped,
+        and a returned row counts when its distance is at most the exact ``k``-th distance to
+        the other rows (the brute force of this module's rows; ties count). Budgets double from
+        ``CALIBRATION_START`` leaves until one meets the target, then bisect down to a step of
+        1/16 of the budget; a budget of every leaf of the forest that still misses it (queue
+        overflow) gives None (unlimited: exact). Cached per ``(k, recall)`` until the next
+        :meth:`fit`; the result is also ``calibration_``. Works alike on both devices.
+
+        Returns
+        -------
+        dict
+            ``target``, ``k``, ``budget`` (None: unlimited), ``recall`` (measured on the
+            sample), ``sample``, ``seconds``, ``probes`` ([(budget, recall), ...]) and ``rule``.
+        """
+        if not hasattr(self, "n_samples_fit_"):
+            raise InputError("this KDForest is not fitted yet: call fit(X) first")
+        k, recall = check_k(k, self.n_samples_fit_), check_recall(recall)
+        cache = self.__dict__.setdefault("_calibrations", {})
+        got = cache.get((k, recall))
+        if got is None:
+            got = cache[(k, recall)] = self._calibrate(k, recall)
+        self.calibration_ = got
+        return got
+
+    def _calibrate(self, k: int, target: float) -> dict:
+        t0 = time.perf_counter()
+        n, dev = self.n_samples_fit_, self.device_
+        rule = "leave-one-out: indexed rows searched for k + 1 neighbours, their own id dropped"
+        if self.method == "exact" or self.tree_ is None:
+            return {"target": target, "k": k, "budget": None, "recall": 1.0, "sample": 0, "seconds": 0.0,
+                    "probes": [], "rule": "exact method: no budget"}
+        xp = np
+        if dev == "gpu":
+            import cupy as xp
+        tree = self.tree_
+        if tree.points is None:
+            raise InputError("this KDForest holds no rows (keep_rows=False): it cannot calibrate a recall")
+        kk = min(k + 1, n, MAX_K)
+        others = kk - 1  # neighbours scored per sampled row (k; n - 1 on a tiny index, MAX_K - 1 at k = MAX_K)
+        if others < 1:  # a one-row index: every budget is exact
+            return {"target": target, "k": k, "budget": None, "recall": 1.0, "sample": 0,
+                    "seconds": time.perf_counter() - t0, "probes": [], "rule": rule}
+        s = min(n, CALIBRATION_ROWS)
+        pos = np.sort(np.random.default_rng(CALIBRATION_SEED).choice(n, s, replace=False))
+        if self._fit_X is not None:  # rows in input order: the sample's ids are its positions
+            sample, sid = self._fit_X[xp.asarray(pos)], xp.asarray(pos, dtype=xp.int64)
+            exact = self._exact_search().search(sample, kk)[0]
+        else:  # a resident forest (rows leaf ordered, ids through perm): distances need no ids
+            from .bruteforce import knn_bruteforce
+
+            rows = tree.points[:n]
+            sample = rows[xp.asarray(pos)].astype(xp.float32)
+            sid = tree.perm[:n][xp.asarray(pos)].astype(xp.int64)
+            exact = knn_bruteforce(rows, sample, kk, device=dev)[0]
+        thr = exact[:, kk - 1:kk]  # the k-th distance to another row (the row itself is at 0)
+
+        def measure(budget):
+            d2, ids = self._search(sample, kk, budget)[:2]
+            hit = (ids != sid[:, None]) & (ids >= 0) & (d2 <= thr)
+            return float(xp.minimum(hit.sum(axis=1), others).sum()) / (s * others)
+
+        leaves = int((tree.child == -1).sum())  # over every tree: a budget of all of them is a full scan
+        probes, lo, hi, b = [], 0, None, min(CALIBRATION_START, leaves)
+        while True:
+            r = measure(b)
+            probes.append((b, r))
+            if r >= target:
+                hi = b
+                break
+            lo = b
+            if b >= leaves:
+                break
+            b = min(2 * b, leaves)
+        while hi is not None and hi - lo > max(1, hi // 16):
+            mid = (lo + hi) // 2
+            r = measure(mid)
+            probes.append((mid, r))
+            if r >= target:
+                hi = mid
+            else:
+                lo = mid
+        if hi is None:
+            got = measure(None)
+            probes.append((None, got))
+        else:
+            got = next(r for b, r in probes if b == hi)
+        return {"target": target, "k": k, "budget": hi, "recall": got, "sample": s,
+                "seconds": time.perf_counter() - t0, "probes": probes, "rule": rule}
 
     def _exact_search(self) -> ExactSearch:
         """The exact search over the kept rows, prepared once (their mean, centred copy and
