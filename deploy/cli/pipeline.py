@@ -18,6 +18,13 @@ from .core import (
 )
 
 
+#: the recognition options of ``recognize`` and ``archive`` (PCL tutorial values)
+SceneSsOpt = typer.Option(0.03, help="Scene keypoint sampling (0.03).")
+MethodOpt = typer.Option("hough", help="hough | gc.")
+CgSizeOpt = typer.Option(0.01, help="Hough bin / GC consensus size (0.01).")
+CgThreshOpt = typer.Option(5, help="Hough / GC threshold (5).")
+
+
 def _pick(store: str, patterns: list[str], what: str) -> list[str]:
     """Scan ids of the store matching any of the glob ``patterns``; none is a user error."""
     import fnmatch
@@ -192,12 +199,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                    help="Glob of the model scans' ids (a file models/milk.pcd is models__milk.pcd)."),
         library: str = typer.Option("default", help="Library name in the store."),
         model_ss: Optional[float] = typer.Option(None, help="Model keypoint sampling (the PCL tutorial's 0.01)."),
-        scene_ss: float = typer.Option(0.03, help="Scene keypoint sampling (0.03)."),
+        scene_ss: float = SceneSsOpt,
         rf_rad: Optional[float] = typer.Option(None, help="Hough reference-frame radius (0.015)."),
         descr_rad: Optional[float] = typer.Option(None, help="SHOT radius (0.02)."),
-        method: str = typer.Option("hough", help="hough | gc."),
-        cg_size: float = typer.Option(0.01, help="Hough bin / GC consensus size (0.01)."),
-        cg_thresh: float = typer.Option(5, help="Hough / GC threshold (5)."),
+        method: str = MethodOpt,
+        cg_size: float = CgSizeOpt,
+        cg_thresh: float = CgThreshOpt,
         export: Optional[str] = typer.Option(None, help="Folder for detections.csv/.parquet (file coordinates)."),
         device: str = DeviceOpt,
         scheduler: Optional[str] = SchedulerOpt,
@@ -254,12 +261,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         library: str = typer.Option("default", help="Library name in the store."),
         model_ss: Optional[float] = typer.Option(None, help="Model keypoint sampling (default: the stored "
                                                  "library's, else the PCL tutorial's 0.01)."),
-        scene_ss: float = typer.Option(0.03, help="Scene keypoint sampling (0.03)."),
+        scene_ss: float = SceneSsOpt,
         rf_rad: Optional[float] = typer.Option(None, help="Hough reference-frame radius (the library's, else 0.015)."),
         descr_rad: Optional[float] = typer.Option(None, help="SHOT radius (the library's, else 0.02)."),
-        method: str = typer.Option("hough", help="hough | gc."),
-        cg_size: float = typer.Option(0.01, help="Hough bin / GC consensus size (0.01)."),
-        cg_thresh: float = typer.Option(5, help="Hough / GC threshold (5)."),
+        method: str = MethodOpt,
+        cg_size: float = CgSizeOpt,
+        cg_thresh: float = CgThreshOpt,
         export: Optional[str] = typer.Option(None, help="Folder for detections.csv/.parquet and renders/."),
         device: str = DeviceOpt,
         scheduler: Optional[str] = SchedulerOpt,
