@@ -578,6 +578,26 @@ def test_recognize_small_synthetic_scene(small_world):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_forest_matching_at_a_recall_finds_what_exact_matching_finds(small_world, device):
+    """``match_recall``: the library's KD-forest, calibrated for that recall on its own rows, in
+    place of the brute force: the same instances at the ground-truth poses, and its calibration
+    kept on the library (one per recall) for the next scene."""
+    _, lib, scene = small_world
+    pts = scene.points
+    if device == "gpu":
+        import cupy as cp
+
+        pts = cp.asarray(pts)
+    dets = recognize(pts, lib, device=device, match_recall=0.95, **SMALL_REC)
+    ev = evaluate(dets, scene.ground_truth, max_translation=10 * scene.resolution)
+    assert ev["tp"] == len(scene.ground_truth) and ev["fp"] == 0
+    assert max(ev["translation_errors"]) < 2 * scene.resolution and max(ev["rotation_errors"]) < 2.0
+    forest = lib.forest_search(device)
+    assert forest.calibration_["target"] == 0.95 and forest.calibration_["recall"] >= 0.95
+    assert forest is lib.forest_search(device)  # built once per device
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_recognize_with_pcha_refinement(small_world, device):
     """Parametric chamfer alignment as the refinement: same detections, poses within 2 degrees."""
     _, lib, scene = small_world
@@ -691,7 +711,7 @@ def test_recognize_params_defaults_and_frozen():
     (dict(ratio=1.5), "ratio"), (dict(min_inlier_fraction=2.0), "min_inlier_fraction"),
     (dict(min_inliers=-1), "min_inliers"), (dict(verify="yes"), "verify"), (dict(viewpoint=(0, 0)), "viewpoint"),
     (dict(method="gc", cg_thresh=-1), "cg_thresh"), (dict(max_detections=0), "max_detections"),
-    (dict(seed=1.5), "seed"),
+    (dict(seed=1.5), "seed"), (dict(match_recall=1.0), "match_recall"), (dict(match_recall="0.9"), "match_recall"),
 ])
 def test_recognize_params_refuse_bad_values(bad, word):
     with pytest.raises(InputError, match=word) as err:

@@ -41,8 +41,9 @@ class Correspondences:
 
 
 def match(scene_descriptors, library: ModelLibrary, *, k: int = 1, max_dist2: float = 0.25,
-          ratio: float | None = None, device: str = "auto") -> Correspondences:
-    """Nearest library descriptors of every scene descriptor (exact brute force).
+          ratio: float | None = None, device: str = "auto", recall: float | None = None) -> Correspondences:
+    """Nearest library descriptors of every scene descriptor (exact brute force; with ``recall``,
+    the library's KD-forest at that recall).
 
     Parameters
     ----------
@@ -57,6 +58,10 @@ def match(scene_descriptors, library: ModelLibrary, *, k: int = 1, max_dist2: fl
         Ratio test: also query the ``k + 1``-th neighbour and keep neighbour ``j`` only when
         ``sqrt(d_j / d_{k+1}) < ratio`` (Lowe's test for ``k = 1``).
     device : {"auto", "cpu", "gpu"}
+    recall : float, optional
+        Search the library's KD-forest instead of the brute force, its budget calibrated for this
+        recall@``k`` (``k + 1`` with ``ratio``) on the library's own rows
+        (:meth:`ModelLibrary.forest_search`). ``None``: exact.
 
     Returns
     -------
@@ -84,7 +89,10 @@ def match(scene_descriptors, library: ModelLibrary, *, k: int = 1, max_dist2: fl
         return empty
     kq = k + (1 if ratio is not None else 0)
     kq = min(kq, len(rows))
-    d2, ids = library._exact_search(dev).search(sd[sval], kq)
+    if recall is None:
+        d2, ids = library._exact_search(dev).search(sd[sval], kq)
+    else:
+        d2, ids = library.forest_search(dev).query(sd[sval], k=kq, recall=float(recall))
     d2 = to_numpy(d2).astype(np.float32)
     ids = to_numpy(ids)
     sval = to_numpy(sval)

@@ -388,6 +388,19 @@ class ModelLibrary:
             memo = cache[dev] = (self.descriptors, ExactSearch(self.reference(), device=dev))
         return memo[1]
 
+    def forest_search(self, dev: str):
+        """The KD-forest over the matched reference descriptors (``descriptors[valid_rows]``, the
+        ids of :meth:`_exact_search`) on ``dev`` with the device's defaults, built once per device;
+        its ``query(..., recall=r)`` calibrates its budget once per (k, r) and keeps it."""
+        from ..knn.kdforest import KDForest
+
+        cache = self.__dict__.setdefault("_search_cache", {})
+        key = ("forest", dev)
+        memo = cache.get(key)
+        if memo is None or memo[0] is not self.descriptors:
+            memo = cache[key] = (self.descriptors, KDForest(device=dev).fit(self.reference()))
+        return memo[1]
+
     def __getstate__(self):
         # a pickled library (sent to a Dask worker) carries its arrays, not the searches built on them
         state = dict(self.__dict__)
