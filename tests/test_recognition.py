@@ -682,7 +682,7 @@ def test_recognize_without_verification_returns_every_hypothesis(small_world):
 #: recognize()'s keyword defaults before they moved onto RecognizeParams
 _DEFAULTS = dict(scene_ss=0.03, descr_rad=None, rf_rad=None, normal_k=10, normal_radius=None, method="hough",
                  cg_size=0.01, cg_thresh=5, use_interpolation=True, match_k=1, max_dist2=0.25, ratio=None,
-                 ransac=True, verify=True, inlier_dist=None, min_inlier_fraction=0.5, min_inliers=10,
+                 match_recall=None, ransac=True, verify=True, inlier_dist=None, min_inlier_fraction=0.5, min_inliers=10,
                  viewpoint=(0.0, 0.0, 0.0), icp=True, icp_iterations=30, refine_min_fraction=0.3, max_refine=32,
                  refine="icp", max_detections=None, seed=0)
 
