@@ -37,12 +37,12 @@ def resolve_defaults(device: str, d: int, n_trees=None, leaf_size=None) -> tuple
     return int(n_trees), int(dflt["leaf_size"] if leaf_size is None else leaf_size)
 
 
-def check_recall(recall) -> float:
-    """A recall target: a float in (0, 1)."""
+def check_recall(recall, name: str = "recall") -> float:
+    """A recall target: a float in (0, 1); ``name``: the parameter the error names."""
     if isinstance(recall, bool) or not isinstance(recall, (int, float, np.integer, np.floating)) \
             or not 0.0 < float(recall) < 1.0:
-        raise InputError(f"recall must be a number in (0, 1) (the recall@k the index calibrates its budget for; "
-                         f"for an exact search leave it out with backtracks=None), got {recall!r}")
+        raise InputError(f"{name} must be a number in (0, 1) (the recall@k the search budget is calibrated for; "
+                         f"leave it out for an exact search), got {recall!r}")
     return float(recall)
 
 

@@ -138,10 +138,10 @@ class RecognizeParams:
                 positive(getattr(self, name), name)
         for name in ("normal_k", "match_k", "icp_iterations", "max_refine"):
             positive(getattr(self, name), name, integer=True)
-        r = self.match_recall
-        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float, np.integer, np.floating))
-                              or not 0.0 < float(r) < 1.0):
-            raise InputError(f"match_recall must be a recall in (0, 1) (None: exact matching), got {r!r}")
+        if self.match_recall is not None:
+            from ..knn.kdforest import check_recall
+
+            check_recall(self.match_recall, "match_recall")
         if self.max_detections is not None:
             positive(self.max_detections, "max_detections", integer=True)
         for name in ("use_interpolation", "ransac", "verify", "icp"):
