@@ -39,7 +39,7 @@ from .describe import describe_flow
 from .ingest import ingest_flow
 from .inputs import absolute_path
 from .match import index_build_flow, match_flow
-from .recognize import check_recognize, recognize_flow, summarize
+from .recognize import check_recognize, check_recognize_params, recognize_flow, summarize
 from .records import RUN_HOOKS, count_redone, record_run
 
 PIPELINES = ("one-pass", "staged")
@@ -63,6 +63,7 @@ def archive_flow(store: str, source: str | None = None, models: str = "models__*
     recognize)."""
     if pipeline not in PIPELINES:
         raise InputError(f"pipeline must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
+    check_recognize_params(library_params, recognize)  # a bad value refused before anything is ingested
     # one local cluster for every stage (its workers start once, and keep the library and the
     # index they load); with a scheduler, the stages use its workers
     with cluster_scope(device=device, workers=workers):

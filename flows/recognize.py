@@ -61,14 +61,9 @@ def recognize_flow(store: str, models: list[str], scenes: list[str] | None = Non
 _POSITIVE = ("model_ss", "scene_ss", "rf_rad", "descr_rad", "cg_size", "cg_thresh")
 
 
-def check_recognize(store: str, models: list[str], scenes: list[str] | None, library_params: dict | None,
-                    params: dict | None) -> ScanStore:
-    """User errors of a recognize run, found before any cluster starts."""
-    st = open_store(store)
-    if not models:
-        raise InputError("no model scans given (--models)")
-    require_scans(st, models, "model scan")
-    require_scans(st, scenes, "scene scan")
+def check_recognize_params(library_params: dict | None, params: dict | None):
+    """The recognition and library parameters' own user errors (no store needed: the archive
+    flow checks them before it ingests); the checked ``RecognizeParams``."""
     for key, v in {**(library_params or {}), **(params or {})}.items():
         if key in _POSITIVE and v is not None and not float(v) > 0:
             raise InputError(f"--{key.replace('_', '-')} must be positive, got {v}")
@@ -78,7 +73,18 @@ def check_recognize(store: str, models: list[str], scenes: list[str] | None, lib
     from scanforest.kernels.recognition import RecognizeParams
 
     # the rest of what every worker's recognize() will check: names and values
-    p = RecognizeParams().replace(**(params or {}))
+    return RecognizeParams().replace(**(params or {}))
+
+
+def check_recognize(store: str, models: list[str], scenes: list[str] | None, library_params: dict | None,
+                    params: dict | None) -> ScanStore:
+    """User errors of a recognize run, found before any cluster starts."""
+    st = open_store(store)
+    if not models:
+        raise InputError("no model scans given (--models)")
+    require_scans(st, models, "model scan")
+    require_scans(st, scenes, "scene scan")
+    p = check_recognize_params(library_params, params)
     lp = {**LIBRARY_DEFAULTS, **{k: v for k, v in (library_params or {}).items() if v is not None}}
     # coordinates too coarse in float32 for the radii (a scan many km across), before any work
     st.check_coordinates(models, {k: lp.get(k) for k in ("model_ss", "descr_rad", "rf_rad")})

@@ -57,8 +57,9 @@ def _tree(path: Path) -> set[str]:
     (("recognize", "{store}", "-m", "s0.pcd", "--cg-size", "-1"), ("--cg-size",)),
     (("recognize", "{store}", "-m", "nomodel*"), ("nomodel*",)),
     (("describe", "{store}", "--workers", "0"), ("--workers",)),
+    (("archive", "{store}", "{store}.new", "--method", "ransac"), ("--method",)),  # before anything is ingested
 ], ids=["shot-radius", "normal-k", "scan", "k", "queries", "index", "reference", "shards", "recall-and-budget",
-        "recall-range", "cg-size", "models", "workers"])
+        "recall-range", "cg-size", "models", "workers", "archive-method"])
 def test_bad_parameters_fail_in_one_line_at_once(small_store, user_env, tmp_path, args, needles):
     """A deterministic user error is never retried and prints one line: no traceback, no 12-18 s
     of retries, nothing written into the store."""
@@ -70,6 +71,7 @@ def test_bad_parameters_fail_in_one_line_at_once(small_store, user_env, tmp_path
     _one_line_error(proc, *needles)
     assert time.perf_counter() - t0 < 15  # refused before any cluster or server starts
     assert _tree(small_store) == before
+    assert not Path(f"{small_store}.new").exists()  # no store created by a refused archive
 
 
 @pytest.mark.parametrize("command", ["describe S", "match S", "info S", "recognize S -m x", "index build S -r x",

@@ -218,11 +218,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         A rerun resumes: what is done is skipped."""
         from scanforest.flows.archive import archive_flow
         from scanforest.flows.prefect_api import ensure_prefect_api
-        from scanforest.flows.recognize import export_results
+        from scanforest.flows.recognize import check_recognize_params, export_results
 
         library_params = {k: v for k, v in {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad}.items()
                           if v is not None}
         params = {"scene_ss": scene_ss, "method": method, "cg_size": cg_size, "cg_thresh": cg_thresh}
+        check_recognize_params(library_params, params)  # before Prefect's API or any ingest starts
         dev = choose_device(device)
         ensure_prefect_api()
         out = archive_flow(store=store, source=source, models=models, library=library, index="models",
