@@ -244,3 +244,30 @@ def test_a_killed_command_is_crashed_at_once_on_a_real_server(tmp_path, prefect_
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the killed command's Dask workers
+
+
+def test_flow_runs_on_a_temporary_api_send_no_heartbeats(prefect_api, monkeypatch):
+    """The temporary local API ends with its process, so no automation can act on heartbeats:
+    they are off there, and a flow run's end no longer waits for the heartbeat thread's 1-second
+    sleep (1.0 s at the end of every flow run); a user who sets the frequency keeps it."""
+    import time
+
+    from prefect import flow
+    from prefect.settings import get_current_settings
+
+    from scanforest.flows.prefect_api import local_api_pid, no_heartbeats_for_a_temporary_api
+
+    assert local_api_pid() is not None  # this process's own temporary API
+    assert get_current_settings().flows.heartbeat_frequency is None
+
+    @flow
+    def quick():
+        return time.perf_counter()
+
+    quick()
+    ends = []
+    for _ in range(3):
+        ends.append(time.perf_counter() - quick())
+    assert min(ends) < 0.5, ends  # with the heartbeat thread joined: 1.0 s each
+    monkeypatch.setenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "60")
+    assert no_heartbeats_for_a_temporary_api() is False
