@@ -24,6 +24,15 @@ def cold_env(tmp_path_factory) -> dict[str, str]:
     return fresh_env(tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def user_env(cold_env, prefect_api) -> dict[str, str]:
+    """This module's machine (its numba cache: cold for the demo, which runs first) for a user with
+    a Prefect server: the commands after the demo, whose subject is not the local API's start (the
+    demo's first command starts it on a fresh machine); each command that started one cost CI's 2
+    cores 5-6 s of CPU."""
+    return {**cold_env, "PREFECT_API_URL": prefect_api}
+
+
 # ------------------------------------------------------------------ the main job
 def test_readme_demo_command_on_a_fresh_machine(cold_env, tmp_path):
     """README: ``scanforest demo`` (default options, default workers, cold caches) runs the archive
@@ -57,7 +66,7 @@ def test_readme_demo_command_on_a_fresh_machine(cold_env, tmp_path):
 
 
 # ------------------------------------------------------------------ real data, every stage
-def test_pcl_clouds_through_every_stage_and_the_report(cold_env, tmp_path, pcl_dir):
+def test_pcl_clouds_through_every_stage_and_the_report(user_env, tmp_path, pcl_dir):
     """PCL's test clouds along the README's real-data path: ingest (the folder's README.md is not
     a failure) -> describe -> library build -> match against the library -> recognize -> report,
     nothing recomputed. The milk carton is found once in PCL's tutorial scene at the identity (the
@@ -71,18 +80,18 @@ def test_pcl_clouds_through_every_stage_and_the_report(cold_env, tmp_path, pcl_d
     clouds.mkdir()
     for name in ("milk.pcd", scene, "README.md"):
         (clouds / name).symlink_to(pcl_dir / name)
-    ing = json.loads(_ok(sf("ingest", str(clouds), store, "--json", env=cold_env, cwd=tmp_path)))
+    ing = json.loads(_ok(sf("ingest", str(clouds), store, "--json", env=user_env, cwd=tmp_path)))
     assert ing["ingested"] == 2 and ing["quarantined"] == 0 and ing["ignored"] == 1, ing
-    _ok(sf("describe", store, "--scan", scene, env=cold_env, cwd=tmp_path))
-    lib = json.loads(_ok(sf("library", "build", store, "-m", "milk.pcd", "--json", env=cold_env, cwd=tmp_path)))
+    _ok(sf("describe", store, "--scan", scene, env=user_env, cwd=tmp_path))
+    lib = json.loads(_ok(sf("library", "build", store, "-m", "milk.pcd", "--json", env=user_env, cwd=tmp_path)))
     assert lib["status"] == "built" and lib["models"] == 1 and lib["index_status"] == "built", lib
-    again = json.loads(_ok(sf("library", "build", store, "-m", "milk.pcd", "--json", env=cold_env, cwd=tmp_path)))
+    again = json.loads(_ok(sf("library", "build", store, "-m", "milk.pcd", "--json", env=user_env, cwd=tmp_path)))
     assert again["status"] == "unchanged" and again["index_status"] == "unchanged", again  # a no-op
-    one_line_error(sf("match", store, "--library", "nope", env=cold_env, cwd=tmp_path), "nope", "library build")
-    mt = json.loads(_ok(sf("match", store, "--library", "default", "-q", scene, "--json", env=cold_env,
+    one_line_error(sf("match", store, "--library", "nope", env=user_env, cwd=tmp_path), "nope", "library build")
+    mt = json.loads(_ok(sf("match", store, "--library", "default", "-q", scene, "--json", env=user_env,
                            cwd=tmp_path)))
     assert mt["matched"] == 1 and mt["queries"] > 100, mt
-    rc = json.loads(_ok(sf("recognize", store, "-s", scene, "--json", env=cold_env, cwd=tmp_path)))
+    rc = json.loads(_ok(sf("recognize", store, "-s", scene, "--json", env=user_env, cwd=tmp_path)))
     assert rc["recognized"] == 1 and rc["failed"] == 0 and rc["detections"] == 1, rc
     assert rc["from_stored"] == 1 and rc["recomputed"] == 0, rc  # one path: nothing described or matched again
     from scanforest.tasks.store import ScanStore
@@ -90,10 +99,10 @@ def test_pcl_clouds_through_every_stage_and_the_report(cold_env, tmp_path, pcl_d
     det = ScanStore(store, mode="r").attrs(scene)["stages"]["recognize"]["detections"]
     pose = np.asarray(det[0]["pose"])
     assert np.abs(pose[:3, :3] - np.eye(3)).max() < 0.02 and np.abs(pose[:3, 3]).max() < 0.005, pose
-    info = _ok(sf("info", store, env=cold_env, cwd=tmp_path))
+    info = _ok(sf("info", store, env=user_env, cwd=tmp_path))
     assert "recognize 1" in info and "describe 1" in info, info  # the scene (the library describes its model)
     html = tmp_path / "report.html"
-    _ok(sf("report", store, "-o", str(html), env=cold_env, cwd=tmp_path))
+    _ok(sf("report", store, "-o", str(html), env=user_env, cwd=tmp_path))
     _render_in_chromium(html, tmp_path)
 
 
@@ -120,7 +129,7 @@ def _render_in_chromium(html: Path, tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ user errors: one line, exit 2
-def test_a_scan_that_cannot_be_described_fails_alone(cold_env, tmp_path):
+def test_a_scan_that_cannot_be_described_fails_alone(user_env, tmp_path):
     """One bad scan (2 points) in a batch: recorded as failed with its id and reason, the others
     are described, the command says so and exits 0; the run record and the report show it."""
     from scanforest.tasks.readers import write_cloud
@@ -132,9 +141,9 @@ def test_a_scan_that_cannot_be_described_fails_alone(cold_env, tmp_path):
         write_cloud(src / f"ok{i}.pcd", rng.random((3_000, 3)).astype(np.float32))
     write_cloud(src / "tiny.pcd", rng.random((2, 3)).astype(np.float32))
     store = tmp_path / "s.zarr"
-    _ok(sf("ingest", str(src), str(store), "--workers", "1", env=cold_env, cwd=tmp_path))
+    _ok(sf("ingest", str(src), str(store), "--workers", "1", env=user_env, cwd=tmp_path))
     out = _ok(sf("describe", str(store), "--keypoint-radius", "0.2", "--shot-radius", "0.2",
-                 env=cold_env, cwd=tmp_path))
+                 env=user_env, cwd=tmp_path))
     assert re.search(r"failed: tiny\.pcd: .+", out), out
     assert re.search(r"described\s*│\s*3", out), out
     from scanforest.tasks.store import ScanStore
@@ -144,5 +153,5 @@ def test_a_scan_that_cannot_be_described_fails_alone(cold_env, tmp_path):
     run = [r for r in st.runs() if r["flow"] == "describe"][-1]
     assert run["status"] == "completed"
     assert [r["scan_id"] for r in run["records"] if r["status"] == "failed"] == ["tiny.pcd"]
-    _ok(sf("report", str(store), "-o", str(tmp_path / "r.html"), env=cold_env, cwd=tmp_path))
+    _ok(sf("report", str(store), "-o", str(tmp_path / "r.html"), env=user_env, cwd=tmp_path))
     assert "tiny.pcd" in (tmp_path / "r.html").read_text()

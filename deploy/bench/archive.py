@@ -133,9 +133,12 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     lib_params, rec_params = recognition_presets(dev, points)
     t_all = time.perf_counter()  # the end-to-end clock: every start-up it needs is inside it
     ensure_prefect_api()
+    clock = {"api": time.perf_counter() - t_all}  # where the end-to-end time outside the stages goes
     # the stages share one local cluster, as the archive flow's do
     with cluster_scope(device=dev, workers=workers), dask_client(None, n_workers=workers, device=dev) as client:
         timeline = _Timeline(client)
+        clock["cluster_start"] = time.perf_counter() - t_all - clock["api"]
+        t_stages = time.perf_counter()
         if "ingest" in todo:
             with Utilization() as u, timeline("ingest"):
                 s = run_ingest(str(archive), str(store), workers=workers, progress=False)
@@ -158,6 +161,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
             lib = build_library(str(store), model_ids, name="bench", params=lib_params, device=dev)
             t1 = time.perf_counter()
             run_index_build(str(store), None, library="bench", name="models", shards=shards, params={"method": "exact"})
+            clock["library_and_index"] = clock.get("library_and_index", 0.0) + time.perf_counter() - t0
             rep.note(f"model library 'bench' ({lib['status']}) in {t1 - t0:.1f} s, its index in "
                      f"{time.perf_counter() - t1:.1f} s (in the end-to-end time, not in a stage's)")
 
@@ -202,7 +206,17 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
                                   progress=False, library_params=lib_params, params=rec_params)
             stage("recognize", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
                   s.get("failures", ()), **recognition_notes("recognize", s), **timeline.figures)
+        t_close = time.perf_counter()
+        clock["in_cluster"] = t_close - t_stages
     total = time.perf_counter() - t_all
+    clock["cluster_stop"] = time.perf_counter() - t_close
+    # the stages' walls, and what the stages' flow calls spent beside them (flow runs, the cluster's
+    # plugins, summaries and run records)
+    walls = sum(done[x]["wall"] for x in todo if x in done)
+    clock["stage_walls"] = walls
+    clock["other_in_cluster"] = clock.pop("in_cluster") - walls - clock.get("library_and_index", 0.0)
+    rep.note(f"end to end {total:.1f} s: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in clock.items()))
+    print(rep.notes[-1], flush=True)
     if all(x in done for x in order):
         _archive_rows(rep, done, scans, devname, total if todo == list(order) else None, order)
     rep.finish(out)
