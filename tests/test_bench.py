@@ -439,3 +439,19 @@ def test_bench_recognize_without_open3d_says_so(tmp_path, monkeypatch):
     assert any("Open3D not importable" in n and "scanforest[bench]" in n for n in rec["notes"])
     assert "Open3D not importable" in res.output and "Traceback" not in res.output
     assert not any("Open3D" in r["figure"] for r in rec["rows"])
+
+
+def test_rss_growth_tells_a_warm_up_from_a_leak():
+    """``bench ingest``'s memory figures: a process that grows at its start and then stays flat
+    has a growth but no second-half growth; one that grows with every file has both."""
+    from scanforest.deploy.bench.ingest import RssSampler
+
+    mb = 1_000_000
+    warm = [100 * mb + min(i, 10) * 3 * mb for i in range(100)]  # +30 MB over its first 10 samples
+    leak = [100 * mb + i * mb for i in range(100)]  # +1 MB a sample, to the end
+    s = RssSampler()
+    s.samples = [(float(i), warm[i], {1: warm[i], 2: leak[i]}) for i in range(100)]
+    m = s.summary()
+    assert m["flow_growth_mb"] > 10 and abs(m["flow_late_growth_mb"]) < 1e-9
+    assert m["worker_growth_mb"][0] > 10 and abs(m["worker_late_growth_mb"][0]) < 1e-9
+    assert m["worker_late_growth_mb"][1] == pytest.approx(45.0)  # the last 10% (95-99) minus the middle (45-54)
