@@ -94,6 +94,19 @@ def cluster_scope(*, device: str = "auto", workers: int | None = None) -> Iterat
                     obj.close()
 
 
+def start_scope_cluster(preload: tuple[str, ...] = ()) -> bool:
+    """Start the open :func:`cluster_scope`'s local cluster now, with ``preload`` (the first
+    stage's modules, see :func:`dask_client`), instead of at its first stage's first
+    :func:`dask_client` call: a command starts its workers while Prefect's local API boots rather
+    than after it (on four H200s' host, 7.7 s for the API and 4.4 s for 32 workers, one after
+    the other, 2026-11-28). False, doing nothing, outside a scope or once it is started."""
+    if _scope is None or "client" in _scope:
+        return False
+    with dask_client(None, n_workers=_scope["workers"], device=_scope["device"], preload=preload):
+        pass  # the scope keeps the client and closes it
+    return True
+
+
 #: configuration of the local cluster's workers (their nannies hand it to each worker process).
 #: Dask's statistical profiler samples every thread's stack 100 times a second for the dashboard,
 #: which local clusters do not serve: about 7% of the archive pass's worker CPU in a profile of

@@ -278,3 +278,22 @@ def test_local_workers_import_the_store_and_readers_as_they_start():
         found = client.run(loaded, every)
     assert found and all(v == every for v in found.values()), found
     assert {"zarr", "scanforest.tasks.ingest"} <= set(WORKER_PRELOAD) and "pypcd4" in INGEST_PRELOAD
+
+
+def test_a_scope_cluster_started_ahead_is_the_one_its_stages_use():
+    """``start_scope_cluster`` (the archive command starts its workers while Prefect's API boots):
+    nothing outside a scope; inside one, the cluster every later stage's client is, with the
+    first stage's preload, started once."""
+    import sys as _sys
+
+    from scanforest.flows.cluster import cluster_scope, dask_client, start_scope_cluster
+    from scanforest.flows.worker_setup import INGEST_PRELOAD
+
+    assert start_scope_cluster() is False
+    with cluster_scope(device="cpu", workers=1):
+        assert start_scope_cluster(preload=INGEST_PRELOAD) is True
+        assert start_scope_cluster() is False  # started already
+        with dask_client(None, n_workers=3, device="cpu") as a, dask_client(None, device="cpu") as b:
+            assert a is b and len(a.scheduler_info(n_workers=-1)["workers"]) == 1  # the scope's, not 3
+            found = a.run(lambda names: [n for n in names if n in _sys.modules], list(INGEST_PRELOAD))
+    assert found and all(v == list(INGEST_PRELOAD) for v in found.values()), found

@@ -154,8 +154,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """End to end on synthetic data, as the archive flow runs an archive: a synthetic archive (with one
         corrupt file) -> ingest -> model library -> index -> one pass of describe + match + recognize per scene,
         with precision and recall against the ground truth. Exit 0 only when every stage did all its work."""
-        from scanforest.flows.archive import archive_flow
-        from scanforest.flows.prefect_api import ensure_prefect_api
+        from scanforest.flows.archive import run_archive
         from scanforest.kernels.synthetic.scenes import recognition_presets
         from scanforest.tasks.synth import corrupt_copy, write_archive
 
@@ -170,14 +169,13 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                    f"(+1 corrupt file) in {archive} ({time.perf_counter() - t0:.1f} s)")
         store = workdir / "store.zarr"
         lib_params, rec_params = recognition_presets(dev)
-        ensure_prefect_api()
         t0 = time.perf_counter()
         # the archive flow, as a served `archive` deployment and `bench archive` run it: ingest, the
         # library, an index over it, then ONE pass over the scenes (describe + match + recognize)
-        out = archive_flow(store=str(store), source=str(archive), models="models__*", index="models",
-                           library="demo", index_params=DEMO_INDEX, shards=1, k=4,
-                           library_params=lib_params, recognize=rec_params, device=dev, scheduler=scheduler,
-                           workers=workers, progress=True, pipeline="one-pass")
+        out = run_archive(store=str(store), source=str(archive), models="models__*", index="models",
+                          library="demo", index_params=DEMO_INDEX, shards=1, k=4,
+                          library_params=lib_params, recognize=rec_params, device=dev, scheduler=scheduler,
+                          workers=workers, progress=True, pipeline="one-pass")
         _demo_report(store, out, made, broken, time.perf_counter() - t0)
 
 

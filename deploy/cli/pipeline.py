@@ -216,8 +216,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         it, then one pass over the scenes (describe + match + recognize each). Georeferenced scans (LAS/LAZ,
         E57) are computed in a local frame and their poses stored and exported in the file's coordinates.
         A rerun resumes: what is done is skipped."""
-        from scanforest.flows.archive import archive_flow
-        from scanforest.flows.prefect_api import ensure_prefect_api
+        from scanforest.flows.archive import run_archive
         from scanforest.flows.recognize import check_recognize_params, export_results
 
         library_params = {k: v for k, v in {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad}.items()
@@ -225,10 +224,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         params = {"scene_ss": scene_ss, "method": method, "cg_size": cg_size, "cg_thresh": cg_thresh}
         check_recognize_params(library_params, params)  # before Prefect's API or any ingest starts
         dev = choose_device(device)
-        ensure_prefect_api()
-        out = archive_flow(store=store, source=source, models=models, library=library, index="models",
-                           library_params=library_params, recognize=params, device=dev, scheduler=scheduler,
-                           workers=workers, progress=not as_json, pipeline="one-pass")
+        out = run_archive(store=store, source=source, models=models, library=library, index="models",
+                          library_params=library_params, recognize=params, device=dev, scheduler=scheduler,
+                          workers=workers, progress=not as_json, pipeline="one-pass")
         p = out["process"]
         if not as_json:  # each quarantined file with its reason, as ingest prints them
             print_summary(f"ingest {source} -> {store}", out["ingest"], keys=INGEST_KEYS)
