@@ -49,13 +49,18 @@ def run_archive(*, source: str | None = None, device: str = "auto", scheduler: s
                 workers: int | None = None, **kwargs) -> dict[str, Any]:
     """:func:`archive_flow` as the commands run it (``scanforest archive``, ``scanforest demo``):
     the temporary local Prefect API (when no ``PREFECT_API_URL`` is set) boots while the local
-    cluster starts, instead of one after the other, then the flow runs on that cluster.
+    cluster starts, instead of one after the other, then the flow runs on that cluster. A user's
+    own server (``PREFECT_API_URL``) is asked first, so an unreachable one is said before any
+    worker starts.
     ``kwargs``: the flow's other parameters."""
     from scanforest.flows.worker_setup import INGEST_PRELOAD
 
-    from .prefect_api import ensure_prefect_api, start_prefect_api
+    from .prefect_api import ensure_prefect_api, local_api_pid, quiet_prefect_logs, start_prefect_api
 
+    quiet_prefect_logs()  # the cluster's start logs nothing on the terminal either
     start_prefect_api()  # returns at once; the server boots in its own process
+    if local_api_pid() is None:  # the user's own server: it answers (or is refused in one line) first
+        ensure_prefect_api()
     with cluster_scope(device=device, workers=workers):
         if scheduler is None:
             start_scope_cluster(preload=INGEST_PRELOAD if source is not None else ())

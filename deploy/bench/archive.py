@@ -78,7 +78,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     from scanforest.flows.describe import run_describe
     from scanforest.flows.ingest import run_ingest
     from scanforest.flows.match import run_index_build, run_match
-    from scanforest.flows.prefect_api import ensure_prefect_api, start_prefect_api
+    from scanforest.flows.prefect_api import ensure_prefect_api, quiet_prefect_logs, start_prefect_api
     from scanforest.flows.recognize import run_recognize
     from scanforest.kernels.backend import describe_device, gpu_count, resolve_device
     from scanforest.kernels.errors import InputError
@@ -132,6 +132,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
 
     lib_params, rec_params = recognition_presets(dev, points)
     t_all = time.perf_counter()  # the end-to-end clock: every start-up it needs is inside it
+    quiet_prefect_logs()
     start_prefect_api()  # the local API boots while the cluster starts, as the archive command has it
     # the stages share one local cluster, as the archive flow's do
     with cluster_scope(device=dev, workers=workers), dask_client(None, n_workers=workers, device=dev) as client:
