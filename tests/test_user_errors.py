@@ -125,6 +125,13 @@ def test_unreachable_scheduler_and_api_are_one_line(small_store, user_env, tmp_p
     env = {**user_env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
     proc = sf("describe", str(small_store), env=env, cwd=tmp_path, timeout=120)
     _one_line_error(proc, "PREFECT_API_URL", str(port))
+    # the archive command asks a user's server before it starts its workers (it starts them while a
+    # temporary local API boots): the one line, and nothing of a cluster's start on the terminal
+    src = tmp_path / "src"
+    src.mkdir()
+    proc = sf("archive", str(src), str(tmp_path / "a.zarr"), env=env, cwd=tmp_path, timeout=120)
+    _one_line_error(proc, "PREFECT_API_URL", str(port))
+    assert "distributed" not in proc.stdout + proc.stderr and not (tmp_path / "a.zarr").exists()
 
 
 def test_relative_store_with_an_external_scheduler(user_env, tmp_path):
