@@ -206,6 +206,8 @@ class _Warm:
         self.lock = threading.Lock()
         self.thread = None
         self.seconds: float | None = None
+        self.started_at: float | None = None  # wall clock (time.time()), for the bench's timeline
+        self.ended_at: float | None = None
         self.error: str | None = None
 
     def wait_done(self) -> None:
@@ -237,8 +239,16 @@ def warm_worker(device: str = "auto") -> bool:
     return True
 
 
+def warm_up_report() -> dict[str, Any]:
+    """This process's warm-up (:func:`warm_worker`): its seconds, its start and end (wall
+    clock, ``time.time()``; None while it runs or when none was started) and its error."""
+    return {"seconds": _WARM.seconds, "started_at": _WARM.started_at, "ended_at": _WARM.ended_at,
+            "error": _WARM.error}
+
+
 def _warm_up(device: str) -> None:
     t0 = time.perf_counter()
+    _WARM.started_at = time.time()
     try:
         from scanforest.kernels.backend import resolve_device
         from scanforest.kernels.knn.kdforest import KDForest
@@ -257,6 +267,8 @@ def _warm_up(device: str) -> None:
     except Exception as exc:  # noqa: BLE001 - a warm-up only: the first batch raises what matters
         _WARM.error = f"{type(exc).__name__}: {exc}"
         logging.getLogger(__name__).warning("worker warm-up failed (the first batch pays it): %s", _WARM.error)
+    finally:
+        _WARM.ended_at = time.time()
 
 
 #: scenes recognised together (their geometric-consistency sweeps in one launch on a GPU)

@@ -455,3 +455,25 @@ def test_rss_growth_tells_a_warm_up_from_a_leak():
     assert m["flow_growth_mb"] > 10 and abs(m["flow_late_growth_mb"]) < 1e-9
     assert m["worker_growth_mb"][0] > 10 and abs(m["worker_late_growth_mb"][0]) < 1e-9
     assert m["worker_late_growth_mb"][1] == pytest.approx(45.0)  # the last 10% (95-99) minus the middle (45-54)
+
+
+def test_the_workers_warm_ups_are_timed_against_the_pass():
+    """``bench archive`` on GPUs: whether the workers' warm-ups outlasted the library and index
+    build, from each worker's warm-up report, against the pass's call and its first task."""
+    from scanforest.deploy.bench._common import BenchReport
+    from scanforest.deploy.bench.archive import _warm_up_note
+
+    t_pass = 1_000.0
+
+    class Client:
+        def run(self, fn):
+            assert fn.__name__ == "warm_up_report"
+            return {"w0": {"seconds": 2.0, "started_at": 996.0, "ended_at": 998.0, "error": None},
+                    "w1": {"seconds": 5.5, "started_at": 996.0, "ended_at": 1001.5, "error": None},
+                    "w2": {"seconds": None, "started_at": 996.0, "ended_at": 997.0, "error": "OSError: x"},
+                    "w3": {"seconds": None, "started_at": None, "ended_at": None, "error": None}}  # none started
+
+    rep = BenchReport("archive", {})
+    _warm_up_note(rep, Client(), t_pass, {"first_task_after": 1.92})
+    assert rep.notes == ["process: 3 worker warm-ups, 2.0 / 3.8 / 5.5 s (min / median / max); the last ended "
+                         "+1.50 s from the pass's call, its first task started +1.92 s; 1 failed"]

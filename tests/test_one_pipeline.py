@@ -296,3 +296,6 @@ def test_a_worker_warms_up_once_in_the_background():
     pipeline._WARM.wait_done()
     assert pipeline.warm_worker("cpu") is False
     assert pipeline._WARM.error is None and pipeline._WARM.seconds is not None and pipeline._WARM.seconds > 0
+    rep = pipeline.warm_up_report()  # what bench archive reads from every worker
+    assert rep["error"] is None and rep["started_at"] <= rep["ended_at"]
+    assert rep["ended_at"] - rep["started_at"] == pytest.approx(rep["seconds"], abs=0.05)

@@ -185,11 +185,14 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
         if "process" in todo:
             # one shard: every worker holds the whole (small) index over the library on its device;
             # the workers warm up meanwhile, as in the archive flow
-            warm_gpu_workers(dev)
+            warmed = warm_gpu_workers(dev)
             library_and_index(1)
+            t_pass = time.time()
             with Utilization() as u, timeline("process"):
                 s = process_flow(str(store), scene_ids, library="bench", index="models", k=4, params=rec_params,
                                  device=dev, workers=workers, progress=False)
+            if warmed:  # did the workers' warm-up outlast the library and the index?
+                _warm_up_note(rep, client, t_pass, timeline.figures.get("timeline", {}))
             stage("process", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
                   s.get("failures", ()), **recognition_notes("process", s), **timeline.figures)
         if "match" in todo:
@@ -225,6 +228,28 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     if not keep and order[-1] in todo:
         shutil.rmtree(workdir, ignore_errors=True)
     return rep
+
+
+def _warm_up_note(rep: BenchReport, client, t_pass: float, tl: dict) -> None:
+    """A note of the workers' warm-ups (:func:`~scanforest.tasks.pipeline.warm_up_report`) against
+    the pass's call (``t_pass``, wall clock) and its first task (``tl``: the stage's timeline)."""
+    import statistics
+
+    from scanforest.tasks.pipeline import warm_up_report
+
+    reps = [r for r in client.run(warm_up_report).values() if r.get("ended_at")]
+    if not reps:
+        return
+    secs = sorted(r["seconds"] for r in reps if r.get("seconds") is not None)
+    errors = sum(bool(r.get("error")) for r in reps)
+    last = max(r["ended_at"] for r in reps) - t_pass
+    rep.note(f"process: {len(reps)} worker warm-ups"
+             + (f", {min(secs):.1f} / {statistics.median(secs):.1f} / {max(secs):.1f} s (min / median / max)"
+                if secs else "")
+             + f"; the last ended {last:+.2f} s from the pass's call"
+             + (f", its first task started {tl['first_task_after']:+.2f} s" if "first_task_after" in tl else "")
+             + (f"; {errors} failed" if errors else ""))
+    print(rep.notes[-1], flush=True)
 
 
 class _Timeline:
