@@ -34,7 +34,7 @@ from scanforest.tasks.recognize import build_library, describe_params_for, descr
 from scanforest.tasks.store import ScanStore
 
 from .batching import TASKS_IN_FLIGHT, auto_batch, map_batches
-from .cluster import cluster_scope, dask_client, n_workers, start_scope_cluster, warm_gpu_workers
+from .cluster import cluster_scope, cluster_with_api, dask_client, n_workers, warm_gpu_workers
 from .describe import describe_flow
 from .ingest import ingest_flow
 from .inputs import absolute_path
@@ -48,23 +48,13 @@ PIPELINES = ("one-pass", "staged")
 def run_archive(*, source: str | None = None, device: str = "auto", scheduler: str | None = None,
                 workers: int | None = None, **kwargs) -> dict[str, Any]:
     """:func:`archive_flow` as the commands run it (``scanforest archive``, ``scanforest demo``):
-    the temporary local Prefect API (when no ``PREFECT_API_URL`` is set) boots while the local
-    cluster starts, instead of one after the other, then the flow runs on that cluster. A user's
-    own server (``PREFECT_API_URL``) is asked first, so an unreachable one is said before any
-    worker starts.
+    on a cluster started while Prefect's API boots (:func:`~.cluster.cluster_with_api`), its
+    workers importing the format readers when there is a ``source`` to ingest.
     ``kwargs``: the flow's other parameters."""
-    from scanforest.flows.worker_setup import INGEST_PRELOAD
+    from .worker_setup import INGEST_PRELOAD
 
-    from .prefect_api import ensure_prefect_api, local_api_pid, quiet_prefect_logs, start_prefect_api
-
-    quiet_prefect_logs()  # the cluster's start logs nothing on the terminal either
-    start_prefect_api()  # returns at once; the server boots in its own process
-    if local_api_pid() is None:  # the user's own server: it answers (or is refused in one line) first
-        ensure_prefect_api()
-    with cluster_scope(device=device, workers=workers):
-        if scheduler is None:
-            start_scope_cluster(preload=INGEST_PRELOAD if source is not None else ())
-        ensure_prefect_api()
+    with cluster_with_api(device=device, workers=workers, scheduler=scheduler,
+                          preload=INGEST_PRELOAD if source is not None else ()):
         return archive_flow(source=source, device=device, scheduler=scheduler, workers=workers, **kwargs)
 
 

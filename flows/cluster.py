@@ -107,6 +107,30 @@ def start_scope_cluster(preload: tuple[str, ...] = ()) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def cluster_with_api(*, device: str = "auto", workers: int | None = None, scheduler: str | None = None,
+                     preload: tuple[str, ...] = ()) -> Iterator[None]:
+    """A :func:`cluster_scope` whose local cluster is started (:func:`start_scope_cluster`, with
+    ``preload``; none with ``scheduler``) and a Prefect API that answers, for the commands that
+    run several stages (``scanforest archive``, ``scanforest demo``, ``bench archive``): a
+    temporary local API boots while the workers start, instead of one after the other. A user's
+    own server (``PREFECT_API_URL``) is asked first, so an unreachable one is said in one line
+    before any worker starts."""
+    from .prefect_api import ensure_prefect_api, local_api_pid, quiet_prefect_logs, start_prefect_api
+
+    quiet_prefect_logs()  # the cluster's start logs nothing on the terminal either
+    start_prefect_api()  # returns at once; a temporary server boots in its own process
+    temporary = local_api_pid() is not None
+    if not temporary:
+        ensure_prefect_api()
+    with cluster_scope(device=device, workers=workers):
+        if scheduler is None:
+            start_scope_cluster(preload=preload)
+        if temporary:
+            ensure_prefect_api()
+        yield
+
+
 #: configuration of the local cluster's workers (their nannies hand it to each worker process).
 #: Dask's statistical profiler samples every thread's stack 100 times a second for the dashboard,
 #: which local clusters do not serve: about 7% of the archive pass's worker CPU in a profile of

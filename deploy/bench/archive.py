@@ -74,11 +74,10 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     ``workdir/bench-stages.json``, so a long archive can be measured stage by stage (for example
     within a per-command time limit) and the whole-archive figures combine the recorded stages."""
     from scanforest.flows.archive import process_flow
-    from scanforest.flows.cluster import cluster_scope, dask_client, warm_gpu_workers
+    from scanforest.flows.cluster import cluster_with_api, dask_client, warm_gpu_workers
     from scanforest.flows.describe import run_describe
     from scanforest.flows.ingest import run_ingest
     from scanforest.flows.match import run_index_build, run_match
-    from scanforest.flows.prefect_api import ensure_prefect_api, quiet_prefect_logs, start_prefect_api
     from scanforest.flows.recognize import run_recognize
     from scanforest.kernels.backend import describe_device, gpu_count, resolve_device
     from scanforest.kernels.errors import InputError
@@ -132,13 +131,9 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
 
     lib_params, rec_params = recognition_presets(dev, points)
     t_all = time.perf_counter()  # the end-to-end clock: every start-up it needs is inside it
-    quiet_prefect_logs()
-    start_prefect_api()  # the local API boots while the cluster starts, as the archive command has it
-    # the stages share one local cluster, as the archive flow's do
-    with cluster_scope(device=dev, workers=workers), dask_client(None, n_workers=workers, device=dev) as client:
-        clock = {"cluster_start": time.perf_counter() - t_all}  # where the time outside the stages goes
-        ensure_prefect_api()
-        clock["api_wait"] = time.perf_counter() - t_all - clock["cluster_start"]
+    # the stages share one local cluster, as the archive flow's do, started while the API boots
+    with cluster_with_api(device=dev, workers=workers), dask_client(None, n_workers=workers, device=dev) as client:
+        clock = {"api_and_cluster_start": time.perf_counter() - t_all}  # the time outside the stages
         timeline = _Timeline(client)
         t_stages = time.perf_counter()
         if "ingest" in todo:

@@ -5,9 +5,10 @@ The flow (Dask workers, Prefect) against a baseline measured in the same run: th
 read and written by one process in a plain loop. The resident memory (RSS) of the flow process
 and of each Dask worker is sampled through the flow's runs (:class:`RssSampler`): its peak, and
 whether it grew (the first 10% of the samples against the last 10%). ``--format laz`` makes LAZ
-files instead of PCD (``--format mixed``: LAS, LAZ and E57 in turn), and ``--las-points N`` one more LAZ file of N points (written in blocks:
-the generator holds one block at a time), ingested by a run of its own (block by block, see
-:func:`scanforest.tasks.las.open_las_blocks`), so its peak shows the memory bound.
+files instead of PCD (``--format mixed``: LAS, LAZ and E57 in turn), and ``--las-points N`` one
+more LAZ file of N points (written in blocks: the generator holds one block at a time), ingested
+by a run of its own (block by block, see :func:`scanforest.tasks.las.open_las_blocks`), so its
+peak shows the memory bound.
 """
 from __future__ import annotations
 
@@ -61,17 +62,20 @@ class RssSampler:
         """Peaks (MB) of the flow process and of each worker, and the growth of each: the mean of
         its last 10% of samples minus the mean of its first 10% (MB; a worker's own samples, from
         its start: its first 10% hold the imports of its start)."""
-        def grow(values: list[int]) -> float:
-            k = max(1, len(values) // 10)
-            return (sum(values[-k:]) / k - sum(values[:k]) / k) / 1e6
-
-        def late(values: list[int]) -> float:
-            # the second half's growth: the last 10% minus the middle 10% (after the start's imports
-            # and caches; a leak per file keeps growing there, a warm-up does not)
+        def growth(values: list[int], start) -> float:
+            # the mean of the last 10% of the samples minus the mean of the 10% from index start(n, k)
             n = len(values)
             k = max(1, n // 10)
-            mid = values[max(0, n // 2 - k // 2):max(0, n // 2 - k // 2) + k]
-            return (sum(values[-k:]) / k - sum(mid) / len(mid)) / 1e6
+            i = max(0, min(start(n, k), n - k))
+            return (sum(values[-k:]) / k - sum(values[i:i + k]) / k) / 1e6
+
+        def grow(values: list[int]) -> float:
+            return growth(values, lambda n, k: 0)
+
+        def late(values: list[int]) -> float:
+            # the second half's growth: from the middle 10% (after the start's imports and caches;
+            # a leak per file keeps growing there, a warm-up does not)
+            return growth(values, lambda n, k: n // 2 - k // 2)
 
         own = [s[1] for s in self.samples]
         pids = sorted({p for s in self.samples for p in s[2]})

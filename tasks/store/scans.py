@@ -369,7 +369,8 @@ class ScanStore(Claims, Integrity):
             for name, (dt, tail) in specs.items():
                 shape = (n_points, *tail)
                 zs[name] = grp.create_array(name, shape=shape, dtype=dt, overwrite=True, config=_ARRAY_CONFIG,
-                                            compressors=_compressors(), chunks=(min(CHUNK_ROWS, max(1, n_points)), *tail))
+                                            compressors=_compressors(),
+                                            chunks=(min(CHUNK_ROWS, max(1, n_points)), *tail))
             row = 0
             optional, used = set(optional), set()
             for block in blocks:
@@ -795,6 +796,8 @@ def _compressors():
     from zarr.codecs import ZstdCodec
 
     return (ZstdCodec(level=ZSTD_LEVEL),)
+
+
 _TEMPLATES: dict[tuple[str, int], dict] = {}
 
 
