@@ -151,7 +151,7 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
         recs = map_batches(process_batch_task, list(scenes), item_param="scan_ids",
                            common=dict(store=store, library=library, index=index, params=params, k=int(k),
                                        device=device),
-                           label="process", batch=nb, progress=progress, workers=nw)
+                           label="process", batch=nb, progress=progress, workers=nw, parts_param="parts")
         t_scenes = time.perf_counter() - t1
     count_redone(recs, st, "recognize", since, "recognized")
     summary = summarize(recs)
@@ -162,7 +162,10 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
                    described=sum(bool(r.get("described")) for r in recs),
                    matched=sum(bool(r.get("matched")) for r in recs),
                    # scans whose chunk's batched recognition failed and that were recognised one by one
-                   batched_fallbacks=sum(bool(r.get("batched_fallback")) for r in recs))
+                   batched_fallbacks=sum(bool(r.get("batched_fallback")) for r in recs),
+                   # scans that ran out of device memory and were run again once the worker gave its
+                   # cached blocks back (tasks.pipeline.process_batch)
+                   device_memory_retries=sum(bool(r.get("device_memory_retry")) for r in recs))
     record_run(ScanStore(store), "process", {"library": library, "index": index, "k": int(k), "params": params,
                                              "device": device, "batch": nb}, summary, recs)
     return summary

@@ -262,14 +262,21 @@ def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
     from distributed import Nanny, Scheduler, SpecCluster
     from distributed.system import MEMORY_LIMIT
 
+    from scanforest.kernels.backend import GPU_WORKERS_ENV
+
     workers = {}
     for i in range(int(n_workers)):
         g = i % len(devs)
+        sharing = n_workers // len(devs) + (g < n_workers % len(devs))  # the workers on GPU g
         workers[f"gpu{devs[g]}-{i // len(devs)}"] = {
             "cls": Nanny,
             "options": {"nthreads": threads_per_worker, "memory_limit": int(MEMORY_LIMIT // n_workers),
                         "silence_logs": logging.ERROR,
-                        "env": {"CUDA_VISIBLE_DEVICES": ",".join(devs[g:] + devs[:g]),
+                        # each keeps at most its share of the GPU cached between chunks of scenes
+                        # (tasks.pipeline.process_batch): 8 workers on one H200 holding their
+                        # largest scenes' blocks left cuBLAS none (CUBLAS_STATUS_ALLOC_FAILED in 2
+                        # of 2,000 scenes, 11 of 8,000 on four, 2026-11-28)
+                        "env": {"CUDA_VISIBLE_DEVICES": ",".join(devs[g:] + devs[:g]), GPU_WORKERS_ENV: str(sharing),
                                 **thread_env(n_workers, threads_per_worker)}}}
     return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
         "host": "127.0.0.1", "dashboard": False, "dashboard_address": None}}, silence_logs=logging.ERROR)

@@ -63,6 +63,7 @@ def _ingest(source: str, store: str, units: str, progress: bool, batch: int | No
     with Staging(store.rstrip("/") + ".staging") as staging:
         try:
             sources, problems = discover(source, staging.path, ignored=ignored)
+            t_found = time.perf_counter() - t0
             if not sources and not problems and not existing:
                 raise InputError(f"ingest source {source} holds no scan files ({len(ignored)} other files ignored)")
             st = ScanStore(store, create=True)
@@ -75,8 +76,10 @@ def _ingest(source: str, store: str, units: str, progress: bool, batch: int | No
         run = uuid.uuid4().hex  # marks the scans this run writes (see ingest_file)
         records = map_batches(ingest_scan, sources, item_param="sources",
                               common=dict(store=store, units=units, run=run, copc=copc),
-                              label="ingest", batch=batch or auto_batch(len(sources), nw), progress=progress, workers=nw)
+                              label="ingest", batch=batch or auto_batch(len(sources), nw), progress=progress, workers=nw,
+                              parts_param="parts")
         summary = summarize(records, time.perf_counter() - t0)
+        summary["discover_seconds"] = t_found
         summary["quarantined"] += len(problems)
         summary["quarantine_reasons"] += [{"source": p["source"], "reason": p["reason"]} for p in problems]
         summary["ignored"] = len(ignored)

@@ -85,6 +85,18 @@ def on_cluster_many(fn: Callable, calls: list[tuple[tuple, dict]]) -> list[Any]:
             f.release()
 
 
+def in_parts(fn: Callable, items: list, parts: int, *args, **kwargs) -> list[Any]:
+    """``fn(*args, part, **kwargs)`` for ``items`` split into ``parts`` (the batches of a task run
+    that holds several: :func:`~scanforest.flows.batching.map_batches`), each its own Dask task;
+    each returns one record per item, and the records come back in ``items``' order."""
+    from .batching import even_parts
+
+    if parts <= 1:
+        return on_cluster(fn, *args, items, **kwargs)
+    out = on_cluster_many(fn, [((*args, part), kwargs) for part in even_parts(items, parts)])
+    return [rec for recs in out for rec in recs]
+
+
 def batch_name(items: list, attr: str | None = None) -> str:
     first = getattr(items[0], attr) if attr else items[0]
     return first if len(items) == 1 else f"{first} (+{len(items) - 1})"
@@ -93,11 +105,11 @@ def batch_name(items: list, attr: str | None = None) -> str:
 @task(name="ingest", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
       task_run_name=lambda: "ingest " + run_label("sources", "scan_id"))
 def ingest_scan(store: str, sources: list[Source], units: str = "m", run: str | None = None,
-                copc: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Ingest a batch of scan files in one Dask task (each skipped when unchanged, quarantined when
-    unreadable; ``copc``: the query of COPC files); a worker lost midway has the batch
-    rescheduled, and the files it finished are found current."""
-    return on_cluster(ingest_files, store, list(sources), units=units, run=run, copc=copc)
+                copc: dict[str, Any] | None = None, parts: int = 1) -> list[dict[str, Any]]:
+    """Ingest a batch of scan files in ``parts`` Dask tasks (each file skipped when unchanged,
+    quarantined when unreadable; ``copc``: the query of COPC files); a worker lost midway has its
+    task rescheduled, and the files it finished are found current."""
+    return in_parts(ingest_files, list(sources), parts, store, units=units, run=run, copc=copc)
 
 
 @task(name="describe", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
@@ -148,12 +160,13 @@ def recognize_batch_task(store: str, scan_ids: list[str], library: str, params: 
 @task(name="process", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
       task_run_name=lambda: "process " + run_label("scan_ids"))
 def process_batch_task(store: str, scan_ids: list[str], library: str, index: str, params: dict, k: int,
-                       device: str = "auto") -> list[dict[str, Any]]:
-    """Describe, match and recognise a batch of stored scenes in ONE Dask task: one pass on one
-    worker, each scene's data resident on its device (:func:`scanforest.tasks.pipeline.process_batch`)."""
+                       device: str = "auto", parts: int = 1) -> list[dict[str, Any]]:
+    """Describe, match and recognise a batch of stored scenes in ``parts`` Dask tasks: each one
+    pass on one worker, each scene's data resident on its device
+    (:func:`scanforest.tasks.pipeline.process_batch`)."""
     from scanforest.tasks.pipeline import process_batch
 
     from .worker_setup import leave_the_worker_pool
 
-    return on_cluster(process_batch, store, scan_ids, library=library, index=index, params=params, k=k,
-                      device=device, while_writing=leave_the_worker_pool)
+    return in_parts(process_batch, list(scan_ids), parts, store, library=library, index=index, params=params,
+                    k=k, device=device, while_writing=leave_the_worker_pool)

@@ -51,7 +51,8 @@ def count_redone(records: list[dict], st, stage: str, since: str, status: str, *
 
 def failures(records: list[dict]) -> list[dict]:
     """The failed items of a stage: id and reason, for the summary and the report."""
-    return [{"scan_id": r.get("scan_id"), "reason": r.get("reason", "")}
+    return [{"scan_id": r.get("scan_id"), "reason": r.get("reason", ""),
+             **({"where": r["where"]} if r.get("where") else {})}
             for r in records if r.get("status") == "failed"]
 
 

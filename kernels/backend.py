@@ -175,6 +175,70 @@ def free_memory(device: str = "auto") -> tuple[int, str]:
     return int(psutil.virtual_memory().available), "host"
 
 
+#: environment variable: how many worker processes share this process's GPU (set by the local
+#: GPU cluster for each of its workers, see :func:`gpu_cache_share`)
+GPU_WORKERS_ENV = "SCANFOREST_GPU_WORKERS"
+
+
+def release_gpu_cache() -> None:
+    """Give CuPy's cached device blocks and pinned host blocks back to the driver (a no-op
+    without CuPy or a GPU): what a process keeps for its next arrays, which the other processes
+    on its GPU cannot use meanwhile."""
+    if not gpu_available():
+        return
+    import cupy as cp
+
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def gpu_cache_share() -> int | None:
+    """Bytes of its GPU this process's memory pool may hold between units of work when
+    ``SCANFOREST_GPU_WORKERS`` (set for each worker of a local GPU cluster) says that N worker
+    processes share the GPU: 85% of the device's memory over N (the rest: their CUDA contexts
+    and the libraries' own workspaces, which cuBLAS allocates outside the pool). None when the
+    process is alone on its GPU or there is none."""
+    try:
+        n = int(os.environ.get(GPU_WORKERS_ENV, "1"))
+    except ValueError:
+        return None
+    if n <= 1 or not gpu_available():
+        return None
+    import cupy as cp
+
+    return int(0.85 * cp.cuda.Device().mem_info[1]) // n
+
+
+def trim_gpu_cache(share: int | None) -> bool:
+    """Release the pool's cached blocks (:func:`release_gpu_cache`) when the pool holds more than
+    ``share`` bytes (:func:`gpu_cache_share`), so that one worker's large scene does not keep
+    memory another worker on the GPU then fails to get. True when it released."""
+    if share is None:
+        return False
+    import cupy as cp
+
+    pool = cp.get_default_memory_pool()
+    if pool.total_bytes() <= share or not pool.free_bytes():
+        return False
+    release_gpu_cache()
+    return True
+
+
+#: what device-memory failures say: CuPy's pool, the CUDA runtime, and cuBLAS / cuSOLVER / cuFFT
+#: workspaces (allocated by the libraries themselves, outside CuPy's pool)
+_DEVICE_MEMORY_SIGNS = ("OutOfMemory", "ALLOC_FAILED", "cudaErrorMemoryAllocation", "out of memory")
+
+
+def is_device_memory_error(exc: BaseException) -> bool:
+    """True for an error of a GPU running out of memory (CuPy's ``OutOfMemoryError``, a library's
+    ``*_STATUS_ALLOC_FAILED``, ``cudaErrorMemoryAllocation``): one that may pass once cached
+    memory is given back, unlike a wrong input."""
+    if type(exc) is MemoryError:  # the host's
+        return False
+    text = f"{type(exc).__name__}: {exc}"
+    return any(sign in text for sign in _DEVICE_MEMORY_SIGNS)
+
+
 def is_cupy(a: Any) -> bool:
     """True for a CuPy ndarray (checked without importing CuPy)."""
     return type(a).__module__.startswith("cupy")

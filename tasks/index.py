@@ -582,13 +582,9 @@ def _add_stats(*stats, seconds: float = 0.0) -> dict:
 def free_gpu_pool() -> None:
     """Give CuPy's cached device and pinned host blocks back (a no-op without CuPy): between
     shards here, and on every worker of a cluster before a bench's next case."""
-    try:
-        import cupy as cp
+    from scanforest.kernels.backend import release_gpu_cache
 
-        cp.get_default_memory_pool().free_all_blocks()
-        cp.get_default_pinned_memory_pool().free_all_blocks()
-    except Exception:
-        pass
+    release_gpu_cache()
 
 
 @dataclass(frozen=True)

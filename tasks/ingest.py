@@ -422,9 +422,9 @@ def _walk(root: Path):
     """(path, path relative to root) of every file under root, sorted; folder links are not followed."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        sub = os.path.relpath(dirpath, root)  # once a folder, not once a file
         for fname in sorted(filenames):
-            full = os.path.join(dirpath, fname)
-            yield full, os.path.relpath(full, root)
+            yield os.path.join(dirpath, fname), fname if sub == "." else os.path.join(sub, fname)
 
 
 def _collect(pairs, staging: Path, ignored: list[dict[str, str]], *, archives: bool = True):
@@ -433,6 +433,7 @@ def _collect(pairs, staging: Path, ignored: list[dict[str, str]], *, archives: b
     items: list[Source] = []
     problems: list[dict[str, str]] = []
     seen: dict[str, str] = {}
+    real_dirs: dict[str, str] = {}  # a folder's real path, resolved once for all its files
     for path, rel, *legacy_rel in pairs:
         name = os.path.basename(path)
         if _hidden_or_sidecar(name) or os.path.isdir(path):
@@ -443,8 +444,11 @@ def _collect(pairs, staging: Path, ignored: list[dict[str, str]], *, archives: b
             continue
         # the same folder entry reached again (a glob through a folder link loop), or the same file
         # through another link: listed once, under its shortest path (pairs come shortest first)
-        entry = os.path.join(os.path.realpath(os.path.dirname(path)), name)
-        real = os.path.realpath(path)
+        folder = os.path.dirname(path)
+        if folder not in real_dirs:
+            real_dirs[folder] = os.path.realpath(folder)
+        entry = os.path.join(real_dirs[folder], name)
+        real = os.path.realpath(path) if os.path.islink(path) else entry
         first = seen.get(entry) or seen.get(real)
         if first:
             ignored.append({"source": path, "reason": f"the same file as {first} (reached through a symbolic link)"})

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from scanforest.kernels.backend import gpu_cache_share, release_gpu_cache, trim_gpu_cache
 from scanforest.kernels.errors import InputError
 
 from .store import ScanStore, _jsonable, local_points, scan_origin, stage_digest, stage_matches
@@ -142,13 +143,15 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
     parts = {"setup_open": t_open - t_task, "setup_device": t_dev - t_open, "setup_library": t_lib - t_dev,
              "setup_index": t_idx - t_lib}
     out: dict[str, dict[str, Any]] = {}
+    share = gpu_cache_share() if dev == "gpu" else None
     with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="sf-writeback") as writer:
         pending = []
-        for c in range(0, len(scan_ids), GROUP_BATCH):
+
+        def chunk(ids: list[str]) -> None:
             # each scan described and matched, then the chunk's recognition (its grouping in one
             # go), then each scan's writes handed to the writer while the next chunk computes
             ready = []
-            for sid in scan_ids[c:c + GROUP_BATCH]:
+            for sid in ids:
                 res = isolated(_prepare_scan, sid, ctx, sid)
                 if "scene" in res:
                     ready.append(res)
@@ -161,6 +164,22 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
                     out[sid]["batched_fallback"] = res["batched_fallback"]
                 if "write" in out[sid]:
                     pending.append(out[sid])
+
+        for c in range(0, len(scan_ids), GROUP_BATCH):
+            ids = scan_ids[c:c + GROUP_BATCH]
+            chunk(ids)
+            short = [s for s in ids if out[s].get("device_memory")]
+            if short:  # the GPU was full (other workers' cached memory, a large scene): give this
+                # process's cache back and run those scans once more, alone
+                logging.getLogger("scanforest").warning(
+                    "%d scan(s) ran out of device memory (%s); again after releasing this worker's cached "
+                    "blocks", len(short), out[short[0]]["reason"])
+                release_gpu_cache()
+                first = {s: out.pop(s)["reason"] for s in short}
+                chunk(short)
+                for s in short:
+                    out[s]["device_memory_retry"] = first[s]
+            trim_gpu_cache(share)  # what this worker holds beyond its share of the GPU goes back
         t_wait = t_slot = time.perf_counter()
         c_slot = time.process_time()
         if while_writing is not None and pending:
@@ -237,6 +256,20 @@ def warm_worker(device: str = "auto") -> bool:
         _WARM.thread = threading.Thread(target=_warm_up, args=(device,), name="sf-warm-up", daemon=True)
         _WARM.thread.start()
     return True
+
+
+def gpu_pool_report() -> dict[str, int | None]:
+    """This process's CuPy memory pool: the bytes it holds, of which in use, and the share of its
+    GPU it may keep (:func:`~scanforest.kernels.backend.gpu_cache_share`); zeros without a GPU."""
+    from scanforest.kernels.backend import gpu_available
+
+    if not gpu_available():
+        return {"held_bytes": 0, "used_bytes": 0, "share_bytes": None}
+    import cupy as cp
+
+    pool = cp.get_default_memory_pool()
+    return {"held_bytes": int(pool.total_bytes()), "used_bytes": int(pool.used_bytes()),
+            "share_bytes": gpu_cache_share()}
 
 
 def warm_up_report() -> dict[str, Any]:

@@ -35,12 +35,35 @@ def isolated(fn: Callable, item: str, *args, **kwargs) -> dict[str, Any]:
     except StoreWriteError:
         raise
     except ScanforestError as exc:
-        return {"scan_id": item, "status": "failed", "reason": str(exc), "seconds": time.perf_counter() - t0}
+        return {"scan_id": item, "status": "failed", "reason": str(exc), "seconds": time.perf_counter() - t0,
+                **_device_memory(exc)}
     except Exception as exc:  # noqa: BLE001 - recorded with its traceback, the batch goes on
         tb = traceback.format_exc()
         log.error("%s failed:\n%s", item, tb)
         return {"scan_id": item, "status": "failed", "reason": f"{type(exc).__name__}: {exc}".splitlines()[0],
-                "traceback": tb, "seconds": time.perf_counter() - t0}
+                "traceback": tb, "where": innermost_frame(exc), "seconds": time.perf_counter() - t0,
+                **_device_memory(exc)}
+
+
+def _device_memory(exc: BaseException) -> dict[str, bool]:
+    """``{"device_memory": True}`` for a GPU out of memory (a unit that may pass once cached
+    memory is given back: :func:`scanforest.kernels.backend.is_device_memory_error`)."""
+    from scanforest.kernels.backend import is_device_memory_error
+
+    return {"device_memory": True} if is_device_memory_error(exc) else {}
+
+
+def innermost_frame(exc: BaseException) -> str:
+    """``file:line in function`` of the frame that raised ``exc`` (the last one in scanforest's
+    code when the error came from a library below it): where to look, in one line."""
+    import scanforest.kernels
+    import scanforest.tasks
+
+    roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (scanforest.kernels, scanforest.tasks))
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # the first: the caller's try (isolated's)
+    ours = [f for f in frames if f.filename.startswith(roots)]
+    f = (ours or frames or [None])[-1]
+    return "" if f is None else f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
 
 
 def held(scan_id: str, t0: float, **fields) -> dict[str, Any]:

@@ -307,12 +307,14 @@ def test_gpu_busy_is_sampled_for_the_visible_cards_only(monkeypatch):
 
     from scanforest.deploy.bench._common import Utilization
 
-    smi = "0, GPU-aaaa, 90\n1, GPU-bbbb, 40\n2, GPU-cccc, 80\n3, GPU-dddd, 60\n"
+    smi = ("0, GPU-aaaa, 90, 1000, 81559\n1, GPU-bbbb, 40, 2000, 81559\n2, GPU-cccc, 80, 3000, 81559\n"
+           "3, GPU-dddd, 60, 4000, 81559\n")
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=smi))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,GPU-dddd")
     u = Utilization()
     u._smi, u._visible = "nvidia-smi", ["1", "GPU-dddd"]
     assert u._gpu_sample() == {"1": 40.0, "3": 60.0}
+    assert u.gpu_memory_peak == {"1": 2000.0, "3": 4000.0} and u.gpu_memory_total == 81559.0  # MiB
     u._visible = None  # unset: every card
     assert u._gpu_sample() == {"0": 90.0, "1": 40.0, "2": 80.0, "3": 60.0}
     u._gpu, u._cpu, u._stop, u._thread = {"1": [40.0, 20.0], "3": [60.0]}, [], types.SimpleNamespace(set=lambda: 0), \

@@ -233,6 +233,60 @@ def test_split_batches_are_even_and_a_multiple_of_the_workers(n, batch, workers)
         assert len(out) % workers == 0 or len(out) == n
 
 
+@pytest.mark.parametrize("n,batch,workers", [(8000, 31, 32), (2000, 31, 8), (40, 1, 2), (7, 32, 8), (3, 1, 2)])
+def test_task_runs_hold_whole_batches_and_split_back_into_them(n, batch, workers):
+    """map_batches with parts: a task run holds consecutive whole batches (2 runs a worker, at
+    least 16), and its items split back into batches of the very sizes split_batches made: the
+    cluster runs the same Dask tasks, and Prefect records fewer task runs."""
+    from scanforest.flows.batching import MIN_TASK_RUNS, TASK_RUNS_PER_WORKER, even_parts, split_batches
+
+    items = list(range(n))
+    batches = split_batches(items, batch, workers)
+    groups = even_parts(batches, max(MIN_TASK_RUNS, TASK_RUNS_PER_WORKER * workers))
+    assert len(groups) == min(len(batches), max(MIN_TASK_RUNS, TASK_RUNS_PER_WORKER * workers))
+    runs = [[x for b in g for x in b] for g in groups]
+    assert [x for r in runs for x in r] == items
+    parts = [p for r, g in zip(runs, groups) for p in even_parts(r, len(g))]
+    assert sorted(map(len, parts)) == sorted(map(len, batches)) and len(parts) == len(batches)
+    assert [x for p in parts for x in p] == items
+
+
+def test_an_ingest_records_16_task_runs_for_40_dask_tasks(tmp_path, prefect_api):
+    """40 files in batches of one on two local workers: 40 Dask tasks, 16 Prefect task runs
+    (each run hands Dask its batches), every file ingested once and bit-exact."""
+    import httpx
+    from distributed import get_task_stream
+
+    from scanforest.flows.cluster import cluster_scope, dask_client
+    from scanforest.flows.ingest import ingest_flow
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(2)
+    clouds = {f"s{i:02d}.npy": rng.random((300, 3)).astype(np.float32) for i in range(40)}
+    for name, pts in clouds.items():
+        np.save(src / name, pts)
+    store = str(tmp_path / "s.zarr")
+    with cluster_scope(device="cpu", workers=2), dask_client(None, device="cpu") as client:
+        with get_task_stream(client) as ts:
+            state = ingest_flow(source=str(src), store=store, batch=1, progress=False, return_state=True)
+    summary = state.result()
+    assert summary["ingested"] == 40 and summary["quarantined"] == 0, summary
+    assert len(ts.data) == 40
+    runs, seen = None, []  # the server records task runs from their events, a moment after the flow
+    for _ in range(60):
+        runs = httpx.post(prefect_api + "/task_runs/count", json={"flow_runs": {"id": {"any_": [
+            str(state.state_details.flow_run_id)]}}}).json()
+        if seen and runs == seen[-1] and runs:
+            break
+        seen.append(runs)
+        time.sleep(1.0)
+    assert runs == 16, seen
+    st = ScanStore(store, mode="r")
+    for name, pts in clouds.items():
+        np.testing.assert_array_equal(st.read(name, "points"), pts)
+
+
 def test_local_workers_import_the_store_and_readers_as_they_start():
     """Each worker imports Zarr and the store at its start (the worker plugin), not in the first
     task of the first stage, and keeps large arrays' pages between allocations; the format readers where the cluster starts for ingest, and not

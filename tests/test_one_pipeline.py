@@ -236,6 +236,52 @@ def test_a_failed_batched_recognition_is_said_and_counted(world, monkeypatch, ca
     _same(world, sid, _want(world, sid))
 
 
+def test_a_scan_short_of_device_memory_runs_again_after_the_cache_is_released(world, monkeypatch, caplog):
+    """A scan whose recognition runs out of device memory (cuBLAS's workspace, CuPy's pool) is
+    run once more after the worker gives its cached blocks back: the same detections as an
+    undisturbed run, the first failure kept on its record and counted; a second failure stays a
+    failure, with where it happened."""
+    import logging
+
+    from scanforest.tasks import pipeline, recognize as rz
+
+    class CUBLASError(RuntimeError):
+        pass
+
+    calls, released = {"n": 0}, []
+    one, many = rz._recognize_stored, rz._recognize_stored_many
+
+    def short_once(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise CUBLASError("CUBLAS_STATUS_ALLOC_FAILED")
+        return one(*a, **k)
+
+    def batch_fails(*a, **k):
+        raise CUBLASError("CUBLAS_STATUS_ALLOC_FAILED")
+
+    monkeypatch.setattr(rz, "_recognize_stored_many", batch_fails)
+    monkeypatch.setattr(rz, "_recognize_stored", short_once)
+    monkeypatch.setattr(pipeline, "release_gpu_cache", lambda: released.append(1))
+    sid = _scene(world, "scene_short_of_memory")
+    with caplog.at_level(logging.WARNING, logger="scanforest"):
+        recs = pipeline.process_batch(world["store"], [sid], library="lib", index="ix", params=REC, k=4, device="cpu")
+    assert recs[0]["status"] == "recognized", recs[0]
+    assert recs[0]["device_memory_retry"] == "CUBLASError: CUBLAS_STATUS_ALLOC_FAILED" and released == [1]
+    assert "1 scan(s) ran out of device memory (CUBLASError: CUBLAS_STATUS_ALLOC_FAILED)" in caplog.text
+    _same(world, sid, _want(world, sid))
+
+    def always_short(*a, **k):
+        raise CUBLASError("CUBLAS_STATUS_ALLOC_FAILED")
+
+    monkeypatch.setattr(rz, "_recognize_stored", always_short)
+    sid = _scene(world, "scene_short_twice")
+    recs = pipeline.process_batch(world["store"], [sid], library="lib", index="ix", params=REC, k=4, device="cpu")
+    assert recs[0]["status"] == "failed" and recs[0]["device_memory"] and len(released) == 2
+    assert recs[0]["where"].startswith("test_one_pipeline.py:") and "always_short" in recs[0]["where"], recs[0]
+    monkeypatch.setattr(rz, "_recognize_stored_many", many)
+
+
 def test_one_batch_opens_the_store_once(world, monkeypatch):
     """A batch of the one pass opens the store once: the library's and the index's attributes,
     the library and the index's shards (cold or warm in this process) and every scan's reads and

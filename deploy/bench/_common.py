@@ -222,6 +222,8 @@ class Utilization:
         self.cpu: float | None = None
         self.gpu: float | None = None
         self.gpus: dict[str, float] = {}
+        self.gpu_memory_peak: dict[str, float] = {}  # MiB used at the most, each visible card
+        self.gpu_memory_total: float | None = None  # MiB, the first visible card
 
     def __enter__(self):
         import shutil
@@ -244,19 +246,22 @@ class Utilization:
         return self
 
     def _gpu_sample(self) -> dict[str, float] | None:
-        """``{index: busy %}`` of the visible GPUs, or None."""
+        """``{index: busy %}`` of the visible GPUs, or None; their memory in use goes to
+        :attr:`gpu_memory_peak`."""
         import subprocess
 
         try:
-            out = subprocess.run([self._smi, "--query-gpu=index,uuid,utilization.gpu",
+            out = subprocess.run([self._smi, "--query-gpu=index,uuid,utilization.gpu,memory.used,memory.total",
                                   "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=5).stdout.splitlines()
-            rows = [[c.strip() for c in line.split(",")] for line in out if line.count(",") == 2]
+            rows = [[c.strip() for c in line.split(",")] for line in out if line.count(",") == 4]
             got = {}
-            for idx, uuid, util in rows:
+            for idx, uuid, util, used, total in rows:
                 if self._visible is None or any(v == idx or (v.startswith("GPU-") and uuid.startswith(v))
                                                 for v in self._visible):
                     got[idx] = float(util)
+                    self.gpu_memory_peak[idx] = max(self.gpu_memory_peak.get(idx, 0.0), float(used))
+                    self.gpu_memory_total = self.gpu_memory_total or float(total)
             return got or None
         except (OSError, ValueError, subprocess.SubprocessError):
             return None

@@ -118,7 +118,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
 
     def stage(name, wall, task_s, nw, n, util, skipped=0, failures=(), **more):  # rows printed as each stage ends
         for f in failures:  # a failed scan is not work done: say which and why, and count them
-            rep.note(f"{name}: failed: {f['scan_id']}: {f['reason']}")
+            rep.note(f"{name}: failed: {f['scan_id']}: {f['reason']}" + (f" (at {f['where']})" if f.get("where") else ""))
         if skipped:  # work done before this invocation (one that was cut off) is not measured here
             raise InputError(f"{workdir}: the {name} stage found {skipped} of {n} scans already done by an "
                              "earlier invocation, so its figures would not measure the work; run the "
@@ -139,6 +139,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
         if "ingest" in todo:
             with Utilization() as u, timeline("ingest"):
                 s = run_ingest(str(archive), str(store), workers=workers, progress=False)
+            rep.note(f"ingest: {s['files']} files found in {s.get('discover_seconds', 0.0):.2f} s")
             stage("ingest", s["seconds"], s["task_seconds"], s["workers"], s["files"], u, s["skipped"],
                   **timeline.figures)
         if todo != ["ingest"]:
@@ -167,6 +168,10 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
                      f"matches, {s['recomputed']} described and matched again"
                      + "".join(f"; {n}: {why}" for why, n in s.get("recompute_reasons", {}).items()))
             print(rep.notes[-1], flush=True)
+            again = {k: s[k] for k in ("batched_fallbacks", "device_memory_retries") if s.get(k)}
+            if again:  # scans that were run a second way: counted, never only a slowdown
+                rep.note(f"{name}: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in again.items()))
+                print(rep.notes[-1], flush=True)
             per_scene = {k: v / max(1, s["recognized"]) for k, v in s.get("phase_seconds", {}).items()}
             cpu = s.get("cpu_seconds")
             if cpu:  # the host's share of a scene: where the host, not the GPU, bounds a pass
@@ -188,6 +193,8 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
                                  device=dev, workers=workers, progress=False)
             if warmed:  # did the workers' warm-up outlast the library and the index?
                 _warm_up_note(rep, client, t_pass, timeline.figures.get("timeline", {}))
+            if dev == "gpu":
+                _gpu_memory_note(rep, client, u)
             stage("process", s["scenes_seconds"], s["task_seconds"], s["workers"], s["scenes"], u, s["skipped"],
                   s.get("failures", ()), **recognition_notes("process", s), **timeline.figures)
         if "match" in todo:
@@ -273,6 +280,25 @@ class _Timeline:
                                          "after_last_task": t1 - last,
                                          "dask_busy_seconds": sum(x["stop"] - x["start"] for x in spans),
                                          "dask_tasks": len(ts.data)}}
+
+
+def _gpu_memory_note(rep: BenchReport, client, util) -> None:
+    """The GPUs' memory in the pass: the peak each card's memory reached (nvidia-smi), and what
+    the workers' memory pools hold at its end (in use, and cached for their next arrays)."""
+    from scanforest.tasks.pipeline import gpu_pool_report
+
+    pools = sorted(client.run(gpu_pool_report).values(), key=lambda p: p["held_bytes"])
+    if not pools:
+        return
+    gb = 1e9
+    held = [p["held_bytes"] / gb for p in pools]
+    peak = util.gpu_memory_peak
+    rep.note("process: GPU memory" + (f" peak {', '.join(f'{v / 1024:.1f}' for v in peak.values())} GB of "
+                                      f"{util.gpu_memory_total / 1024:.0f} GB a card;" if peak else "")
+             + f" the workers' pools hold {min(held):.2f}-{max(held):.2f} GB (median {held[len(held) // 2]:.2f}, "
+             f"in use {max(p['used_bytes'] for p in pools) / gb:.2f} at most) after the pass"
+             + (f", each may keep {pools[0]['share_bytes'] / gb:.1f} GB" if pools[0].get("share_bytes") else ""))
+    print(rep.notes[-1], flush=True)
 
 
 def _stage_rows(rep: BenchReport, name: str, r: dict, devname: str, recorded: bool = False) -> None:
