@@ -225,6 +225,7 @@ class _Warm:
         self.lock = threading.Lock()
         self.thread = None
         self.seconds: float | None = None
+        self.phases: dict[str, float] = {}  # seconds: the device, the description, the search
         self.started_at: float | None = None  # wall clock (time.time()), for the bench's timeline
         self.ended_at: float | None = None
         self.error: str | None = None
@@ -276,26 +277,35 @@ def warm_up_report() -> dict[str, Any]:
     """This process's warm-up (:func:`warm_worker`): its seconds, its start and end (wall
     clock, ``time.time()``; None while it runs or when none was started) and its error."""
     return {"seconds": _WARM.seconds, "started_at": _WARM.started_at, "ended_at": _WARM.ended_at,
-            "error": _WARM.error}
+            "error": _WARM.error, "phases": dict(_WARM.phases)}
 
 
 def _warm_up(device: str) -> None:
     t0 = time.perf_counter()
     _WARM.started_at = time.time()
+    phases = _WARM.phases
     try:
-        from scanforest.kernels.backend import resolve_device
+        from scanforest.kernels.backend import resolve_device, to_device
         from scanforest.kernels.knn.kdforest import KDForest
 
         from .describe import DescribeParams, describe_cloud
 
+        t = time.perf_counter()
+        phases["imports"] = t - t0
         dev = resolve_device(device)
+        to_device(np.zeros(1, np.float32), dev) + 1  # the device's context and CuPy's first kernel
+        phases["device"] = time.perf_counter() - t
         rng = np.random.default_rng(0)
         # a 0.2 m patch of 4,000 points: normals, keypoints, frames and SHOT as the pass runs them
+        t = time.perf_counter()
         pts = (rng.random((4_000, 3)) * [0.2, 0.2, 0.02]).astype(np.float32)
         d = describe_cloud(pts, DescribeParams(keypoint_radius=0.02, shot_radius=0.04), device=dev)
         rows = d["arrays"]["kp_shot"]
+        phases["describe"] = time.perf_counter() - t
+        t = time.perf_counter()
         if len(rows):
             KDForest(device=dev, method="exact").fit(rows).query(rows, k=2)
+        phases["search"] = time.perf_counter() - t
         _WARM.seconds = time.perf_counter() - t0
     except Exception as exc:  # noqa: BLE001 - a warm-up only: the first batch raises what matters
         _WARM.error = f"{type(exc).__name__}: {exc}"

@@ -470,12 +470,16 @@ def test_the_workers_warm_ups_are_timed_against_the_pass():
     class Client:
         def run(self, fn):
             assert fn.__name__ == "warm_up_report"
-            return {"w0": {"seconds": 2.0, "started_at": 996.0, "ended_at": 998.0, "error": None},
-                    "w1": {"seconds": 5.5, "started_at": 996.0, "ended_at": 1001.5, "error": None},
+            return {"w0": {"seconds": 2.0, "started_at": 996.0, "ended_at": 998.0, "error": None,
+                           "phases": {"device": 1.0, "describe": 0.5}},
+                    "w1": {"seconds": 5.5, "started_at": 996.0, "ended_at": 1001.5, "error": None,
+                           "phases": {"device": 3.0, "describe": 2.0}},
                     "w2": {"seconds": None, "started_at": 996.0, "ended_at": 997.0, "error": "OSError: x"},
                     "w3": {"seconds": None, "started_at": None, "ended_at": None, "error": None}}  # none started
 
     rep = BenchReport("archive", {})
     _warm_up_note(rep, Client(), t_pass, {"first_task_after": 1.92})
-    assert rep.notes == ["process: 3 worker warm-ups, 2.0 / 3.8 / 5.5 s (min / median / max); the last ended "
-                         "+1.50 s from the pass's call, its first task started +1.92 s; 1 failed"]
+    assert rep.notes == ["process: 3 worker warm-ups, 2.0 / 3.8 / 5.5 s (min / median / max) (median / max: "
+                         "device 2.00 / 3.00, describe 1.25 / 2.00); the first started -4.00 s from the pass's "
+                         "call; the last ended +1.50 s from the pass's call, its first task started +1.92 s; "
+                         "1 failed"]

@@ -345,3 +345,5 @@ def test_a_worker_warms_up_once_in_the_background():
     rep = pipeline.warm_up_report()  # what bench archive reads from every worker
     assert rep["error"] is None and rep["started_at"] <= rep["ended_at"]
     assert rep["ended_at"] - rep["started_at"] == pytest.approx(rep["seconds"], abs=0.05)
+    assert set(rep["phases"]) == {"imports", "device", "describe", "search"}
+    assert sum(rep["phases"].values()) == pytest.approx(rep["seconds"], abs=0.05)
