@@ -156,6 +156,32 @@ def test_incomplete_and_leftover_groups_are_found(tmp_path, rng):
     assert st.verify() == [] and st.scans() == ["ok"]
 
 
+def test_the_scan_listing_follows_every_change_of_the_store(tmp_path):
+    """The listing parses each scan's zarr.json once per version of the file: a scan completed,
+    rewritten, removed or added after a listing is seen by the next one, from this object or
+    another, and the local extents follow a rewritten bounding box."""
+    import shutil
+
+    path = tmp_path / "s.zarr"
+    st = ScanStore(path, create=True)
+    pts = np.ones((4, 3), np.float32)
+    st.write_scan("a", {"points": pts}, {"n_points": 4, "bbox": {"min": [0, 0, 0], "max": [1, 2, 3]}})
+    st.root["scans"].create_group("b", attributes={"complete": False})
+    assert st.scans() == ["a"] and st.scans(include_incomplete=True) == ["a", "b"]
+    assert st.local_extents() == {"a": 3.0} and "a" in st and "b" not in st and "zz" not in st
+    st.root["scans"]["b"].attrs.update({"complete": True})
+    other = ScanStore(path, mode="r")
+    assert st.scans() == other.scans() == ["a", "b"] and "b" in other
+    st.write_scan("a", {"points": pts}, {"n_points": 4, "bbox": {"min": [-5, 0, 0], "max": [1, 2, 3]}})
+    assert st.local_extents() == {"a": 5.0}
+    shutil.rmtree(path / "scans" / "b")
+    st.write_scan("c", {"points": pts}, {"n_points": 4})
+    assert other.scans() == ["a", "c"] and st.local_extents() == {"a": 5.0}
+    (path / "scans" / "c" / "zarr.json").write_text("{not json")
+    with pytest.raises(InputError, match="scan 'c' has an unreadable zarr.json"):
+        st.scans()
+
+
 def test_only_ingest_creates_a_store(tmp_path):
     with pytest.raises(InputError, match=r"^no scan store at .*nope\.zarr \(create one with: scanforest ingest"):
         ScanStore(tmp_path / "nope.zarr")

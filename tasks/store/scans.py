@@ -166,6 +166,33 @@ def _read_root_meta(path: Path) -> dict | None:
         raise InputError(f"{path} is not a scanforest scan store (unreadable zarr.json: {exc})") from exc
 
 
+#: store -> scan -> ((inode, mtime ns, size) of its zarr.json, (complete, local extent) or None
+#: for a non-group): what :meth:`ScanStore._scan_summaries` parsed, kept while the file is
+#: unchanged, for the :data:`_SUMMARY_STORES` stores listed last
+_SUMMARIES: dict[str, dict[str, tuple[tuple[int, int, int], tuple[bool, float | None] | None]]] = {}
+_SUMMARY_STORES = 4
+
+
+def _summary(path: str, store: str, name: str) -> tuple[bool, float | None] | None:
+    """(complete, local extent) of the scan group whose ``zarr.json`` is ``path``; None when it
+    is not a group."""
+    try:
+        with open(path, "rb") as fh:
+            meta = json.loads(fh.read())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{store}: scan {name!r} has an unreadable zarr.json ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("node_type") != "group":
+        return None
+    a = meta.get("attributes") or {}
+    box = a.get("bbox") or {}
+    extent = None
+    if box.get("min") is not None and box.get("max") is not None:
+        o = scan_origin(a)
+        extent = float(max(np.abs(np.asarray(box["min"], np.float64) - o).max(),
+                           np.abs(np.asarray(box["max"], np.float64) - o).max()))
+    return bool(a.get("complete", False)), extent
+
+
 def _is_store_meta(meta: dict | None) -> bool:
     return bool(meta) and meta.get("node_type") == "group" and "scanforest_store" in meta.get("attributes", {})
 
@@ -272,17 +299,48 @@ class ScanStore(Claims, Integrity):
 
     def scans(self, *, include_incomplete: bool = False) -> list[str]:
         """Ids of the scans in the store, sorted; only completely written ones by default."""
-        g = self._group("scans")
-        if g is None:
-            return []
-        out = []
-        for name, child in g.groups():
-            if include_incomplete or child.attrs.get("complete", False):
-                out.append(name)
-        return sorted(out)
+        return sorted(name for name, (complete, _) in self._scan_summaries().items()
+                      if complete or include_incomplete)
+
+    def _scan_summaries(self) -> dict[str, tuple[bool, float | None]]:
+        """Each scan group's (complete, local extent: :meth:`local_extents`'s figure or None),
+        from its ``zarr.json`` (Zarr writes it whole, by an atomic rename), parsed once per
+        version of the file in this process (:data:`_SUMMARIES`). Through Zarr's group listing,
+        which builds a group object for each child, 2,000 scans took 1.0 s on a GPU host and
+        8,000 took 2.3 s on 2 cores; a first read this way 0.5 s, a repeated one 0.05 s, and an
+        archive run lists its scans five times before its first task (2026-11-28)."""
+        folder = os.path.join(self.path, "scans")
+        try:
+            entries = [e for e in os.scandir(folder) if e.is_dir() and not e.name.startswith(".")]
+        except FileNotFoundError:
+            return {}
+        out: dict[str, tuple[bool, float | None]] = {}
+        key = os.path.realpath(self.path)
+        old, kept = _SUMMARIES.pop(key, {}), {}
+        for entry in entries:
+            path = os.path.join(entry.path, "zarr.json")
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:  # a folder that is not (yet) a group
+                continue
+            version = (st.st_ino, st.st_mtime_ns, st.st_size)
+            hit = old.get(entry.name)
+            if hit is None or hit[0] != version:
+                hit = (version, _summary(path, self.path, entry.name))
+            kept[entry.name] = hit
+            if hit[1] is not None:
+                out[entry.name] = hit[1]
+        _SUMMARIES[key] = kept  # the scans there now, the store's entry the newest
+        while len(_SUMMARIES) > _SUMMARY_STORES:
+            _SUMMARIES.pop(next(iter(_SUMMARIES)))
+        return out
 
     def __contains__(self, scan_id: str) -> bool:
-        return scan_id in self.scans()
+        path = os.path.join(self.path, "scans", scan_id, "zarr.json")
+        if os.sep in scan_id or not os.path.isfile(path):
+            return False
+        summary = _summary(path, self.path, scan_id)
+        return bool(summary and summary[0])
 
     def attrs(self, scan_id: str) -> dict[str, Any]:
         return dict(self._scan(scan_id).attrs)
@@ -447,20 +505,9 @@ class ScanStore(Claims, Integrity):
         """The largest coordinate magnitude of each complete scan (``scan_ids``: these only) in its
         local frame, from its attributes (``bbox`` less ``origin``: :func:`scan_origin`), read in
         one pass over the scans' groups; scans without a ``bbox`` are left out."""
-        g = self._group("scans")
         want = None if scan_ids is None else set(scan_ids)
-        out: dict[str, float] = {}
-        for name, child in ([] if g is None else g.groups()):
-            if (want is not None and name not in want) or not child.attrs.get("complete", False):
-                continue
-            a = dict(child.attrs)
-            box = a.get("bbox") or {}
-            if box.get("min") is None or box.get("max") is None:
-                continue
-            o = scan_origin(a)
-            out[name] = float(max(np.abs(np.asarray(box["min"], np.float64) - o).max(),
-                                  np.abs(np.asarray(box["max"], np.float64) - o).max()))
-        return out
+        return {name: extent for name, (complete, extent) in self._scan_summaries().items()
+                if complete and extent is not None and (want is None or name in want)}
 
     def check_coordinates(self, scan_ids: Iterable[str] | None, radii: dict[str, float | None]) -> None:
         """Refuse, before any work, scans whose local coordinates are too coarse in float32 for
