@@ -65,33 +65,6 @@ def _apply_cuda_schedule(n_devices: int) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-def open_device_context() -> bool:
-    """Create the primary CUDA context of this process's first visible GPU now (with the wait
-    policy of ``SCANFOREST_CUDA_SCHEDULE``), through the driver API: ctypes gives up the GIL for
-    each call, so a Dask worker runs its tasks meanwhile, and CuPy finds the context made.
-
-    Contexts are created one after another across a host: 8 workers' took 2.0 s each on one H200,
-    and 32 workers' 8.0 s each on four (2026-11-28), so a cluster makes them while it waits for
-    something else (:func:`scanforest.flows.cluster.cluster_with_api`: Prefect's API booting).
-    False without a driver or a visible GPU."""
-    if os.environ.get("SCANFOREST_DISABLE_GPU"):
-        return False
-    import ctypes
-
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        n = ctypes.c_int()
-        if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(n)) != 0 or n.value < 1:
-            return False
-        _apply_cuda_schedule(n.value)  # a context's flags are set before it exists
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        if cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0:
-            return False
-        return cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
-    except (OSError, AttributeError):
-        return False
-
-
 def settle_numba_threads() -> int | None:
     """Make numba's thread count the one ``NUMBA_NUM_THREADS`` asks for now, before its threads start.
 

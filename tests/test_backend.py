@@ -28,28 +28,6 @@ def test_resolve_device_rejects_unknown_devices():
 
 
 @pytest.mark.gpu
-def test_a_context_opened_through_the_driver_is_the_one_cupy_then_uses():
-    """In a fresh process: open_device_context makes the primary context (active before CuPy
-    touches the device, with the asked wait policy), and CuPy computes in it."""
-    code = (
-        "import ctypes\n"
-        "from scanforest.kernels.backend import open_device_context\n"
-        "cuda = ctypes.CDLL('libcuda.so.1')\n"
-        "assert open_device_context()\n"
-        "flags, active = ctypes.c_uint(), ctypes.c_int()\n"
-        "assert cuda.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active)) == 0\n"
-        "import cupy as cp\n"
-        "assert int(cp.arange(10).sum()) == 45\n"
-        "f = ctypes.c_uint()\n"
-        "assert cuda.cuCtxGetFlags(ctypes.byref(f)) == 0\n"
-        "print(active.value, f.value & 7)\n")
-    env = {**__import__("os").environ, "SCANFOREST_CUDA_SCHEDULE": "blocking"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[-2:] == ["1", str(CUDA_SCHEDULES["blocking"])]
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("schedule", ["blocking", "spin"])
 def test_cuda_schedule_reaches_the_primary_context(schedule):
     """In a fresh process: the first GPU check sets the policy, and the context CuPy then uses
