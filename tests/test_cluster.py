@@ -26,6 +26,17 @@ def _port():
         return s.getsockname()[1]
 
 
+def _npy_folder(tmp_path, n: int, points: int, seed: int):
+    """A folder ``src`` of ``n`` NPY clouds of ``points`` random points, and the clouds by name."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(seed)
+    clouds = {f"s{i:02d}.npy": rng.random((points, 3)).astype(np.float32) for i in range(n)}
+    for name, pts in clouds.items():
+        np.save(src / name, pts)
+    return src, clouds
+
+
 @pytest.fixture
 def cluster(tmp_path):
     port = _port()
@@ -187,12 +198,7 @@ def test_ingest_on_external_cluster_counts_each_scan_once_after_a_worker_kill(tm
     import threading
 
     addr, procs = cluster
-    src = tmp_path / "src"
-    src.mkdir()
-    rng = np.random.default_rng(5)
-    clouds = {f"s{i:02d}.npy": rng.random((400_000, 3)).astype(np.float32) for i in range(12)}
-    for name, pts in clouds.items():
-        np.save(src / name, pts)
+    src, clouds = _npy_folder(tmp_path, 12, 400_000, seed=5)
     store = str(tmp_path / "s.zarr")
     at_kill = []
 
@@ -260,12 +266,7 @@ def test_an_ingest_records_16_task_runs_for_40_dask_tasks(tmp_path, prefect_api)
     from scanforest.flows.cluster import cluster_scope, dask_client
     from scanforest.flows.ingest import ingest_flow
 
-    src = tmp_path / "src"
-    src.mkdir()
-    rng = np.random.default_rng(2)
-    clouds = {f"s{i:02d}.npy": rng.random((300, 3)).astype(np.float32) for i in range(40)}
-    for name, pts in clouds.items():
-        np.save(src / name, pts)
+    src, clouds = _npy_folder(tmp_path, 40, 300, seed=2)
     store = str(tmp_path / "s.zarr")
     with cluster_scope(device="cpu", workers=2), dask_client(None, device="cpu") as client:
         with get_task_stream(client) as ts:
