@@ -288,6 +288,39 @@ def test_an_ingest_records_16_task_runs_for_40_dask_tasks(tmp_path, prefect_api)
         np.testing.assert_array_equal(st.read(name, "points"), pts)
 
 
+def test_a_task_run_retried_after_a_transient_error_counts_each_scan_once(tmp_path, monkeypatch, prefect_api):
+    """A Dask task of a task run that holds several batches fails once with a transient error:
+    Prefect retries the task run, its batches run again, and every file is counted once as
+    ingested (the files the first try wrote are this run's, not skipped), bit-exact."""
+    from distributed import LocalCluster
+
+    from scanforest.flows import prefect_tasks
+    from scanforest.flows.ingest import ingest_flow
+    from scanforest.tasks.ingest import ingest_files
+
+    src, clouds = _npy_folder(tmp_path, 40, 300, seed=3)
+    marks = tmp_path / "calls"
+    marks.mkdir()
+
+    def flaky(store, sources, **kw):  # the second Dask task raises, once
+        n = len(list(marks.iterdir()))
+        (marks / str(n)).touch()
+        out = ingest_files(store, sources, **kw)
+        if n == 1:
+            raise OSError("transient: the network filesystem went away")
+        return out
+
+    monkeypatch.setattr(prefect_tasks, "ingest_files", flaky)
+    store = str(tmp_path / "s.zarr")
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as lc:
+        summary = ingest_flow(source=str(src), store=store, scheduler=lc.scheduler_address, batch=1, progress=False)
+    assert len(list(marks.iterdir())) > 40  # a task run's batches ran again
+    assert summary["ingested"] == 40 and summary["skipped"] == 0 and summary["files"] == 40, summary
+    st = ScanStore(store, mode="r")
+    for name, pts in clouds.items():
+        np.testing.assert_array_equal(st.read(name, "points"), pts)
+
+
 def test_local_workers_import_the_store_and_readers_as_they_start():
     """Each worker imports Zarr and the store at its start (the worker plugin), not in the first
     task of the first stage, and keeps large arrays' pages between allocations; the format readers where the cluster starts for ingest, and not
