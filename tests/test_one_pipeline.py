@@ -282,6 +282,44 @@ def test_a_scan_short_of_device_memory_runs_again_after_the_cache_is_released(wo
     monkeypatch.setattr(rz, "_recognize_stored_many", many)
 
 
+def test_a_process_task_run_retried_after_a_transient_error_counts_each_scene_once(world, monkeypatch, tmp_path,
+                                                                                  prefect_api):
+    """The one pass's task run holds three batches (one Dask task each); the second fails once
+    with a transient error after its scene was written. Prefect retries the task run: every scene
+    is counted once as recognised by this run (the ones the first try wrote are this run's, not
+    skipped), and each holds the detections of an undisturbed run."""
+    from scanforest.flows import batching, prefect_tasks
+    from scanforest.flows.archive import process_flow
+    from scanforest.tasks import pipeline
+
+    pts = world["scene"].points[:8000]
+    sids = [f"scene_retry_{i}" for i in range(3)]
+    for sid in sids:
+        ScanStore(world["store"]).write_scan(sid, {"points": pts}, {"sha256": sid})
+    marks = tmp_path / "calls"
+    marks.mkdir()
+    real = pipeline.process_batch
+
+    def flaky(store, scan_ids, **kw):  # the second Dask task raises once, its scene written
+        n = len(list(marks.iterdir()))
+        (marks / str(n)).touch()
+        out = real(store, scan_ids, **kw)
+        if n == 1:
+            raise OSError("transient: the network filesystem went away")
+        return out
+
+    in_parts = prefect_tasks.in_parts
+    monkeypatch.setattr(prefect_tasks, "in_parts", lambda fn, *a, **k: in_parts(flaky, *a, **k))
+    monkeypatch.setattr(batching, "MIN_TASK_RUNS", 1)  # one task run holds all three batches
+    monkeypatch.setattr(batching, "TASK_RUNS_PER_WORKER", 1)
+    s = process_flow(world["store"], sids, library="lib", index="ix", k=4, params=REC, device="cpu",
+                     scheduler=world["client"].scheduler.address, batch=1, progress=False)
+    assert len(list(marks.iterdir())) == 6  # the task run's three batches, twice
+    assert s["recognized"] == 3 and s["skipped"] == 0 and s["failed"] == 0, s
+    for sid in sids:
+        _same(world, sid, _want(world, sid))
+
+
 def test_one_batch_opens_the_store_once(world, monkeypatch):
     """A batch of the one pass opens the store once: the library's and the index's attributes,
     the library and the index's shards (cold or warm in this process) and every scan's reads and
