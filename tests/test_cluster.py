@@ -298,19 +298,11 @@ def test_a_task_run_retried_after_a_transient_error_counts_each_scan_once(tmp_pa
     from scanforest.flows.ingest import ingest_flow
     from scanforest.tasks.ingest import ingest_files
 
+    from _faults import fails_once
+
     src, clouds = _npy_folder(tmp_path, 40, 300, seed=3)
     marks = tmp_path / "calls"
-    marks.mkdir()
-
-    def flaky(store, sources, **kw):  # the second Dask task raises, once
-        n = len(list(marks.iterdir()))
-        (marks / str(n)).touch()
-        out = ingest_files(store, sources, **kw)
-        if n == 1:
-            raise OSError("transient: the network filesystem went away")
-        return out
-
-    monkeypatch.setattr(prefect_tasks, "ingest_files", flaky)
+    monkeypatch.setattr(prefect_tasks, "ingest_files", fails_once(ingest_files, marks))  # the second Dask task
     store = str(tmp_path / "s.zarr")
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as lc:
         summary = ingest_flow(source=str(src), store=store, scheduler=lc.scheduler_address, batch=1, progress=False)

@@ -296,18 +296,10 @@ def test_a_process_task_run_retried_after_a_transient_error_counts_each_scene_on
     sids = [f"scene_retry_{i}" for i in range(3)]
     for sid in sids:
         ScanStore(world["store"]).write_scan(sid, {"points": pts}, {"sha256": sid})
+    from _faults import fails_once
+
     marks = tmp_path / "calls"
-    marks.mkdir()
-    real = pipeline.process_batch
-
-    def flaky(store, scan_ids, **kw):  # the second Dask task raises once, its scene written
-        n = len(list(marks.iterdir()))
-        (marks / str(n)).touch()
-        out = real(store, scan_ids, **kw)
-        if n == 1:
-            raise OSError("transient: the network filesystem went away")
-        return out
-
+    flaky = fails_once(pipeline.process_batch, marks)  # the second Dask task, its scene written
     in_parts = prefect_tasks.in_parts
     monkeypatch.setattr(prefect_tasks, "in_parts", lambda fn, *a, **k: in_parts(flaky, *a, **k))
     monkeypatch.setattr(batching, "MIN_TASK_RUNS", 1)  # one task run holds all three batches

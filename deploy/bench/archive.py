@@ -237,7 +237,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     # plugins, summaries and run records)
     walls = sum(done[x]["wall"] for x in todo if x in done)
     clock["stage_walls"] = walls
-    if calls and len(calls) == len([x for x in todo if x in ("ingest", "process")]) == len(todo):
+    if set(todo) <= {"ingest", "process"}:  # the stages whose flow calls are timed (calls)
         # the flow calls beside their stage walls: flow runs on the API, store listings, run records
         clock["stage_calls_beside_walls"] = sum(calls) - walls
     clock["other_in_cluster"] = clock.pop("in_cluster") - sum(
