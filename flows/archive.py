@@ -165,7 +165,9 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
                    batched_fallbacks=sum(bool(r.get("batched_fallback")) for r in recs),
                    # scans that ran out of device memory and were run again once the worker gave its
                    # cached blocks back (tasks.pipeline.process_batch)
-                   device_memory_retries=sum(bool(r.get("device_memory_retry")) for r in recs))
+                   device_memory_retries=sum(bool(r.get("device_memory_retry")) for r in recs),
+                   # chunks after which a worker gave back its device cache beyond its share
+                   gpu_cache_trims=sum(bool(r.get("gpu_cache_trim")) for r in recs))
     record_run(ScanStore(store), "process", {"library": library, "index": index, "k": int(k), "params": params,
                                              "device": device, "batch": nb}, summary, recs)
     return summary

@@ -180,16 +180,17 @@ def free_memory(device: str = "auto") -> tuple[int, str]:
 GPU_WORKERS_ENV = "SCANFOREST_GPU_WORKERS"
 
 
-def release_gpu_cache() -> None:
-    """Give CuPy's cached device blocks and pinned host blocks back to the driver (a no-op
-    without CuPy or a GPU): what a process keeps for its next arrays, which the other processes
-    on its GPU cannot use meanwhile."""
+def release_gpu_cache(*, pinned: bool = True) -> None:
+    """Give CuPy's cached device blocks (and, with ``pinned``, its pinned host blocks) back to
+    the driver (a no-op without CuPy or a GPU): what a process keeps for its next arrays, which
+    the other processes on its GPU cannot use meanwhile."""
     if not gpu_available():
         return
     import cupy as cp
 
     cp.get_default_memory_pool().free_all_blocks()
-    cp.get_default_pinned_memory_pool().free_all_blocks()
+    if pinned:
+        cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
 def gpu_cache_share() -> int | None:
@@ -220,7 +221,9 @@ def trim_gpu_cache(share: int | None) -> bool:
     pool = cp.get_default_memory_pool()
     if pool.total_bytes() <= share or not pool.free_bytes():
         return False
-    release_gpu_cache()
+    # the device's blocks only: pinned host buffers take none of the GPU, and each one given back
+    # is a page-locking call into the driver (one lock for the whole host) when it is needed again
+    release_gpu_cache(pinned=False)
     return True
 
 
@@ -323,14 +326,38 @@ def to_host(a: Any, *, stream=None) -> np.ndarray:
     return out
 
 
+#: size classes of pinned buffers per doubling of the size (:func:`pinned_size_class`)
+PINNED_CLASSES_PER_OCTAVE = 8
+
+
+def pinned_size_class(nbytes: int) -> int:
+    """The bytes :func:`pinned_empty` asks CuPy's pinned-memory pool for: ``nbytes`` rounded up
+    to one of :data:`PINNED_CLASSES_PER_OCTAVE` sizes per doubling (at most 1/8 more, and a
+    multiple of 512 bytes, the pool's own unit).
+
+    CuPy's pinned pool gives a freed buffer back only for a request of exactly its size. A
+    scene's SHOT rows are 1,408 bytes a keypoint, so asked for as they are, nearly every scene
+    would allocate and page-lock a new buffer (a call into the driver under one lock for the
+    whole host, so 32 workers on four GPUs wait on each other) and the pool would keep one
+    buffer per keypoint count it ever saw. In size classes the scenes of an archive reuse a few."""
+    n = int(nbytes)
+    if n <= 4096:
+        return max(512, -(-n // 512) * 512)
+    # the octave's lower end over the classes per octave (a power of two)
+    step = max(512, (1 << (n.bit_length() - 1)) // PINNED_CLASSES_PER_OCTAVE)
+    return -(-n // step) * step
+
+
 def pinned_empty(shape, dtype) -> np.ndarray:
     """An uninitialised numpy array in page-locked host memory from CuPy's pinned-memory pool
     (the buffer returns to the pool when the array is freed): the target of fast, and with a
-    stream asynchronous, device-to-host copies."""
+    stream asynchronous, device-to-host copies. The buffer is of the request's size class
+    (:func:`pinned_size_class`), so arrays of similar sizes reuse the pool's buffers."""
     import cupy as cp
 
     n = int(np.prod(shape))
-    mem = cp.cuda.alloc_pinned_memory(n * np.dtype(dtype).itemsize)
+    nbytes = n * np.dtype(dtype).itemsize
+    mem = cp.cuda.alloc_pinned_memory(pinned_size_class(nbytes))
     return np.frombuffer(mem, dtype, n).reshape(shape)
 
 

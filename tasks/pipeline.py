@@ -179,7 +179,8 @@ def process_batch(store_path: str, scan_ids: list[str], *, library: str, index: 
                 chunk(short)
                 for s in short:
                     out[s]["device_memory_retry"] = first[s]
-            trim_gpu_cache(share)  # what this worker holds beyond its share of the GPU goes back
+            if trim_gpu_cache(share):  # what this worker holds beyond its share of the GPU goes back
+                out[ids[-1]]["gpu_cache_trim"] = True  # counted: each costs the next chunk new blocks
         t_wait = t_slot = time.perf_counter()
         c_slot = time.process_time()
         if while_writing is not None and pending:

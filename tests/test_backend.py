@@ -44,3 +44,47 @@ def test_cuda_schedule_reaches_the_primary_context(schedule):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) == CUDA_SCHEDULES[schedule]
+
+
+def test_pinned_size_classes_bound_the_waste_and_are_few():
+    """Pinned buffers are asked for in size classes: never smaller than the request, at most 1/8
+    (or the pool's 512-byte unit) more, monotone, and few across a scene's range of SHOT row
+    counts, so CuPy's exact-size pinned pool reuses them scene after scene."""
+    from scanforest.kernels.backend import pinned_size_class
+
+    prev = 0
+    for n in range(1, 6_000_000, 769):
+        c = pinned_size_class(n)
+        assert c >= n and c % 512 == 0 and c >= prev and c <= max(n * 1.125, n + 512), n
+        prev = c
+    # SHOT352 rows of 1,500-3,000 keypoints: 1,501 distinct requests, a handful of classes
+    classes = {pinned_size_class(k * 352 * 4) for k in range(1_500, 3_001)}
+    assert len(classes) <= 9
+    assert pinned_size_class(1 << 22) == 1 << 22  # a class boundary is its own class
+
+
+@pytest.mark.gpu
+def test_pinned_buffers_are_reused_across_nearby_sizes_and_trim_keeps_them():
+    """Two device-to-host copies of nearby sizes (one scene's SHOT rows, then the next's) share
+    one pinned buffer, and the trim of a worker's device cache leaves the pinned pool alone."""
+    import cupy as cp
+
+    from scanforest.kernels.backend import to_host, trim_gpu_cache
+
+    pinned = cp.get_default_pinned_memory_pool()
+    pinned.free_all_blocks()
+    a = cp.arange(2_000 * 352, dtype=cp.float32).reshape(2_000, 352)
+    h = to_host(a)
+    np_a = h.copy()
+    del h
+    assert pinned.n_free_blocks() == 1
+    b = cp.arange(2_013 * 352, dtype=cp.float32).reshape(2_013, 352)
+    h = to_host(b)
+    assert pinned.n_free_blocks() == 0  # the freed buffer served the next, larger request
+    assert (h == b.get()).all() and (np_a == a.get()).all()
+    del h
+    pool = cp.get_default_memory_pool()
+    big = cp.empty(64 << 20, cp.uint8)
+    del big
+    assert trim_gpu_cache(1)  # holds more than a 1-byte share: the device blocks go back
+    assert pool.free_bytes() == 0 and pinned.n_free_blocks() == 1

@@ -180,6 +180,10 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
                      f"matches, {s['recomputed']} described and matched again"
                      + "".join(f"; {n}: {why}" for why, n in s.get("recompute_reasons", {}).items()))
             print(rep.notes[-1], flush=True)
+            if s.get("gpu_cache_trims"):  # each: the next chunk's device blocks allocated again
+                rep.note(f"{name}: {s['gpu_cache_trims']} chunks ended with a worker's device cache given back "
+                         "(more than its share of the GPU)")
+                print(rep.notes[-1], flush=True)
             again = {k: s[k] for k in ("batched_fallbacks", "device_memory_retries") if s.get(k)}
             if again:  # scans that were run a second way: counted, never only a slowdown
                 rep.note(f"{name}: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in again.items()))
