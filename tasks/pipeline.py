@@ -225,6 +225,7 @@ class _Warm:
 
         self.lock = threading.Lock()
         self.thread = None
+        self.context = None  # the thread creating the device's context (:func:`open_context`)
         self.seconds: float | None = None
         self.phases: dict[str, float] = {}  # seconds: the device, the description, the search
         self.started_at: float | None = None  # wall clock (time.time()), for the bench's timeline
@@ -274,6 +275,28 @@ def gpu_pool_report() -> dict[str, int | None]:
             "share_bytes": gpu_cache_share()}
 
 
+def open_context() -> bool:
+    """Start creating this worker's CUDA context, once per process, in a background thread
+    (:func:`~scanforest.kernels.backend.open_device_context`, which holds no GIL while the driver
+    works and waits its turn on the host asleep); the warm-up (:func:`warm_worker`) waits for it.
+    Returns immediately (False when already started)."""
+    import threading
+
+    from scanforest.kernels.backend import open_device_context
+
+    def run():
+        t = time.perf_counter()
+        if open_device_context():  # else CuPy makes it in the warm-up, as without this
+            _WARM.phases["context"] = time.perf_counter() - t
+
+    with _WARM.lock:
+        if _WARM.context is not None:
+            return False
+        _WARM.context = threading.Thread(target=run, name="sf-context", daemon=True)
+        _WARM.context.start()
+    return True
+
+
 def warm_up_report() -> dict[str, Any]:
     """This process's warm-up (:func:`warm_worker`): its seconds, its start and end (wall
     clock, ``time.time()``; None while it runs or when none was started) and its error."""
@@ -282,6 +305,8 @@ def warm_up_report() -> dict[str, Any]:
 
 
 def _warm_up(device: str) -> None:
+    if _WARM.context is not None:  # the context a cluster had its workers open (open_context):
+        _WARM.context.join()  # its time is its own phase, not the warm-up's
     t0 = time.perf_counter()
     _WARM.started_at = time.time()
     phases = _WARM.phases

@@ -88,3 +88,51 @@ def test_pinned_buffers_are_reused_across_nearby_sizes_and_trim_keeps_them():
     del big
     assert trim_gpu_cache(1)  # holds more than a 1-byte share: the device blocks go back
     assert pool.free_bytes() == 0 and pinned.n_free_blocks() == 1
+
+
+def test_contexts_are_created_one_process_at_a_time(tmp_path, monkeypatch):
+    """open_device_context waits, asleep, while another process holds the host's context lock,
+    and goes on once it is released (on a machine without a GPU it then answers False)."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    from scanforest.kernels import backend
+
+    lock = tmp_path / "ctx.lock"
+    monkeypatch.setattr(backend, "CONTEXT_LOCK", str(lock))
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    done = []
+    t = threading.Thread(target=lambda: done.append(backend.open_device_context()))
+    t.start()
+    time.sleep(0.3)
+    assert not done  # waiting its turn
+    os.close(fd)
+    t.join(60)
+    assert len(done) == 1
+    monkeypatch.setattr(backend, "CONTEXT_LOCK", str(tmp_path / "no" / "such" / "folder.lock"))
+    assert backend.open_device_context() in (True, False)  # an unusable lock is no lock, not an error
+
+
+@pytest.mark.gpu
+def test_a_context_opened_through_the_driver_is_the_one_cupy_then_uses():
+    """In a fresh process: open_device_context makes the primary context (active before CuPy
+    touches the device, with the asked wait policy), and CuPy computes in it."""
+    code = (
+        "import ctypes\n"
+        "from scanforest.kernels.backend import open_device_context\n"
+        "cuda = ctypes.CDLL('libcuda.so.1')\n"
+        "assert open_device_context()\n"
+        "flags, active = ctypes.c_uint(), ctypes.c_int()\n"
+        "assert cuda.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active)) == 0\n"
+        "import cupy as cp\n"
+        "assert int(cp.arange(10).sum()) == 45\n"
+        "f = ctypes.c_uint()\n"
+        "assert cuda.cuCtxGetFlags(ctypes.byref(f)) == 0\n"
+        "print(active.value, f.value & 7)\n")
+    env = {**__import__("os").environ, "SCANFOREST_CUDA_SCHEDULE": "blocking"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["1", str(CUDA_SCHEDULES["blocking"])]
