@@ -235,7 +235,7 @@ def test_a_full_or_read_only_store_is_one_user_error(tmp_path, monkeypatch):
     with pytest.raises(StoreWriteError):  # ends the run: not recorded as this scan's failure
         isolated(st.write_stage, sid, sid, "describe", {"kp_index": np.arange(3)}, {})
 
-    monkeypatch.setattr(ScanStore, "_write_array", staticmethod(fail(errno.EROFS, inside)))
+    monkeypatch.setattr(store_mod, "_write_arrays", fail(errno.EROFS, inside))  # write_scan's arrays
     with pytest.raises(StoreWriteError, match="read-only file system"):
         st.write_scan("new.npy", {"points": np.zeros((4, 3), np.float32)}, {"n_points": 4})
     monkeypatch.setattr(store_mod, "_jsonable", fail(errno.EDQUOT, store / "runs"))

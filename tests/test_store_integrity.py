@@ -294,6 +294,14 @@ def test_write_stages_writes_every_stage_in_one_round_and_reads_back(tmp_path, r
     assert st.stage("a", "describe") is None and st.stage("a", "match") is None
     with pytest.raises(ValueError, match="same array"):
         st.write_stages("a", [("describe", desc, {}), ("again", {"kp_index": np.arange(2)}, {})])
+    # write_scan goes the same way (one round): a scan that does not read back stays incomplete,
+    # so nobody sees it, and a listing does not count it
+    with pytest.raises(OSError, match="b: written arrays did not read back"):
+        st.write_scan("b", {"points": np.zeros((4, 3), np.float32)}, {"n_points": 4})
+    assert "b" not in st and st.scans() == ["a"] and "b" in st.scans(include_incomplete=True)
+    monkeypatch.undo()
+    st.write_scan("b", {"points": np.ones((4, 3), np.float32)}, {"n_points": 4})
+    assert st.scans() == ["a", "b"] and (st.read("b") == 1).all() and st.verify() == []
 
 
 def test_write_arrays_finds_chunks_that_were_not_stored(tmp_path, monkeypatch):
