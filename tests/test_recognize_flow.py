@@ -45,7 +45,7 @@ def test_flow_process_killed_midway_then_rerun(tmp_path, prefect_api):
 
     from scanforest.tasks.synth import write_archive
 
-    write_archive(tmp_path / "arch", n_models=2, n_scenes=8, points_per_scene=12_000, points_per_model=3_000)
+    write_archive(tmp_path / "arch", n_models=2, n_scenes=4, points_per_scene=12_000, points_per_model=3_000)
     store = str(tmp_path / "s.zarr")
     run_ingest(str(tmp_path / "arch"), store, workers=1, progress=False)
     st = ScanStore(store, mode="r")
