@@ -140,3 +140,20 @@ def test_gpu_grid_bounds_and_cell_starts_equal_numpy(rng):
                                           keypoints(pts, radius=cell, device="cpu"))
     empty_lo, empty_hi = bounds(cp.zeros((0, 3), cp.float32))
     assert np.all(np.isinf(empty_lo)) and np.all(np.isinf(empty_hi))
+
+
+def test_list_order_helpers_equal_numpy(rng):
+    """The neighbour lists' order (by squared distance, ties by index) and the capped lists'
+    thresholds, from the compiled helpers, equal numpy's lexsort and partition, ties included."""
+    from scanforest.kernels.neighbors.search_cpu import argsort_key_index, kth_smallest
+
+    for n in (0, 1, 2, 3, 17, 64, 1000):
+        keys = rng.integers(0, max(1, n // 3), n).astype(np.float32)  # many equal distances
+        ids = rng.permutation(n * 3)[:n].astype(np.int64)
+        order = argsort_key_index(keys, ids)
+        np.testing.assert_array_equal(order, np.lexsort((ids, keys)))
+        for k in {0, n // 2, n - 1} if n else ():
+            assert kth_smallest(keys, k) == np.partition(keys, k)[k]
+            assert kth_smallest(ids, k) == np.sort(ids)[k]
+    keys = np.array([2, 1, 2, 1], np.float32)
+    np.testing.assert_array_equal(argsort_key_index(keys, np.array([5, 9, 3, 9])), [1, 3, 2, 0])  # stable on full ties

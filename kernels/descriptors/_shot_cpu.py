@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..geom_cpu import cov_eig3
+from ..neighbors.search_cpu import argsort_key_index
 
 NBINS = 10
 DESC_LEN = 352
@@ -26,24 +27,11 @@ PST_RAD_PI_7_8 = 2.7488935718910690836548129603691
 def _median_window(idx, d2, vj, valid):
     """List positions of the valid neighbours ranked med-2 .. med+2 by (d2, index)."""
     keys = np.empty(valid, np.float32)
+    ids = np.empty(valid, np.int64)
     for t in range(valid):
         keys[t] = d2[vj[t]]
-    o = np.argsort(keys)
-    # ties on the distance: order by index
-    s = 0
-    while s < valid:
-        e = s + 1
-        while e < valid and keys[o[e]] == keys[o[s]]:
-            e += 1
-        if e - s > 1:
-            ids = np.empty(e - s, np.int64)
-            for t in range(s, e):
-                ids[t - s] = idx[vj[o[t]]]
-            so = np.argsort(ids)
-            seg = o[s:e].copy()
-            for t in range(e - s):
-                o[s + t] = seg[so[t]]
-        s = e
+        ids[t] = idx[vj[t]]
+    o = argsort_key_index(keys, ids)  # by distance, ties by index
     med = valid // 2
     out = np.empty(5, np.int64)
     for t in range(5):

@@ -18,27 +18,85 @@ def sqdist32(qx, qy, qz, px, py, pz):
     return np.float32(np.float32(np.float32(dx * dx) + np.float32(dy * dy)) + np.float32(dz * dz))
 
 
+# The neighbour lists are ordered by (squared distance, index) with the two helpers below rather
+# than numba's np.argsort / np.sort / np.partition: the same order and values, and a first run on a
+# machine compiles them in a fraction of the time numba's generic sort and partition take.
+@njit(cache=True)
+def argsort_key_index(keys, ids):
+    """The permutation that orders positions by (``keys``, ``ids``) ascending: a bottom-up merge
+    sort (stable; ties of both keep their order)."""
+    n = keys.shape[0]
+    a = np.arange(n)
+    b = np.empty(n, np.int64)
+    width = 1
+    while width < n:
+        i = 0
+        while i < n:
+            mid = min(i + width, n)
+            hi = min(i + 2 * width, n)
+            lo, r, k = i, mid, i
+            while lo < mid and r < hi:
+                x, y = a[lo], a[r]
+                if keys[y] < keys[x] or (keys[y] == keys[x] and ids[y] < ids[x]):
+                    b[k] = y
+                    r += 1
+                else:
+                    b[k] = x
+                    lo += 1
+                k += 1
+            while lo < mid:
+                b[k] = a[lo]
+                lo += 1
+                k += 1
+            while r < hi:
+                b[k] = a[r]
+                r += 1
+                k += 1
+            i += 2 * width
+        a, b = b, a
+        width *= 2
+    return a
+
+
+@njit(cache=True)
+def kth_smallest(values, k):
+    """The ``k``-th smallest of ``values`` (0-based; ``values`` is left as it was): quickselect on
+    a copy."""
+    a = values.copy()
+    lo, hi = 0, a.shape[0] - 1
+    while lo < hi:
+        pivot = a[(lo + hi) // 2]
+        i, j = lo, hi
+        while i <= j:
+            while a[i] < pivot:
+                i += 1
+            while pivot < a[j]:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i += 1
+                j -= 1
+        if k <= j:
+            hi = j
+        elif k >= i:
+            lo = i
+        else:
+            break
+    return a[k]
+
+
 @njit(cache=True)
 def _sort_segment(idx, d2):
     """In-place sort of one segment by (d2, idx)."""
     n = idx.shape[0]
     if n < 2:
         return
-    order = np.argsort(d2)
-    # ties on d2 keep the incoming order; make incoming order ascending by index first
-    i2 = idx[order]
-    e2 = d2[order]
-    # fix runs of equal distances so that indices ascend within them
-    s = 0
-    while s < n:
-        e = s + 1
-        while e < n and e2[e] == e2[s]:
-            e += 1
-        if e - s > 1:
-            i2[s:e] = np.sort(i2[s:e])
-        s = e
-    idx[:] = i2
-    d2[:] = e2
+    order = argsort_key_index(d2, idx)
+    i2 = idx.copy()
+    e2 = d2.copy()
+    for t in range(n):  # plain loops: numba's fancy indexing and slice assignment compile slowly
+        idx[t] = i2[order[t]]
+        d2[t] = e2[order[t]]
 
 
 @njit(cache=True, parallel=True)
@@ -103,7 +161,7 @@ def _scan(P, cs, origin, inv_h, dims, qx, qy, qz, r2, oidx, od2, w, fill):
 def _select_nearest(idx, d2, m):
     """Move the m nearest entries (by d2, then index) to the front, in O(n)."""
     n = idx.shape[0]
-    thr = np.partition(d2.copy(), m - 1)[m - 1]
+    thr = kth_smallest(d2, m - 1)
     less = 0
     for j in range(n):
         if d2[j] < thr:
@@ -116,8 +174,7 @@ def _select_nearest(idx, d2, m):
         if d2[j] == thr:
             eq[ne] = idx[j]
             ne += 1
-    eqs = np.sort(eq[:ne])
-    lim = eqs[need - 1]
+    lim = kth_smallest(eq[:ne], need - 1)
     w = 0
     for j in range(n):
         if d2[j] < thr or (d2[j] == thr and idx[j] <= lim):
