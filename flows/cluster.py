@@ -244,18 +244,13 @@ def default_gpu_workers(n_gpus: int) -> int:
     return max(1, n_gpus) * per
 
 
-#: a shared-GPU worker sees only its own GPU (``CUDA_VISIBLE_DEVICES`` of one), not the rotated
-#: list of them all that dask-cuda gives its one worker per GPU
-PIN_ONE_GPU = True
-
-
 def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
     """One dask-cuda worker per GPU (``LocalCUDACluster``) when one worker per GPU is asked for.
     More workers than GPUs share the GPUs round-robin: worker ``i`` is a plain Dask worker process
-    whose ``CUDA_VISIBLE_DEVICES`` is GPU ``i mod G`` alone (:data:`PIN_ONE_GPU`; 32 workers on four
-    H200s made their contexts in 7.0 s instead of 7.7 s, and closed in 2.4 s instead of 2.6 s). That suits stages whose work per GPU
-    is partly host-bound (recognition's grouping, Zarr I/O), and it runs the multi-worker paths on a
-    one-GPU machine. Without ``n_workers``: :func:`default_gpu_workers`."""
+    whose ``CUDA_VISIBLE_DEVICES`` is GPU ``i mod G`` alone, not dask-cuda's rotated list of them all
+    (32 workers on four H200s made their contexts in 7.0 s instead of 7.7 s, and closed in 2.4 s
+    instead of 2.6 s). That suits stages whose work per GPU is partly host-bound (recognition's
+    grouping, Zarr I/O), and it runs the multi-worker paths on a one-GPU machine. Without ``n_workers``: :func:`default_gpu_workers`."""
     from scanforest.kernels.backend import gpu_count
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -283,8 +278,7 @@ def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
                         # (tasks.pipeline.process_batch): 8 workers on one H200 holding their
                         # largest scenes' blocks left cuBLAS none (CUBLAS_STATUS_ALLOC_FAILED in 2
                         # of 2,000 scenes, 11 of 8,000 on four, 2026-11-28)
-                        "env": {"CUDA_VISIBLE_DEVICES": devs[g] if PIN_ONE_GPU else ",".join(devs[g:] + devs[:g]),
-                                GPU_WORKERS_ENV: str(sharing),
+                        "env": {"CUDA_VISIBLE_DEVICES": devs[g], GPU_WORKERS_ENV: str(sharing),
                                 **thread_env(n_workers, threads_per_worker)}}}
     return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
         "host": "127.0.0.1", "dashboard": False, "dashboard_address": None}}, silence_logs=logging.ERROR)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 import time
 from typing import Any
 
@@ -67,7 +68,7 @@ def _apply_cuda_schedule(n_devices: int) -> None:
 
 #: a host-wide lock (a file in the temporary folder) that CUDA contexts are created under, one
 #: process at a time (:func:`open_device_context`); None: no lock
-CONTEXT_LOCK: str | None = os.path.join(__import__("tempfile").gettempdir(), "scanforest-cuda-context.lock")
+CONTEXT_LOCK: str | None = os.path.join(tempfile.gettempdir(), "scanforest-cuda-context.lock")
 
 
 def open_device_context() -> bool:

@@ -185,9 +185,13 @@ def _stage_problems(grp) -> dict[str, list[str]]:
     return out
 
 
-def _check_written(grp, promised: dict[str, Any], what: str) -> None:
-    """Raise when freshly written arrays do not read back as promised (the task then fails and is
-    retried) instead of marking a damaged write as done."""
-    found = _array_problems(grp, promised)
+def _raise_unwritten(what: str, found: list[str]) -> None:
+    """Raise when freshly written arrays did not read back (``found``: the problems, none when
+    they are whole): the task then fails and is retried instead of marking a damaged write as done."""
     if found:
         raise OSError(errno.EIO, f"{what}: written arrays did not read back: {'; '.join(found)}")
+
+
+def _check_written(grp, promised: dict[str, Any], what: str) -> None:
+    """:func:`_raise_unwritten` for the group's arrays against their promise (``{name: {shape, dtype}}``)."""
+    _raise_unwritten(what, _array_problems(grp, promised))

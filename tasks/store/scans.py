@@ -31,7 +31,7 @@ import numpy as np
 from scanforest.kernels.errors import InputError
 
 from .catalog import Catalog
-from .integrity import Integrity, _array_problems, _check_written, _scan_problems, _spec_problem
+from .integrity import Integrity, _array_problems, _check_written, _raise_unwritten, _scan_problems, _spec_problem
 from .locks import LOCKS, Claims, file_lock
 
 LAYOUT_VERSION = 1
@@ -171,6 +171,11 @@ def _read_root_meta(path: Path) -> dict | None:
 #: unchanged, for the :data:`_SUMMARY_STORES` stores listed last
 _SUMMARIES: dict[str, dict[str, tuple[tuple[int, int, int], tuple[bool, float | None] | None]]] = {}
 _SUMMARY_STORES = 4
+
+
+def _plain_name(name: str) -> bool:
+    """Whether ``name`` can be one node of the store (no path separator, not ``.`` or ``..``)."""
+    return bool(name) and name not in (".", "..") and "/" not in name and os.sep not in name
 
 
 def _summary(path: str, store: str, name: str) -> tuple[bool, float | None] | None:
@@ -336,10 +341,9 @@ class ScanStore(Claims, Integrity):
         return out
 
     def __contains__(self, scan_id: str) -> bool:
-        path = os.path.join(self.path, "scans", scan_id, "zarr.json")
-        if os.sep in scan_id or not os.path.isfile(path):
+        if not self._node_file("scans", scan_id):
             return False
-        summary = _summary(path, self.path, scan_id)
+        summary = _summary(os.path.join(self.path, "scans", scan_id, "zarr.json"), self.path, scan_id)
         return bool(summary and summary[0])
 
     def attrs(self, scan_id: str) -> dict[str, Any]:
@@ -348,7 +352,7 @@ class ScanStore(Claims, Integrity):
     def _scan(self, scan_id: str, *, complete: bool = True):
         # opened by its path in one round through Zarr (through the scans group: four)
         grp = None
-        if "/" not in scan_id and os.sep not in scan_id and scan_id not in ("", ".", ".."):
+        if _plain_name(scan_id):
             try:
                 grp = self.root[f"scans/{scan_id}"]
             except (KeyError, FileNotFoundError):
@@ -362,7 +366,7 @@ class ScanStore(Claims, Integrity):
     def _node_file(self, kind: str, name: str) -> bool:
         """Whether the group ``kind/name`` has its ``zarr.json`` (a look at the file system, no
         opening through Zarr): False means there is no such node."""
-        return os.sep not in name and os.path.isfile(os.path.join(self.path, kind, name, "zarr.json"))
+        return _plain_name(name) and os.path.isfile(os.path.join(self.path, kind, name, "zarr.json"))
 
     def is_current(self, scan_id: str, sha256: str, **settings) -> bool:
         """True when the scan is complete, intact (every promised array present with its shape and
@@ -372,7 +376,7 @@ class ScanStore(Claims, Integrity):
         if not self._node_file("scans", scan_id):  # no scan yet (every new file): nothing to open
             return False
         try:
-            grp = self.root["scans"][scan_id]
+            grp = self.root[f"scans/{scan_id}"]
             a = grp.attrs
             return (bool(a.get("complete", False)) and a.get("sha256") == sha256
                     and all(a.get(k) == _jsonable(v) for k, v in settings.items()) and not _scan_problems(grp))
@@ -398,9 +402,7 @@ class ScanStore(Claims, Integrity):
                                      attributes={**_jsonable(attrs), "arrays": promised, "complete": False})
             # the arrays created, written and read back in one round through Zarr's event loop
             # (one by one: about a dozen round trips a scan, most of an ingest's time per file)
-            found = _write_arrays(grp, arrays)
-            if found:
-                raise OSError(errno.EIO, f"{scan_id}: written arrays did not read back: {'; '.join(found)}")
+            _raise_unwritten(scan_id, _write_arrays(grp, arrays))
             grp.attrs["complete"] = True
 
     def write_scan_blocks(self, scan_id: str, blocks: Iterable[Any], n_points: int,
@@ -583,10 +585,7 @@ class ScanStore(Claims, Integrity):
             if dropped:
                 grp.attrs["stages"] = stages
             all_arrays = {name: arr for _, arrays, _ in items for name, arr in arrays.items()}
-            found = _write_arrays(grp, all_arrays)
-            if found:
-                raise OSError(errno.EIO, f"{scan_id} stages {[s for s, _, _ in items]}: written arrays did not "
-                                         f"read back: {'; '.join(found)}")
+            _raise_unwritten(f"{scan_id} stages {[s for s, _, _ in items]}", _write_arrays(grp, all_arrays))
             for stage, arrays, attrs in items:
                 a = attrs(written) if callable(attrs) else attrs
                 written[stage] = {**_jsonable(a or {}), "arrays": {n: _spec(x) for n, x in arrays.items()},
