@@ -116,7 +116,8 @@ def cluster_with_api(*, device: str = "auto", workers: int | None = None, schedu
     temporary local API boots while the workers start, instead of one after the other. A user's
     own server (``PREFECT_API_URL``) is asked first, so an unreachable one is said in one line
     before any worker starts."""
-    from .prefect_api import ensure_prefect_api, local_api_pid, quiet_prefect_logs, start_prefect_api
+    from .prefect_api import (check_api_version_soon, ensure_prefect_api, import_flow_engine, local_api_pid,
+                              quiet_prefect_logs, start_prefect_api)
 
     quiet_prefect_logs()  # the cluster's start logs nothing on the terminal either
     start_prefect_api()  # returns at once; a temporary server boots in its own process
@@ -128,7 +129,9 @@ def cluster_with_api(*, device: str = "auto", workers: int | None = None, schedu
             start_scope_cluster(preload=preload)
             open_gpu_contexts()  # the GPU workers' CUDA contexts, made while the API boots
         if temporary:
+            import_flow_engine()  # while the API boots, not in the first stage
             ensure_prefect_api()
+        check_api_version_soon()
         yield
 
 

@@ -387,7 +387,8 @@ def discover(source: str | os.PathLike, staging: str | os.PathLike, *,
         check_source(src, allow_empty=True)  # the caller decides whether finding nothing is an error
         path = Path(src)
         if path.is_dir():
-            items, problems = _collect(_walk(path), Path(staging), ignored)
+            regular: set[str] = set()
+            items, problems = _collect(_walk(path, regular), Path(staging), ignored, regular=regular)
         elif is_archive(path):
             items, problems = _expand_archive(path, Path(staging), ignored)
         else:
@@ -418,25 +419,54 @@ def _source(path: str, rel: str, legacy_rel: str | None = None) -> Source:
     return Source(path, sid, old if old != sid else None)
 
 
-def _walk(root: Path):
-    """(path, path relative to root) of every file under root, sorted; folder links are not followed."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        sub = os.path.relpath(dirpath, root)  # once a folder, not once a file
-        for fname in sorted(filenames):
-            yield os.path.join(dirpath, fname), fname if sub == "." else os.path.join(sub, fname)
+def _walk(root: Path, regular: set[str] | None = None):
+    """(path, path relative to root) of every file under root, sorted, folder by folder as
+    :func:`os.walk` goes (hidden folders skipped; folder links are not followed). ``regular``: a
+    set that receives the paths the folder listing itself shows to be regular files (not links),
+    so :func:`_collect` asks the file system nothing more about them (8,000 files: three
+    ``stat`` calls each, 0.6 s of a four-GPU ingest's start)."""
+    root = os.fspath(root)
+
+    def walk(folder: str, sub: str):
+        try:
+            with os.scandir(folder) as it:
+                entries = list(it)
+        except OSError:  # an unreadable folder is passed over, as os.walk does
+            return
+        files, dirs = [], []
+        for e in entries:
+            try:
+                is_dir = e.is_dir()
+            except OSError:
+                is_dir = False
+            if not is_dir:
+                files.append(e)
+            elif not e.name.startswith(".") and not e.is_symlink():
+                dirs.append(e.name)
+        for e in sorted(files, key=lambda e: e.name):
+            if regular is not None and e.is_file(follow_symlinks=False):
+                regular.add(e.path)
+            yield e.path, e.name if not sub else f"{sub}{os.sep}{e.name}"
+        for d in sorted(dirs):
+            yield from walk(os.path.join(folder, d), d if not sub else f"{sub}{os.sep}{d}")
+
+    yield from walk(root, "")
 
 
-def _collect(pairs, staging: Path, ignored: list[dict[str, str]], *, archives: bool = True):
+def _collect(pairs, staging: Path, ignored: list[dict[str, str]], *, archives: bool = True,
+             regular: set[str] | None = None):
     """Sources from (path, relative path) pairs, each bad item a problem of its own. An archive's
-    members come as (path, relative path, the relative path older versions named them from)."""
+    members come as (path, relative path, the relative path older versions named them from).
+    ``regular``: paths known to be regular files, not links (:func:`_walk`)."""
     items: list[Source] = []
     problems: list[dict[str, str]] = []
     seen: dict[str, str] = {}
     real_dirs: dict[str, str] = {}  # a folder's real path, resolved once for all its files
+    regular = regular if regular is not None else set()
     for path, rel, *legacy_rel in pairs:
         name = os.path.basename(path)
-        if _hidden_or_sidecar(name) or os.path.isdir(path):
+        plain = path in regular  # a regular file: not a folder, not a link, readable as listed
+        if _hidden_or_sidecar(name) or (not plain and os.path.isdir(path)):
             continue
         kind = _kind(path)
         if kind is None or (kind == "archive" and not archives):
@@ -448,13 +478,13 @@ def _collect(pairs, staging: Path, ignored: list[dict[str, str]], *, archives: b
         if folder not in real_dirs:
             real_dirs[folder] = os.path.realpath(folder)
         entry = os.path.join(real_dirs[folder], name)
-        real = os.path.realpath(path) if os.path.islink(path) else entry
+        real = os.path.realpath(path) if not plain and os.path.islink(path) else entry
         first = seen.get(entry) or seen.get(real)
         if first:
             ignored.append({"source": path, "reason": f"the same file as {first} (reached through a symbolic link)"})
             continue
         seen[entry] = seen[real] = path
-        reason = _unreadable(path)
+        reason = None if plain else _unreadable(path)
         if reason:
             problems.append({"source": path, "reason": reason})
             continue
@@ -462,7 +492,7 @@ def _collect(pairs, staging: Path, ignored: list[dict[str, str]], *, archives: b
             sub, probs = _expand_archive(Path(real), staging, ignored, name=rel)
             items += sub
             problems += probs
-        elif Path(path).suffix.lower() == ".txt" and not _looks_like_points(real):
+        elif _suffix(path).lower() == ".txt" and not _looks_like_points(real):
             ignored.append({"source": path, "reason": "a .txt file that is not rows of point coordinates"})
         else:
             items.append(_source(real, rel, *legacy_rel))
@@ -562,8 +592,9 @@ def _expand_archive(path: Path, staging: Path, ignored: list[dict[str, str]],
             except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
                 problems.append({"source": str(path),
                                  "reason": f"corrupt or truncated archive: {type(exc).__name__}: {exc}"})
-    pairs = ((full, f"{name or stem}/{rel}", f"{stem}/{rel}") for full, rel in _walk(dest))
-    items, probs = _collect(pairs, staging, ignored, archives=False)
+    regular: set[str] = set()
+    pairs = ((full, f"{name or stem}/{rel}", f"{stem}/{rel}") for full, rel in _walk(dest, regular))
+    items, probs = _collect(pairs, staging, ignored, archives=False, regular=regular)
     return items, problems + probs
 
 
@@ -587,7 +618,14 @@ def _safe_member(name: str) -> bool:
 
 
 def supported(path: str) -> bool:
-    return Path(path).suffix.lower() in FORMATS
+    return _suffix(path).lower() in FORMATS
+
+
+def _suffix(path: str | os.PathLike) -> str:
+    """``Path(path).suffix`` from the string (no path object built: called per listed file)."""
+    name = os.path.basename(os.fspath(path))
+    i = name.rfind(".")
+    return name[i:] if 0 < i < len(name) - 1 else ""
 
 
 class Staging:

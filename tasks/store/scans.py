@@ -84,7 +84,7 @@ def scan_id_for(relpath: str) -> str:
     names, and ids are typed in shells and patterns. The head keeps letters without their accents
     (``é`` -> ``e``); other characters become ``_``. The full path stays in the scan's ``source``.
     """
-    parts = [p for p in Path(relpath).as_posix().split("/") if p not in ("", ".")]
+    parts = [p for p in _as_posix(relpath).split("/") if p not in ("", ".")]
     plain = "__".join(parts)
     if (parts and all(_PLAIN_PART.fullmatch(p) for p in parts) and plain.split("__") == parts
             and not plain.startswith(".") and len(plain) <= MAX_ID_BYTES):
@@ -97,6 +97,15 @@ def scan_id_for(relpath: str) -> str:
     return f"{head or 'scan'}{ID_HASH_MARK}{tag}{ext}"
 
 
+def _as_posix(relpath: str) -> str:
+    """``Path(relpath).as_posix()``, without building a path where ``relpath`` is already in that
+    form (a folder's listing: thousands of files a discovery)."""
+    if (os.sep == "/" and isinstance(relpath, str) and relpath and relpath != "." and "//" not in relpath
+            and "/./" not in relpath and not relpath.startswith("./") and not relpath.endswith(("/", "/."))):
+        return relpath
+    return Path(relpath).as_posix()
+
+
 def _ascii(name: str) -> str:
     """``name`` in the safe set: accents dropped (NFKD, combining marks removed), the rest ``_``."""
     return _SAFE.sub("_", "".join(ch for ch in unicodedata.normalize("NFKD", name) if not unicodedata.combining(ch)))
@@ -107,7 +116,7 @@ def legacy_scan_id(relpath: str) -> str:
     so ``a b.pcd`` and ``a_b.pcd``, or ``日本語.pcd`` and ``中文.pcd`` (``_.pcd``), shared one scan.
     Ingest reuses it for a file whose scan an older version wrote under it (see
     :func:`scanforest.tasks.ingest.discover`), so those stores keep their ids."""
-    posix = Path(relpath).as_posix()
+    posix = _as_posix(relpath)
     parts = [p for p in posix.split("/") if p not in ("", ".")]
     sid = "__".join(_SAFE.sub("_", p) for p in parts).lstrip(".") or "scan"
     if len(sid) <= MAX_ID_BYTES:
