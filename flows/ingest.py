@@ -78,6 +78,8 @@ def _ingest(source: str, store: str, units: str, progress: bool, batch: int | No
                               common=dict(store=store, units=units, run=run, copc=copc),
                               label="ingest", batch=batch or auto_batch(len(sources), nw), progress=progress, workers=nw,
                               parts_param="parts")
+        # the scans' groups as their workers left them: the next listing of the store reads none of them
+        ScanStore.remember_summaries(store, {r["scan_id"]: r.pop("group") for r in records if r.get("group")})
         summary = summarize(records, time.perf_counter() - t0)
         summary["discover_seconds"] = t_found
         summary["quarantined"] += len(problems)

@@ -168,7 +168,8 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
 
     def current() -> dict[str, Any]:
         a = store.attrs(source.scan_id)
-        return done("ingested" if run and a.get("ingest_run") == run else "skipped", points=int(a.get("n_points", 0)))
+        return done("ingested" if run and a.get("ingest_run") == run else "skipped", points=int(a.get("n_points", 0)),
+                    group=store.group_summary(source.scan_id))
 
     if store.is_current(source.scan_id, digest, **expect):  # the common re-ingest case, without waiting for a claim
         return current()
@@ -206,7 +207,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
                 return done("quarantined", reason=exc.reason)
             n = scan.n_kept
         store.release(source.scan_id)
-    return done("ingested", points=n)
+    return done("ingested", points=n, group=store.group_summary(source.scan_id))
 
 
 def stored_arrays(arrays: dict[str, Any]) -> dict[str, Any]:

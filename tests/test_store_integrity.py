@@ -182,6 +182,34 @@ def test_the_scan_listing_follows_every_change_of_the_store(tmp_path):
         st.scans()
 
 
+def test_summaries_handed_by_the_writer_spare_the_listing_and_follow_rewrites(tmp_path, monkeypatch):
+    """An ingest's workers hand the flow each scan group's summary (group_summary); the flow's
+    next listing then reads no zarr.json, lists the same scans and extents as a cold listing,
+    and still reads again a scan rewritten since."""
+    import scanforest.tasks.store.scans as S
+
+    path = tmp_path / "s.zarr"
+    st = ScanStore(path, create=True)
+    pts = np.ones((4, 3), np.float32)
+    for i, name in enumerate(("a", "b", "c")):
+        st.write_scan(name, {"points": pts}, {"n_points": 4, "bbox": {"min": [0, 0, 0], "max": [1, 2, 3 + i]}})
+    st.root["scans"].create_group("d", attributes={"complete": False})
+    handed = {n: ScanStore(path, mode="r").group_summary(n) for n in ("a", "b", "c", "d", "missing")}
+    assert handed["missing"] is None and handed["d"][3] is False and handed["a"][3:] == [True, 3.0]
+    S._SUMMARIES.clear()
+    ScanStore.remember_summaries(path, handed)
+    reads = []
+    real = S._summary
+    monkeypatch.setattr(S, "_summary", lambda *a: reads.append(a[2]) or real(*a))
+    assert st.scans() == ["a", "b", "c"] and st.local_extents() == {"a": 3.0, "b": 4.0, "c": 5.0}
+    assert reads == []
+    st.write_scan("b", {"points": pts}, {"n_points": 4, "bbox": {"min": [-9, 0, 0], "max": [1, 2, 3]}})
+    assert st.local_extents()["b"] == 9.0 and reads == ["b"]
+    S._SUMMARIES.clear()
+    cold = ScanStore(path, mode="r")
+    assert cold.scans(include_incomplete=True) == ["a", "b", "c", "d"] and cold.local_extents()["b"] == 9.0
+
+
 def test_only_ingest_creates_a_store(tmp_path):
     with pytest.raises(InputError, match=r"^no scan store at .*nope\.zarr \(create one with: scanforest ingest"):
         ScanStore(tmp_path / "nope.zarr")

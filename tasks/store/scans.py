@@ -349,6 +349,34 @@ class ScanStore(Claims, Integrity):
             _SUMMARIES.pop(next(iter(_SUMMARIES)))
         return out
 
+    def group_summary(self, scan_id: str) -> list | None:
+        """``[inode, mtime_ns, size, complete, local extent]`` of a scan group's ``zarr.json`` as
+        it is now, or None (not a group, or rewritten while read): what a worker that wrote the
+        scan hands the flow (:meth:`remember_summaries`), so that the flow's next listing reads
+        no ``zarr.json`` again (8,000 scans: 0.8 s on a four-GPU host, 2026-11-28)."""
+        path = os.path.join(self.path, "scans", scan_id, "zarr.json")
+        try:
+            before = os.stat(path)
+            summary = _summary(path, self.path, scan_id)
+            after = os.stat(path)
+        except (OSError, InputError):
+            return None
+        version = (after.st_ino, after.st_mtime_ns, after.st_size)
+        if summary is None or version != (before.st_ino, before.st_mtime_ns, before.st_size):
+            return None
+        return [*version, *summary]
+
+    @staticmethod
+    def remember_summaries(path: str | os.PathLike, groups: dict[str, list]) -> None:
+        """Take :meth:`group_summary`'s figures of scans (by id) into this process's listing
+        cache of the store at ``path``; a listing still checks each file's version, so a scan
+        rewritten since is read again."""
+        key = os.path.realpath(os.fspath(path))
+        kept = _SUMMARIES.setdefault(key, {})
+        for name, g in groups.items():
+            if g and len(g) == 5:
+                kept[name] = ((int(g[0]), int(g[1]), int(g[2])), (bool(g[3]), None if g[4] is None else float(g[4])))
+
     def __contains__(self, scan_id: str) -> bool:
         if not self._node_file("scans", scan_id):
             return False
