@@ -1,6 +1,7 @@
 """A stage's input as every process must see it, checked in the flow process before any work is
 submitted (and before a cluster starts): paths made absolute (:func:`absolute_path`), the store
-opened (:func:`open_store`), the scans named found in it (:func:`require_scans`)."""
+opened (:func:`open_store`), the scans named found in it (:func:`require_scans`), a file's own name
+taken for its scan's id (:func:`resolve_scan_names`)."""
 from __future__ import annotations
 
 import os
@@ -40,3 +41,62 @@ def require_scans(st, ids, kind: str = "scan") -> None:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise InputError(f"{st.path}: no {kind} {missing[0]!r}{more}")
+
+
+def resolve_scan_names(st, names: list[str] | None) -> list[str] | None:
+    """Scan ids for the names a user typed: an id (or a glob pattern) as it is; otherwise a file's
+    path relative to its ingest root, or its name alone, spelt as the user's folder spells it.
+    Ids are ASCII (``scène été.pcd`` is stored as ``scene_ete~<hash>.pcd``), so without this a
+    command given the file's own name answered "no scan". A file of several scans (E57) names
+    them all. A name that several files share is a user error naming them; one that names
+    nothing is left as typed, for the caller's check to report."""
+    import unicodedata
+
+    from scanforest.kernels.errors import InputError
+    from scanforest.tasks.store import scan_id_for
+
+    if not names:
+        return names
+
+    def nfc(text: str) -> str:
+        return unicodedata.normalize("NFC", text.replace(os.sep, "/"))
+
+    have = set(st.scans())
+    sources: dict[str, str] | None = None
+    out: list[str] = []
+    for name in names:
+        if name in have or any(ch in name for ch in "*?["):
+            out.append(name)
+            continue
+        rel = name.replace(os.sep, "/").strip("/")
+        ids = {scan_id_for(unicodedata.normalize(form, rel)) for form in ("NFC", "NFD")} | {scan_id_for(rel)}
+        if len(ids & have) == 1:
+            out.append(next(iter(ids & have)))
+            continue
+        if sources is None:
+            sources = _scan_sources(st, have)
+        key = nfc(rel)
+        hits = sorted(sid for sid, src in sources.items() if nfc(src) == key or nfc(src).endswith("/" + key))
+        files = {sources[h] for h in hits}
+        if len(files) > 1:
+            raise InputError(f"{st.path}: {name!r} is the name of {len(files)} scanned files (scans "
+                             f"{', '.join(hits[:3])}{', ...' if len(hits) > 3 else ''}): give a scan id "
+                             f"(scanforest info {st.path} --scans lists them)")
+        out.extend(hits or [name])
+    return out
+
+
+def _scan_sources(st, ids) -> dict[str, str]:
+    """Each scan's ``source`` (the file it was ingested from), from its group's ``zarr.json``."""
+    import json
+
+    out = {}
+    for sid in ids:
+        try:
+            with open(os.path.join(st.path, "scans", sid, "zarr.json"), "rb") as fh:
+                src = (json.loads(fh.read()).get("attributes") or {}).get("source")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(src, str):
+            out[sid] = src
+    return out

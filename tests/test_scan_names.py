@@ -166,3 +166,35 @@ def test_old_store_with_collisions_checked_ingested_and_rerun_as_a_user(tmp_path
 
     out = ok(sf("check", str(store), env=env, cwd=tmp_path))
     assert f"{len(files)} scans, no problems" in out
+
+
+def test_commands_take_a_files_own_name_for_its_scan(tmp_path, env):
+    """Ids are ASCII, so ``scène été.pcd`` is stored as ``scene_ete~<hash>.pcd``; a command given
+    the file's own name (as the folder spells it, NFC or NFD, alone or with its folder) finds its
+    scan; a name two files share is one line naming their scans, exit 2, nothing written."""
+    from scanforest.flows.inputs import resolve_scan_names
+
+    src = tmp_path / "src"
+    rng = np.random.default_rng(3)
+    names = ["scène été.pcd", "a/x é.pcd", "b/x é.pcd", "plain.pcd"]
+    for i, name in enumerate(names):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        write_cloud(src / name, rng.random((30 + i, 3)).astype(np.float32))
+    store = tmp_path / "s.zarr"
+    sources, _ = discover(src, tmp_path / "staging")
+    ScanStore(store, create=True)
+    ingest_files(str(store), sources)
+    st = ScanStore(store, mode="r")
+    sid = {st.attrs(s)["source"]: s for s in st.scans()}
+    ete = sid[str(src / "scène été.pcd")]
+    assert ete != "scène été.pcd" and "~" in ete
+    nfd = unicodedata.normalize("NFD", "scène été.pcd")
+    assert resolve_scan_names(st, ["scène été.pcd", nfd, "plain.pcd", "plain*", "a/x é.pcd", "nope.pcd"]) == [
+        ete, ete, "plain.pcd", "plain*", sid[str(src / "a" / "x é.pcd")], "nope.pcd"]
+    assert resolve_scan_names(st, [unicodedata.normalize("NFD", "b/x é.pcd")]) == [sid[str(src / "b" / "x é.pcd")]]
+    before = _tree(store)
+    proc = sf("describe", str(store), "--scan", "x é.pcd", env=env, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "'x é.pcd' is the name of 2 scanned files" in line and sid[str(src / "a" / "x é.pcd")] in line
+    assert _tree(store) == before

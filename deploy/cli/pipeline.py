@@ -29,9 +29,11 @@ def _pick(store: str, patterns: list[str], what: str) -> list[str]:
     """Scan ids of the store matching any of the glob ``patterns``; none is a user error."""
     import fnmatch
 
-    from scanforest.flows.inputs import open_store
+    from scanforest.flows.inputs import open_store, resolve_scan_names
 
-    ids = open_store(store, mode="r").scans()
+    st = open_store(store, mode="r")
+    ids = st.scans()
+    patterns = resolve_scan_names(st, patterns)  # a file's own name for its scan's id
     chosen = sorted({s for pat in patterns for s in ids if fnmatch.fnmatchcase(s, pat)})
     if not chosen:
         from scanforest.kernels.errors import InputError
@@ -44,7 +46,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command()
     def describe(
         store: str = StoreArg,
-        scan: Optional[list[str]] = typer.Option(None, "--scan", help="Only these scan ids (repeatable)."),
+        scan: Optional[list[str]] = typer.Option(None, "--scan", help="Only these scans (repeatable): ids, or the files' own names."),
         normal_k: int = typer.Option(10, help="Normals from the k nearest points (PCL tutorial: 10)."),
         normal_radius: Optional[float] = typer.Option(None, help="Normals from a radius instead of k."),
         keypoint_radius: Optional[float] = typer.Option(0.03, help="Uniform-sampling leaf size; 0 = every point."),
@@ -62,6 +64,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         params = DescribeParams(normal_k=None if normal_radius else normal_k, normal_radius=normal_radius,
                                 keypoint_radius=keypoint_radius or None, shot_radius=shot_radius,
                                 approximate=approximate)
+        if scan:  # a file's own name for its scan's id
+            from scanforest.flows.inputs import open_store, resolve_scan_names
+
+            scan = resolve_scan_names(open_store(store, mode="r"), scan)
         summary = quick_describe(store, scan, params)  # nothing to do: answered before Prefect or Dask start
         if summary is None:
             from scanforest.flows.describe import check_describe, run_describe
