@@ -184,7 +184,8 @@ def test_a_killed_run_is_marked_interrupted_and_crashed(tmp_path):
 
 def test_local_api_starts_again_when_its_first_server_exits(tmp_path, monkeypatch):
     """Two commands started together on a new PREFECT_HOME both migrate its database and the
-    loser's server exits ("table ... already exists"): the local API starts it again."""
+    loser's server exits ("table ... already exists"): the local API starts it again. The
+    migrated database is marked; a new database file in its place is migrated again."""
     from scanforest.flows import prefect_api
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
@@ -207,6 +208,25 @@ def test_local_api_starts_again_when_its_first_server_exits(tmp_path, monkeypatc
             assert r.status == 200
     finally:
         api.stop()
+    # the migrated database is marked (prefect_api.create_local_app), so the next start skips the migration
+    # check; a database made again (another file) is migrated again, not taken for the marked one
+    home = tmp_path / "home"
+    first = (home / "scanforest-api-migrated").read_text()
+    assert str(home / "prefect.db") in first and first.count("|") == 2 and not first.endswith("|")
+    for f in home.glob("prefect.db*"):
+        f.unlink()
+    (home / "prefect.db").write_bytes(b"")  # a new, empty SQLite file: no tables
+    monkeypatch.setattr(prefect_api._LocalAPI, "_spawn", real_spawn)
+    api = prefect_api._LocalAPI()
+    try:
+        url = api.wait_ready(timeout=120)
+        req = urllib.request.Request(url + "/flows/filter", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:  # answered from migrated tables
+            assert r.status == 200 and json.loads(r.read()) == []
+    finally:
+        api.stop()
+    assert (home / "scanforest-api-migrated").read_text() == first  # the same revision, migrated again
 
 
 def test_a_killed_command_is_crashed_at_once_on_a_real_server(tmp_path, prefect_server):
