@@ -206,6 +206,38 @@ def test_bench_tools_measures_every_tool_against_one_exact_answer(tmp_path):
         bench_tools.run(100, 10, 4, 2, device="cpu", targets=[1.5], out=out)
 
 
+def test_bench_tools_times_every_tool_at_query_batches(tmp_path):
+    """``--batches``: each tool also searches the queries in batches (one call each); the answers
+    in batches are the full set's (the same recall, exact for exact tools), a size not below the
+    query count adds nothing, and the matched-recall rows are repeated within each size against
+    that size's figures."""
+    pytest.importorskip("faiss")
+    from scanforest.deploy.bench import tools as bench_tools
+
+    rep = bench_tools.run(2000, 150, 16, 4, device="cpu", trees=2, leaf_size=16, budgets=[400], nprobes=[8],
+                          ef_search=[], threads=2, clusters=30, repeat=1, targets=[0.95], batches=[40, 500],
+                          out=tmp_path / "b.json")
+    rows = _rows(rep)
+    batched = {f: r for f, r in rows.items() if ", batches of " in f and " vs " not in f}
+    assert batched and all(", batches of 40 (" in f for f in batched)  # 500 >= 150 queries: the full set
+    names = {f.split(" queries/s")[0].split(" nlist=")[0] for f in batched}
+    assert names == {"scanforest exact brute force", "scanforest KDForest banns", "FAISS IndexFlatL2 (exact)",
+                     "FAISS IndexIVFFlat"}, names
+    forest = rows["scanforest KDForest banns queries/s, 2 trees, 400 leaves, batches of 40 (recall@4 1.000)"]
+    assert forest.extra["recall"] == 1.0 and forest.extra["batch"] == 40
+    assert rows["FAISS IndexFlatL2 (exact) queries/s, exhaustive, batches of 40 (recall@4 1.000)"].extra["recall"] == 1
+    ivf = next(r for f, r in batched.items() if f.startswith("FAISS IndexIVFFlat"))
+    whole = next(r for f, r in rows.items() if f.startswith("FAISS IndexIVFFlat") and "recall@4, nprobe=8" in f)
+    assert ivf.extra["recall"] == whole.value
+    matched = {r.baseline: r for f, r in rows.items() if f.startswith("batches of 40: ")}
+    flat = matched["FAISS IndexFlatL2 (exact) (cpu (2 threads)), batches of 40"]
+    assert flat.baseline_value == rows["FAISS IndexFlatL2 (exact) queries/s, exhaustive, batches of 40 "
+                                       "(recall@4 1.000)"].value
+    assert flat.value == max(r.value for f, r in batched.items() if f.startswith("scanforest"))
+    with pytest.raises(InputError, match="--batches"):
+        bench_tools.run(100, 10, 4, 2, device="cpu", batches=[0], out=tmp_path / "c.json")
+
+
 def test_bench_tools_flann_baseline(tmp_path):
     """FLANN's KD-forest through deploy/baselines/flann_knn_bench.cpp, built here when
     libflann-dev is installed: checks covering every point of every tree are exact."""

@@ -16,6 +16,10 @@ brute force), and on it every tool's recall@P / queries-per-second curve:
 * with ``--device gpu`` and a ``faiss-gpu`` build: ``GpuIndexFlatL2``, ``GpuIndexIVFFlat`` over
   ``--gpu-nprobe`` and ``GpuIndexCagra`` (cuVS) over ``--itopk``, on the same GPU in the same run.
 
+With ``--batches``, every tool but FLANN is also timed searching the queries in consecutive
+batches of each size (one call per batch, as recognition queries 2k-20k keypoints a scene), its
+recall measured on those answers, and compared at matched recall within each batch size.
+
 CPU tools run on ``--threads`` threads (numba, OpenMP). Recall counts a returned neighbour when
 its canonical distance (:func:`scanforest.kernels.knn.bruteforce.pair_distances`, the brute force's
 own arithmetic) is at most the exact P-th distance, for every tool alike. The last rows compare
@@ -37,19 +41,49 @@ from scanforest.kernels.errors import InputError
 from ._data import _best_at, _ivf_lists, _ivf_train_rows, _timeit, canonical_recall, clustered
 
 
-def _recorder(rep, faiss, X, Q, k, ed, where, prefix, sync, repeat, base, curves):
-    """``record(go, label, setting, build_s)``: time ``go()`` (a search of all of ``Q``), score
-    its ids, add the rows and the point of the tool's curve (FAISS on the host and on the GPU)."""
+def _host_ids(ids) -> np.ndarray:
+    """Answer ids as int64 numpy (from numpy, CuPy or PyTorch)."""
+    if hasattr(ids, "cpu"):
+        ids = ids.cpu().numpy()
+    elif hasattr(ids, "get"):
+        ids = ids.get()
+    return np.asarray(ids).astype(np.int64, copy=False)
+
+
+def _batched(rep, search, Qs, X, Q, k, ed, sync, repeat, batches, name, setting, where, curves, **extra):
+    """``search(Q_part) -> (dist, ids)`` timed over the queries ``Qs`` (``Q`` as the tool takes
+    them: host, CuPy or PyTorch) in consecutive batches of each size in ``batches`` (one call per
+    batch; the answers gathered after the clock stops), with the recall of those answers against
+    ``ed``: rows ``... queries/s, SETTING, batches of B`` and each size's curve point in
+    ``curves[B][name]``. Sizes not smaller than the query set are the full-set row already."""
+    m = len(Q)
+    for b in batches:
+        if b >= m:
+            continue
+        t, parts = _timeit(lambda: [search(Qs[a:a + b]) for a in range(0, m, b)], sync, repeat)
+        ids = np.concatenate([_host_ids(p[1]) for p in parts])
+        r = canonical_recall(X, Q, ids, ed, k)
+        rep.add(f"{name} queries/s, {setting}, batches of {b} (recall@{k} {r:.3f})", m / t, "queries/s", where,
+                recall=r, batch=b, **extra)
+        curves.setdefault(b, {}).setdefault(name, []).append((m / t, r, setting))
+
+
+def _recorder(rep, faiss, X, Q, k, ed, where, prefix, sync, repeat, base, curves, batches=(), batch_curves=None):
+    """``record(go, label, setting, build_s, part=None)``: time ``go()`` (a search of all of ``Q``),
+    score its ids, add the rows and the point of the tool's curve (FAISS on the host and on the
+    GPU); with ``part`` (the same search of a slice of the queries) also at each of ``batches``."""
     m = len(Q)
 
-    def record(go, label, setting, build_s):
+    def record(go, label, setting, build_s, part=None, queries=None):
         t, (_, ids) = _timeit(go, sync, repeat)
-        ids = ids.cpu().numpy() if hasattr(ids, "cpu") else np.asarray(ids)
-        r = canonical_recall(X, Q, ids.astype(np.int64), ed, k)
+        r = canonical_recall(X, Q, _host_ids(ids), ed, k)
         rep.add(f"{prefix} {label} queries/s, {setting}", m / t, "queries/s", where, baseline=base[0],
                 baseline_value=base[1], recall=r, build_s=build_s, faiss=faiss.__version__)
         rep.add(f"{prefix} {label} recall@{k}, {setting}", r, "", where)
         curves.setdefault(f"{prefix} {label}", []).append((m / t, r, setting))
+        if part is not None and batches:
+            _batched(rep, part, Q if queries is None else queries, X, Q, k, ed, sync, repeat, batches,
+                     f"{prefix} {label}", setting, where, batch_curves, build_s=build_s)
 
     return record
 
@@ -95,13 +129,14 @@ def _faiss_rows(rep, X, Q, k, ed, threads, cdev, **kw):
 
 
 def _faiss_curves(faiss, rep, X, Q, k, ed, cdev, *, nlist, nprobes, hnsw_m, ef_construction, ef_search, repeat,
-                  base):
+                  base, batches=(), batch_curves=None):
     d = X.shape[1]
     curves = {}
-    record = _recorder(rep, faiss, X, Q, k, ed, cdev, "FAISS", lambda: None, repeat, base, curves)
+    record = _recorder(rep, faiss, X, Q, k, ed, cdev, "FAISS", lambda: None, repeat, base, curves, batches,
+                       batch_curves)
 
     def search(index, label, setting, build_s):
-        record(lambda: index.search(Q, k), label, setting, build_s)
+        record(lambda: index.search(Q, k), label, setting, build_s, part=lambda q: index.search(q, k))
 
     _flat_and_ivf(rep, search, X, cdev, "FAISS", ("IndexFlatL2 (exact)", "IndexIVFFlat"), lambda: faiss.IndexFlatL2(d),
                   lambda nl: faiss.IndexIVFFlat(faiss.IndexFlatL2(d), d, nl), nlist, nprobes, lambda: None)
@@ -120,7 +155,8 @@ def _faiss_curves(faiss, rep, X, Q, k, ed, cdev, *, nlist, nprobes, hnsw_m, ef_c
     return curves
 
 
-def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degree, itopk, repeat, base):
+def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degree, itopk, repeat, base, batches=(),
+                    batch_curves=None):
     """FAISS on the GPU (``faiss-gpu``, with cuVS where it was built with it): GpuIndexFlatL2
     (exhaustive), GpuIndexIVFFlat over ``nprobes`` and GpuIndexCagra over ``itopk``. The queries
     stay on the device when PyTorch is there to hand them over (``faiss.contrib.torch_utils``,
@@ -150,14 +186,17 @@ def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degre
     rep.note(f"FAISS {faiss.__version__} GPU ({'with' if cuvs else 'without'} cuVS): queries from {where}")
     res = faiss.StandardGpuResources()
     curves = {}
-    record = _recorder(rep, faiss, Xh, Qh, k, ed, gdev, "FAISS GPU", sync, repeat, base, curves)
+    record = _recorder(rep, faiss, Xh, Qh, k, ed, gdev, "FAISS GPU", sync, repeat, base, curves, batches,
+                       batch_curves)
 
     def search(index, label, setting, build_s, params=None):
         if params is None:
-            record(lambda: index.search(qin, k), label, setting, build_s)
+            record(lambda: index.search(qin, k), label, setting, build_s, part=lambda q: index.search(q, k),
+                   queries=qin)
         else:  # torch_utils' search takes no params (it keeps the array search as search_numpy)
             go = getattr(index, "search_numpy", index.search)
-            record(lambda: go(Qh, k, params=params), label, setting + ", host queries", build_s)
+            record(lambda: go(Qh, k, params=params), label, setting + ", host queries", build_s,
+                   part=lambda q: go(q, k, params=params))
 
     _flat_and_ivf(rep, search, Xh, gdev, "FAISS GPU", ("GpuIndexFlatL2", "IVFFlat"),
                   lambda: faiss.GpuIndexFlatL2(res, d),
@@ -249,12 +288,13 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32, ef_construction: int = 80, ef_search=(16, 64, 256),
         threads: int = 0, clusters: int = 1000, real: str | None = None, targets=(0.9, 0.95, 0.98),
         repeat: int = 3, gpu_nprobes=(4, 8, 16, 32), cagra_degree: int = 32, itopk=(32, 64, 128, 256), out=None,
-        forests=None, recalls=()):
+        forests=None, recalls=(), batches=()):
     """Measure every tool on one data set and print the table (see the module docstring).
 
     ``forests``: several scanforest forests, ``[(leaf_size, budgets), ...]`` (a curve each; the
     fastest point at a recall is scanforest's); default one, ``leaf_size`` with ``budgets``.
-    ``recalls``: targets searched by ``KDForest()`` (the device's defaults) with ``recall=``."""
+    ``recalls``: targets searched by ``KDForest()`` (the device's defaults) with ``recall=``.
+    ``batches``: query batch sizes every tool but FLANN is also timed at (one call per batch)."""
     from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
     from scanforest.kernels.knn.bruteforce import knn_bruteforce
     from scanforest.kernels.knn.kdforest import KDForest, check_recall
@@ -263,6 +303,9 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
 
     targets = [float(t) for t in (targets if isinstance(targets, (list, tuple)) else [targets])]
     recalls = [check_recall(float(r)) for r in recalls]
+    batches = sorted({int(b) for b in batches})
+    if any(b < 1 for b in batches):
+        raise InputError(f"--batches must be positive query counts, got {batches}")
     if not targets or not all(0 < t <= 1 for t in targets):
         raise InputError(f"--target values must be in (0, 1], got {targets}")
     forests = [(int(ls), [int(b) for b in bs]) for ls, bs in (forests or [(leaf_size, budgets)])]
@@ -284,7 +327,8 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                                 "flann_trees": flann_trees, "nlist": nlist, "nprobes": list(nprobes), "hnsw_m": hnsw_m,
                                 "ef_construction": ef_construction, "ef_search": list(ef_search),
                                 "threads": threads, "clusters": clusters, "real": real, "targets": targets,
-                                **({"recalls": recalls} if recalls else {})},
+                                **({"recalls": recalls} if recalls else {}),
+                                **({"batches": batches} if batches else {})},
                       echo=True)
     if dev == "gpu":
         import cupy as cp
@@ -310,6 +354,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     gdev = describe_device(dev) if dev == "gpu" else f"cpu ({threads} threads)"
     cdev = f"cpu ({threads} threads)"
     curves = {}
+    by_batch: dict[int, dict] = {}  # {batch size: {tool: [(q/s, recall, setting)]}}, scanforest's under MINE
     with numba_threads(threads):
         knn_bruteforce(X[:512], Q[:8], k)  # compile / warm up
         t_bf, (ed, _) = _timeit(lambda: knn_bruteforce(X, Q, k), sync, repeat)
@@ -317,6 +362,8 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         base = (f"scanforest exact brute force queries/s ({dev})", m / t_bf)
         rep.add(base[0], base[1], "queries/s", gdev, seconds=t_bf)
         mine = [(base[1], 1.0, "exact brute force")]
+        _batched(rep, lambda q: knn_bruteforce(X, q, k), Q, X, Q, k, ed, sync, repeat, batches,
+                 "scanforest exact brute force", "exact", gdev, by_batch)
         for ls, bs in forests:
             # several forests: a curve each (the report draws one per name before "queries/s")
             name = "scanforest KDForest" + (f" (leaf size {ls})" if len(forests) > 1 else "")
@@ -335,21 +382,27 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                         baseline=base[0], baseline_value=base[1], recall=r, build_s=build, leaf_size=ls)
                 rep.add(f"{name} recall@{k}, {trees} trees, {b} leaves", r, "", gdev)
                 mine.append((m / t, r, f"{leaf}{b} leaves"))
+                _batched(rep, lambda q: forest.query(q, k, backtracks=int(b)), Q, X, Q, k, ed, sync, repeat,
+                         batches, f"{name} {method}", f"{trees} trees, {leaf}{b} leaves", gdev, by_batch,
+                         build_s=build, leaf_size=ls)
             forest = None  # its GPU memory goes back before the next forest and the other tools
         if recalls:
             _recall_rows(rep, KDForest, X, Q, k, ed, recalls, method, split, dev, gdev, sync, repeat, base, mine)
     if flann_baseline:
         curves.update(_flann_rows(rep, flann_baseline, Xh, Qh, k, ed, flann_trees, threads, checks, repeat, cdev,
                                   base))
+        if batches:
+            rep.note("FLANN rows: the whole query set only (its program takes no batch size)")
     else:
         rep.note("FLANN rows skipped: no --flann-baseline program (build deploy/baselines/flann_knn_bench.cpp)")
     if dev == "gpu":
         curves.update(_faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, nlist=nlist, nprobes=list(gpu_nprobes),
-                                      cagra_degree=cagra_degree, itopk=list(itopk), repeat=repeat, base=base))
+                                      cagra_degree=cagra_degree, itopk=list(itopk), repeat=repeat, base=base,
+                                      batches=batches, batch_curves=by_batch))
     if nprobes or ef_search:
         curves.update(_faiss_rows(rep, Xh, Qh, k, ed, threads, cdev, nlist=nlist, nprobes=list(nprobes),
                                   hnsw_m=hnsw_m, ef_construction=ef_construction, ef_search=list(ef_search),
-                                  repeat=repeat, base=base))
+                                  repeat=repeat, base=base, batches=batches, batch_curves=by_batch))
     else:
         rep.note("FAISS host rows skipped: --nprobe and --ef-search are empty")
     for target in targets:
@@ -363,6 +416,22 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
             rep.add(f"scanforest ({ours[2]}, recall {ours[1]:.3f}) vs {tool} ({theirs[2]}, recall {theirs[1]:.3f}) "
                     f"at recall@{k} >= {target}", ours[0], "queries/s", gdev, baseline=f"{tool} ({where})",
                     baseline_value=theirs[0])
+    for b, tools in sorted(by_batch.items()):  # the same comparison within each batch size
+        ours_pts = [p for name, pts in tools.items() if name.startswith("scanforest") for p in pts]
+        for target in targets:
+            ours = _best_at(ours_pts, target)
+            for tool, pts in tools.items():
+                if tool.startswith("scanforest"):
+                    continue
+                theirs = _best_at(pts, target)
+                if ours is None or theirs is None:
+                    rep.note(f"batches of {b}, recall@{k} >= {target}: "
+                             f"{'scanforest' if ours is None else tool} has no measured point")
+                    continue
+                where = gdev if tool.startswith("FAISS GPU") else cdev
+                rep.add(f"batches of {b}: scanforest ({ours[2]}, recall {ours[1]:.3f}) vs {tool} ({theirs[2]}, "
+                        f"recall {theirs[1]:.3f}) at recall@{k} >= {target}", ours[0], "queries/s", gdev,
+                        baseline=f"{tool} ({where}), batches of {b}", baseline_value=theirs[0])
     rep.note(f"recall@{k}: a returned neighbour counts when its canonical distance is <= the exact {k}-th distance "
              "(ties count), the same rule for every tool; queries/s: median of "
              f"{repeat} searches of all {m:,} queries after a warm-up (FLANN: median of its own repetitions)")
@@ -419,6 +488,9 @@ def register(app, bench) -> None:
                                   "no CAGRA)"),
         recall: str = typer.Option("", "--recall", help="recall@P targets (comma list): KDForest() with the "
                                    "device's defaults, its budget calibrated on its own rows for each"),
+        batches: str = typer.Option("", "--batches", help="query batch sizes (comma list, k suffix ok, e.g. "
+                                    "1k,10k,100k): every tool but FLANN also timed searching the queries in "
+                                    "batches of each size, one call per batch, and compared within each size"),
         out: str = typer.Option(None, "--out", help="JSON file or folder"),
     ):
         """scanforest's KD-forest against FLANN's KD-forest and FAISS (Flat, IVF-Flat, HNSW; on the GPU also
@@ -439,4 +511,4 @@ def register(app, bench) -> None:
             ef_construction=ef_construction, ef_search=parse_counts(ef_search), threads=threads, clusters=clusters,
             real=real, targets=[float(t) for t in target.split(",") if t.strip()], repeat=repeat,
             gpu_nprobes=parse_counts(gpu_nprobe), cagra_degree=cagra_degree, itopk=parse_counts(itopk), out=out,
-            recalls=[float(r) for r in recall.split(",") if r.strip()])
+            recalls=[float(r) for r in recall.split(",") if r.strip()], batches=parse_counts(batches))
