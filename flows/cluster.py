@@ -116,8 +116,8 @@ def cluster_with_api(*, device: str = "auto", workers: int | None = None, schedu
     temporary local API boots while the workers start, instead of one after the other. A user's
     own server (``PREFECT_API_URL``) is asked first, so an unreachable one is said in one line
     before any worker starts."""
-    from .prefect_api import (check_api_version_soon, ensure_prefect_api, import_flow_engine, local_api_pid,
-                              quiet_prefect_logs, start_prefect_api)
+    from .prefect_api import (ensure_prefect_api, import_flow_engine, local_api_pid, quiet_prefect_logs,
+                              start_prefect_api)
 
     quiet_prefect_logs()  # the cluster's start logs nothing on the terminal either
     start_prefect_api()  # returns at once; a temporary server boots in its own process
@@ -131,7 +131,6 @@ def cluster_with_api(*, device: str = "auto", workers: int | None = None, schedu
         if temporary:
             import_flow_engine()  # while the API boots, not in the first stage
             ensure_prefect_api()
-        check_api_version_soon()
         yield
 
 

@@ -126,23 +126,6 @@ def import_flow_engine() -> None:
             importlib.import_module(name)
 
 
-def check_api_version_soon() -> threading.Thread:
-    """Have Prefect's once-a-process check of the API's version (a client made, a request
-    answered: 0.23 s on 2 cores, in the first flow run's start) done now by a thread, while the
-    command goes on: its first stage then finds it done. Errors are left to the flows."""
-
-    def check() -> None:
-        with contextlib.suppress(Exception):
-            from prefect.context import SyncClientContext
-
-            with SyncClientContext.get_or_create():
-                pass
-
-    thread = threading.Thread(target=check, name="scanforest-api-version", daemon=True)
-    thread.start()
-    return thread
-
-
 def start_prefect_api() -> None:
     """Start the local Prefect API in the background when none is set (no-op otherwise), so it
     boots while the command does other work; :func:`ensure_prefect_api` waits for it.
