@@ -198,3 +198,6 @@ def test_commands_take_a_files_own_name_for_its_scan(tmp_path, env):
     line = proc.stderr.strip().splitlines()[-1]
     assert "'x é.pcd' is the name of 2 scanned files" in line and sid[str(src / "a" / "x é.pcd")] in line
     assert _tree(store) == before
+    listing = ok(sf("info", str(store), "--scans", env=env, cwd=tmp_path))  # each id beside its file
+    assert f"{ete}\t" in listing and any(ln.startswith(ete) and ln.endswith(str(src / "scène été.pcd"))
+                                          for ln in listing.splitlines())

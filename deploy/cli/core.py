@@ -114,17 +114,18 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
     @app.command()
     def info(store: str = typer.Argument(..., help="The Zarr scan store."),
-             scans: bool = typer.Option(False, "--scans", help="List every scan."),
+             scans: bool = typer.Option(False, "--scans", help="List every scan: id, points, format, stages, "
+                                        "the file it came from."),
              as_json: bool = JsonOpt):
         """Summarise a store: scans, points, formats, stages done, quarantine, runs."""
         from scanforest.flows.inputs import open_store
 
         st = open_store(store, mode="r")
         summary = st.info()
-        if scans:
-            summary["scan_list"] = [{"scan_id": sid, "points": st.attrs(sid).get("n_points", 0),
-                                     "format": st.attrs(sid).get("format"),
-                                     "stages": sorted(st.attrs(sid).get("stages", {}))} for sid in st.scans()]
+        if scans:  # each scan's attributes read once; its source file beside its id (ids are ASCII-safe)
+            summary["scan_list"] = [{"scan_id": sid, "points": a.get("n_points", 0), "format": a.get("format"),
+                                     "stages": sorted(a.get("stages", {})), "source": a.get("source")}
+                                    for sid, a in ((sid, st.attrs(sid)) for sid in st.scans())]
         if as_json:
             summary["quarantine"] = st.quarantined()
             typer.echo(json.dumps(summary, indent=2, default=str))
@@ -134,7 +135,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                 for k, v in summary.items() if k != "scan_list"}
         print_summary(f"store {store}", flat)
         for row in summary.get("scan_list", []):
-            typer.echo(f"{row['scan_id']}\t{row['points']:>10,}\t{row['format']}\t{','.join(row['stages'])}")
+            typer.echo(f"{row['scan_id']}\t{row['points']:>10,}\t{row['format']}\t{','.join(row['stages'])}"
+                       f"\t{row['source'] or ''}")
         for q in st.quarantined():
             typer.secho(f"quarantined: {q['source']}: {q['reason']}", fg=typer.colors.YELLOW)
 
