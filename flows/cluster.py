@@ -252,7 +252,8 @@ def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
     whose ``CUDA_VISIBLE_DEVICES`` is GPU ``i mod G`` alone, not dask-cuda's rotated list of them all
     (32 workers on four H200s made their contexts in 7.0 s instead of 7.7 s, and closed in 2.4 s
     instead of 2.6 s). That suits stages whose work per GPU is partly host-bound (recognition's
-    grouping, Zarr I/O), and it runs the multi-worker paths on a one-GPU machine. Without ``n_workers``: :func:`default_gpu_workers`."""
+    grouping, Zarr I/O), and it runs the multi-worker paths on a one-GPU machine. Without
+    ``n_workers``: :func:`default_gpu_workers`."""
     from scanforest.kernels.backend import gpu_count
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -74,7 +74,7 @@ def resolve_scan_names(st, names: list[str] | None) -> list[str] | None:
             out.append(next(iter(ids & have)))
             continue
         if sources is None:
-            sources = _scan_sources(st, have)
+            sources = st.sources(have)
         key = nfc(rel)
         hits = sorted(sid for sid, src in sources.items() if nfc(src) == key or nfc(src).endswith("/" + key))
         files = {sources[h] for h in hits}
@@ -85,18 +85,3 @@ def resolve_scan_names(st, names: list[str] | None) -> list[str] | None:
         out.extend(hits or [name])
     return out
 
-
-def _scan_sources(st, ids) -> dict[str, str]:
-    """Each scan's ``source`` (the file it was ingested from), from its group's ``zarr.json``."""
-    import json
-
-    out = {}
-    for sid in ids:
-        try:
-            with open(os.path.join(st.path, "scans", sid, "zarr.json"), "rb") as fh:
-                src = (json.loads(fh.read()).get("attributes") or {}).get("source")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(src, str):
-            out[sid] = src
-    return out

@@ -46,7 +46,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command()
     def describe(
         store: str = StoreArg,
-        scan: Optional[list[str]] = typer.Option(None, "--scan", help="Only these scans (repeatable): ids, or the files' own names."),
+        scan: Optional[list[str]] = typer.Option(None, "--scan",
+                                                 help="Only these scans (repeatable): ids, or the files' own names."),
         normal_k: int = typer.Option(10, help="Normals from the k nearest points (PCL tutorial: 10)."),
         normal_radius: Optional[float] = typer.Option(None, help="Normals from a radius instead of k."),
         keypoint_radius: Optional[float] = typer.Option(0.03, help="Uniform-sampling leaf size; 0 = every point."),

@@ -354,7 +354,7 @@ class ScanStore(Claims, Integrity):
         it is now, or None (not a group, or rewritten while read): what a worker that wrote the
         scan hands the flow (:meth:`remember_summaries`), so that the flow's next listing reads
         no ``zarr.json`` again (8,000 scans: 0.8 s on a four-GPU host, 2026-11-28)."""
-        path = os.path.join(self.path, "scans", scan_id, "zarr.json")
+        path = self._meta_file("scans", scan_id)
         try:
             before = os.stat(path)
             summary = _summary(path, self.path, scan_id)
@@ -380,7 +380,7 @@ class ScanStore(Claims, Integrity):
     def __contains__(self, scan_id: str) -> bool:
         if not self._node_file("scans", scan_id):
             return False
-        summary = _summary(os.path.join(self.path, "scans", scan_id, "zarr.json"), self.path, scan_id)
+        summary = _summary(self._meta_file("scans", scan_id), self.path, scan_id)
         return bool(summary and summary[0])
 
     def attrs(self, scan_id: str) -> dict[str, Any]:
@@ -403,7 +403,25 @@ class ScanStore(Claims, Integrity):
     def _node_file(self, kind: str, name: str) -> bool:
         """Whether the group ``kind/name`` has its ``zarr.json`` (a look at the file system, no
         opening through Zarr): False means there is no such node."""
-        return _plain_name(name) and os.path.isfile(os.path.join(self.path, kind, name, "zarr.json"))
+        return _plain_name(name) and os.path.isfile(self._meta_file(kind, name))
+
+    def _meta_file(self, kind: str, name: str) -> str:
+        """The ``zarr.json`` of the node ``name`` under ``kind`` (``scans``, ...)."""
+        return os.path.join(self.path, kind, name, "zarr.json")
+
+    def sources(self, scan_ids: Iterable[str]) -> dict[str, str]:
+        """Each scan's ``source`` (the file it was ingested from), read from its group's
+        ``zarr.json`` (one file read a scan, no Zarr round trip); scans without one are left out."""
+        out = {}
+        for sid in scan_ids:
+            try:
+                with open(self._meta_file("scans", sid), "rb") as fh:
+                    src = (json.loads(fh.read()).get("attributes") or {}).get("source")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(src, str):
+                out[sid] = src
+        return out
 
     def is_current(self, scan_id: str, sha256: str, **settings) -> bool:
         """True when the scan is complete, intact (every promised array present with its shape and
