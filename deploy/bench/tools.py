@@ -247,6 +247,50 @@ def _recall_rows(rep, KDForest, X, Q, k, ed, recalls, method, split, dev, gdev, 
         mine.append((len(Q) / t, got, f"KDForest() recall={r}: {b}"))
 
 
+def _device_bytes(dev: str) -> int:
+    """Bytes CuPy's memory pool holds on the device now (0 on a CPU)."""
+    if dev != "gpu":
+        return 0
+    import cupy as cp
+
+    return int(cp.get_default_memory_pool().used_bytes())
+
+
+def _graph_rows(rep, KDForest, X, Q, k, ed, trees, ls, method, split, dev, gdev, sync, repeat, base, mine, batches,
+                by_batch, *, degree, expands, rounds, budget, leaves):
+    """The forest with a neighbour graph (``KDForest(graph_degree=...)``): its build (trees and
+    graph) and device memory, then a curve per expansion width over the forest budgets."""
+    before = _device_bytes(dev)
+    t0 = time.perf_counter()
+    forest = KDForest(n_trees=trees, leaf_size=ls, method=method, split=split, device=dev, graph_degree=degree,
+                      graph_budget=budget).fit(X)
+    sync()
+    build = time.perf_counter() - t0
+    gs = forest.graph_stats_
+    rep.add(f"scanforest KDForest + graph build, {trees} trees (leaf size {ls}), graph degree {degree} at {budget} "
+            "leaves a row", build, "s", gdev, higher_is_better=False, graph_s=round(gs["seconds"], 3),
+            graph_bytes=gs["bytes"], index_device_bytes=_device_bytes(dev) - before)
+    rep.note(f"scanforest graph: {gs['degree']} neighbours a row found at {budget} leaves in {gs['seconds']:.2f} s "
+             f"({gs['bytes'] / 2**20:.0f} MiB) of the {build:.2f} s build; the index holds "
+             f"{(_device_bytes(dev) - before) / 2**20:.0f} MiB on the device"
+             if dev == "gpu" else f"scanforest graph: {gs['degree']} neighbours a row at {budget} leaves in "
+             f"{gs['seconds']:.2f} s of the {build:.2f} s build")
+    for e in expands:
+        forest.set_params(graph_expand=int(e), graph_rounds=int(rounds))
+        name = f"scanforest KDForest + graph (expand {e} x {rounds})"
+        forest.query(Q[:8], k, backtracks=int(leaves[0]))
+        for b in leaves:
+            t, (_, fi) = _timeit(lambda: forest.query(Q, k, backtracks=int(b)), sync, repeat)
+            r = canonical_recall(X, Q, fi, ed, k)
+            setting = f"{b} leaves + graph {degree}, expand {e} x {rounds}"
+            rep.add(f"{name} {method} queries/s, {trees} trees, {b} leaves", len(Q) / t, "queries/s", gdev,
+                    baseline=base[0], baseline_value=base[1], recall=r, build_s=build, leaf_size=ls)
+            rep.add(f"{name} recall@{k}, {trees} trees, {b} leaves", r, "", gdev)
+            mine.append((len(Q) / t, r, setting))
+            _batched(rep, lambda q: forest.query(q, k, backtracks=int(b)), Q, X, Q, k, ed, sync, repeat, batches,
+                     f"{name} {method}", setting, gdev, by_batch, build_s=build, leaf_size=ls)
+
+
 def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, base):
     """FLANN's KDTreeIndex through ``deploy/baselines/flann_knn_bench``: rows and its curve."""
     from ._common import baseline_lines
@@ -288,13 +332,17 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32, ef_construction: int = 80, ef_search=(16, 64, 256),
         threads: int = 0, clusters: int = 1000, real: str | None = None, targets=(0.9, 0.95, 0.98),
         repeat: int = 3, gpu_nprobes=(4, 8, 16, 32), cagra_degree: int = 32, itopk=(32, 64, 128, 256), out=None,
-        forests=None, recalls=(), batches=()):
+        forests=None, recalls=(), batches=(), graph: int = 0, graph_expands=(8, 16), graph_rounds: int = 1,
+        graph_budget: int = 128, graph_leaves=(16, 32, 64, 128)):
     """Measure every tool on one data set and print the table (see the module docstring).
 
     ``forests``: several scanforest forests, ``[(leaf_size, budgets), ...]`` (a curve each; the
     fastest point at a recall is scanforest's); default one, ``leaf_size`` with ``budgets``.
     ``recalls``: targets searched by ``KDForest()`` (the device's defaults) with ``recall=``.
-    ``batches``: query batch sizes every tool but FLANN is also timed at (one call per batch)."""
+    ``batches``: query batch sizes every tool but FLANN is also timed at (one call per batch).
+    ``graph``: also a forest with a neighbour graph of this degree (the first forest's leaf size,
+    the graph built at ``graph_budget`` leaves a row), searched at ``graph_leaves`` leaves and
+    each of ``graph_expands`` list entries expanded in ``graph_rounds`` rounds (a curve each)."""
     from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
     from scanforest.kernels.knn.bruteforce import knn_bruteforce
     from scanforest.kernels.knn.kdforest import KDForest, check_recall
@@ -328,7 +376,10 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                                 "ef_construction": ef_construction, "ef_search": list(ef_search),
                                 "threads": threads, "clusters": clusters, "real": real, "targets": targets,
                                 **({"recalls": recalls} if recalls else {}),
-                                **({"batches": batches} if batches else {})},
+                                **({"batches": batches} if batches else {}),
+                                **({"graph": {"degree": graph, "expand": list(graph_expands), "rounds": graph_rounds,
+                                              "budget": graph_budget, "leaves": list(graph_leaves)}}
+                                   if graph else {})},
                       echo=True)
     if dev == "gpu":
         import cupy as cp
@@ -386,6 +437,10 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                          batches, f"{name} {method}", f"{trees} trees, {leaf}{b} leaves", gdev, by_batch,
                          build_s=build, leaf_size=ls)
             forest = None  # its GPU memory goes back before the next forest and the other tools
+        if graph:
+            _graph_rows(rep, KDForest, X, Q, k, ed, trees, forests[0][0], method, split, dev, gdev, sync, repeat, base,
+                        mine, batches, by_batch, degree=graph, expands=graph_expands, rounds=graph_rounds,
+                        budget=graph_budget, leaves=graph_leaves)
         if recalls:
             _recall_rows(rep, KDForest, X, Q, k, ed, recalls, method, split, dev, gdev, sync, repeat, base, mine)
     if flann_baseline:
@@ -491,6 +546,14 @@ def register(app, bench) -> None:
         batches: str = typer.Option("", "--batches", help="query batch sizes (comma list, k suffix ok, e.g. "
                                     "1k,10k,100k): every tool but FLANN also timed searching the queries in "
                                     "batches of each size, one call per batch, and compared within each size"),
+        graph: int = typer.Option(0, "--graph", help="also a forest with a neighbour graph of this many neighbours "
+                                  "a row (0: none), searched from its leaves"),
+        graph_expand: str = typer.Option("8,16", "--graph-expand", help="list entries whose graph neighbours are "
+                                         "scored, per round (comma list: a curve each)"),
+        graph_rounds: int = typer.Option(1, "--graph-rounds", help="rounds of the graph expansion"),
+        graph_budget: int = typer.Option(128, "--graph-budget", help="leaves a row's graph search scans"),
+        graph_leaves: str = typer.Option("16,32,64,128", "--graph-leaves", help="forest leaves per query before the "
+                                         "graph (comma list)"),
         out: str = typer.Option(None, "--out", help="JSON file or folder"),
     ):
         """scanforest's KD-forest against FLANN's KD-forest and FAISS (Flat, IVF-Flat, HNSW; on the GPU also
@@ -511,4 +574,6 @@ def register(app, bench) -> None:
             ef_construction=ef_construction, ef_search=parse_counts(ef_search), threads=threads, clusters=clusters,
             real=real, targets=[float(t) for t in target.split(",") if t.strip()], repeat=repeat,
             gpu_nprobes=parse_counts(gpu_nprobe), cagra_degree=cagra_degree, itopk=parse_counts(itopk), out=out,
-            recalls=[float(r) for r in recall.split(",") if r.strip()], batches=parse_counts(batches))
+            recalls=[float(r) for r in recall.split(",") if r.strip()], batches=parse_counts(batches),
+            graph=graph, graph_expands=parse_counts(graph_expand), graph_rounds=graph_rounds,
+            graph_budget=graph_budget, graph_leaves=parse_counts(graph_leaves))

@@ -1,0 +1,172 @@
+"""The KD-forest with a neighbour graph (``KDForest(graph_degree=...)``): the forest's answer at a
+budget, widened by the graph neighbours of its first entries, against the float32 brute force."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scanforest.kernels.errors import InputError
+from scanforest.kernels.knn.bruteforce import knn_bruteforce, pair_distances
+from scanforest.kernels.knn.kdforest import KDForest
+
+
+def _clustered(rng, n, m, d, clusters=40, dup=False):
+    """Points around cluster centres (queries from the same clusters); ``dup``: a third of the
+    rows exact copies of others (SHOT's near-duplicates, distance ties)."""
+    c = rng.standard_normal((clusters, d)).astype(np.float32) * 4
+    X = (c[rng.integers(0, clusters, n)] + rng.standard_normal((n, d))).astype(np.float32)
+    if dup:
+        X[: n // 3] = X[rng.integers(n // 3, n, n // 3)]
+    Q = (c[rng.integers(0, clusters, m)] + rng.standard_normal((m, d))).astype(np.float32)
+    return X, Q
+
+
+def _recall(d, ed, k):
+    """Canonical recall@k: a returned distance counts when it is <= the exact k-th (ties count)."""
+    return float((np.asarray(d)[:, :k] <= np.asarray(ed)[:, k - 1:k]).sum() / d.shape[0] / k)
+
+
+def _rows_unique(ids):
+    for r in np.asarray(ids):
+        r = r[r >= 0]
+        assert len(np.unique(r)) == len(r), f"duplicate id in a row: {r}"
+
+
+@pytest.mark.parametrize("dup", [False, True])
+def test_graph_search_is_canonical_and_finds_more(rng, dup):
+    X, Q = _clustered(rng, 6000, 300, 24, dup=dup)
+    k = 4
+    ed, ei = knn_bruteforce(X, Q, k)
+    plain = KDForest(n_trees=1, leaf_size=16, device="cpu").fit(X)
+    g = KDForest(n_trees=1, leaf_size=16, device="cpu", graph_degree=16, graph_budget=32, graph_expand=8).fit(X)
+    assert g.graph_.shape == (6000, 16) and g.graph_.dtype == np.int32
+    assert g.graph_stats_["degree"] == 16 and g.graph_stats_["seconds"] > 0
+    for b in (1, 4):
+        pd, _ = plain.query(Q, k, backtracks=b)
+        gd, gi = g.query(Q, k, backtracks=b)
+        assert g.stats_["graph_rows_scored"] == 300 * 8 * 16
+        _rows_unique(gi)
+        # every distance is the brute force's own for that pair, bit for bit, and ascending
+        np.testing.assert_array_equal(gd, pair_distances(X, Q, gi))
+        assert (np.diff(gd, axis=1) >= 0).all()
+        # the graph only adds candidates: never a worse k-th than the forest alone, and more found
+        assert (gd[:, -1] <= pd[:, -1]).all()
+        assert _recall(gd, ed, k) > _recall(pd, ed, k)
+    # rounds 0: the graph is kept, the search is the forest's
+    g.set_params(graph_rounds=0)
+    np.testing.assert_array_equal(g.query(Q, k, backtracks=2)[1], plain.query(Q, k, backtracks=2)[1])
+    # an unlimited budget is the brute force (ids and distances)
+    g.set_params(graph_rounds=2)
+    ud, ui = g.query(Q, k, backtracks=None)
+    np.testing.assert_array_equal(ui, ei)
+    np.testing.assert_array_equal(ud, ed)
+
+
+def test_exact_graph_holds_each_rows_nearest_others(rng):
+    X = rng.standard_normal((1500, 8)).astype(np.float32)
+    g = KDForest(n_trees=1, leaf_size=16, device="cpu", graph_degree=6, graph_budget=None).fit(X)
+    _, ei = knn_bruteforce(X, X, 7)
+    for r in range(1500):
+        want = [i for i in ei[r] if i != r][:6]
+        assert g.graph_[r].tolist() == want
+
+
+def test_graph_search_respects_bounds(rng):
+    X, Q = _clustered(rng, 4000, 200, 16)
+    g = KDForest(n_trees=1, leaf_size=16, device="cpu", graph_degree=8, graph_expand=4).fit(X)
+    d0, _ = g.query(Q, 4, backtracks=2)
+    bound = d0[:, 1].copy()  # only points strictly closer than the second one found may come back
+    d, i = g.query(Q, 4, backtracks=2, bounds=bound)
+    fin = np.isfinite(d)
+    assert (d[fin] < np.repeat(bound[:, None], 4, axis=1)[fin]).all()
+    assert (i[~fin] == -1).all()
+    _rows_unique(i)
+
+
+def test_graph_with_recall_target(rng):
+    X, Q = _clustered(rng, 5000, 300, 16)
+    g = KDForest(n_trees=1, leaf_size=16, device="cpu", graph_degree=12).fit(X, recall=0.9)
+    d, _ = g.query(Q, 4)
+    ed, _ = knn_bruteforce(X, Q, 4)
+    assert g.calibration_["recall"] >= 0.9
+    assert _recall(d, ed, 4) >= 0.85
+
+
+@pytest.mark.parametrize("field,value", [("graph_degree", 0), ("graph_degree", 1.5), ("graph_expand", 0),
+                                         ("graph_rounds", -1), ("graph_budget", 0), ("graph_degree", True)])
+def test_graph_parameters_checked(rng, field, value):
+    X = rng.standard_normal((100, 4)).astype(np.float32)
+    with pytest.raises(InputError, match=field):
+        KDForest(device="cpu", **{"graph_degree": 4, field: value}).fit(X)
+
+
+def test_graph_on_tiny_and_exact_indexes(rng):
+    X = rng.standard_normal((3, 4)).astype(np.float32)
+    g = KDForest(device="cpu", graph_degree=8).fit(X)  # degree capped at N - 1
+    assert g.graph_.shape == (3, 2)
+    _, i = g.query(X, 3, backtracks=1)
+    np.testing.assert_array_equal(np.sort(i, axis=1), np.tile(np.arange(3), (3, 1)))
+    assert KDForest(device="cpu", method="exact", graph_degree=8).fit(X).graph_ is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dup", [False, True])
+def test_gpu_graph_search(rng, dup):
+    import cupy as cp
+
+    X, Q = _clustered(rng, 20000, 1000, 64, dup=dup)
+    k = 4
+    ed, ei = knn_bruteforce(X, Q, k)
+    plain = KDForest(n_trees=1, leaf_size=32, device="gpu").fit(cp.asarray(X))
+    g = KDForest(n_trees=1, leaf_size=32, device="gpu", graph_degree=16, graph_budget=32).fit(cp.asarray(X))
+    c = KDForest(n_trees=1, leaf_size=32, device="cpu", graph_degree=16, graph_budget=32).fit(X)
+    for b in (1, 4):
+        pd, _ = plain.query(cp.asarray(Q), k, backtracks=b)
+        gd, gi = g.query(cp.asarray(Q), k, backtracks=b)
+        gd, gi, pd = gd.get(), gi.get(), pd.get()
+        _rows_unique(gi)
+        np.testing.assert_array_equal(gd, pair_distances(X, Q, gi))
+        assert (gd[:, -1] <= pd[:, -1]).all()
+        assert _recall(gd, ed, k) > _recall(pd, ed, k)
+        cd, _ = c.query(Q, k, backtracks=b)
+        assert abs(_recall(gd, ed, k) - _recall(cd, ed, k)) < 0.03
+    ud, ui = g.query(cp.asarray(Q), k, backtracks=None)
+    np.testing.assert_array_equal(ui.get(), ei)
+    np.testing.assert_array_equal(ud.get(), ed)
+
+
+@pytest.mark.parametrize("dup", [False, True])
+def test_cpu_graph_round_is_the_sorted_merge(rng, dup):
+    """The numba round (a row once, the list kept by insertion) against the plain definition: the
+    ``kk`` smallest distinct (distance, id) pairs of the list and every candidate, by sorting."""
+    from scanforest.kernels.knn.kdforest import merge_topk_unique
+
+    X, Q = _clustered(rng, 3000, 200, 12, dup=dup)
+    g = KDForest(n_trees=2, leaf_size=8, device="cpu", graph_degree=10, graph_budget=4).fit(X)
+    for e, kk in ((3, 5), (6, 6), (4, 9)):
+        d, i = g._forest_search(Q, kk, 2)[:2]
+        got_d, got_i, _ = g._expand(Q, d, i, e, kk)
+        cand = g.graph_[np.maximum(i[:, :e], 0)].astype(np.int64).reshape(len(Q), -1)
+        cand[np.repeat(i[:, :e] < 0, 10, axis=1)] = -1
+        want_d, want_i = merge_topk_unique([(d, i), (pair_distances(X, Q, cand), cand)], kk)
+        np.testing.assert_array_equal(got_i, want_i)
+        np.testing.assert_array_equal(got_d, want_d)
+
+
+def test_bench_tools_graph_rows(tmp_path):
+    """``bench tools --graph``: the graph forest's build (with the graph's own seconds and bytes),
+    a curve per expansion width whose recall is measured like every tool's, and its points on
+    scanforest's side of the matched-recall rows."""
+    from scanforest.deploy.bench import tools as bench_tools
+
+    rep = bench_tools.run(3000, 150, 16, 4, device="cpu", trees=1, leaf_size=16, budgets=[1], nprobes=[],
+                          ef_search=[], threads=2, clusters=30, repeat=1, targets=[0.5], graph=8,
+                          graph_expands=[2, 4], graph_leaves=[1, 2], graph_budget=8, out=tmp_path / "t.json")
+    rows = {r.figure: r for r in rep.rows}
+    build = next(r for f, r in rows.items() if f.startswith("scanforest KDForest + graph build"))
+    assert build.extra["graph_bytes"] == 3000 * 8 * 4 and build.extra["graph_s"] > 0
+    plain = rows["scanforest KDForest recall@4, 1 trees, 1 leaves"].value
+    for e in (2, 4):
+        r1 = rows[f"scanforest KDForest + graph (expand {e} x 1) recall@4, 1 trees, 1 leaves"].value
+        q = rows[f"scanforest KDForest + graph (expand {e} x 1) banns queries/s, 1 trees, 1 leaves"]
+        assert q.extra["recall"] == r1 and r1 > plain
+    assert rep.params["graph"] == {"degree": 8, "expand": [2, 4], "rounds": 1, "budget": 8, "leaves": [1, 2]}
