@@ -736,3 +736,34 @@ def test_descent_is_checked_and_both_bounds_search_alike(rng):
     assert 0.5 < rb < 1 and abs(rp - rb) < 0.05 and abs(ri - rb) < 0.05
     np.testing.assert_array_equal(query_kdtree(tree, Q, 4, backtracks=64)[1],  # auto = incremental
                                   query_kdtree(tree, Q, 4, backtracks=64, descent="incremental")[1])
+
+
+def test_pcl_shot_dataset_fixed_radius(pcl_dir, tmp_path):
+    """bench tools --radius: the near-duplicate-heavy variant computes every cloud's SHOT at the
+    given support radius (the same descriptors as sf.shot at that radius), and the bench says
+    what share of the rows repeat another; --radius without --real is one InputError."""
+    import shutil
+
+    import scanforest as sf
+    from scanforest.deploy.bench import tools as bench_tools
+    from scanforest.deploy.bench._data import pcl_shot_dataset
+    from scanforest.kernels.errors import InputError
+
+    shutil.copy(pcl_dir / "bun0.pcd", tmp_path / "bun0.pcd")
+    X, Q, _ = pcl_shot_dataset(tmp_path, device="cpu", max_queries=1000, radius=0.02)
+    pts = sf.read(pcl_dir / "bun0.pcd").points.astype(np.float32)
+    nrm, _ = sf.normals(pts, k=10, device="cpu")
+    ref, _ = sf.shot(pts, nrm, np.arange(len(pts)), 0.02, device="cpu")
+    ref = ref[np.isfinite(ref[:, 0])]
+    key = lambda a: a[np.lexsort(a.T[::-1])]  # noqa: E731
+    np.testing.assert_array_equal(key(np.concatenate([X, Q])), key(ref))
+    rows = np.array([[1, 2], [3, 4], [1, 2], [5, 6]], np.float32)
+    assert bench_tools._duplicate_share(rows) == 0.5
+    with pytest.raises(InputError, match="--radius"):
+        bench_tools.run(100, 10, 4, 2, device="cpu", radius=0.02, out=tmp_path / "t.json")
+    rep = bench_tools.run(0, 20, 352, 4, device="cpu", real=str(tmp_path), radius=0.02, trees=1, leaf_size=16,
+                          budgets=[1], nprobes=[], ef_search=[], threads=2, repeat=1, targets=[0.5],
+                          out=tmp_path / "r.json")
+    assert rep.params["radius"] == 0.02
+    assert any("support 2 cm on every cloud" in n for n in rep.notes)
+    assert any("of the indexed rows repeat another bit for bit" in n for n in rep.notes)

@@ -87,12 +87,14 @@ def _timeit(fn, sync, repeat: int, long_s: float = 20.0):
 
 
 def pcl_shot_dataset(folder, *, device="auto", radius_factor: float = 10.0, normal_k: int = 10,
-                     max_queries: int = 100_000, seed: int = 0):
+                     max_queries: int = 100_000, seed: int = 0, radius: float | None = None):
     """Real descriptors: SHOT352 of every cloud in ``folder``, split into reference and queries.
 
     Every valid point of every ``*.pcd``/``*.ply`` cloud is a keypoint; normals by PCA over
     ``normal_k`` neighbours, SHOT support radius ``radius_factor`` x the cloud's resolution (mean
-    nearest-neighbour distance). Descriptors with an invalid frame (NaN) are dropped. A random
+    nearest-neighbour distance), or a fixed ``radius`` (metres) for every cloud: the
+    near-duplicate-heavy variant (a support of a few points on the sparse clouds gives many equal
+    descriptors). Descriptors with an invalid frame (NaN) are dropped. A random
     ``max_queries`` of the rest (at most 10%) are held out as queries and removed from the
     reference, so no query finds its own copy. Returns ``(reference, queries, per-cloud rows)``
     on the device.
@@ -116,7 +118,8 @@ def pcl_shot_dataset(folder, *, device="auto", radius_factor: float = 10.0, norm
         _, d2 = knn(pts, k=2, device=dev)  # resolution on the cloud's device (float32 k-NN)
         res = float(xp.sqrt(d2[:, 1].astype(xp.float64)).mean())
         nrm, _ = sf.normals(pts, k=normal_k, device=dev)
-        desc, _ = sf.shot(pts, nrm, xp.arange(len(pts)), radius_factor * res, device=dev)
+        desc, _ = sf.shot(pts, nrm, xp.arange(len(pts)), radius_factor * res if radius is None else float(radius),
+                          device=dev)
         ok = xp.isfinite(desc[:, 0])
         parts.append(desc[ok])
         rows.append((f.name, len(pts), int(ok.sum()), res))

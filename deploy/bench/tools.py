@@ -247,6 +247,14 @@ def _recall_rows(rep, KDForest, X, Q, k, ed, recalls, method, split, dev, gdev, 
         mine.append((len(Q) / t, got, f"KDForest() recall={r}: {b}"))
 
 
+def _duplicate_share(X: np.ndarray) -> float:
+    """Share of the rows equal to another row, bit for bit."""
+    if not len(X):
+        return 0.0
+    _, counts = np.unique(X.view(np.dtype((np.void, X.dtype.itemsize * X.shape[1]))).ravel(), return_counts=True)
+    return float(counts[counts > 1].sum()) / len(X)
+
+
 def _device_bytes(dev: str) -> int:
     """Bytes CuPy's memory pool holds on the device now (0 on a CPU)."""
     if dev != "gpu":
@@ -333,7 +341,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         threads: int = 0, clusters: int = 1000, real: str | None = None, targets=(0.9, 0.95, 0.98),
         repeat: int = 3, gpu_nprobes=(4, 8, 16, 32), cagra_degree: int = 32, itopk=(32, 64, 128, 256), out=None,
         forests=None, recalls=(), batches=(), graph: int = 0, graph_expands=(8, 16), graph_rounds: int = 1,
-        graph_budget: int = 128, graph_leaves=(16, 32, 64, 128)):
+        graph_budget: int = 128, graph_leaves=(16, 32, 64, 128), radius: float | None = None):
     """Measure every tool on one data set and print the table (see the module docstring).
 
     ``forests``: several scanforest forests, ``[(leaf_size, budgets), ...]`` (a curve each; the
@@ -342,7 +350,9 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     ``batches``: query batch sizes every tool but FLANN is also timed at (one call per batch).
     ``graph``: also a forest with a neighbour graph of this degree (the first forest's leaf size,
     the graph built at ``graph_budget`` leaves a row), searched at ``graph_leaves`` leaves and
-    each of ``graph_expands`` list entries expanded in ``graph_rounds`` rounds (a curve each)."""
+    each of ``graph_expands`` list entries expanded in ``graph_rounds`` rounds (a curve each).
+    ``radius``: with ``real``, every cloud's SHOT at this fixed support radius (metres) instead of
+    10 resolutions: the near-duplicate-heavy variant."""
     from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
     from scanforest.kernels.knn.bruteforce import knn_bruteforce
     from scanforest.kernels.knn.kdforest import KDForest, check_recall
@@ -363,6 +373,8 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
             raise InputError(f"--budgets must be positive leaf counts, got {bs}")
         if ls < 1:
             raise InputError(f"--leaf-size must be positive, got {ls}")
+    if radius is not None and (not real or not radius > 0):
+        raise InputError(f"--radius needs --real and a positive support radius in metres, got {radius!r}")
     dev = resolve_device(device)
     threads = int(threads or os.cpu_count() or 1)
     method = method or "banns"  # batched rounds on both devices (kdtree.query_kdtree)
@@ -375,6 +387,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                                 "flann_trees": flann_trees, "nlist": nlist, "nprobes": list(nprobes), "hnsw_m": hnsw_m,
                                 "ef_construction": ef_construction, "ef_search": list(ef_search),
                                 "threads": threads, "clusters": clusters, "real": real, "targets": targets,
+                                **({"radius": radius} if radius is not None else {}),
                                 **({"recalls": recalls} if recalls else {}),
                                 **({"batches": batches} if batches else {}),
                                 **({"graph": {"degree": graph, "expand": list(graph_expands), "rounds": graph_rounds,
@@ -390,11 +403,12 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     if real:
         from ._data import pcl_shot_dataset
 
-        X, Q, clouds = pcl_shot_dataset(real, device=dev, max_queries=m)  # n = 0: every row
+        X, Q, clouds = pcl_shot_dataset(real, device=dev, max_queries=m, radius=radius)  # n = 0: every row
         if n and len(X) > n:  # a random subset of the reference, the same for every tool
             X = X[xp.asarray(np.sort(np.random.default_rng(3).choice(len(X), n, replace=False)))]
         rep.note("data: SHOT352 at every point of " + ", ".join(c[0] for c in clouds)
-                 + f"; {len(Q):,} held-out descriptors as queries, {len(X):,} indexed")
+                 + f"; {len(Q):,} held-out descriptors as queries, {len(X):,} indexed; support "
+                 + ("10 resolutions of each cloud" if radius is None else f"{radius * 100:g} cm on every cloud"))
     else:
         X = clustered(n, d, clusters=clusters, seed=1, xp=xp)
         Q = clustered(m, d, clusters=clusters, seed=2, xp=xp)
@@ -402,6 +416,8 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                  "distinct samples of the same clusters)")
     n, m, d = int(X.shape[0]), int(Q.shape[0]), int(X.shape[1])
     Xh, Qh = np.ascontiguousarray(to_numpy(X)), np.ascontiguousarray(to_numpy(Q))
+    if real:
+        rep.note(f"data: {_duplicate_share(Xh):.1%} of the indexed rows repeat another bit for bit")
     gdev = describe_device(dev) if dev == "gpu" else f"cpu ({threads} threads)"
     cdev = f"cpu ({threads} threads)"
     curves = {}
@@ -554,6 +570,8 @@ def register(app, bench) -> None:
         graph_budget: int = typer.Option(128, "--graph-budget", help="leaves a row's graph search scans"),
         graph_leaves: str = typer.Option("16,32,64,128", "--graph-leaves", help="forest leaves per query before the "
                                          "graph (comma list)"),
+        radius: float = typer.Option(None, "--radius", help="with --real: SHOT at this fixed support radius (m) on "
+                                     "every cloud instead of 10 resolutions (the near-duplicate-heavy variant)"),
         out: str = typer.Option(None, "--out", help="JSON file or folder"),
     ):
         """scanforest's KD-forest against FLANN's KD-forest and FAISS (Flat, IVF-Flat, HNSW; on the GPU also
@@ -576,4 +594,4 @@ def register(app, bench) -> None:
             gpu_nprobes=parse_counts(gpu_nprobe), cagra_degree=cagra_degree, itopk=parse_counts(itopk), out=out,
             recalls=[float(r) for r in recall.split(",") if r.strip()], batches=parse_counts(batches),
             graph=graph, graph_expands=parse_counts(graph_expand), graph_rounds=graph_rounds,
-            graph_budget=graph_budget, graph_leaves=parse_counts(graph_leaves))
+            graph_budget=graph_budget, graph_leaves=parse_counts(graph_leaves), radius=radius)
