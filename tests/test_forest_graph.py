@@ -106,6 +106,8 @@ def test_graph_on_tiny_and_exact_indexes(rng):
     _, i = g.query(X, 3, backtracks=1)
     np.testing.assert_array_equal(np.sort(i, axis=1), np.tile(np.arange(3), (3, 1)))
     assert KDForest(device="cpu", method="exact", graph_degree=8).fit(X).graph_ is None
+    with pytest.raises(InputError, match="keep_rows"):
+        KDForest(device="cpu", graph_degree=2).fit(X, keep_rows=False)
 
 
 @pytest.mark.gpu

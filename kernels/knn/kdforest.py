@@ -284,6 +284,9 @@ class KDForest:
                 raise InputError(f"give recall= or a budget (backtracks={self.backtracks!r}), not both")
             if not keep_rows:
                 raise InputError("recall= needs the rows (keep_rows=True): the calibration searches them")
+        if self.graph_degree is not None and not keep_rows and self.method != "exact":
+            raise InputError("graph_degree needs the rows (keep_rows=True): the graph is found by searching them "
+                             "and its rounds score them")
         leaf_size, max_depth, rand_f, seed = self._validate()
         dev = resolve_device(self.device, X)
         if dev == "gpu":
