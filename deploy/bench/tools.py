@@ -373,6 +373,14 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
             raise InputError(f"--budgets must be positive leaf counts, got {bs}")
         if ls < 1:
             raise InputError(f"--leaf-size must be positive, got {ls}")
+    if graph:  # the graph's settings checked before anything is measured (one line each)
+        for e in graph_expands or [None]:
+            if e is None:
+                raise InputError("--graph-expand needs at least one list width")
+            KDForest(graph_degree=int(graph), graph_expand=int(e), graph_rounds=int(graph_rounds),
+                     graph_budget=int(graph_budget))._validate()
+        if not graph_leaves or any(int(b) < 1 for b in graph_leaves):
+            raise InputError(f"--graph-leaves must be positive leaf counts, got {list(graph_leaves)}")
     if radius is not None and (not real or not radius > 0):
         raise InputError(f"--radius needs --real and a positive support radius in metres, got {radius!r}")
     dev = resolve_device(device)
