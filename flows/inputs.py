@@ -84,4 +84,3 @@ def resolve_scan_names(st, names: list[str] | None) -> list[str] | None:
                              f"(scanforest info {st.path} --scans lists them)")
         out.extend(hits or [name])
     return out
-

@@ -264,6 +264,24 @@ def _device_bytes(dev: str) -> int:
     return int(cp.get_default_memory_pool().used_bytes())
 
 
+def _forest_curve(rep, forest, name, method, trees, ls, budgets, build, X, Q, k, ed, sync, repeat, base, mine,
+                  batches, by_batch, where, *, setting, batch_setting=None):
+    """``forest`` searched at each of ``budgets`` leaves: its queries/s and recall rows, its point
+    on scanforest's curve (``setting(b)`` names it) and at each batch size (``batch_setting(b)``,
+    default ``setting(b)``)."""
+    forest.query(Q[:8], k, backtracks=int(budgets[0]))  # JIT / kernel warm-up
+    for b in budgets:
+        t, (_, fi) = _timeit(lambda: forest.query(Q, k, backtracks=int(b)), sync, repeat)
+        r = canonical_recall(X, Q, fi, ed, k)
+        rep.add(f"{name} {method} queries/s, {trees} trees, {b} leaves", len(Q) / t, "queries/s", where,
+                baseline=base[0], baseline_value=base[1], recall=r, build_s=build, leaf_size=ls)
+        rep.add(f"{name} recall@{k}, {trees} trees, {b} leaves", r, "", where)
+        mine.append((len(Q) / t, r, setting(b)))
+        _batched(rep, lambda q: forest.query(q, k, backtracks=int(b)), Q, X, Q, k, ed, sync, repeat,
+                 batches, f"{name} {method}", (batch_setting or setting)(b), where, by_batch, build_s=build,
+                 leaf_size=ls)
+
+
 def _graph_rows(rep, KDForest, X, Q, k, ed, trees, ls, method, split, dev, gdev, sync, repeat, base, mine, batches,
                 by_batch, *, degree, expands, rounds, budget, leaves):
     """The forest with a neighbour graph (``KDForest(graph_degree=...)``): its build (trees and
@@ -285,18 +303,9 @@ def _graph_rows(rep, KDForest, X, Q, k, ed, trees, ls, method, split, dev, gdev,
              f"{gs['seconds']:.2f} s of the {build:.2f} s build")
     for e in expands:
         forest.set_params(graph_expand=int(e), graph_rounds=int(rounds))
-        name = f"scanforest KDForest + graph (expand {e} x {rounds})"
-        forest.query(Q[:8], k, backtracks=int(leaves[0]))
-        for b in leaves:
-            t, (_, fi) = _timeit(lambda: forest.query(Q, k, backtracks=int(b)), sync, repeat)
-            r = canonical_recall(X, Q, fi, ed, k)
-            setting = f"{b} leaves + graph {degree}, expand {e} x {rounds}"
-            rep.add(f"{name} {method} queries/s, {trees} trees, {b} leaves", len(Q) / t, "queries/s", gdev,
-                    baseline=base[0], baseline_value=base[1], recall=r, build_s=build, leaf_size=ls)
-            rep.add(f"{name} recall@{k}, {trees} trees, {b} leaves", r, "", gdev)
-            mine.append((len(Q) / t, r, setting))
-            _batched(rep, lambda q: forest.query(q, k, backtracks=int(b)), Q, X, Q, k, ed, sync, repeat, batches,
-                     f"{name} {method}", setting, gdev, by_batch, build_s=build, leaf_size=ls)
+        _forest_curve(rep, forest, f"scanforest KDForest + graph (expand {e} x {rounds})", method, trees, ls, leaves,
+                      build, X, Q, k, ed, sync, repeat, base, mine, batches, by_batch, gdev,
+                      setting=lambda b, e=e: f"{b} leaves + graph {degree}, expand {e} x {rounds}")
 
 
 def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, base):
@@ -374,9 +383,9 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         if ls < 1:
             raise InputError(f"--leaf-size must be positive, got {ls}")
     if graph:  # the graph's settings checked before anything is measured (one line each)
-        for e in graph_expands or [None]:
-            if e is None:
-                raise InputError("--graph-expand needs at least one list width")
+        if not graph_expands:
+            raise InputError("--graph-expand needs at least one list width")
+        for e in graph_expands:
             KDForest(graph_degree=int(graph), graph_expand=int(e), graph_rounds=int(graph_rounds),
                      graph_budget=int(graph_budget))._validate()
         if not graph_leaves or any(int(b) < 1 for b in graph_leaves):
@@ -449,17 +458,9 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
             build = time.perf_counter() - t0
             rep.add(f"scanforest KDForest build, {trees} trees (leaf size {ls}, {split} split)", build, "s", gdev,
                     higher_is_better=False)
-            forest.query(Q[:8], k, backtracks=int(bs[0]))  # JIT / kernel warm-up
-            for b in bs:
-                t, (_, fi) = _timeit(lambda: forest.query(Q, k, backtracks=int(b)), sync, repeat)
-                r = canonical_recall(X, Q, fi, ed, k)
-                rep.add(f"{name} {method} queries/s, {trees} trees, {b} leaves", m / t, "queries/s", gdev,
-                        baseline=base[0], baseline_value=base[1], recall=r, build_s=build, leaf_size=ls)
-                rep.add(f"{name} recall@{k}, {trees} trees, {b} leaves", r, "", gdev)
-                mine.append((m / t, r, f"{leaf}{b} leaves"))
-                _batched(rep, lambda q: forest.query(q, k, backtracks=int(b)), Q, X, Q, k, ed, sync, repeat,
-                         batches, f"{name} {method}", f"{trees} trees, {leaf}{b} leaves", gdev, by_batch,
-                         build_s=build, leaf_size=ls)
+            _forest_curve(rep, forest, name, method, trees, ls, bs, build, X, Q, k, ed, sync, repeat, base, mine,
+                          batches, by_batch, gdev, setting=lambda b, leaf=leaf: f"{leaf}{b} leaves",
+                          batch_setting=lambda b, leaf=leaf: f"{trees} trees, {leaf}{b} leaves")
             forest = None  # its GPU memory goes back before the next forest and the other tools
         if graph:
             _graph_rows(rep, KDForest, X, Q, k, ed, trees, forests[0][0], method, split, dev, gdev, sync, repeat, base,

@@ -47,6 +47,15 @@ def _check_graph(f) -> None:
                          f"got {f.graph_budget!r}")
 
 
+def _first_others(ids, own, n: int, xp):
+    """Each row of ``ids`` ((M, c) int64) without the id ``own[r]``, its first ``n`` entries in
+    their order (the own id, wherever it is, moved past them): a row's graph neighbours, and the
+    seeds of a leave-one-out search's graph rounds."""
+    c = int(ids.shape[1])
+    key = (ids == own[:, None]).astype(xp.int64) * (c + 1) + xp.arange(c, dtype=xp.int64)[None, :]
+    return xp.take_along_axis(ids, xp.argsort(key, axis=1)[:, :n], axis=1)
+
+
 def resolve_defaults(device: str, d: int, n_trees=None, leaf_size=None) -> tuple[int, int]:
     """``(n_trees, leaf_size)`` of a forest on ``device`` over ``d``-dimensional rows: the given
     values, or :data:`DEVICE_DEFAULTS` for those left None. A defaulted tree count is 1 on
@@ -419,9 +428,11 @@ class KDForest:
         query's own row id (a calibration's leave-one-out), never a seed of the graph rounds:
         its graph row would hand an indexed row its own neighbours, which a query the index does
         not hold has no way to get."""
-        _check_graph(self)
         g = getattr(self, "graph_", None)
-        if g is None or budget is None or not int(self.graph_rounds):
+        if g is None or budget is None:
+            return self._forest_search(Q, k, budget, bounds)
+        _check_graph(self)  # set_params may have changed the rounds since fit
+        if not self.graph_rounds:
             return self._forest_search(Q, k, budget, bounds)
         e = min(int(self.graph_expand), self.n_samples_fit_)
         kk = min(max(int(k), e + (exclude is not None)), self.n_samples_fit_)
@@ -450,16 +461,18 @@ class KDForest:
         (``kk`` entries, a point once). With ``bounds``, only points strictly closer than a
         query's bound enter, as in the forest's search. Queries go in chunks of
         :data:`GRAPH_CHUNK_PAIRS` scored pairs."""
+        from . import _graph_gpu
         from .bruteforce import pair_distances
+        from .topk import pack, unpack
 
         xp = np
         if self.device_ == "gpu":
             import cupy as xp
         g = self.graph_
         m, deg = int(Q.shape[0]), int(g.shape[1])
-        step = max(1, GRAPH_CHUNK_PAIRS // max(1, e * deg))
+        scored = m * e * deg
         lim = None if bounds is None else _bound_limit(check_bounds(bounds, m, xp=xp), m, xp=xp)
-        if self.device_ == "cpu" and lim is None and int(dist.shape[1]) == kk:
+        if self.device_ == "cpu" and lim is None:
             from ._graph_cpu import graph_round
 
             excl = np.full(m, -2, np.int64) if exclude is None else np.asarray(exclude, np.int64)
@@ -467,43 +480,31 @@ class KDForest:
             graph_round(self._fit_X, np.ascontiguousarray(Q, dtype=np.float32), g,
                         np.ascontiguousarray(dist, dtype=np.float32), np.ascontiguousarray(ids, dtype=np.int64),
                         int(e), excl, out_d, out_i)
-            return out_d, out_i, m * e * deg
+            return out_d, out_i, scored
+        # canonical keys scored and merged by the GPU kernels, or (bounds, wide lists) the generic way
+        kernels = (self.device_ == "gpu" and lim is None and self._fit_X.dtype == np.float32
+                   and _graph_gpu.fits(kk, e * deg))
+        step = max(1, GRAPH_CHUNK_PAIRS // max(1, e * deg))
         out_d, out_i = [], []
-        fast = False
-        if self.device_ == "gpu" and lim is None and self._fit_X.dtype == np.float32:
-            from . import _graph_gpu
-
-            fast = _graph_gpu.fits(kk, e * deg) and int(dist.shape[1]) == kk
         for a in range(0, m, step):
             d0, i0 = dist[a:a + step], ids[a:a + step]
-            seeds = i0[:, :e]
-            if exclude is not None:  # the first e entries that are not the query's own row
-                head = i0[:, :e + 1]
-                own = head == exclude[a:a + step, None]
-                col = xp.arange(head.shape[1], dtype=xp.int64)[None, :]
-                seeds = xp.take_along_axis(head, xp.argsort(own.astype(xp.int64) * (e + 2) + col, axis=1)[:, :e],
-                                           axis=1)
+            seeds = i0[:, :e] if exclude is None else _first_others(i0[:, :e + 1], exclude[a:a + step], e, xp)
             cand = g[xp.maximum(seeds, 0)].astype(xp.int64).reshape(seeds.shape[0], e * deg)
             cand = xp.where(xp.repeat(seeds < 0, deg, axis=1), -1, cand)
-            if fast:  # canonical keys scored and merged on the GPU (kernels/knn/_graph_gpu.py)
-                from . import _graph_gpu
-                from .topk import pack, unpack
-
-                keys = _graph_gpu.merge(pack(d0, i0), _graph_gpu.pair_keys(self._fit_X, Q[a:a + step], cand), kk)
-                dd, ii = unpack(keys)
-                out_d.append(dd)
-                out_i.append(ii)
-                continue
-            cd = pair_distances(self._fit_X, Q[a:a + step], cand, device=self.device_)
-            if lim is not None:
-                far = cd >= lim[a:a + step, None]
-                cd, cand = xp.where(far, xp.float32(np.inf), cd), xp.where(far, -1, cand)
-            dd, ii = merge_topk_unique([(d0, i0), (cd, cand)], kk)
+            if kernels:
+                dd, ii = unpack(_graph_gpu.merge(pack(d0, i0), _graph_gpu.pair_keys(self._fit_X, Q[a:a + step], cand),
+                                                 kk))
+            else:
+                cd = pair_distances(self._fit_X, Q[a:a + step], cand, device=self.device_)
+                if lim is not None:
+                    far = cd >= lim[a:a + step, None]
+                    cd, cand = xp.where(far, xp.float32(np.inf), cd), xp.where(far, -1, cand)
+                dd, ii = merge_topk_unique([(d0, i0), (cd, cand)], kk)
             out_d.append(dd)
             out_i.append(ii)
         if len(out_d) == 1:
-            return out_d[0], out_i[0], m * e * deg
-        return xp.concatenate(out_d), xp.concatenate(out_i), m * e * deg
+            return out_d[0], out_i[0], scored
+        return xp.concatenate(out_d), xp.concatenate(out_i), scored
 
     def _build_graph(self, X):
         """``graph_``: each row's ``graph_degree`` nearest other rows (int32, (N, D); -1 where a
@@ -517,14 +518,11 @@ class KDForest:
         kq = min(deg + 1, n)
         out = xp.empty((n, deg), xp.int32)
         step = max(1, GRAPH_CHUNK_PAIRS // (8 * kq))
-        col = xp.arange(kq, dtype=xp.int64)[None, :]
         for a in range(0, n, step):
             q = X[a:a + step]
             _, ids, _ = self._forest_search(q, kq, self.graph_budget)
-            own = ids == xp.arange(a, a + int(q.shape[0]), dtype=xp.int64)[:, None]
-            # the row's other neighbours first, in their order (the row itself, wherever it is, last)
-            order = xp.argsort(own.astype(xp.int64) * kq + col, axis=1)[:, :deg]
-            out[a:a + int(q.shape[0])] = xp.take_along_axis(ids, order, axis=1).astype(xp.int32)
+            rows = xp.arange(a, a + int(q.shape[0]), dtype=xp.int64)
+            out[a:a + int(q.shape[0])] = _first_others(ids, rows, deg, xp).astype(xp.int32)
         if self.device_ == "gpu":
             xp.cuda.get_current_stream().synchronize()
         self.graph_ = out
