@@ -311,7 +311,40 @@ class _Timeline:
             self.figures = {"timeline": {"stage": name, "call_seconds": t1 - t0, "first_task_after": first - t0,
                                          "after_last_task": t1 - last,
                                          "dask_busy_seconds": sum(x["stop"] - x["start"] for x in spans),
-                                         "dask_tasks": len(ts.data)}}
+                                         "dask_tasks": len(ts.data),
+                                         **_tail(ts.data, last, self._names())}}
+
+    def _names(self) -> dict[str, str]:
+        try:
+            return {a: str(w.get("name", a)) for a, w in self.client.scheduler_info(n_workers=-1)["workers"].items()}
+        except Exception:  # noqa: BLE001 - the tail's GPU split is a note, not the measurement
+            return {}
+
+
+def _tail(data: list[dict], last: float, names: dict[str, str]) -> dict:
+    """The stage's end: how long each worker sat idle between its own last task and the stage's
+    last (mean and max over the workers), and, for shared-GPU workers (named ``gpu<i>-<j>``), how
+    long before the stage's last task each GPU's last task ended (a GPU whose workers ran out of
+    work while another's still computed)."""
+    ends: dict[str, float] = {}
+    for d in data:
+        w = d.get("worker")
+        for ss in d.get("startstops", ()):
+            if ss.get("action") == "compute" and w:
+                ends[w] = max(ends.get(w, 0.0), ss["stop"])
+    if not ends:
+        return {}
+    idle = [last - e for e in ends.values()]
+    out = {"tail_idle_mean": sum(idle) / len(idle), "tail_idle_max": max(idle)}
+    gpus: dict[str, float] = {}
+    for w, e in ends.items():
+        nm = names.get(w, "")
+        if nm.startswith("gpu") and "-" in nm:
+            g = nm[3:].split("-")[0]
+            gpus[g] = max(gpus.get(g, 0.0), e)
+    if len(gpus) > 1:
+        out["gpu_tail"] = {g: last - e for g, e in sorted(gpus.items())}
+    return out
 
 
 def _call_note(rep: BenchReport, name: str, tl: dict, body: float, work: float) -> None:
@@ -364,7 +397,11 @@ def _stage_rows(rep: BenchReport, name: str, r: dict, devname: str, recorded: bo
         rep.note(f"{name}: {tl['dask_tasks']} Dask tasks; the first started {tl['first_task_after']:.2f} s into "
                  f"the stage's {tl['call_seconds']:.2f} s call (flow start included), the last ended "
                  f"{tl['after_last_task']:.2f} s before it returned; workers busy {tl['dask_busy_seconds']:.1f} s "
-                 f"by Dask's count")
+                 f"by Dask's count"
+                 + (f"; at the end a worker sat idle {tl['tail_idle_mean']:.2f} s on average (at most "
+                    f"{tl['tail_idle_max']:.2f} s) before the last task ended" if "tail_idle_mean" in tl else "")
+                 + ("; each GPU's last task ended " + ", ".join(f"GPU {g} {v:.2f} s" for g, v in tl["gpu_tail"].items())
+                    + " before it" if tl.get("gpu_tail") else ""))
         print(rep.notes[-1], flush=True)
     if r.get("phase_seconds_per_scene"):  # where the recognize stage's time goes
         rep.note(f"{name}, seconds per scene by phase: "
