@@ -136,6 +136,51 @@ def test_gpu_graph_search(rng, dup):
     np.testing.assert_array_equal(ud.get(), ed)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kk,c", [(5, 40), (32, 100), (32, 1024), (64, 2048)])
+def test_gpu_merge_is_the_sorted_merge(rng, kk, c):
+    """The warp merge against the plain definition (the ``kk`` smallest distinct keys of the list
+    and the candidates), also for candidate lists wider than one pass of the kernel (merged in
+    slices), with keys repeated within and across slices and empty slots."""
+    import cupy as cp
+
+    from scanforest.kernels.knn import _graph_gpu
+
+    m = 300
+    old = np.stack([np.sort(rng.choice(50_000, size=kk, replace=False)) + 1 for _ in range(m)]).astype(np.uint64)
+    old[::5, -2:] = _graph_gpu.NONE_KEY  # lists with empty slots (the largest key: still ascending)
+    add = rng.integers(1, 60_000, size=(m, c)).astype(np.uint64)
+    add[:, ::7] = old[:, :1]  # the list's own keys again
+    add[:, 1::11] = _graph_gpu.NONE_KEY
+    got = _graph_gpu.merge(cp.asarray(old), cp.asarray(add), kk).get()
+    for r in range(m):
+        want = np.unique(np.concatenate([old[r], add[r]]))
+        want = want[want != _graph_gpu.NONE_KEY][:kk]
+        want = np.pad(want, (0, kk - len(want)), constant_values=_graph_gpu.NONE_KEY)
+        np.testing.assert_array_equal(got[r], want)
+
+
+@pytest.mark.gpu
+def test_gpu_wide_expansion_matches_the_generic_round(rng):
+    """A round whose candidates (expand 32 x degree 32 = 1,024 a query) pass the merge's width:
+    the kernels' answer equals the generic scoring and sorted merge's, bit for bit."""
+    import cupy as cp
+
+    from scanforest.kernels.knn.kdforest import merge_topk_unique
+
+    X, Q = _clustered(rng, 20000, 500, 32, dup=True)
+    g = KDForest(n_trees=1, leaf_size=32, device="gpu", graph_degree=32, graph_budget=16).fit(cp.asarray(X))
+    Qd = cp.asarray(Q)
+    e = kk = 32
+    d, i = g._forest_search(Qd, kk, 4)[:2]
+    got_d, got_i, _ = g._expand(Qd, d, i, e, kk)
+    cand = g.graph_[cp.maximum(i[:, :e], 0)].astype(cp.int64).reshape(len(Q), -1)
+    cand = cp.where(cp.repeat(i[:, :e] < 0, 32, axis=1), -1, cand)
+    want_d, want_i = merge_topk_unique([(d, i), (pair_distances(g._fit_X, Qd, cand, device="gpu"), cand)], kk)
+    np.testing.assert_array_equal(got_i.get(), cp.asnumpy(want_i))
+    np.testing.assert_array_equal(got_d.get(), cp.asnumpy(want_d))
+
+
 @pytest.mark.parametrize("dup", [False, True])
 def test_cpu_graph_round_is_the_sorted_merge(rng, dup):
     """The numba round (a row once, the list kept by insertion) against the plain definition: the

@@ -98,9 +98,10 @@ def _module():
     return cp.RawModule(code=_SRC.replace("MERGE_PER_LANE", str(MERGE_PER_LANE)), options=("--std=c++14",))
 
 
-def fits(kk: int, c: int) -> bool:
-    """Whether :func:`merge` takes a list of ``kk`` and ``c`` candidates per query."""
-    return int(kk) + int(c) <= 32 * MERGE_PER_LANE
+def fits(kk: int) -> bool:
+    """Whether :func:`merge` takes lists of ``kk`` keys (any number of candidates: they go through
+    the kernel in slices of at least as many as the list holds)."""
+    return 2 * int(kk) <= 32 * MERGE_PER_LANE
 
 
 def pair_keys(X, Q, cand):
@@ -120,14 +121,24 @@ def pair_keys(X, Q, cand):
 
 
 def merge(old, add, kk: int):
-    """The ``kk`` smallest distinct keys of each row of ``old`` ((M, kk) uint64) and ``add``
-    ((M, C) uint64), ascending; :data:`NONE_KEY` pads a row with fewer."""
+    """The ``kk`` smallest distinct keys of each row of ``old`` ((M, kk) uint64, distinct) and
+    ``add`` ((M, C) uint64), ascending; :data:`NONE_KEY` pads a row with fewer. A warp holds at
+    most ``32 x MERGE_PER_LANE`` keys, so wider candidate lists are merged in slices, each into
+    the list the one before left (the same keys: a key of a later slice already in the list is
+    dropped there as it is within one slice)."""
     import cupy as cp
 
     m, c = add.shape
-    out = cp.empty((m, kk), cp.uint64)
-    if m:
-        _module().get_function("graph_merge")(
-            ((m * 32 + 127) // 128,), (128,),
-            (cp.ascontiguousarray(old), np.int32(kk), cp.ascontiguousarray(add), np.int32(c), np.int64(m), out))
+    width = 32 * MERGE_PER_LANE - int(kk)
+    if not fits(kk):
+        raise ValueError(f"graph_merge keeps at most {16 * MERGE_PER_LANE} keys a list, got {kk}")
+    out = cp.ascontiguousarray(old)
+    for c0 in range(0, max(int(c), 1), width):
+        part = cp.ascontiguousarray(add[:, c0:c0 + width])
+        nxt = cp.empty((m, kk), cp.uint64)
+        if m:
+            _module().get_function("graph_merge")(
+                ((m * 32 + 127) // 128,), (128,),
+                (out, np.int32(kk), part, np.int32(part.shape[1]), np.int64(m), nxt))
+        out = nxt
     return out

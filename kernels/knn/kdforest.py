@@ -481,9 +481,9 @@ class KDForest:
                         np.ascontiguousarray(dist, dtype=np.float32), np.ascontiguousarray(ids, dtype=np.int64),
                         int(e), excl, out_d, out_i)
             return out_d, out_i, scored
-        # canonical keys scored and merged by the GPU kernels, or (bounds, wide lists) the generic way
+        # canonical keys scored and merged by the GPU kernels, or (bounds, lists past the merge's width) the generic way
         kernels = (self.device_ == "gpu" and lim is None and self._fit_X.dtype == np.float32
-                   and _graph_gpu.fits(kk, e * deg))
+                   and _graph_gpu.fits(kk))
         step = max(1, GRAPH_CHUNK_PAIRS // max(1, e * deg))
         out_d, out_i = [], []
         for a in range(0, m, step):
