@@ -377,3 +377,37 @@ def test_a_scope_cluster_started_ahead_is_the_one_its_stages_use():
             assert a is b and len(a.scheduler_info(n_workers=-1)["workers"]) == 1  # the scope's, not 3
             found = a.run(lambda names: [n for n in names if n in _sys.modules], list(INGEST_PRELOAD))
     assert found and all(v == list(INGEST_PRELOAD) for v in found.values()), found
+
+
+def test_worker_devices_released_before_a_local_gpu_cluster_stops(monkeypatch):
+    """The scope's close asks every worker of its local GPU cluster to give its cached device
+    memory back (all at once, before the stop), and a worker that cannot answer does not stop
+    the close; a CPU cluster is not asked."""
+    from scanforest.flows import cluster as C
+    from scanforest.kernels.backend import release_gpu_cache
+
+    calls, closed = [], []
+
+    class Client:
+        def __init__(self, fail):
+            self.fail = fail
+
+        def run(self, fn, **kw):
+            calls.append((fn, kw))
+            if self.fail:
+                raise OSError("a worker is gone")
+
+        def close(self):
+            closed.append("client")
+
+    class Cluster:
+        def close(self):
+            closed.append("cluster")
+
+    for device, fail in (("gpu", False), ("gpu", True), ("cpu", False)):
+        calls.clear(), closed.clear()
+        monkeypatch.setattr(C, "_want_gpu_cluster", lambda d: d == "gpu")
+        with C.cluster_scope(device=device):
+            C._scope.update(client=Client(fail), cluster=Cluster())
+        assert closed == ["client", "cluster"]
+        assert calls == ([(release_gpu_cache, {"on_error": "ignore"})] if device == "gpu" else [])
