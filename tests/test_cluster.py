@@ -411,3 +411,32 @@ def test_worker_devices_released_before_a_local_gpu_cluster_stops(monkeypatch):
             C._scope.update(client=Client(fail), cluster=Cluster())
         assert closed == ["client", "cluster"]
         assert calls == ([(release_gpu_cache, {"on_error": "ignore"})] if device == "gpu" else [])
+
+
+def test_a_worker_that_does_not_answer_does_not_hold_the_stop(monkeypatch):
+    """The release before the stop is bounded: a cluster whose workers never answer closes
+    after ``RELEASE_WAIT`` seconds."""
+    import threading
+
+    from scanforest.flows import cluster as C
+
+    gate, closed = threading.Event(), []
+
+    class Client:
+        def run(self, fn, **kw):
+            gate.wait(30)
+
+        def close(self):
+            closed.append("client")
+
+    class Cluster:
+        def close(self):
+            closed.append("cluster")
+
+    monkeypatch.setattr(C, "_want_gpu_cluster", lambda d: True)
+    monkeypatch.setattr(C, "RELEASE_WAIT", 0.2)
+    t = time.perf_counter()
+    with C.cluster_scope(device="gpu"):
+        C._scope.update(client=Client(), cluster=Cluster())
+    gate.set()
+    assert closed == ["client", "cluster"] and time.perf_counter() - t < 5
