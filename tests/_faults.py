@@ -1,6 +1,7 @@
 """Faults injected into units of work that Dask runs (tests of retries)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -11,8 +12,13 @@ def fails_once(fn, marks: Path, at: int = 1):
     marks.mkdir(exist_ok=True)
 
     def unit(*args, **kwargs):
-        n = len(list(marks.iterdir()))
-        (marks / str(n)).touch()
+        n = 0  # this call's number: the first free mark, claimed atomically (two threads of a
+        while True:  # worker counting the folder at once took the same number: a call uncounted)
+            try:
+                os.close(os.open(marks / str(n), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                break
+            except FileExistsError:
+                n += 1
         out = fn(*args, **kwargs)
         if n == at:
             raise OSError("transient: the network filesystem went away")
