@@ -515,3 +515,21 @@ def test_the_workers_warm_ups_are_timed_against_the_pass():
                          "device 2.00 / 3.00, describe 1.25 / 2.00); the first started -4.00 s from the pass's "
                          "call; the last ended +1.50 s from the pass's call, its first task started +1.92 s; "
                          "1 failed"]
+
+
+def test_archive_timeline_tail_per_worker_and_per_gpu():
+    """``bench archive``'s tail figures from a task stream: each worker's idle time between its
+    own last task and the stage's last, and each GPU's (workers named ``gpu<i>-<j>``)."""
+    from scanforest.deploy.bench.archive import _tail
+
+    def task(worker, start, stop):
+        return {"worker": worker, "startstops": [{"action": "transfer", "start": start - 1, "stop": stop + 9},
+                                                 {"action": "compute", "start": start, "stop": stop}]}
+
+    data = [task("a", 0, 4), task("a", 4, 9), task("b", 0, 10), task("c", 0, 6), task("d", 1, 8)]
+    names = {"a": "gpu0-0", "b": "gpu0-1", "c": "gpu1-0", "d": "gpu1-1"}
+    out = _tail(data, 10.0, names)
+    assert out["tail_idle_mean"] == (1 + 0 + 4 + 2) / 4 and out["tail_idle_max"] == 4
+    assert out["gpu_tail"] == {"0": 0.0, "1": 2.0}
+    # plain worker names (one GPU, or a CPU cluster): no GPU split; no compute span: no figures
+    assert "gpu_tail" not in _tail(data, 10.0, {}) and _tail([], 10.0, names) == {}
