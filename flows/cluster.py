@@ -96,6 +96,10 @@ def cluster_scope(*, device: str = "auto", workers: int | None = None) -> Iterat
                     obj.close()
 
 
+#: seconds a local GPU cluster's stop waits for its workers to give their device memory back
+RELEASE_WAIT = 10.0
+
+
 def release_worker_devices(client) -> None:
     """Have every worker of a local GPU cluster give its cached device blocks and pinned host
     buffers back, all at once, before the cluster stops: otherwise each worker process's exit
@@ -114,10 +118,6 @@ def release_worker_devices(client) -> None:
     t = threading.Thread(target=release, name="sf-release-devices", daemon=True)
     t.start()
     t.join(RELEASE_WAIT)
-
-
-#: seconds a local GPU cluster's stop waits for its workers to give their device memory back
-RELEASE_WAIT = 10.0
 
 
 def start_scope_cluster(preload: tuple[str, ...] = ()) -> bool:

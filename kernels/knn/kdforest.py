@@ -457,10 +457,11 @@ class KDForest:
 
     def _expand(self, Q, dist, ids, e: int, kk: int, bounds=None, exclude=None):
         """One graph round: the graph neighbours of each list's first ``e`` entries scored
-        (canonical distances, :func:`~.bruteforce.pair_distances`) and merged into the list
-        (``kk`` entries, a point once). With ``bounds``, only points strictly closer than a
-        query's bound enter, as in the forest's search. Queries go in chunks of
-        :data:`GRAPH_CHUNK_PAIRS` scored pairs."""
+        with the canonical distance and merged into the list (``kk`` entries, a point once): by
+        the numba round on the CPU, the kernels of :mod:`._graph_gpu` on the GPU, and
+        :func:`~.bruteforce.pair_distances` with a sorted merge where bounds apply. With
+        ``bounds``, only points strictly closer than a query's bound enter, as in the forest's
+        search. Queries go in chunks of :data:`GRAPH_CHUNK_PAIRS` scored pairs."""
         from . import _graph_gpu
         from .bruteforce import pair_distances
         from .topk import pack, unpack
@@ -481,7 +482,8 @@ class KDForest:
                         np.ascontiguousarray(dist, dtype=np.float32), np.ascontiguousarray(ids, dtype=np.int64),
                         int(e), excl, out_d, out_i)
             return out_d, out_i, scored
-        # canonical keys scored and merged by the GPU kernels, or (bounds, lists past the merge's width) the generic way
+        # canonical keys scored and merged by the GPU kernels, or (bounds, float16 rows, lists longer
+        # than the merge holds) scored and sorted the generic way
         kernels = (self.device_ == "gpu" and lim is None and self._fit_X.dtype == np.float32
                    and _graph_gpu.fits(kk))
         step = max(1, GRAPH_CHUNK_PAIRS // max(1, e * deg))
