@@ -213,6 +213,45 @@ def test_gpu_exact_search_equals_cpu(rng, monkeypatch, keep):
 
 
 @pytest.mark.gpu
+def test_gpu_exact_search_keeps_one_coarse_buffer_a_thread(rng):
+    """Batches of every size reuse one coarse-tile buffer (no fresh tile a batch for the pool to
+    cache), and threads searching at once on their own streams each have their own."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import cupy as cp
+
+    base = rng.standard_normal((30000, 64)).astype(np.float32)
+    es = ExactSearch(cp.asarray(base))
+    qs = [rng.standard_normal((m, 64)).astype(np.float32) for m in (1000, 300, 999, 7, 640)]
+    refs = [knn_bruteforce(base, q, 4, device="cpu") for q in qs]
+    buf = None
+    for q, (cd, ci) in zip(qs, refs):
+        gd, gi = es.search(cp.asarray(q), 4)
+        np.testing.assert_array_equal(gi.get(), ci)
+        np.testing.assert_array_equal(gd.get(), cd)
+        buf = es._stats._ws.buf if buf is None else buf
+        assert es._stats._ws.buf is buf  # the largest came first: the rest fit in its buffer
+
+    start = threading.Barrier(4)  # four threads, not one thread taking two jobs
+
+    def run(j):
+        start.wait(timeout=60)
+        with cp.cuda.Stream(non_blocking=True) as st:
+            out = [es.search(cp.asarray(q), 4) for q in qs[j % 2::2] * 3]
+            st.synchronize()
+            return [(d.get(), i.get()) for d, i in out], es._stats._ws.buf
+
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(run, range(4)))
+    assert len({id(b) for _, b in got} | {id(buf)}) == 5
+    for j, (res, _) in enumerate(got):
+        for (gd, gi), (cd, ci) in zip(res, [refs[x] for x in range(j % 2, len(qs), 2)] * 3):
+            np.testing.assert_array_equal(gi, ci)
+            np.testing.assert_array_equal(gd, cd)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("share", [None, 0.0])
 def test_gpu_ids_map_and_tile_centring(rng, monkeypatch, share):
     import cupy as cp

@@ -20,6 +20,7 @@ the result is exact.
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 from numba import njit, prange
@@ -567,6 +568,9 @@ def _search(st: "_BaseStats", queries, k, block, ids):
     return (_bf_gpu if st.device == "gpu" else _bf_cpu)(st, queries, k, block, ids)
 
 
+_WS_GRAIN = 1 << 22  # float32 elements (16 MiB): the coarse-tile buffer grows in these steps
+
+
 class _BaseStats:
     """What the coarse pass needs of the base, computed once: its mean ``mu``, the centred
     tiles, the centred rows' squared norms ``bn`` and their maximum (the error bound's)."""
@@ -584,6 +588,23 @@ class _BaseStats:
         for b0 in range(0, n, step):
             self.bn[b0:b0 + step] = _sqnorms(self.tiles(b0, step))
         self.bnmax = float(self.bn.max()) if n else 0.0
+        self._ws = threading.local()
+
+    def coarse_out(self, rows: int, cols: int):
+        """A ``(rows, cols)`` float32 view of one buffer kept for the coarse tiles (GPU; one
+        buffer a thread, as threads may search the same rows at once).
+
+        The tiles' sizes follow each batch's query count, so fresh ones would leave the
+        memory pool a cached block of every size it has seen (a worker's pool grew to several
+        GB of them); one buffer, grown only when a larger tile is asked for, is reused."""
+        import cupy as cp
+
+        need = rows * cols
+        buf = getattr(self._ws, "buf", None)
+        if buf is None or buf.size < need:
+            self._ws.buf = buf = None
+            self._ws.buf = buf = cp.empty(-(-need // _WS_GRAIN) * _WS_GRAIN, cp.float32)
+        return buf[:need].reshape(rows, cols)
 
 
 def _sqnorms(a):
@@ -688,7 +709,8 @@ def _bf_gpu(st: _BaseStats, queries, k, block, ids=None):
         qn = _sqnorms(qc)
         keys = None
         for b0 in range(0, n, bb):
-            G = qc @ tiles(b0, bb).T
+            t = tiles(b0, bb)
+            G = cp.matmul(qc, t.T, out=st.coarse_out(qc.shape[0], t.shape[0]))
             keys = _select_gpu(G, kc, qn=qn, bn=bn[b0:b0 + bb], col_offset=b0, prev=keys)
         cd, ci = decode_keys(keys)
         clast = cd[:, -1].astype(cp.float64)
