@@ -278,8 +278,10 @@ def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
     whose ``CUDA_VISIBLE_DEVICES`` is GPU ``i mod G`` alone, not dask-cuda's rotated list of them all
     (32 workers on four H200s made their contexts in 7.0 s instead of 7.7 s, and closed in 2.4 s
     instead of 2.6 s). That suits stages whose work per GPU is partly host-bound (recognition's
-    grouping, Zarr I/O), and it runs the multi-worker paths on a one-GPU machine. Without
-    ``n_workers``: :func:`default_gpu_workers`."""
+    grouping, Zarr I/O), and it runs the multi-worker paths on a one-GPU machine. Each keeps to
+    its GPU's NUMA node's cores where the host has several (:func:`_cores_near`; the x2 and x4
+    H200 hosts lent so far have one, where nothing is pinned). Without ``n_workers``:
+    :func:`default_gpu_workers`."""
     from scanforest.kernels.backend import gpu_count
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -296,6 +298,7 @@ def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
     from scanforest.kernels.backend import GPU_WORKERS_ENV
 
     workers = {}
+    near = {d: _cores_near(d) for d in devs}
     for i in range(int(n_workers)):
         g = i % len(devs)
         sharing = n_workers // len(devs) + (g < n_workers % len(devs))  # the workers on GPU g
@@ -308,9 +311,41 @@ def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
                         # largest scenes' blocks left cuBLAS none (CUBLAS_STATUS_ALLOC_FAILED in 2
                         # of 2,000 scenes, 11 of 8,000 on four, 2026-11-28)
                         "env": {"CUDA_VISIBLE_DEVICES": devs[g], GPU_WORKERS_ENV: str(sharing),
-                                **thread_env(n_workers, threads_per_worker)}}}
+                                **thread_env(n_workers, threads_per_worker)},
+                        **({"plugins": [_pin(near[devs[g]])]} if near[devs[g]] else {})}}
     return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
         "host": "127.0.0.1", "dashboard": False, "dashboard_address": None}}, silence_logs=logging.ERROR)
+
+
+def _cores_near(dev: str) -> list[int] | None:
+    """The host cores of GPU ``dev``'s NUMA node that this process may use (NVML's CPU affinity,
+    as dask-cuda pins its one worker per GPU), or None where pinning would change nothing: one
+    node, no NVML, or ``SCANFOREST_CPU_AFFINITY=0``."""
+    if os.environ.get("SCANFOREST_CPU_AFFINITY", "1") == "0" or not hasattr(os, "sched_getaffinity"):
+        return None
+    try:
+        near = set(_nvml_affinity(dev))
+    except Exception:  # no dask-cuda or NVML, a MIG or UUID name it cannot place
+        return None
+    allowed = os.sched_getaffinity(0)
+    cores = sorted(near & allowed)
+    return cores if cores and set(cores) != allowed else None
+
+
+def _nvml_affinity(dev: str) -> list[int]:
+    import warnings
+
+    from dask_cuda.utils import get_cpu_affinity
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # it warns, then answers every core, where NVML cannot say
+        return get_cpu_affinity(int(dev) if dev.isdigit() else dev)
+
+
+def _pin(cores):
+    from dask_cuda.plugins import CPUAffinity
+
+    return CPUAffinity(cores)
 
 
 def warm_gpu_workers(device: str = "auto") -> bool:

@@ -440,3 +440,29 @@ def test_a_worker_that_does_not_answer_does_not_hold_the_stop(monkeypatch):
         C._scope.update(client=Client(), cluster=Cluster())
     gate.set()
     assert closed == ["client", "cluster"] and time.perf_counter() - t < 5
+
+
+def test_shared_gpu_workers_are_pinned_to_their_gpus_numa_cores(monkeypatch):
+    """A worker of GPU g keeps to the host cores NVML names near g (as dask-cuda pins its one
+    worker a GPU), within the cores this process may use; nothing is pinned where that would
+    change nothing (one NUMA node), where NVML cannot say, or with SCANFOREST_CPU_AFFINITY=0."""
+    import os
+
+    from scanforest.flows import cluster as C
+
+    allowed = sorted(os.sched_getaffinity(0))
+    near = {"0": allowed[: max(1, len(allowed) // 2)], "1": allowed + [max(allowed) + 64]}
+    monkeypatch.setattr(C, "_nvml_affinity", lambda d: near[d])
+    monkeypatch.delenv("SCANFOREST_CPU_AFFINITY", raising=False)
+    if len(allowed) > 1:
+        assert C._cores_near("0") == near["0"]
+    assert C._cores_near("1") is None  # every core it may use: nothing to pin
+    monkeypatch.setenv("SCANFOREST_CPU_AFFINITY", "0")
+    assert C._cores_near("0") is None
+
+    def no_nvml(d):
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.delenv("SCANFOREST_CPU_AFFINITY")
+    monkeypatch.setattr(C, "_nvml_affinity", no_nvml)
+    assert C._cores_near("0") is None
