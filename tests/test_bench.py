@@ -388,6 +388,45 @@ def test_gpu_scaling_needs_gpus(tmp_path, monkeypatch):
     assert not any(tmp_path.iterdir())  # refused before any archive is written
 
 
+def test_gpu_scaling_hands_the_pass_batch_to_each_count_not_the_warm_up(tmp_path, monkeypatch):
+    """``bench archive --gpus 1,2 --batch 16``: each counted run's command carries ``--batch 16``
+    (scenes per Dask task in the pass), the uncounted warm-up runs with the flow's own batches."""
+    import subprocess
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from scanforest.deploy.cli import app
+
+    monkeypatch.setattr("scanforest.kernels.backend.gpu_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr("scanforest.tasks.synth.write_archive", lambda *a, **k: None)
+    monkeypatch.setattr(ba, "_link_archive", lambda *a, **k: None)
+    monkeypatch.setattr(ba, "scaling_rows", lambda *a, **k: None)
+    cmds = []
+
+    real = subprocess.run
+
+    def fake(cmd, *a, **kw):
+        if "bench" not in cmd:
+            return real(cmd, *a, **kw)
+        cmds.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w") as f:
+            json.dump({"rows": [], "notes": []}, f)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake)
+    res = CliRunner().invoke(app, ["bench", "archive", "--gpus", "1,2", "--scans", "4", "--batch", "16",
+                                   "--workdir", str(tmp_path / "wd"), "--keep"])
+    assert res.exit_code == 0, res.output
+    tags = [c[c.index("--workdir") + 1].rsplit("/", 1)[-1] for c in cmds]
+    assert tags == ["warmup", "gpus1", "gpus2"]
+    assert ["--batch" in c for c in cmds] == [False, True, True]
+    assert all(c[c.index("--batch") + 1] == "16" for c in cmds[1:])
+
+
 def test_a_tool_that_under_reports_distances_cannot_raise_its_recall(rng):
     """Recall is scored from the canonical distances of the returned ids (every tool, scanforest
     included), or from the ids themselves: reported distances of zero do not count."""

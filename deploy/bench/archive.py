@@ -66,13 +66,15 @@ def _load_record(path: Path, config: dict) -> dict:
 
 
 def run(scans: int, points: int, models: int, workers: int | None, device: str, workdir: Path, out,
-        keep: bool = False, stages_to_run: list[str] | None = None, pipeline: str = "one-pass") -> BenchReport:
+        keep: bool = False, stages_to_run: list[str] | None = None, pipeline: str = "one-pass",
+        batch: int | None = None) -> BenchReport:
     """Run the selected stages (default: all) over the archive in ``workdir``.
 
     A subset runs on the store that earlier invocations left in ``workdir`` (same configuration):
     each stage is always a complete run over the whole archive, and its figures are recorded in
     ``workdir/bench-stages.json``, so a long archive can be measured stage by stage (for example
-    within a per-command time limit) and the whole-archive figures combine the recorded stages."""
+    within a per-command time limit) and the whole-archive figures combine the recorded stages.
+    ``batch``: scenes per Dask task in the one pass (default: the flow's own choice)."""
     from scanforest.flows.archive import process_flow
     from scanforest.flows.cluster import cluster_with_api, dask_client, warm_gpu_workers
     from scanforest.flows.describe import run_describe
@@ -92,6 +94,8 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     config = {"scans": scans, "points": points, "models": models, "device": dev, "workers": workers}
     if pipeline != "staged":  # records of staged runs (made before the one pass existed) stay valid
         config["pipeline"] = pipeline
+    if batch:
+        config["batch"] = batch
     record_path = workdir / RECORD
     store = workdir / "store.zarr"
     done = {} if todo[0] == "ingest" else _load_record(record_path, config)
@@ -207,7 +211,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
             t_pass = time.time()
             with Utilization() as u, timeline("process"):
                 s = process_flow(str(store), scene_ids, library="bench", index="models", k=4, params=rec_params,
-                                 device=dev, workers=workers, progress=False)
+                                 device=dev, workers=workers, progress=False, batch=batch)
             with spent("bench_notes"):
                 calls.append(timeline.figures.get("timeline", {}).get("call_seconds", 0.0))
                 if warmed:  # did the workers' warm-up outlast the library and the index?
@@ -502,7 +506,8 @@ def scaling_rows(rep: BenchReport, runs: list[tuple[int, int, dict]]) -> None:
 
 
 def run_gpu_scaling(gpus: list[int], scans: int, points: int, models: int, workers_per_gpu: int | None,
-                    workdir: Path, out, keep: bool = False, pipeline: str = "one-pass", warmup: int = 16) -> BenchReport:
+                    workdir: Path, out, keep: bool = False, pipeline: str = "one-pass", warmup: int = 16,
+                    batch: int | None = None) -> BenchReport:
     """``bench archive --gpus 1,2,4``: the archive on the first G GPUs for each G, ``scans`` scenes
     per GPU (so 2,000 on one GPU, 8,000 on four), each count a fresh ``bench archive`` process of
     its own (``CUDA_VISIBLE_DEVICES`` naming those cards, its own local cluster: one worker set
@@ -524,7 +529,8 @@ def run_gpu_scaling(gpus: list[int], scans: int, points: int, models: int, worke
         raise InputError(f"--gpus {','.join(map(str, gpus))}: each count must be 1..{len(devs)} "
                          f"(the GPUs this machine shows)")
     rep = BenchReport("archive-gpus", {"gpus": gpus, "scans_per_gpu": scans, "points": points, "models": models,
-                                       "workers_per_gpu": workers_per_gpu, "pipeline": pipeline}, echo=True)
+                                       "workers_per_gpu": workers_per_gpu, "pipeline": pipeline, "batch": batch},
+                      echo=True)
     shared = workdir / "archive-all"
     t0 = time.perf_counter()
     write_archive(shared, n_models=models, n_scenes=scans * gpus[-1], points_per_scene=points,
@@ -540,6 +546,8 @@ def run_gpu_scaling(gpus: list[int], scans: int, points: int, models: int, worke
                "--workdir", str(wd), "--out", str(wd.with_suffix(".json"))]
         if workers or workers_per_gpu:
             cmd += ["--workers", str(workers or workers_per_gpu * g)]
+        if batch and tag != "warmup":
+            cmd += ["--batch", str(batch)]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devs[:g])}
         print(f"--- {tag}: {n} scans on GPU(s) {env['CUDA_VISIBLE_DEVICES']}", flush=True)
         res = subprocess.run(cmd, env=env)
@@ -586,6 +594,8 @@ def register(app, bench) -> None:
                                            "busy share. --workers is then per GPU."),
         warmup: int = typer.Option(16, help="With --gpus: scenes of an uncounted warm-up run first (one GPU, "
                                    "2 workers: it fills the compilers' caches)."),
+        batch: Optional[int] = typer.Option(None, "--batch", min=1, help="Scenes per Dask task in the one pass "
+                                            "(default: the archive flow's choice, about 8 tasks a worker)."),
         out: Optional[str] = typer.Option(None, "--out"),
     ):
         """Archive throughput through every stage and the orchestration overhead per stage."""
@@ -596,6 +606,7 @@ def register(app, bench) -> None:
             if stages.strip() not in ("", "all"):
                 raise InputError("--gpus runs every stage; leave --stages out")
             run_gpu_scaling(parse_counts(gpus), scans, points, models, workers, workdir, out, keep, pipeline,
-                            warmup)
+                            warmup, batch)
             return
-        run(scans, points, models, workers, device, workdir, out, keep, parse_stages(stages, pipeline), pipeline)
+        run(scans, points, models, workers, device, workdir, out, keep, parse_stages(stages, pipeline), pipeline,
+            batch)
