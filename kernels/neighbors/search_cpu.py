@@ -253,6 +253,21 @@ def _grid_nearest(P, cs, origin, inv_h, dims, qx, qy, qz, r2):
 
 
 @njit(cache=True, parallel=True)
+def grid_nearest_many(P, cs, origin, inv_h, dims, Q, r2, out_i, out_d2):
+    """CPU twin of the GPU ``nearest`` kernel: for each query (rows of ``Q``, taken as float32),
+    the index (into the cell-sorted P) of the nearest point strictly within sqrt(r2), the first
+    of equals in cell order, or -1; and its float32 squared distance (inf without one). The
+    grid's cells must be at least sqrt(r2) wide."""
+    for i in prange(Q.shape[0]):
+        qx = np.float32(Q[i, 0])
+        qy = np.float32(Q[i, 1])
+        qz = np.float32(Q[i, 2])
+        bi = _grid_nearest(P, cs, origin, inv_h, dims, qx, qy, qz, r2)
+        out_i[i] = bi
+        out_d2[i] = sqdist32(qx, qy, qz, P[bi, 0], P[bi, 1], P[bi, 2]) if bi >= 0 else np.float32(np.inf)
+
+
+@njit(cache=True, parallel=True)
 def verify_points(hyp, src, T, VP, VN, vx, vy, vz, P, cs, origin, inv_h, dims, r2, order, vox):
     """CPU twin of the GPU ``verify_points`` kernel: for every (hypothesis, verification point)
     pair, the point and normal are moved by the hypothesis pose (float32, rows of T = [R | t]);

@@ -1,7 +1,7 @@
 """The scene as verification (:mod:`.verification`) and ICP (:mod:`.icp`) both search it.
 
 :class:`_SceneIndex` holds a scene's points and normals with its nearest-neighbour structure
-(CPU: a ``scipy`` KD-tree and a lazily built cell list; GPU: the cell list of
+(CPU: a lazily built cell list, and a ``scipy`` KD-tree for radii wider than a cell; GPU: the cell list of
 :mod:`._verification_gpu`) and its voxel ranks. It lives apart from both so that :mod:`.icp`
 can build one without importing the recognition pipeline.
 """
@@ -30,15 +30,22 @@ class _SceneIndex:
             self.grid = g.build_grid(self.points, self.cell)
             self.vox = g.voxel_ranks(self.points, self.cell)
         else:
-            from scipy.spatial import cKDTree
-
             self.points = np.ascontiguousarray(to_numpy(points), np.float32)
             self.normals = None if normals is None else np.ascontiguousarray(to_numpy(normals),
                                                                              np.float32)
-            self.tree = cKDTree(self.points)
+            self._tree = None  # a KD-tree, for a radius wider than a cell, built on first use
             self._cells = None  # the cell list of verification lookups, built on first use
             self.vox = _voxel_ranks_cpu(self.points, self.cell)
         self.n_vox = int(self.vox.max()) + 1 if len(self.vox) else 0
+
+    @property
+    def tree(self):
+        """CPU: the scene's ``scipy`` KD-tree, built on first use."""
+        if self._tree is None:
+            from scipy.spatial import cKDTree
+
+            self._tree = cKDTree(self.points)
+        return self._tree
 
     def cells(self):
         """CPU: cell list of the scene (cells of edge >= ``cell``), as ``neighbors.search.cpu_grid``."""
@@ -51,11 +58,22 @@ class _SceneIndex:
         return self._cells
 
     def nearest(self, q, r: float):
-        """Nearest scene point within ``r`` (squared distance < r^2) of each query: (idx|-1, d2)."""
+        """Nearest scene point within ``r`` (squared distance < r^2) of each query: (idx|-1, d2).
+        CPU: the cell list's float32 search, as the GPU's (first of equals in cell order), when
+        ``r`` is at most a cell (ICP's and verification's radius); the KD-tree beyond."""
         if self.device == "gpu":
             from . import _verification_gpu as g
 
             return g.nearest(self.grid, q, r)
+        if 0 < r <= self.cell and len(self.points):  # the cell list holds every point within r: 3x3x3 cells
+            from ..neighbors.search_cpu import grid_nearest_many
+
+            P, order, cs, origin, inv_h, dims = self.cells()
+            q = np.ascontiguousarray(to_numpy(q), np.float32)
+            bi = np.empty(len(q), np.int64)
+            d2 = np.empty(len(q), np.float32)
+            grid_nearest_many(P, cs, origin, inv_h, dims, q, np.float32(r * r), bi, d2)
+            return np.where(bi >= 0, order[np.maximum(bi, 0)], -1), d2
         d, i = self.tree.query(np.asarray(q, np.float64), k=1, distance_upper_bound=r,
                                  workers=-1 if len(q) > 100_000 else 1)  # threads pay off on big batches
         d2 = (d * d).astype(np.float32)
