@@ -291,3 +291,36 @@ def test_flow_runs_on_a_temporary_api_send_no_heartbeats(prefect_api, monkeypatc
     assert min(ends) < 0.5, ends  # with the heartbeat thread joined: 1.0 s each
     monkeypatch.setenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "60")
     assert no_heartbeats_for_a_temporary_api() is False
+
+
+def test_the_local_api_is_asked_its_version_before_the_first_flow(prefect_api, monkeypatch):
+    """ensure_prefect_api makes the process's first request to the local API (Prefect's version
+    check, made once per process and API) in a background thread, so the first flow's start does
+    not wait on it: once per API, and a failing request is left for the flow to report."""
+    import threading
+
+    from prefect.client.orchestration import SyncPrefectClient
+
+    import scanforest.flows.prefect_api as pa
+
+    assert os.environ["PREFECT_API_URL"] in pa._WARMED  # this process's API: warmed as it started
+    calls = []
+
+    def check(self):
+        calls.append((str(self.api_url), threading.current_thread().name))
+
+    monkeypatch.setattr(SyncPrefectClient, "raise_for_api_version_mismatch_once", check)
+    monkeypatch.setattr(pa, "_WARMED", set())
+    assert pa.warm_api_client() is True
+    deadline = time.monotonic() + 30
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert calls == [(calls[0][0], "sf-api-warm-up")] and calls[0][0].startswith(prefect_api.rstrip("/"))
+    assert pa.warm_api_client() is False  # once per API
+
+    def boom(self):
+        raise RuntimeError("Failed to reach API")
+
+    monkeypatch.setattr(SyncPrefectClient, "raise_for_api_version_mismatch_once", boom)
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    assert pa.warm_api_client() is True  # tried in the background: nothing raised here
