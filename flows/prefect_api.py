@@ -179,8 +179,6 @@ def warm_api_client() -> bool:
     goes on starting its cluster, an ingest of 8,000 files (every one unchanged) started its first
     task 1.89 s into the flow instead of 2.69 (means of 4 interleaved runs each, 2 cores,
     2026-11-28). Returns False when already done for this API."""
-    import threading
-
     url = os.environ.get("PREFECT_API_URL", "")
     if not url or url in _WARMED:
         return False
