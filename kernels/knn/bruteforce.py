@@ -612,7 +612,10 @@ class _CoarseBuffers:
             with self._lock:
                 self._free.append((buf, ev))
                 self._free.sort(key=lambda x: x[0].size)
+                dropped = self._free[:-_WS_KEEP]
                 del self._free[:-_WS_KEEP]
+            for _, e in dropped:  # the pool hands a freed block to its own stream at once: its
+                e.synchronize()  # last use, maybe on another stream, must be over first
 
 
 class _BaseStats:
