@@ -213,42 +213,56 @@ def test_gpu_exact_search_equals_cpu(rng, monkeypatch, keep):
 
 
 @pytest.mark.gpu
-def test_gpu_exact_search_keeps_one_coarse_buffer_a_thread(rng):
-    """Batches of every size reuse one coarse-tile buffer (no fresh tile a batch for the pool to
-    cache), and threads searching at once on their own streams each have their own."""
+def test_gpu_exact_search_reuses_its_coarse_buffers_across_batches_and_threads(rng):
+    """Batches of every size, in this thread and then in a new one (a Dask task of the one pass
+    ends on a thread of its own), search in one kept coarse-tile buffer: no fresh tile a batch
+    for the memory pool to cache. Four threads searching at once on their own streams borrow
+    buffers of their own, answer as the CPU does, and leave at most two kept."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     import cupy as cp
 
+    import scanforest.kernels.knn.bruteforce as bf
+
     base = rng.standard_normal((30000, 64)).astype(np.float32)
     es = ExactSearch(cp.asarray(base))
     qs = [rng.standard_normal((m, 64)).astype(np.float32) for m in (1000, 300, 999, 7, 640)]
     refs = [knn_bruteforce(base, q, 4, device="cpu") for q in qs]
-    buf = None
-    for q, (cd, ci) in zip(qs, refs):
-        gd, gi = es.search(cp.asarray(q), 4)
-        np.testing.assert_array_equal(gi.get(), ci)
-        np.testing.assert_array_equal(gd.get(), cd)
-        buf = es._stats._ws.buf if buf is None else buf
-        assert es._stats._ws.buf is buf  # the largest came first: the rest fit in its buffer
+    kept = es._stats._ws._free
 
-    start = threading.Barrier(4)  # four threads, not one thread taking two jobs
+    def check(q, ref):
+        gd, gi = es.search(cp.asarray(q), 4)
+        np.testing.assert_array_equal(gi.get(), ref[1])
+        np.testing.assert_array_equal(gd.get(), ref[0])
+
+    check(qs[0], refs[0])
+    assert len(kept) == 1
+    buf = kept[0][0]
+    for q, ref in zip(qs[1:], refs[1:]):  # smaller batches: the largest one's buffer serves them
+        check(q, ref)
+        assert [id(b) for b, _ in kept] == [id(buf)]
+    t = threading.Thread(target=lambda: [check(q, ref) for q, ref in zip(qs, refs)])
+    t.start()
+    t.join()
+    assert [id(b) for b, _ in kept] == [id(buf)]  # a new thread borrowed the same buffer
+
+    start = threading.Barrier(4)
 
     def run(j):
         start.wait(timeout=60)
         with cp.cuda.Stream(non_blocking=True) as st:
             out = [es.search(cp.asarray(q), 4) for q in qs[j % 2::2] * 3]
             st.synchronize()
-            return [(d.get(), i.get()) for d, i in out], es._stats._ws.buf
+            return [(d.get(), i.get()) for d, i in out]
 
     with ThreadPoolExecutor(4) as ex:
         got = list(ex.map(run, range(4)))
-    assert len({id(b) for _, b in got} | {id(buf)}) == 5
-    for j, (res, _) in enumerate(got):
+    for j, res in enumerate(got):
         for (gd, gi), (cd, ci) in zip(res, [refs[x] for x in range(j % 2, len(qs), 2)] * 3):
             np.testing.assert_array_equal(gi, ci)
             np.testing.assert_array_equal(gd, cd)
+    assert 1 <= len(kept) <= bf._WS_KEEP
 
 
 @pytest.mark.gpu

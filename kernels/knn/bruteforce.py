@@ -19,6 +19,7 @@ the result is exact.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -568,7 +569,53 @@ def _search(st: "_BaseStats", queries, k, block, ids):
     return (_bf_gpu if st.device == "gpu" else _bf_cpu)(st, queries, k, block, ids)
 
 
-_WS_GRAIN = 1 << 22  # float32 elements (16 MiB): the coarse-tile buffer grows in these steps
+_WS_GRAIN = 1 << 22  # float32 elements (16 MiB): the coarse-tile buffers grow in these steps
+_WS_KEEP = 2  # free coarse-tile buffers an ExactSearch keeps between searches (its largest)
+
+
+class _CoarseBuffers:
+    """Coarse-tile buffers kept between searches of one base (GPU), lent one per search.
+
+    The tiles' sizes follow each batch's query count, so fresh ones left the memory pool a
+    cached block of every size it had seen (a worker's pool held 7.15 GiB after 16 scenes).
+    Kept per thread, they were made again for every Dask task of the one pass, each of which
+    ends on a thread of its own (it secedes while its writes finish). So they are kept here, for
+    any thread: a search borrows the smallest free buffer that is large enough (or makes one,
+    in steps of :data:`_WS_GRAIN`), and gives it back with an event on its stream, which the next
+    borrower's stream waits on before it writes there. Searches at once borrow different
+    buffers; at most :data:`_WS_KEEP` free ones (the largest) are kept."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: list = []  # (buffer, event recorded after its last use, or None)
+
+    @contextlib.contextmanager
+    def lend(self, need: int):
+        import cupy as cp
+
+        with self._lock:
+            fits = [x for x in self._free if x[0].size >= need]
+            item = min(fits, key=lambda x: x[0].size) if fits else None
+            if item is not None:
+                self._free.remove(item)
+        if item is None:
+            buf = cp.empty(max(1, -(-need // _WS_GRAIN)) * _WS_GRAIN, cp.float32)
+        else:
+            buf, ev = item
+            if ev is not None:
+                cp.cuda.get_current_stream().wait_event(ev)
+        try:
+            yield buf
+        finally:
+            ev = cp.cuda.Event(block=False, disable_timing=True)
+            ev.record()
+            with self._lock:
+                self._free.append((buf, ev))
+                self._free.sort(key=lambda x: x[0].size)
+                dropped = self._free[:-_WS_KEEP]
+                del self._free[:-_WS_KEEP]
+            for _, e in dropped:  # the pool hands a freed block to its own stream at once: its
+                e.synchronize()  # last use, maybe on another stream, must be over first
 
 
 class _BaseStats:
@@ -588,23 +635,12 @@ class _BaseStats:
         for b0 in range(0, n, step):
             self.bn[b0:b0 + step] = _sqnorms(self.tiles(b0, step))
         self.bnmax = float(self.bn.max()) if n else 0.0
-        self._ws = threading.local()
+        self._ws = _CoarseBuffers()
 
-    def coarse_out(self, rows: int, cols: int):
-        """A ``(rows, cols)`` float32 view of one buffer kept for the coarse tiles (GPU; one
-        buffer a thread, as threads may search the same rows at once).
-
-        The tiles' sizes follow each batch's query count, so fresh ones would leave the
-        memory pool a cached block of every size it has seen (a worker's pool grew to several
-        GB of them); one buffer, grown only when a larger tile is asked for, is reused."""
-        import cupy as cp
-
-        need = rows * cols
-        buf = getattr(self._ws, "buf", None)
-        if buf is None or buf.size < need:
-            self._ws.buf = buf = None
-            self._ws.buf = buf = cp.empty(-(-need // _WS_GRAIN) * _WS_GRAIN, cp.float32)
-        return buf[:need].reshape(rows, cols)
+    def coarse_buffer(self, rows: int, cols: int):
+        """A float32 buffer of at least ``rows * cols`` elements for the coarse tiles of one
+        search (GPU), lent by :class:`_CoarseBuffers` for the ``with`` block."""
+        return self._ws.lend(rows * cols)
 
 
 def _sqnorms(a):
@@ -703,31 +739,33 @@ def _bf_gpu(st: _BaseStats, queries, k, block, ids=None):
     out_d = cp.empty((m, k), cp.float32)
     out_i = cp.empty((m, k), cp.int64)
     g = _gamma(d)
-    for q0 in range(0, m, qb):
-        qs = queries[q0:q0 + qb]
-        qc = qs - mu
-        qn = _sqnorms(qc)
-        keys = None
-        for b0 in range(0, n, bb):
-            t = tiles(b0, bb)
-            G = cp.matmul(qc, t.T, out=st.coarse_out(qc.shape[0], t.shape[0]))
-            keys = _select_gpu(G, kc, qn=qn, bn=bn[b0:b0 + bb], col_offset=b0, prev=keys)
-        cd, ci = decode_keys(keys)
-        clast = cd[:, -1].astype(cp.float64)
-        nq = qs.shape[0]
-        qidx = cp.repeat(cp.arange(nq, dtype=cp.int64), kc)
-        dist = pair_dist_gpu(base, qs, qidx, ci).reshape(nq, kc)
-        rkeys = _keys_from(dist, ci if ids is None else cp.where(ci >= 0, ids[cp.maximum(ci, 0)], -1))
-        top = topk_keys_rows(rkeys, k)
-        rd, ri = decode_keys(top)
-        if kc < n:
-            err = 4 * g * (qn.astype(cp.float64) + bnmax) + 2 * g * rd[:, -1] + 1e-30
-            bad = cp.nonzero(~(rd[:, -1].astype(cp.float64) + err < clast))[0]
-            if int(bad.size):
-                thr = rd[bad, -1].astype(cp.float64) + err[bad]
-                _fix_gpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, ids)
-        out_d[q0:q0 + qb] = rd
-        out_i[q0:q0 + qb] = ri
+    # one buffer of the largest tile for every tile of this search (see _CoarseBuffers)
+    with st.coarse_buffer(min(qb, m), min(bb, n)) as buf:
+        for q0 in range(0, m, qb):
+            qs = queries[q0:q0 + qb]
+            qc = qs - mu
+            qn = _sqnorms(qc)
+            keys = None
+            for b0 in range(0, n, bb):
+                t = tiles(b0, bb)
+                G = cp.matmul(qc, t.T, out=buf[:qc.shape[0] * t.shape[0]].reshape(qc.shape[0], t.shape[0]))
+                keys = _select_gpu(G, kc, qn=qn, bn=bn[b0:b0 + bb], col_offset=b0, prev=keys)
+            cd, ci = decode_keys(keys)
+            clast = cd[:, -1].astype(cp.float64)
+            nq = qs.shape[0]
+            qidx = cp.repeat(cp.arange(nq, dtype=cp.int64), kc)
+            dist = pair_dist_gpu(base, qs, qidx, ci).reshape(nq, kc)
+            rkeys = _keys_from(dist, ci if ids is None else cp.where(ci >= 0, ids[cp.maximum(ci, 0)], -1))
+            top = topk_keys_rows(rkeys, k)
+            rd, ri = decode_keys(top)
+            if kc < n:
+                err = 4 * g * (qn.astype(cp.float64) + bnmax) + 2 * g * rd[:, -1] + 1e-30
+                bad = cp.nonzero(~(rd[:, -1].astype(cp.float64) + err < clast))[0]
+                if int(bad.size):
+                    thr = rd[bad, -1].astype(cp.float64) + err[bad]
+                    _fix_gpu(base, qs, bad, thr, mu, tiles, bn, bb, k, rd, ri, ids)
+            out_d[q0:q0 + qb] = rd
+            out_i[q0:q0 + qb] = ri
     return out_d, out_i
 
 
