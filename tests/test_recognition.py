@@ -495,6 +495,51 @@ def test_icp_batch_equals_one_by_one(small_world, device):
     assert icp_point_to_plane_batch([], idx, inits=[], max_correspondence_distance=0.01) == []
 
 
+def test_cpu_icp_pass_equals_the_array_reference(small_world):
+    """The CPU's compiled ICP iteration (pairing and the 6x6 sums in one loop) against the numpy
+    reference on gathered pairs (``_step``): the same pairs, the same sums up to float64 order,
+    and the same ICP, with and without source normals."""
+    from scanforest.kernels.recognition import icp as I
+    from scanforest.kernels.recognition._icp_cpu import icp_normal_equations
+    from scanforest.kernels.recognition._scene_index import _SceneIndex
+
+    _, lib, scene = small_world
+    r = 0.01
+    idx = _SceneIndex(scene.points, scene.normals, r, "cpu")
+    vo = lib.verify_offsets
+    g = scene.ground_truth[0]
+    m = g["model_id"]
+    src = np.asarray(lib.verify_points[vo[m]:vo[m + 1]], np.float64)
+    sn = np.asarray(lib.verify_normals[vo[m]:vo[m + 1]], np.float64)
+    ax = np.array([0.6, -0.2, 0.77]) / np.linalg.norm([0.6, -0.2, 0.77])
+    K = np.array([[0, -ax[2], ax[1]], [ax[2], 0, -ax[0]], [-ax[1], ax[0], 0]])
+    D = np.eye(4)
+    D[:3, :3] = np.eye(3) + np.sin(0.05) * K + (1 - np.cos(0.05)) * K @ K
+    D[:3, 3] = [0.003, 0.002, -0.002]
+    T0 = np.array(g["pose"]) @ D
+    P = src @ T0[:3, :3].T + T0[:3, 3]
+    ni, _ = idx.nearest(P, r)
+    ok = ni >= 0
+    j = np.maximum(ni, 0)
+    Nq = idx.normals[j].astype(np.float64)
+    ok &= np.isfinite(Nq).all(axis=1)
+    ok &= np.einsum("ij,ij->i", sn @ T0[:3, :3].T, np.nan_to_num(Nq)) >= 0.5
+    A_ref, b_ref, e = I._step(P[ok], idx.points[j[ok]].astype(np.float64), Nq[ok], np)
+    A, b = np.empty((6, 6)), np.empty(6)
+    kept, se = icp_normal_equations(src, sn, True, T0, *idx.cells(), np.float32(r * r), idx.points, idx.normals,
+                                    0.5, A, b)
+    assert kept == int(ok.sum()) > 100
+    np.testing.assert_allclose(A, A_ref, rtol=1e-9, atol=1e-12 * np.abs(A_ref).max())
+    np.testing.assert_allclose(b, b_ref, rtol=1e-9, atol=1e-12 * np.abs(b_ref).max())
+    assert se == pytest.approx(float(e @ e), rel=1e-9)
+    for normals in (sn, None):
+        new = I._icp_cpu(src, normals, T0, idx, r, 20, 1e-7, 0.5)
+        ref = I._icp_cpu_arrays(src, normals, T0, idx, r, 20, 1e-7, 0.5)
+        assert new.iterations == ref.iterations > 1 and new.converged == ref.converged
+        np.testing.assert_allclose(new.pose, ref.pose, atol=1e-9)
+        assert new.rmse == pytest.approx(ref.rmse, rel=1e-6) and new.fitness == ref.fitness
+
+
 @pytest.mark.gpu
 def test_device_icp_equals_the_cpu_loop(small_world):
     """The device ICP loop (pairing, sums, 6x6 solves and pose updates on the GPU) against the CPU

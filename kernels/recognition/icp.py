@@ -2,9 +2,10 @@
 ``TransformationEstimationPointToPlaneLLS``), CPU and GPU.
 
 Each iteration transforms the source by the current pose, pairs every source point with its
-nearest target point strictly within ``max_correspondence_distance`` (CPU: ``scipy`` KD-tree;
-GPU: a cell-list kernel), drops pairs whose target normal is undefined or (with source normals)
-disagrees by more than ``acos(normal_agreement)``, and solves the 6x6 normal equations of
+nearest target point strictly within ``max_correspondence_distance`` (the scene's cell list in
+float32; on the CPU one compiled pass an iteration, :mod:`._icp_cpu`), drops pairs whose target
+normal is undefined or (with source normals) disagrees by more than ``acos(normal_agreement)``,
+and solves the 6x6 normal equations of
 ``sum(((R p + t) - q) . n_q)^2`` linearised around the current pose, in float64. The increment
 (a rotation vector and a translation) is applied on the left. It stops when the increment is
 below ``tolerance`` (rotation in radians plus translation in units) or after ``max_iterations``.
@@ -132,6 +133,32 @@ def _increment_batch(T, A, b):
 
 
 def _icp_cpu(src, sn, T, idx, r, iters, tol, agree):
+    if not (0 < r <= idx.cell and len(idx.points)):  # a radius wider than the cell list's cells
+        return _icp_cpu_arrays(src, sn, T, idx, r, iters, tol, agree)
+    from ._icp_cpu import icp_normal_equations
+
+    P, order, cs, origin, inv_h, dims = idx.cells()
+    src = np.ascontiguousarray(src, np.float64)
+    snx = src if sn is None else np.ascontiguousarray(sn, np.float64)  # read only when given
+    A, b = np.empty((6, 6)), np.empty(6)
+    rmse, fit, it, conv = float("nan"), 0.0, 0, False
+    for it in range(1, iters + 1):
+        kept, se = icp_normal_equations(src, snx, sn is not None, np.ascontiguousarray(T), P, order, cs, origin,
+                                        inv_h, dims, np.float32(r * r), idx.points, idx.normals, float(agree), A, b)
+        fit = kept / len(src) if len(src) else float("nan")
+        if kept < 6:
+            break
+        rmse = float(np.sqrt(se / kept))
+        T, x = _increment(T, A, b)
+        if np.linalg.norm(x) < tol:
+            conv = True
+            break
+    return IcpResult(T, rmse, fit, it, conv)
+
+
+def _icp_cpu_arrays(src, sn, T, idx, r, iters, tol, agree):
+    """The CPU loop on gathered arrays (:func:`_step`): the reference of the compiled pass, and
+    the path for a radius wider than the scene index's cells (its KD-tree)."""
     tp, tn = idx.points, idx.normals
     rmse, fit, it, conv = float("nan"), 0.0, 0, False
     for it in range(1, iters + 1):
