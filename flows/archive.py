@@ -151,7 +151,8 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
         recs = map_batches(process_batch_task, list(scenes), item_param="scan_ids",
                            common=dict(store=store, library=library, index=index, params=params, k=int(k),
                                        device=device),
-                           label="process", batch=nb, progress=progress, workers=nw, parts_param="parts")
+                           label="process", batch=nb, progress=progress, workers=nw, parts_param="parts",
+                           taper=batch is None)  # a batch size given (bench archive --batch) is kept to the end
         t_scenes = time.perf_counter() - t1
     count_redone(recs, st, "recognize", since, "recognized")
     summary = summarize(recs)

@@ -7,6 +7,7 @@ The unit-of-work functions themselves import neither Prefect nor the flows, so D
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 from prefect import task
@@ -68,16 +69,18 @@ def on_cluster(fn: Callable, *args, key: str | None = None, resources: dict | No
         fut.release()
 
 
-def on_cluster_many(fn: Callable, calls: list[tuple[tuple, dict]]) -> list[Any]:
+def on_cluster_many(fn: Callable, calls: list[tuple[tuple, dict]], priorities: list[int] | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` for every ``(args, kwargs)`` as separate Dask tasks (in
-    parallel, each rescheduled if its worker dies) and return the results in order."""
+    parallel, each rescheduled if its worker dies; ``priorities``: Dask's, higher first) and
+    return the results in order."""
     try:
         from distributed import default_client
 
         client = default_client()
     except (ImportError, ValueError):
         return [fn(*a, **kw) for a, kw in calls]
-    futs = [client.submit(fn, *a, pure=False, **kw) for a, kw in calls]
+    prio = priorities or [0] * len(calls)
+    futs = [client.submit(fn, *a, pure=False, priority=p, **kw) for (a, kw), p in zip(calls, prio)]
     try:
         return client.gather(futs)
     finally:
@@ -85,15 +88,24 @@ def on_cluster_many(fn: Callable, calls: list[tuple[tuple, dict]]) -> list[Any]:
             f.release()
 
 
-def in_parts(fn: Callable, items: list, parts: int, *args, **kwargs) -> list[Any]:
+def in_parts(fn: Callable, items: list, parts: int | list[int], *args, **kwargs) -> list[Any]:
     """``fn(*args, part, **kwargs)`` for ``items`` split into ``parts`` (the batches of a task run
-    that holds several: :func:`~scanforest.flows.batching.map_batches`), each its own Dask task;
-    each returns one record per item, and the records come back in ``items``' order."""
-    from .batching import even_parts
+    that holds several: :func:`~scanforest.flows.batching.map_batches`): that many even parts, or
+    parts of these sizes (a tapered run's, the smaller ones at a lower Dask priority:
+    :func:`~scanforest.flows.batching.batch_priorities`), each its own Dask task; each returns one
+    record per item, and the records come back in ``items``' order."""
+    from .batching import batch_priorities, even_parts
 
-    if parts <= 1:
-        return on_cluster(fn, *args, items, **kwargs)
-    out = on_cluster_many(fn, [((*args, part), kwargs) for part in even_parts(items, parts)])
+    if isinstance(parts, int):
+        if parts <= 1:
+            return on_cluster(fn, *args, items, **kwargs)
+        split, prio = even_parts(items, parts), None
+    else:
+        if sum(parts) != len(items) or min(parts, default=1) < 1:
+            raise ValueError(f"parts of sizes {parts} do not split {len(items)} items")
+        ends = list(itertools.accumulate(parts))
+        split, prio = [items[e - s:e] for s, e in zip(parts, ends)], batch_priorities(parts)
+    out = on_cluster_many(fn, [((*args, part), kwargs) for part in split], prio)
     return [rec for recs in out for rec in recs]
 
 
@@ -160,7 +172,7 @@ def recognize_batch_task(store: str, scan_ids: list[str], library: str, params: 
 @task(name="process", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=not_a_user_error,
       task_run_name=lambda: "process " + run_label("scan_ids"))
 def process_batch_task(store: str, scan_ids: list[str], library: str, index: str, params: dict, k: int,
-                       device: str = "auto", parts: int = 1) -> list[dict[str, Any]]:
+                       device: str = "auto", parts: int | list[int] = 1) -> list[dict[str, Any]]:
     """Describe, match and recognise a batch of stored scenes in ``parts`` Dask tasks: each one
     pass on one worker, each scene's data resident on its device
     (:func:`scanforest.tasks.pipeline.process_batch`)."""

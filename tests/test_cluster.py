@@ -257,6 +257,58 @@ def test_task_runs_hold_whole_batches_and_split_back_into_them(n, batch, workers
     assert [x for p in parts for x in p] == items
 
 
+@pytest.mark.parametrize("n,batch,workers", [(4000, 31, 16), (8000, 31, 32), (2000, 31, 8), (1984, 31, 16),
+                                             (1983, 31, 16), (2000, 31, 1), (2000, 3, 8)])
+def test_a_tapered_run_ends_with_a_half_and_a_quarter_batch_a_worker(n, batch, workers):
+    """split_batches(taper=True): with 4 rounds of whole batches or more, the last two rounds (one
+    batch a worker each) hold half and a quarter of a batch; the rest as without taper; every item
+    once, in order. A task run's parts carry those sizes (in_parts splits its items by them), and
+    Dask runs the smaller ones last (batch_priorities)."""
+    from scanforest.flows.batching import (MIN_TASK_RUNS, TASK_RUNS_PER_WORKER, batch_priorities, even_parts,
+                                           split_batches)
+
+    items = list(range(n))
+    plain = split_batches(items, batch, workers)
+    out = split_batches(items, batch, workers, taper=True)
+    assert [x for b in out for x in b] == items
+    sizes = [len(b) for b in out]
+    if n < 4 * workers * batch or workers == 1 or batch < 4:
+        assert out == plain
+        return
+    half, quarter = -(-batch // 2), -(-batch // 4)
+    assert sizes[-workers:] == [quarter] * workers and sizes[-2 * workers:-workers] == [half] * workers
+    head = sizes[:-2 * workers]
+    assert len(head) % workers == 0 and max(head) <= batch and max(head) - min(head) <= 1 and min(head) > half
+    groups = even_parts(out, max(MIN_TASK_RUNS, TASK_RUNS_PER_WORKER * workers))
+    parts = []
+    for g in groups:  # as in_parts splits a task run's items by the sizes map_batches gives it
+        run, at = [x for b in g for x in b], 0
+        for s in [len(b) for b in g]:
+            parts.append(run[at:at + s])
+            at += s
+    assert parts == out
+    prio = batch_priorities(sizes)
+    assert max(prio) == 0 and all(p < q for p, q in zip(prio[-workers:], prio[-2 * workers:-workers]))
+    assert min(prio[:-2 * workers]) > max(prio[-2 * workers:])
+
+
+def test_in_parts_splits_by_the_sizes_it_is_given():
+    """in_parts with sizes (a tapered task run): one call a part, in order, records back in the
+    items' order; sizes that do not add up to the items are refused."""
+    from scanforest.flows.prefect_tasks import in_parts
+
+    seen = []
+
+    def fn(tag, part, scale=1):
+        seen.append(list(part))
+        return [(tag, x * scale) for x in part]
+
+    out = in_parts(fn, list(range(6)), [3, 2, 1], "t", scale=10)  # no Dask client here: called in turn
+    assert seen == [[0, 1, 2], [3, 4], [5]] and out == [("t", 10 * x) for x in range(6)]
+    with pytest.raises(ValueError, match="do not split"):
+        in_parts(fn, list(range(6)), [3, 2], "t")
+
+
 def test_an_ingest_records_16_task_runs_for_40_dask_tasks(tmp_path, prefect_api):
     """40 files in batches of one on two local workers: 40 Dask tasks, 16 Prefect task runs
     (each run hands Dask its batches), every file ingested once and bit-exact."""
