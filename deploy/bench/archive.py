@@ -595,7 +595,8 @@ def register(app, bench) -> None:
         warmup: int = typer.Option(16, help="With --gpus: scenes of an uncounted warm-up run first (one GPU, "
                                    "2 workers: it fills the compilers' caches)."),
         batch: Optional[int] = typer.Option(None, "--batch", min=1, help="Scenes per Dask task in the one pass "
-                                            "(default: the archive flow's choice, about 8 tasks a worker)."),
+                                            "(default: the archive flow's choice, about 8 tasks a worker, "
+                                            "its last two rounds a half and a quarter; N is kept to the end)."),
         out: Optional[str] = typer.Option(None, "--out"),
     ):
         """Archive throughput through every stage and the orchestration overhead per stage."""
