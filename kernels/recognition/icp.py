@@ -141,27 +141,21 @@ def _icp_cpu(src, sn, T, idx, r, iters, tol, agree):
     src = np.ascontiguousarray(src, np.float64)
     snx = src if sn is None else np.ascontiguousarray(sn, np.float64)  # read only when given
     A, b = np.empty((6, 6)), np.empty(6)
-    rmse, fit, it, conv = float("nan"), 0.0, 0, False
-    for it in range(1, iters + 1):
+
+    def pair(T):
         kept, se = icp_normal_equations(src, snx, sn is not None, np.ascontiguousarray(T), P, order, cs, origin,
                                         inv_h, dims, np.float32(r * r), idx.points, idx.normals, float(agree), A, b)
-        fit = kept / len(src) if len(src) else float("nan")
-        if kept < 6:
-            break
-        rmse = float(np.sqrt(se / kept))
-        T, x = _increment(T, A, b)
-        if np.linalg.norm(x) < tol:
-            conv = True
-            break
-    return IcpResult(T, rmse, fit, it, conv)
+        return (kept / len(src) if len(src) else float("nan")), kept, A, b, se
+
+    return _iterate(T, iters, tol, pair)
 
 
 def _icp_cpu_arrays(src, sn, T, idx, r, iters, tol, agree):
     """The CPU loop on gathered arrays (:func:`_step`): the reference of the compiled pass, and
     the path for a radius wider than the scene index's cells (its KD-tree)."""
     tp, tn = idx.points, idx.normals
-    rmse, fit, it, conv = float("nan"), 0.0, 0, False
-    for it in range(1, iters + 1):
+
+    def pair(T):
         P = src @ T[:3, :3].T + T[:3, 3]
         ni, _ = idx.nearest(P, r)
         ok = ni >= 0
@@ -170,11 +164,24 @@ def _icp_cpu_arrays(src, sn, T, idx, r, iters, tol, agree):
         ok &= np.isfinite(Nq).all(axis=1)
         if sn is not None:
             ok &= np.einsum("ij,ij->i", sn @ T[:3, :3].T, np.nan_to_num(Nq)) >= agree
-        fit = float(ok.mean())
-        if ok.sum() < 6:
-            break
+        kept = int(ok.sum())
+        if kept < 6:
+            return float(ok.mean()), kept, None, None, 0.0
         A, b, e = _step(P[ok], tp[j[ok]].astype(np.float64), Nq[ok], np)
-        rmse = float(np.sqrt(np.mean(e * e)))
+        return float(ok.mean()), kept, A, b, float(e @ e)
+
+    return _iterate(T, iters, tol, pair)
+
+
+def _iterate(T, iters, tol, pair):
+    """The CPU's iterations and stopping rule: ``pair(T)`` gives (fitness, pairs kept, the 6x6
+    normal equations A and b, the sum of squared residuals) for the current pose."""
+    rmse, fit, it, conv = float("nan"), 0.0, 0, False
+    for it in range(1, iters + 1):
+        fit, kept, A, b, se = pair(T)
+        if kept < 6:
+            break
+        rmse = float(np.sqrt(se / kept))
         T, x = _increment(T, A, b)
         if np.linalg.norm(x) < tol:
             conv = True
