@@ -57,6 +57,29 @@ def local_client():
         yield c
 
 
+@pytest.mark.parametrize("method", ["exact", "banns"])
+def test_a_searched_shard_moves_to_another_worker(rng, local_client, method):
+    """A shard resident on one worker and searched there (its exact search then cached in it)
+    is handed to another worker as a search's input, as Dask does when it runs a loose search
+    elsewhere: it pickles (the cache stays behind and is made again) and answers the same. It
+    once held module references: the hand-over failed and the match flow waited forever."""
+    import operator
+
+    from scanforest.kernels.knn.kdforest import KDForest
+
+    X, Q = _data(rng)
+    a, b = sorted(local_client.scheduler_info()["workers"])
+    shard = local_client.submit(KDForest(method=method, leaf_size=32, device="cpu").fit, X, workers=[a], pure=False)
+    search = operator.methodcaller("query", Q, 4)
+    here = local_client.submit(search, shard, workers=[a], pure=False).result(timeout=60)
+    there = local_client.submit(search, shard, workers=[b], allow_other_workers=False, pure=False).result(timeout=60)
+    np.testing.assert_array_equal(here[1], there[1])
+    np.testing.assert_array_equal(here[0], there[0])
+    if method == "exact":
+        bd, bi = knn_bruteforce(X, Q, 4, device="cpu")
+        np.testing.assert_array_equal(there[1], bi)
+
+
 @pytest.mark.parametrize("shards", [1, 2, 3])
 def test_distributed_equals_bruteforce(tmp_path, rng, local_client, shards):
     X, Q = _data(rng)

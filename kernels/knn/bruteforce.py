@@ -545,6 +545,12 @@ class ExactSearch:
         self._xp, self._conv, self.base = _placed_base(base, dev)
         self._stats = _BaseStats(self.base, dev, _KEEP_SHARE)
 
+    def __getstate__(self):  # its rows and device; the prepared statistics are made again
+        return {"base": self.base, "device": self.device}
+
+    def __setstate__(self, state):
+        self.__init__(state["base"], device=state["device"])
+
     def search(self, queries, k: int, *, block=None, ids=None):
         """Exact ``k`` nearest rows of every query: ``(dist2 (M, k) float32, ids (M, k) int64)``,
         as :func:`knn_bruteforce` (``block`` and ``ids`` too)."""

@@ -624,6 +624,13 @@ class KDForest:
         return {"target": target, "k": k, "budget": hi, "recall": got, "sample": s,
                 "seconds": time.perf_counter() - t0, "probes": probes, "rule": rule}
 
+    def __getstate__(self):
+        """A forest pickled (a Dask worker handing a resident shard to another, or spilling it)
+        leaves its exact search behind: a cache, made again on first use where it lands."""
+        state = self.__dict__.copy()
+        state.pop("_exact", None)
+        return state
+
     def _exact_search(self) -> ExactSearch:
         """The exact search over the kept rows, prepared once (their mean, centred copy and
         norms), and again only when the rows change."""
