@@ -231,9 +231,10 @@ def grid_radius(P, order, cs, origin, inv_h, dims, qs, r2, cap, do_sort):
 
 
 @njit(cache=True, inline="always")
-def _grid_nearest(P, cs, origin, inv_h, dims, qx, qy, qz, r2):
+def grid_nearest(P, cs, origin, inv_h, dims, qx, qy, qz, r2):
     """Index (into the cell-sorted P) of the nearest point strictly within sqrt(r2), or -1;
-    the first of equals in cell order, as the GPU's ``grid_nearest``."""
+    the first of equals in cell order, as the GPU's device function of that name (ICP and
+    verification inline it)."""
     cx = _cell(qx, origin[0], inv_h, dims[0])
     cy = _cell(qy, origin[1], inv_h, dims[1])
     cz = _cell(qz, origin[2], inv_h, dims[2])
@@ -262,7 +263,7 @@ def grid_nearest_many(P, cs, origin, inv_h, dims, Q, r2, out_i, out_d2):
         qx = np.float32(Q[i, 0])
         qy = np.float32(Q[i, 1])
         qz = np.float32(Q[i, 2])
-        bi = _grid_nearest(P, cs, origin, inv_h, dims, qx, qy, qz, r2)
+        bi = grid_nearest(P, cs, origin, inv_h, dims, qx, qy, qz, r2)
         out_i[i] = bi
         out_d2[i] = sqdist32(qx, qy, qz, P[bi, 0], P[bi, 1], P[bi, 2]) if bi >= 0 else np.float32(np.inf)
 
@@ -293,6 +294,6 @@ def verify_points(hyp, src, T, VP, VN, vx, vy, vz, P, cs, origin, inv_h, dims, r
         if mx * (wx - vx) + my * (wy - vy) + mz * (wz - vz) >= 0:
             out[i] = -2
             continue
-        bi = _grid_nearest(P, cs, origin, inv_h, dims, wx, wy, wz, r2)
+        bi = grid_nearest(P, cs, origin, inv_h, dims, wx, wy, wz, r2)
         out[i] = vox[order[bi]] if bi >= 0 else -1
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..neighbors.search_cpu import _grid_nearest
+from ..neighbors.search_cpu import grid_nearest
 
 
 @njit(cache=True)
@@ -41,7 +41,7 @@ def icp_normal_equations(src, sn, use_sn, T, P, order, cs, origin, inv_h, dims, 
         px = r00 * sx + r01 * sy + r02 * sz + t0
         py = r10 * sx + r11 * sy + r12 * sz + t1
         pz = r20 * sx + r21 * sy + r22 * sz + t2
-        bi = _grid_nearest(P, cs, origin, inv_h, dims, np.float32(px), np.float32(py), np.float32(pz), r2)
+        bi = grid_nearest(P, cs, origin, inv_h, dims, np.float32(px), np.float32(py), np.float32(pz), r2)
         if bi < 0:
             continue
         k = order[bi]
