@@ -3,6 +3,8 @@
 thread-pool task runner (:func:`map_batches`, :func:`map_units`), with a progress bar."""
 from __future__ import annotations
 
+import itertools
+
 
 #: Prefect task runs a flow keeps in flight (threads of its task runner, each waiting on one Dask
 #: task): two per worker up to 64 workers, so that a worker that finishes a task finds its next
@@ -37,12 +39,8 @@ def split_batches(items: list, batch: int, workers: int = 1, *, taper: bool = Fa
     if not n:
         return []
     if taper and workers > 1 and batch >= 4 and n >= TAPER_MIN_ROUNDS * workers * batch:
-        half, quarter = -(-batch // 2), -(-batch // 4)
-        tail = workers * (half + quarter)
-        head = split_batches(items[:n - tail], batch, workers)
-        rest = items[n - tail:]
-        return head + [rest[i:i + half] for i in range(0, workers * half, half)] + \
-            [rest[workers * half + i:workers * half + i + quarter] for i in range(0, workers * quarter, quarter)]
+        tail = [-(-batch // 2)] * workers + [-(-batch // 4)] * workers
+        return split_batches(items[:n - sum(tail)], batch, workers) + split_sizes(items[n - sum(tail):], tail)
     t = -(-n // max(1, batch))
     if workers > 1 and t > 1:
         t = min(n, -(-t // workers) * workers)
@@ -63,6 +61,14 @@ def split_batches(items: list, batch: int, workers: int = 1, *, taper: bool = Fa
 #: 288 task runs were recorded 3.4-5.1 s after their flow returned, 72 after 1.0 s (2026-11-28)
 TASK_RUNS_PER_WORKER = 2
 MIN_TASK_RUNS = 16
+
+
+def split_sizes(items: list, sizes: list[int]) -> list[list]:
+    """``items`` in consecutive parts of these sizes (which must add up to their count)."""
+    if sum(sizes) != len(items) or min(sizes, default=1) < 1:
+        raise ValueError(f"parts of sizes {sizes} do not split {len(items)} items")
+    ends = list(itertools.accumulate(sizes))
+    return [items[e - k:e] for k, e in zip(sizes, ends)]
 
 
 def batch_priorities(sizes: list[int]) -> list[int]:

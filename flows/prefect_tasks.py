@@ -7,7 +7,6 @@ The unit-of-work functions themselves import neither Prefect nor the flows, so D
 """
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable
 
 from prefect import task
@@ -94,17 +93,14 @@ def in_parts(fn: Callable, items: list, parts: int | list[int], *args, **kwargs)
     parts of these sizes (a tapered run's, the smaller ones at a lower Dask priority:
     :func:`~scanforest.flows.batching.batch_priorities`), each its own Dask task; each returns one
     record per item, and the records come back in ``items``' order."""
-    from .batching import batch_priorities, even_parts
+    from .batching import batch_priorities, even_parts, split_sizes
 
     if isinstance(parts, int):
         if parts <= 1:
             return on_cluster(fn, *args, items, **kwargs)
         split, prio = even_parts(items, parts), None
     else:
-        if sum(parts) != len(items) or min(parts, default=1) < 1:
-            raise ValueError(f"parts of sizes {parts} do not split {len(items)} items")
-        ends = list(itertools.accumulate(parts))
-        split, prio = [items[e - s:e] for s, e in zip(parts, ends)], batch_priorities(parts)
+        split, prio = split_sizes(items, parts), batch_priorities(parts)
     out = on_cluster_many(fn, [((*args, part), kwargs) for part in split], prio)
     return [rec for recs in out for rec in recs]
 

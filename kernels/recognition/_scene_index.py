@@ -57,6 +57,11 @@ class _SceneIndex:
             self._cells = cpu_grid(self.points, self.cell)
         return self._cells
 
+    def cells_hold(self, r: float) -> bool:
+        """CPU: whether the cell list answers a nearest search within ``r`` (3x3x3 cells hold every
+        point within a cell's width), as ICP's and verification's radius is."""
+        return 0 < r <= self.cell and len(self.points) > 0
+
     def nearest(self, q, r: float):
         """Nearest scene point within ``r`` (squared distance < r^2) of each query: (idx|-1, d2).
         CPU: the cell list's float32 search, as the GPU's (first of equals in cell order), when
@@ -65,7 +70,7 @@ class _SceneIndex:
             from . import _verification_gpu as g
 
             return g.nearest(self.grid, q, r)
-        if 0 < r <= self.cell and len(self.points):  # the cell list holds every point within r: 3x3x3 cells
+        if self.cells_hold(r):
             from ..neighbors.search_cpu import grid_nearest_many
 
             P, order, cs, origin, inv_h, dims = self.cells()

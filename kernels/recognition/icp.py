@@ -133,7 +133,7 @@ def _increment_batch(T, A, b):
 
 
 def _icp_cpu(src, sn, T, idx, r, iters, tol, agree):
-    if not (0 < r <= idx.cell and len(idx.points)):  # a radius wider than the cell list's cells
+    if not idx.cells_hold(r):  # a radius wider than the cell list's cells
         return _icp_cpu_arrays(src, sn, T, idx, r, iters, tol, agree)
     from ._icp_cpu import icp_normal_equations
 
