@@ -207,7 +207,8 @@ def test_bench_tools_graph_rows(tmp_path):
 
     rep = bench_tools.run(3000, 150, 16, 4, device="cpu", trees=1, leaf_size=16, budgets=[1], nprobes=[],
                           ef_search=[], threads=2, clusters=30, repeat=1, targets=[0.5], graph=8,
-                          graph_expands=[2, 4], graph_leaves=[1, 2], graph_budget=8, out=tmp_path / "t.json")
+                          graph_expands=[2, 4], graph_rounds=[1, 2], graph_leaves=[1, 2], graph_budget=8,
+                          out=tmp_path / "t.json")
     rows = {r.figure: r for r in rep.rows}
     build = next(r for f, r in rows.items() if f.startswith("scanforest KDForest + graph build"))
     assert build.extra["graph_bytes"] == 3000 * 8 * 4 and build.extra["graph_s"] > 0
@@ -216,8 +217,97 @@ def test_bench_tools_graph_rows(tmp_path):
         r1 = rows[f"scanforest KDForest + graph (expand {e} x 1) recall@4, 1 trees, 1 leaves"].value
         q = rows[f"scanforest KDForest + graph (expand {e} x 1) banns queries/s, 1 trees, 1 leaves"]
         assert q.extra["recall"] == r1 and r1 > plain
-    assert rep.params["graph"] == {"degree": 8, "expand": [2, 4], "rounds": 1, "budget": 8, "leaves": [1, 2]}
+        assert rows[f"scanforest KDForest + graph (expand {e} x 2) recall@4, 1 trees, 1 leaves"].value > r1
+    assert rep.params["graph"] == {"degree": 8, "expand": [2, 4], "rounds": [1, 2], "budget": 8, "leaves": [1, 2]}
     for bad, match in ((dict(graph=300), "graph_degree"), (dict(graph=8, graph_expands=[0]), "graph_expand"),
+                       (dict(graph=8, graph_rounds=[-1]), "graph_rounds"), (dict(graph=8, graph_rounds=[]), "rounds"),
                        (dict(graph=8, graph_leaves=[0]), "--graph-leaves")):
         with pytest.raises(InputError, match=match):  # before anything is measured
             bench_tools.run(100, 10, 4, 2, device="cpu", out=tmp_path / "bad.json", **bad)
+
+
+def _two_rounds_by_definition(X, Q, G, d, i, e, kk):
+    """Two graph rounds by their definition: round 1 expands each list's first ``e`` entries,
+    round 2 the first ``e`` entries of the merged list that round 1 did not expand; each merge
+    the ``kk`` smallest distinct (distance, id) pairs, by sorting."""
+    from scanforest.kernels.knn.kdforest import merge_topk_unique
+
+    deg = G.shape[1]
+    seen = [set() for _ in range(len(Q))]
+    for _ in range(2):
+        seeds = np.full((len(Q), e), -1, np.int64)
+        for r in range(len(Q)):
+            fresh = [s for s in i[r] if s >= 0 and s not in seen[r]][:e]
+            seeds[r, :len(fresh)] = fresh
+            seen[r].update(fresh)
+        cand = G[np.maximum(seeds, 0)].astype(np.int64).reshape(len(Q), -1)
+        cand[np.repeat(seeds < 0, deg, axis=1)] = -1
+        d, i = merge_topk_unique([(d, i), (pair_distances(X, Q, cand), cand)], kk)
+    return d, i
+
+
+@pytest.mark.parametrize("dup", [False, True])
+def test_later_rounds_expand_entries_not_expanded_before(rng, dup):
+    """A second round walks on: it expands the list's first entries that the first round did
+    not (the greedy walk of a graph search), never the same ones again; and it finds more."""
+    X, Q = _clustered(rng, 4000, 200, 12, dup=dup)
+    g = KDForest(n_trees=1, leaf_size=8, device="cpu", graph_degree=10, graph_budget=4, graph_expand=4,
+                 graph_rounds=2).fit(X)
+    e, kk = 4, 8  # the list holds graph_expand x graph_rounds entries
+    d, i = g._forest_search(Q, kk, 2)[:2]
+    want_d, want_i = _two_rounds_by_definition(X, Q, g.graph_, d, i, e, kk)
+    got_d, got_i = g.query(Q, kk, backtracks=2)
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_d, want_d)
+    ed, _ = knn_bruteforce(X, Q, 4)
+    one = g.set_params(graph_rounds=1).query(Q, 4, backtracks=2)[0]
+    two = g.set_params(graph_rounds=2).query(Q, 4, backtracks=2)[0]
+    assert _recall(two, ed, 4) > _recall(one, ed, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dup", [False, True])
+def test_gpu_rounds_equal_the_definition(rng, dup):
+    """The GPU rounds (kernels, the entries not yet expanded chosen on the device) from the same
+    list and graph as the definition: the same ids and distances, bit for bit."""
+    import cupy as cp
+
+    X, Q = _clustered(rng, 20000, 500, 32, dup=dup)
+    c = KDForest(n_trees=1, leaf_size=32, device="cpu", graph_degree=16, graph_budget=8).fit(X)
+    g = KDForest(n_trees=1, leaf_size=32, device="gpu", graph_degree=16, graph_budget=8, graph_expand=8,
+                 graph_rounds=2).fit(cp.asarray(X))
+    g.graph_ = cp.asarray(c.graph_)
+    e, kk = 8, 16
+    d, i = c._forest_search(Q, kk, 2)[:2]
+    want_d, want_i = _two_rounds_by_definition(X, Q, c.graph_, d, i, e, kk)
+    Qd, dd, ii = cp.asarray(Q), cp.asarray(d), cp.asarray(i)
+    got_d, got_i = g._rounds(Qd, dd, ii, e, 2, kk)  # the walk kernel
+    np.testing.assert_array_equal(got_i.get(), want_i)
+    np.testing.assert_array_equal(got_d.get(), want_d)
+    done = cp.full((len(Q), 2 * e), -1, cp.int64)  # round by round (the bounds' path)
+    for r in range(2):
+        dd, ii, _ = g._expand(Qd, dd, ii, e, kk, done=done, r=r)
+    np.testing.assert_array_equal(ii.get(), want_i)
+    np.testing.assert_array_equal(dd.get(), want_d)
+
+
+@pytest.mark.gpu
+def test_gpu_walk_leave_one_out_and_wide_lists(rng):
+    """The walk kernel with an excluded row per query (a calibration's leave-one-out: never a
+    seed) and with lists wider than a warp (kk 80, 3 rounds of 24 and a 40-neighbour graph),
+    against the round-by-round path."""
+    import cupy as cp
+
+    X, Q = _clustered(rng, 8000, 300, 20, dup=True)
+    g = KDForest(n_trees=1, leaf_size=16, device="gpu", graph_degree=40, graph_budget=8).fit(cp.asarray(X))
+    Xd = cp.asarray(X)
+    for e, rounds, kk, excl in ((8, 2, 17, True), (24, 3, 80, False)):
+        Qd = Xd[:300] if excl else cp.asarray(Q)
+        own = cp.arange(300, dtype=cp.int64) if excl else None
+        d, i = g._forest_search(Qd, kk, 2)[:2]
+        got_d, got_i = g._rounds(Qd, d, i, e, rounds, kk, exclude=own)
+        done = cp.full((300, e * rounds), -1, cp.int64)
+        for r in range(rounds):
+            d, i, _ = g._expand(Qd, d, i, e, kk, exclude=own, done=done, r=r)
+        np.testing.assert_array_equal(got_i.get(), i.get())
+        np.testing.assert_array_equal(got_d.get(), d.get())

@@ -301,11 +301,12 @@ def _graph_rows(rep, KDForest, X, Q, k, ed, trees, ls, method, split, dev, gdev,
              f"{(_device_bytes(dev) - before) / 2**20:.0f} MiB on the device"
              if dev == "gpu" else f"scanforest graph: {gs['degree']} neighbours a row at {budget} leaves in "
              f"{gs['seconds']:.2f} s of the {build:.2f} s build")
-    for e in expands:
-        forest.set_params(graph_expand=int(e), graph_rounds=int(rounds))
-        _forest_curve(rep, forest, f"scanforest KDForest + graph (expand {e} x {rounds})", method, trees, ls, leaves,
-                      build, X, Q, k, ed, sync, repeat, base, mine, batches, by_batch, gdev,
-                      setting=lambda b, e=e: f"{b} leaves + graph {degree}, expand {e} x {rounds}")
+    for rr in rounds:
+        for e in expands:
+            forest.set_params(graph_expand=int(e), graph_rounds=int(rr))
+            _forest_curve(rep, forest, f"scanforest KDForest + graph (expand {e} x {rr})", method, trees, ls, leaves,
+                          build, X, Q, k, ed, sync, repeat, base, mine, batches, by_batch, gdev,
+                          setting=lambda b, e=e, rr=rr: f"{b} leaves + graph {degree}, expand {e} x {rr}")
 
 
 def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, base):
@@ -349,7 +350,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32, ef_construction: int = 80, ef_search=(16, 64, 256),
         threads: int = 0, clusters: int = 1000, real: str | None = None, targets=(0.9, 0.95, 0.98),
         repeat: int = 3, gpu_nprobes=(4, 8, 16, 32), cagra_degree: int = 32, itopk=(32, 64, 128, 256), out=None,
-        forests=None, recalls=(), batches=(), graph: int = 0, graph_expands=(8, 16), graph_rounds: int = 1,
+        forests=None, recalls=(), batches=(), graph: int = 0, graph_expands=(8, 16), graph_rounds=(1,),
         graph_budget: int = 128, graph_leaves=(16, 32, 64, 128), radius: float | None = None):
     """Measure every tool on one data set and print the table (see the module docstring).
 
@@ -359,7 +360,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     ``batches``: query batch sizes every tool but FLANN is also timed at (one call per batch).
     ``graph``: also a forest with a neighbour graph of this degree (the first forest's leaf size,
     the graph built at ``graph_budget`` leaves a row), searched at ``graph_leaves`` leaves and
-    each of ``graph_expands`` list entries expanded in ``graph_rounds`` rounds (a curve each).
+    each of ``graph_expands`` list entries expanded in each of ``graph_rounds`` round counts (a curve a pair).
     ``radius``: with ``real``, every cloud's SHOT at this fixed support radius (metres) instead of
     10 resolutions: the near-duplicate-heavy variant."""
     from scanforest.kernels.backend import describe_device, resolve_device, to_numpy
@@ -385,9 +386,12 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
     if graph:  # the graph's settings checked before anything is measured (one line each)
         if not graph_expands:
             raise InputError("--graph-expand needs at least one list width")
+        if not graph_rounds:
+            raise InputError("--graph-rounds needs at least one round count")
         for e in graph_expands:
-            KDForest(graph_degree=int(graph), graph_expand=int(e), graph_rounds=int(graph_rounds),
-                     graph_budget=int(graph_budget))._validate()
+            for rr in graph_rounds:
+                KDForest(graph_degree=int(graph), graph_expand=int(e), graph_rounds=int(rr),
+                         graph_budget=int(graph_budget))._validate()
         if not graph_leaves or any(int(b) < 1 for b in graph_leaves):
             raise InputError(f"--graph-leaves must be positive leaf counts, got {list(graph_leaves)}")
     if radius is not None and (not real or not radius > 0):
@@ -407,7 +411,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                                 **({"radius": radius} if radius is not None else {}),
                                 **({"recalls": recalls} if recalls else {}),
                                 **({"batches": batches} if batches else {}),
-                                **({"graph": {"degree": graph, "expand": list(graph_expands), "rounds": graph_rounds,
+                                **({"graph": {"degree": graph, "expand": list(graph_expands), "rounds": list(graph_rounds),
                                               "budget": graph_budget, "leaves": list(graph_leaves)}}
                                    if graph else {})},
                       echo=True)
@@ -575,7 +579,8 @@ def register(app, bench) -> None:
                                   "a row (0: none), searched from its leaves"),
         graph_expand: str = typer.Option("8,16", "--graph-expand", help="list entries whose graph neighbours are "
                                          "scored, per round (comma list: a curve each)"),
-        graph_rounds: int = typer.Option(1, "--graph-rounds", help="rounds of the graph expansion"),
+        graph_rounds: str = typer.Option("1", "--graph-rounds", help="rounds of the graph expansion, each over "
+                                         "entries not expanded before (comma list: a curve each)"),
         graph_budget: int = typer.Option(128, "--graph-budget", help="leaves a row's graph search scans"),
         graph_leaves: str = typer.Option("16,32,64,128", "--graph-leaves", help="forest leaves per query before the "
                                          "graph (comma list)"),
@@ -602,5 +607,5 @@ def register(app, bench) -> None:
             real=real, targets=[float(t) for t in target.split(",") if t.strip()], repeat=repeat,
             gpu_nprobes=parse_counts(gpu_nprobe), cagra_degree=cagra_degree, itopk=parse_counts(itopk), out=out,
             recalls=[float(r) for r in recall.split(",") if r.strip()], batches=parse_counts(batches),
-            graph=graph, graph_expands=parse_counts(graph_expand), graph_rounds=graph_rounds,
+            graph=graph, graph_expands=parse_counts(graph_expand), graph_rounds=parse_counts(graph_rounds),
             graph_budget=graph_budget, graph_leaves=parse_counts(graph_leaves), radius=radius)

@@ -2,7 +2,7 @@
 the numba twin of :mod:`._graph_gpu`: each query's list takes the graph neighbours of its first
 entries, scored with the canonical distance (:func:`.bruteforce._sqdist4`: four rows at a time,
 each summed in dimension order, the brute force's bits), a row already in the list never scored
-again. The list keeps the ``kk`` smallest ``(distance, id)`` pairs, a row once: the answer of
+again; which entries a round expands is the caller's (:func:`.kdforest._next_seeds`). The list keeps the ``kk`` smallest ``(distance, id)`` pairs, a row once: the answer of
 :func:`.kdforest.merge_topk_unique` over the list and the candidates, without their sorts."""
 from __future__ import annotations
 
@@ -47,12 +47,13 @@ def _offer(ld, li, kk, dv, iv):
 
 
 @njit(parallel=True, cache=True)
-def graph_round(X, Q, G, dist, ids, e, excl, out_d, out_i):
-    """One round for every query ``r`` (in parallel): the graph rows ``G`` of the first ``e``
-    entries of ``ids[r]`` that are neither empty nor ``excl[r]`` scored against ``Q[r]`` and
-    offered to the list ``(dist[r], ids[r])``; the lists come back in ``out_d`` / ``out_i``."""
+def graph_round(X, Q, G, dist, ids, seeds, out_d, out_i):
+    """One round for every query ``r`` (in parallel): the graph rows ``G`` of the list entries
+    ``seeds[r]`` (-1: none) scored against ``Q[r]`` and offered to the list
+    ``(dist[r], ids[r])``; the lists come back in ``out_d`` / ``out_i``."""
     m, kk = dist.shape
     deg = G.shape[1]
+    e = seeds.shape[1]
     for r in prange(m):
         ld = out_d[r]
         li = out_i[r]
@@ -62,14 +63,10 @@ def graph_round(X, Q, G, dist, ids, e, excl, out_d, out_i):
         q = Q[r]
         buf = np.empty(4, np.int64)
         nb = 0
-        ns = 0
-        for c in range(kk):
-            if ns == e:
-                break
-            s = ids[r, c]
-            if s < 0 or s == excl[r]:
+        for c in range(e):
+            s = seeds[r, c]
+            if s < 0:
                 continue
-            ns += 1
             for j in range(deg):
                 cid = np.int64(G[s, j])
                 if cid < 0 or _has(li, kk, cid):

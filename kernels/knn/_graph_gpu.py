@@ -11,6 +11,10 @@ memory (``pair_dist``) touches 32 rows per warp load: 8x the bytes the rows hold
 ``graph_merge``: each query's list (``kk`` keys) and its candidates' keys merged into the
 ``kk`` smallest distinct keys, ascending, by a warp per query (the same key twice is the same
 row: its distance to the query is one value), instead of two row-wise sorts.
+
+``graph_walk``: every round of a query's graph walk in one warp (:func:`walk`): the seeds
+chosen, their neighbours scored and merged into the list in shared memory, with no round trip
+through memory and no launch a round.
 """
 from __future__ import annotations
 
@@ -88,6 +92,128 @@ extern "C" __global__ void graph_merge(const unsigned long long* __restrict__ ol
         for (int s = 0; s < PER; ++s) if (v[s] == mn) v[s] = 0xFFFFFFFFFFFFFFFFULL;
     }
 }
+// A query's whole walk in one warp: ``rounds`` rounds, each expanding the first ``e`` entries of its
+// list not expanded before (flag F), the graph neighbours of each scored like graph_pair_keys (the
+// rows in 32-wide slices through shared memory, each lane summing its own pair in dimension order)
+// and merged into the list (ascending distinct keys, kk of them) by rank. A neighbour scored before
+// (a lossy table of ids, WALK_HASH slots) is not scored again: it is in the list, or the list
+// dropped or refused its key, and the list only gets smaller, so it would be refused again. A
+// neighbour the table forgot is scored again and found in the list by its key (binary search).
+// An entry's flag lost with its entry is never needed again (a dropped key never comes back).
+#define HB WALK_HASH_BITS
+extern "C" __global__ void graph_walk(const float* __restrict__ X, long long n, int d,
+        const int* __restrict__ G, int deg, const float* __restrict__ Q, long long m,
+        unsigned long long* __restrict__ keys, int kk, int e, int rounds, const long long* __restrict__ excl,
+        int wpb, int per) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const unsigned FULL = 0xFFFFFFFFu, below = (1u << (threadIdx.x & 31)) - 1u;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long w = (long long)blockIdx.x * wpb + warp;
+    if (w >= m) return;  // warps only sync among themselves
+    unsigned char* base = smem + (size_t)warp * per;
+    unsigned long long* A = (unsigned long long*)base;       // kk keys: the list
+    unsigned long long* B = A + kk;                           // kk keys: the next list
+    unsigned long long* NK = B + kk;                          // the new keys entering (at most 32)
+    long long* C = (long long*)(NK + 32);                     // the candidates to score (at most 32)
+    float* tile = (float*)(C + 32);                           // 32 x 33
+    int* H = (int*)(tile + 32 * 33);                          // 1 << HB ids scored
+    int* S = H + (1 << HB);                                   // e seeds
+    unsigned char* F = (unsigned char*)(S + e);               // kk flags
+    unsigned char* F2 = F + kk;                               // kk flags
+    const long long ex = excl ? excl[w] : -2;
+    const float* q = Q + w * (long long)d;  // read by every lane at once: one broadcast load
+    for (int t = lane; t < (1 << HB); t += 32) H[t] = -1;
+    __syncwarp();
+    for (int t = lane; t < kk; t += 32) {
+        const unsigned long long kv = keys[w * (long long)kk + t];
+        A[t] = kv;
+        const long long id = kv == NONE_KEY ? -1 : (long long)(kv & 0xFFFFFFFFULL);
+        F[t] = (id < 0 || id == ex) ? 1 : 0;
+        if (id >= 0) H[((unsigned)id * 2654435761u) >> (32 - HB)] = (int)id;
+    }
+    __syncwarp();
+    for (int r = 0; r < rounds; ++r) {
+        int ns = 0;
+        for (int b0 = 0; b0 < kk && ns < e; b0 += 32) {
+            const int t = b0 + lane;
+            const bool ok = t < kk && F[t] == 0;
+            const unsigned bal = __ballot_sync(FULL, ok);
+            const int before = __popc(bal & below);
+            if (ok && ns + before < e) { S[ns + before] = (int)(A[t] & 0xFFFFFFFFULL); F[t] = 1; }
+            ns += __popc(bal);
+        }
+        ns = ns < e ? ns : e;
+        __syncwarp();
+        if (ns == 0) break;
+        for (int j = 0; j < ns; ++j) {
+            const long long sid = S[j];
+            for (int c0 = 0; c0 < deg; c0 += 32) {
+                long long cid = -1;
+                if (c0 + lane < deg) cid = G[sid * deg + c0 + lane];
+                if (cid >= n) cid = -1;
+                if (cid >= 0) {
+                    const unsigned h = ((unsigned)cid * 2654435761u) >> (32 - HB);
+                    if (H[h] == (int)cid) cid = -1; else H[h] = (int)cid;
+                }
+                const unsigned sb = __ballot_sync(FULL, cid >= 0);
+                if (sb == 0u) continue;
+                const int nsc = __popc(sb);
+                if (cid >= 0) C[__popc(sb & below)] = cid;
+                __syncwarp();
+                const long long my = lane < nsc ? C[lane] : -1;
+                float acc = 0.0f;
+                for (int a = 0; a < d; a += 32) {
+                    const int wd = min(32, d - a);
+                    // a fixed, unrolled count: the 32 loads go out before the first store waits on one
+                    // (a loop over the nsc candidates waited for each row in turn: 0.6x)
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) {
+                        const long long rr = __shfl_sync(FULL, my, i);
+                        if (rr >= 0 && lane < wd) tile[i * 33 + lane] = X[rr * (long long)d + a + lane];
+                    }
+                    __syncwarp();
+                    if (lane < nsc) {
+                        for (int jj = 0; jj < wd; ++jj) {
+                            const float u = __fsub_rn(q[a + jj], tile[lane * 33 + jj]);
+                            acc = __fadd_rn(acc, __fmul_rn(u, u));
+                        }
+                    }
+                    __syncwarp();
+                }
+                const unsigned long long key = my < 0 ? NONE_KEY
+                    : (((unsigned long long)__float_as_uint(acc)) << 32) | (unsigned long long)(my & 0xFFFFFFFFLL);
+                bool live = false;
+                int rl = 0;
+                if (my >= 0 && key < A[kk - 1]) {  // its rank in the list, and whether the list holds it
+                    int lo = 0, hi = kk;
+                    while (lo < hi) { const int mid = (lo + hi) >> 1; if (A[mid] < key) lo = mid + 1; else hi = mid; }
+                    rl = lo;
+                    live = A[lo] != key;
+                }
+                const unsigned lb = __ballot_sync(FULL, live);
+                if (lb == 0u) continue;
+                const int nl = __popc(lb);
+                if (live) NK[__popc(lb & below)] = key;
+                __syncwarp();
+                for (int t = lane; t < kk; t += 32) {  // each list entry moves down by the new keys below it
+                    const unsigned long long kv = A[t];
+                    int c = 0;
+                    for (int i = 0; i < nl; ++i) c += NK[i] < kv;
+                    if (t + c < kk) { B[t + c] = kv; F2[t + c] = F[t]; }
+                }
+                if (live) {
+                    int pos = rl;
+                    for (int i = 0; i < nl; ++i) pos += NK[i] < key;
+                    if (pos < kk) { B[pos] = key; F2[pos] = (my == ex) ? 1 : 0; }
+                }
+                __syncwarp();
+                unsigned long long* T = A; A = B; B = T;
+                unsigned char* U = F; F = F2; F2 = U;
+            }
+        }
+    }
+    for (int t = lane; t < kk; t += 32) keys[w * (long long)kk + t] = A[t];
+}
 """
 
 
@@ -95,7 +221,52 @@ extern "C" __global__ void graph_merge(const unsigned long long* __restrict__ ol
 def _module():
     import cupy as cp
 
-    return cp.RawModule(code=_SRC.replace("MERGE_PER_LANE", str(MERGE_PER_LANE)), options=("--std=c++14",))
+    src = _SRC.replace("MERGE_PER_LANE", str(MERGE_PER_LANE)).replace("WALK_HASH_BITS", str(WALK_HASH_BITS))
+    return cp.RawModule(code=src, options=("--std=c++14",))
+
+
+#: warps (queries) a block of :func:`walk` runs at most, and the shared memory it may take
+WALK_WARPS, WALK_SHARED = 4, 48 * 1024
+#: the walk's table of ids scored a query (a power of two): 256 slots, 1 KiB of shared memory a warp
+#: (the walk waits on its row loads: shared memory a warp takes is occupancy lost)
+WALK_HASH_BITS = 8
+
+
+def _walk_bytes(kk: int, e: int) -> int:
+    """Shared memory of one warp of ``graph_walk`` (its layout there), 16-byte aligned."""
+    b = 8 * (2 * kk + 64) + 4 * (32 * 33 + (1 << WALK_HASH_BITS) + e) + 2 * kk
+    return (b + 15) // 16 * 16
+
+
+def walk_fits(kk: int, e: int) -> bool:
+    """Whether :func:`walk` takes lists of ``kk`` keys and ``e`` seeds a round."""
+    return _walk_bytes(kk, e) <= WALK_SHARED
+
+
+def walk(X, Q, G, keys, e: int, rounds: int, exclude=None):
+    """``rounds`` graph rounds of every query in one kernel (a warp each): each round the graph
+    neighbours (``G`` (N, D) int32, -1: none) of the first ``e`` entries of the list not
+    expanded in an earlier round (nor ``exclude[r]``) are scored with the canonical distance and
+    merged into the list. ``keys``: (M, kk) uint64 lists, ascending and distinct
+    (:func:`scanforest.kernels.knn.topk.pack`); the walked lists come back, the same shape: the
+    answer of :meth:`~scanforest.kernels.knn.kdforest.KDForest._expand` round after round."""
+    import cupy as cp
+
+    m, kk = keys.shape
+    n, d = X.shape
+    out = cp.array(keys, dtype=cp.uint64, order="C", copy=True)
+    if not m or not rounds or not e:
+        return out
+    per = _walk_bytes(kk, e)
+    wpb = max(1, min(WALK_WARPS, WALK_SHARED // per))
+    ex = None if exclude is None else cp.ascontiguousarray(exclude, dtype=cp.int64)
+    _module().get_function("graph_walk")(
+        ((m + wpb - 1) // wpb,), (32 * wpb,),
+        (cp.ascontiguousarray(X, dtype=cp.float32), np.int64(n), np.int32(d), cp.ascontiguousarray(G, dtype=cp.int32),
+         np.int32(G.shape[1]), cp.ascontiguousarray(Q, dtype=cp.float32), np.int64(m), out, np.int32(kk), np.int32(e),
+         np.int32(rounds), ex if ex is not None else np.uint64(0), np.int32(wpb), np.int32(per)),
+        shared_mem=per * wpb)
+    return out
 
 
 def fits(kk: int) -> bool:

@@ -56,6 +56,22 @@ def _first_others(ids, own, n: int, xp):
     return xp.take_along_axis(ids, xp.argsort(key, axis=1)[:, :n], axis=1)
 
 
+def _next_seeds(ids, done, exclude, e: int, xp):
+    """The first ``e`` entries of each list ``ids`` ((M, c) int64) that a graph round has not
+    expanded yet: neither empty, nor in ``done[r]`` (the ids earlier rounds expanded), nor
+    ``exclude[r]`` (a leave-one-out's own row); -1 where a list holds fewer."""
+    c = int(ids.shape[1])
+    used = ids < 0
+    if exclude is not None:
+        used |= ids == exclude[:, None]
+    if done is not None and done.shape[1]:
+        used |= (ids[:, :, None] == done[:, None, :]).any(axis=2)
+    key = used.astype(xp.int64) * (c + 1) + xp.arange(c, dtype=xp.int64)[None, :]
+    order = xp.argsort(key, axis=1)[:, :e]
+    seeds = xp.take_along_axis(ids, order, axis=1)
+    return xp.where(xp.take_along_axis(used, order, axis=1), -1, seeds)
+
+
 def resolve_defaults(device: str, d: int, n_trees=None, leaf_size=None) -> tuple[int, int]:
     """``(n_trees, leaf_size)`` of a forest on ``device`` over ``d``-dimensional rows: the given
     values, or :data:`DEVICE_DEFAULTS` for those left None. A defaulted tree count is 1 on
@@ -145,23 +161,28 @@ class KDForest:
         row (``graph_`` holds them, ``graph_stats_`` what the build took). A search with a
         budget then follows it: the forest's answer seeds the list, and in each of
         ``graph_rounds`` rounds the graph neighbours of the list's first ``graph_expand``
-        entries are scored with the canonical distance and merged into it (a point counts
-        once). The forest finds the neighbourhood, the graph the near points the budget left
-        in unread leaves. On one H200 (SHOT352 of the PCL clouds, 1,150,847 rows, 20k held-out
-        queries, ``bench tools --graph 32``, docs/benchmarks.md, 2026-11-28) one tree of 32-row
-        leaves at 64 leaves plus one round over 16 entries of a 32-neighbour graph reached
-        recall@4 0.960 at 918,594 queries/s, where the forest alone took 256 leaves for 0.955
-        at 544,813; 16 leaves plus 8 entries: 0.904 at 2,177,056 (the forest alone 128 leaves,
-        0.915 at 1,000,679). The graph took 7.5 s to build there and 140 MiB (int32). On two
-        CPU cores (200k rows, 4 trees of 32) it was 2.6x the forest alone at recall 0.9 and
-        0.95, its build 72 s against the trees' 8.6 s. Not held by stored indexes yet. The
-        answer stays canonical: every distance is the brute force's for that pair, and an
-        unlimited budget (the exact forest) is not expanded. ``None``: no graph.
+        entries not expanded in an earlier round are scored with the canonical distance and
+        merged into it (a point counts once): a greedy walk like CAGRA's, from the forest's
+        answer instead of random seeds (on the GPU every round of a query in one warp,
+        :func:`._graph_gpu.walk`). The forest finds the neighbourhood, the graph the near points
+        the budget left in unread leaves. On one H200 (SHOT352 of the PCL clouds, 1,150,847
+        rows, 20k held-out queries, ``bench tools --graph 32 --graph-budget 512``,
+        docs/benchmarks.md, 2026-11-29) one tree of 32-row leaves at 32 leaves plus 2 rounds of
+        4 entries reached recall@4 0.951 at 1,919,823 queries/s (the forest alone: 256 leaves,
+        0.955 at 530k; CAGRA in the same run 1,499,533 at 0.961), and 64 leaves plus 8 rounds
+        of 4 entries 0.981 at 765,087 (CAGRA 607,076 at 0.987). The graph took 7.2 s to build
+        there and 140 MiB (int32). On two CPU cores (200k rows, 4 trees of 32) one round was
+        2.6x the forest alone at recall 0.9 and 0.95, its build 72 s against the trees' 8.6 s.
+        Not held by stored indexes yet. The answer stays canonical: every distance is the
+        brute force's for that pair, and an unlimited budget (the exact forest) is not
+        expanded. ``None``: no graph.
     graph_expand : int, default 8
         List entries whose graph neighbours are scored in each round (the list kept between
-        rounds holds ``max(k, graph_expand)`` entries).
+        rounds holds ``max(k, graph_expand * graph_rounds)`` entries).
     graph_rounds : int, default 1
-        Rounds of the expansion (0: the graph is kept but not followed).
+        Rounds of the expansion, each over the first entries no round has expanded yet (a
+        greedy walk from the forest's answer, CAGRA's search with the forest for its seeds;
+        0: the graph is kept but not followed).
     graph_budget : int or None, default 128
         Leaves a row's graph search scans (None: exact neighbours, O(N^2 d)).
 
@@ -434,14 +455,12 @@ class KDForest:
         _check_graph(self)  # set_params may have changed the rounds since fit
         if not self.graph_rounds:
             return self._forest_search(Q, k, budget, bounds)
-        e = min(int(self.graph_expand), self.n_samples_fit_)
-        kk = min(max(int(k), e + (exclude is not None)), self.n_samples_fit_)
+        e, rounds = min(int(self.graph_expand), self.n_samples_fit_), int(self.graph_rounds)
+        kk = min(max(int(k), e * rounds + (exclude is not None)), self.n_samples_fit_)
         dist, ids, stats = self._forest_search(Q, kk, budget, bounds)
         t0 = time.perf_counter()
-        scored = 0
-        for _ in range(int(self.graph_rounds)):
-            dist, ids, n = self._expand(Q, dist, ids, e, kk, bounds, exclude)
-            scored += n
+        dist, ids = self._rounds(Q, dist, ids, e, rounds, kk, bounds, exclude)
+        scored = int(Q.shape[0]) * e * rounds * int(g.shape[1])
         if self.device_ == "gpu":
             import cupy as cp
 
@@ -455,8 +474,28 @@ class KDForest:
                             sliding_window=self.sliding_window, bounds=bounds, return_stats=True,
                             heap_cap=self.heap_cap, descent=self.descent, leaves_per_round=self.leaves_per_round)
 
-    def _expand(self, Q, dist, ids, e: int, kk: int, bounds=None, exclude=None):
-        """One graph round: the graph neighbours of each list's first ``e`` entries scored
+    def _rounds(self, Q, dist, ids, e: int, rounds: int, kk: int, bounds=None, exclude=None):
+        """The graph's ``rounds`` rounds from the forest's lists ``(dist, ids)`` (``kk`` wide):
+        on the GPU without bounds all of them in one kernel (:func:`._graph_gpu.walk`), else
+        round by round (:meth:`_expand`)."""
+        from . import _graph_gpu
+
+        xp = np
+        if self.device_ == "gpu":
+            import cupy as xp
+        if (self.device_ == "gpu" and bounds is None and self._fit_X.dtype == np.float32
+                and _graph_gpu.walk_fits(kk, e)):
+            from .topk import pack, unpack
+
+            return unpack(_graph_gpu.walk(self._fit_X, Q, self.graph_, pack(dist, ids), e, rounds, exclude))
+        done = xp.full((int(Q.shape[0]), e * rounds), -1, xp.int64)  # the entries expanded so far
+        for r in range(rounds):
+            dist, ids, _ = self._expand(Q, dist, ids, e, kk, bounds, exclude, done, r)
+        return dist, ids
+
+    def _expand(self, Q, dist, ids, e: int, kk: int, bounds=None, exclude=None, done=None, r: int = 0):
+        """Graph round ``r``: the graph neighbours of each list's first ``e`` entries not yet
+        expanded (``done[:, :r * e]``; their ids go to ``done[:, r * e:(r + 1) * e]``) scored
         with the canonical distance and merged into the list (``kk`` entries, a point once): by
         the numba round on the CPU, the kernels of :mod:`._graph_gpu` on the GPU, and
         :func:`~.bruteforce.pair_distances` with a sorted merge where bounds apply. With
@@ -472,15 +511,18 @@ class KDForest:
         g = self.graph_
         m, deg = int(Q.shape[0]), int(g.shape[1])
         scored = m * e * deg
+        if done is None:
+            done, r = xp.full((m, e), -1, xp.int64), 0
         lim = None if bounds is None else _bound_limit(check_bounds(bounds, m, xp=xp), m, xp=xp)
         if self.device_ == "cpu" and lim is None:
             from ._graph_cpu import graph_round
 
-            excl = np.full(m, -2, np.int64) if exclude is None else np.asarray(exclude, np.int64)
+            seeds = _next_seeds(ids, done[:, :r * e], exclude, e, np)
+            done[:, r * e:(r + 1) * e] = seeds
             out_d, out_i = np.empty((m, kk), np.float32), np.empty((m, kk), np.int64)
             graph_round(self._fit_X, np.ascontiguousarray(Q, dtype=np.float32), g,
                         np.ascontiguousarray(dist, dtype=np.float32), np.ascontiguousarray(ids, dtype=np.int64),
-                        int(e), excl, out_d, out_i)
+                        seeds, out_d, out_i)
             return out_d, out_i, scored
         # canonical keys scored and merged by the GPU kernels, or (bounds, float16 rows, lists longer
         # than the merge holds) scored and sorted the generic way
@@ -490,7 +532,9 @@ class KDForest:
         out_d, out_i = [], []
         for a in range(0, m, step):
             d0, i0 = dist[a:a + step], ids[a:a + step]
-            seeds = i0[:, :e] if exclude is None else _first_others(i0[:, :e + 1], exclude[a:a + step], e, xp)
+            seeds = _next_seeds(i0, done[a:a + step, :r * e], None if exclude is None else exclude[a:a + step],
+                                e, xp)
+            done[a:a + step, r * e:(r + 1) * e] = seeds
             cand = g[xp.maximum(seeds, 0)].astype(xp.int64).reshape(seeds.shape[0], e * deg)
             cand = xp.where(xp.repeat(seeds < 0, deg, axis=1), -1, cand)
             if kernels:
