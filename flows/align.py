@@ -7,12 +7,9 @@ from typing import Any
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from scanforest.kernels.errors import InputError
-from scanforest.tasks.store import ScanStore
-
 from .batching import map_units
 from .cluster import check_scheduler, dask_client, n_workers
-from .inputs import absolute_path, open_store
+from .inputs import absolute_path, check_align
 from .prefect_api import ensure_prefect_api
 from .prefect_tasks import align_pair_task
 from .records import RUN_HOOKS, failures, record_run
@@ -38,16 +35,6 @@ def align_flow(store: str, pairs: list[list[str]], model: str = "rigid", chain: 
     record_run(st, "align", opts, summary, recs)
     summary["results"] = recs
     return summary
-
-
-def check_align(store: str, pairs: list[list[str]]) -> ScanStore:
-    """User errors of an align run (the store, the pairs), found before any cluster starts."""
-    st = open_store(store)
-    have = set(st.scans())
-    bad = [p for p in pairs if len(p) != 2 or p[0] not in have or p[1] not in have]
-    if bad:
-        raise InputError(f"align pairs must name two scans of the store; not found: {bad[:5]}")
-    return st
 
 
 def run_align(store, pairs, **kw):

@@ -37,9 +37,9 @@ from .batching import TASKS_IN_FLIGHT, auto_batch, map_batches
 from .cluster import cluster_scope, cluster_with_api, dask_client, n_workers, warm_gpu_workers
 from .describe import describe_flow
 from .ingest import ingest_flow
-from .inputs import absolute_path
+from .inputs import absolute_path, check_recognize, check_recognize_params
 from .match import index_build_flow, match_flow
-from .recognize import check_recognize, check_recognize_params, recognize_flow, summarize
+from .recognize import recognize_flow, summarize
 from .records import RUN_HOOKS, count_redone, record_run
 
 PIPELINES = ("one-pass", "staged")

@@ -14,7 +14,7 @@ from scanforest.tasks.units import HELD
 
 from .batching import TASKS_IN_FLIGHT, auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
-from .inputs import absolute_path, open_store, require_scans
+from .inputs import absolute_path, check_describe, open_store
 from .noop import describe_noop
 from .prefect_api import ensure_prefect_api
 from .prefect_tasks import current_run, describe_scan_task
@@ -72,11 +72,6 @@ def summarize(recs: list[dict], st: ScanStore, *, since: str, run: str | None) -
             "held": sum(r["status"] == HELD for r in recs), "failed": len(failed), "failures": failed,
             "keypoints": int(sum(r.get("keypoints", 0) for r in done)),
             "task_seconds": float(sum(r.get("seconds", 0.0) for r in recs))}
-
-
-def check_describe(store: str, scans: list[str] | None) -> None:
-    """The store exists and holds the named scans (a user error otherwise, before any work)."""
-    require_scans(open_store(store), scans)
 
 
 def run_describe(store: str, *, scans=None, params: DescribeParams | None = None, device: str = "auto",

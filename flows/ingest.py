@@ -20,7 +20,7 @@ from scanforest.tasks.store import ScanStore, scan_id_for
 
 from .batching import TASKS_IN_FLIGHT, auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
-from .inputs import absolute_path
+from .inputs import absolute_path, check_ingest
 from .prefect_api import ensure_prefect_api, quiet_prefect_logs
 from .prefect_tasks import ingest_scan
 from .records import RUN_HOOKS, record_run
@@ -119,9 +119,7 @@ def run_ingest(source: str, store: str, *, scheduler: str | None = None, workers
                copc: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ingest with the embedded defaults: a local Dask cluster (or ``scheduler``) and Prefect's API.
     ``copc``: :func:`ingest_flow`'s."""
-    # a bad source or COPC query is one line, before Prefect or Dask start
-    check_source(absolute_path(str(source)), allow_empty=_is_store(absolute_path(str(store))))
-    copc = copc_settings(**(copc or {}))
+    copc = check_ingest(source, store, copc)  # a bad source or COPC query: one line, before Prefect or Dask
     from .noop import quick_ingest
 
     summary = quick_ingest(str(source), str(store))  # an empty drop folder: answered before Prefect or Dask

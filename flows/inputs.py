@@ -1,10 +1,16 @@
 """A stage's input as every process must see it, checked in the flow process before any work is
 submitted (and before a cluster starts): paths made absolute (:func:`absolute_path`), the store
 opened (:func:`open_store`), the scans named found in it (:func:`require_scans`), a file's own name
-taken for its scan's id (:func:`resolve_scan_names`)."""
+taken for its scan's id (:func:`resolve_scan_names`); and each stage's user errors
+(``check_*``), found here without importing Prefect, Dask or the flows, so that a command
+given a bad argument answers in about a second, not after the 3-5 s those imports take."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scanforest.tasks.store import ScanStore
 
 
 def absolute_path(path: str) -> str:
@@ -84,3 +90,141 @@ def resolve_scan_names(st, names: list[str] | None) -> list[str] | None:
                              f"(scanforest info {st.path} --scans lists them)")
         out.extend(hits or [name])
     return out
+
+
+def check_index_build(store: str, reference: list[str] | None, shards, params: dict | None, dtype: str, *,
+                      library: str | None = None) -> ScanStore:
+    """User errors of an index build, found before any cluster starts: the reference is either
+    scans (``reference``) or a stored model library (``library``), not both."""
+    from scanforest.kernels.errors import InputError
+    from scanforest.kernels.knn.kdforest import METHODS as KDFOREST_METHODS
+
+    st = open_store(store)
+    if library is not None:
+        if reference:
+            raise InputError("give the index's reference as scans or as a model library, not both")
+        if st.catalog.find_library(library) is None:
+            have = st.catalog.libraries()
+            raise InputError(f"{store}: no complete model library {library!r} "
+                             f"({'libraries: ' + ', '.join(have) if have else 'the store has none'}; "
+                             "`scanforest library build` builds one)")
+    elif not reference:
+        raise InputError("no reference scans given for the index (or a model library)")
+    else:
+        require_scans(st, reference)
+    if shards != "auto" and (not str(shards).isdigit() or int(shards) < 1):
+        raise InputError(f"--shards takes a positive number or 'auto', got {shards!r}")
+    p = params or {}
+    if p.get("method", "banns") not in KDFOREST_METHODS:
+        raise InputError(f"--method must be one of {', '.join(KDFOREST_METHODS)}, got {p.get('method')!r}")
+    for key in ("leaf_size", "backtracks"):
+        if p.get(key) is not None and int(p[key]) < 1:
+            raise InputError(f"--{key.replace('_', '-')} must be at least 1, got {p[key]}")
+    if p.get("recall") is not None:
+        from scanforest.kernels.knn.kdforest import check_recall
+
+        check_recall(p["recall"])
+        if p.get("backtracks") is not None:
+            raise InputError(f"give --recall or --backtracks, not both (got --recall {p['recall']} and "
+                             f"--backtracks {p['backtracks']})")
+    if dtype not in ("float32", "float16"):
+        raise InputError(f"--dtype must be float32 or float16, got {dtype!r}")
+    return st
+
+
+def check_match(store: str, queries: list[str] | None, k: int, name: str) -> tuple[ScanStore, dict]:
+    """User errors of a match run, found before any cluster starts: the store, the index, ``k``
+    and the query scans (each must exist and be described)."""
+    from scanforest.kernels.errors import InputError
+
+    st = open_store(store)
+    if int(k) < 1:
+        raise InputError(f"-k must be at least 1, got {k}")
+    attrs = st.catalog.index_attrs(name)
+    if queries is not None:
+        have = set(st.scans())
+        bad = [q for q in queries if q not in have or not st.has_stage(q, "describe")]
+        if bad:
+            raise InputError(f"{store}: query scan {bad[0]!r} is not in the store or not described"
+                             + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+    return st, attrs
+
+
+#: recognition parameters that are lengths or thresholds: positive when given
+_POSITIVE = ("model_ss", "scene_ss", "rf_rad", "descr_rad", "cg_size", "cg_thresh")
+
+
+def check_recognize_params(library_params: dict | None, params: dict | None):
+    """The recognition and library parameters' own user errors (no store needed: the archive
+    flow checks them before it ingests); the checked ``RecognizeParams``."""
+    from scanforest.kernels.errors import InputError
+
+    for key, v in {**(library_params or {}), **(params or {})}.items():
+        if key in _POSITIVE and v is not None and not float(v) > 0:
+            raise InputError(f"--{key.replace('_', '-')} must be positive, got {v}")
+    method = (params or {}).get("method")
+    if method is not None and method not in ("hough", "gc"):
+        raise InputError(f"--method must be hough or gc, got {method!r}")
+    from scanforest.kernels.recognition import RecognizeParams
+
+    # the rest of what every worker's recognize() will check: names and values
+    return RecognizeParams().replace(**(params or {}))
+
+
+def check_recognize(store: str, models: list[str], scenes: list[str] | None, library_params: dict | None,
+                    params: dict | None) -> ScanStore:
+    """User errors of a recognize run, found before any cluster starts."""
+    from scanforest.kernels.errors import InputError
+    from scanforest.tasks.recognize import LIBRARY_DEFAULTS
+
+    st = open_store(store)
+    if not models:
+        raise InputError("no model scans given (--models)")
+    require_scans(st, models, "model scan")
+    require_scans(st, scenes, "scene scan")
+    p = check_recognize_params(library_params, params)
+    lp = {**LIBRARY_DEFAULTS, **{k: v for k, v in (library_params or {}).items() if v is not None}}
+    # coordinates too coarse in float32 for the radii (a scan many km across), before any work
+    st.check_coordinates(models, {k: lp.get(k) for k in ("model_ss", "descr_rad", "rf_rad")})
+    st.check_coordinates(scenes, {"scene_ss": p.scene_ss, "descr_rad": p.descr_rad or lp.get("descr_rad"),
+                                  "normal_radius": p.normal_radius, "cg_size": p.cg_size,
+                                  "rf_rad": (p.rf_rad or lp.get("rf_rad")) if p.method == "hough" else None})
+    return st
+
+
+def check_describe(store: str, scans: list[str] | None) -> None:
+    """The store exists and holds the named scans (a user error otherwise, before any work)."""
+    require_scans(open_store(store), scans)
+
+
+def check_align(store: str, pairs: list[list[str]]) -> ScanStore:
+    """User errors of an align run (the store, the pairs), found before any cluster starts."""
+    from scanforest.kernels.errors import InputError
+
+    st = open_store(store)
+    have = set(st.scans())
+    bad = [p for p in pairs if len(p) != 2 or p[0] not in have or p[1] not in have]
+    if bad:
+        raise InputError(f"align pairs must name two scans of the store; not found: {bad[:5]}")
+    return st
+
+
+def library_index_for_match(store: str, library: str) -> str:
+    """``match --library NAME``: the index built over the model library NAME as it is now
+    (``scanforest library build`` makes it); a user error naming the fix when there is none."""
+    from scanforest.tasks.recognize import library_index
+
+    return library_index(absolute_path(store), library)
+
+
+def check_ingest(source: str, store: str, copc: dict | None = None) -> dict:
+    """User errors of an ingest, found before any cluster starts: the source (a missing one, or one
+    without scans when the ingest would create the store) and the COPC query; the checked query."""
+    from scanforest.tasks.ingest import check_source
+    from scanforest.tasks.las import copc_settings
+    from scanforest.tasks.store import ScanStore
+
+    # an ingest into an existing store may find nothing new (a drop folder between deliveries); one
+    # that would create the store must find scans, or it leaves nothing behind
+    check_source(absolute_path(str(source)), allow_empty=ScanStore.exists(absolute_path(str(store))))
+    return copc_settings(**(copc or {}))

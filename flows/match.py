@@ -10,14 +10,13 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.knn.kdforest import METHODS as KDFOREST_METHODS
 from scanforest.tasks import index as idx
 from scanforest.tasks.store import ScanStore, stage_digest
 
 from .batching import auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
 from .distributed import DistributedIndex
-from .inputs import absolute_path, open_store, require_scans
+from .inputs import absolute_path, check_index_build, check_match, library_index_for_match
 from .noop import match_noop
 from .prefect_api import ensure_prefect_api
 from .prefect_tasks import current_run, run_label
@@ -185,59 +184,6 @@ def match_flow(store: str, queries: list[str] | None = None, k: int = 4, name: s
     return summary
 
 
-def check_index_build(store: str, reference: list[str] | None, shards, params: dict | None, dtype: str, *,
-                      library: str | None = None) -> ScanStore:
-    """User errors of an index build, found before any cluster starts: the reference is either
-    scans (``reference``) or a stored model library (``library``), not both."""
-    st = open_store(store)
-    if library is not None:
-        if reference:
-            raise InputError("give the index's reference as scans or as a model library, not both")
-        if st.catalog.find_library(library) is None:
-            have = st.catalog.libraries()
-            raise InputError(f"{store}: no complete model library {library!r} "
-                             f"({'libraries: ' + ', '.join(have) if have else 'the store has none'}; "
-                             "`scanforest library build` builds one)")
-    elif not reference:
-        raise InputError("no reference scans given for the index (or a model library)")
-    else:
-        require_scans(st, reference)
-    if shards != "auto" and (not str(shards).isdigit() or int(shards) < 1):
-        raise InputError(f"--shards takes a positive number or 'auto', got {shards!r}")
-    p = params or {}
-    if p.get("method", "banns") not in KDFOREST_METHODS:
-        raise InputError(f"--method must be one of {', '.join(KDFOREST_METHODS)}, got {p.get('method')!r}")
-    for key in ("leaf_size", "backtracks"):
-        if p.get(key) is not None and int(p[key]) < 1:
-            raise InputError(f"--{key.replace('_', '-')} must be at least 1, got {p[key]}")
-    if p.get("recall") is not None:
-        from scanforest.kernels.knn.kdforest import check_recall
-
-        check_recall(p["recall"])
-        if p.get("backtracks") is not None:
-            raise InputError(f"give --recall or --backtracks, not both (got --recall {p['recall']} and "
-                             f"--backtracks {p['backtracks']})")
-    if dtype not in ("float32", "float16"):
-        raise InputError(f"--dtype must be float32 or float16, got {dtype!r}")
-    return st
-
-
-def check_match(store: str, queries: list[str] | None, k: int, name: str) -> tuple[ScanStore, dict]:
-    """User errors of a match run, found before any cluster starts: the store, the index, ``k``
-    and the query scans (each must exist and be described)."""
-    st = open_store(store)
-    if int(k) < 1:
-        raise InputError(f"-k must be at least 1, got {k}")
-    attrs = st.catalog.index_attrs(name)
-    if queries is not None:
-        have = set(st.scans())
-        bad = [q for q in queries if q not in have or not st.has_stage(q, "describe")]
-        if bad:
-            raise InputError(f"{store}: query scan {bad[0]!r} is not in the store or not described"
-                             + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
-    return st, attrs
-
-
 def run_index_build(store, reference=None, **kw):
     store = absolute_path(store)
     reference = None if reference is None else list(reference)
@@ -245,14 +191,6 @@ def run_index_build(store, reference=None, **kw):
                       library=kw.get("library"))
     ensure_prefect_api()
     return index_build_flow(store=store, reference=reference, **kw)
-
-
-def library_index_for_match(store: str, library: str) -> str:
-    """``match --library NAME``: the index built over the model library NAME as it is now
-    (``scanforest library build`` makes it); a user error naming the fix when there is none."""
-    from scanforest.tasks.recognize import library_index
-
-    return library_index(absolute_path(store), library)
 
 
 def run_match(store, library: str | None = None, **kw):

@@ -10,13 +10,12 @@ import numpy as np
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from scanforest.kernels.errors import InputError
-from scanforest.tasks.recognize import LIBRARY_DEFAULTS, build_library, detections_table, load_library
+from scanforest.tasks.recognize import build_library, detections_table, load_library
 from scanforest.tasks.store import ScanStore, utc_now
 
 from .batching import TASKS_IN_FLIGHT, auto_batch, map_batches
 from .cluster import check_scheduler, dask_client, n_workers
-from .inputs import absolute_path, open_store, require_scans
+from .inputs import absolute_path, check_recognize
 from .prefect_api import ensure_prefect_api
 from .prefect_tasks import recognize_batch_task
 from .records import RUN_HOOKS, count_redone, failures, record_run
@@ -55,43 +54,6 @@ def recognize_flow(store: str, models: list[str], scenes: list[str] | None = Non
                {k: v for k, v in summary.items() if k != "exports"}, recs)
     _detections_artifact(store, ids)
     return summary
-
-
-#: recognition parameters that are lengths or thresholds: positive when given
-_POSITIVE = ("model_ss", "scene_ss", "rf_rad", "descr_rad", "cg_size", "cg_thresh")
-
-
-def check_recognize_params(library_params: dict | None, params: dict | None):
-    """The recognition and library parameters' own user errors (no store needed: the archive
-    flow checks them before it ingests); the checked ``RecognizeParams``."""
-    for key, v in {**(library_params or {}), **(params or {})}.items():
-        if key in _POSITIVE and v is not None and not float(v) > 0:
-            raise InputError(f"--{key.replace('_', '-')} must be positive, got {v}")
-    method = (params or {}).get("method")
-    if method is not None and method not in ("hough", "gc"):
-        raise InputError(f"--method must be hough or gc, got {method!r}")
-    from scanforest.kernels.recognition import RecognizeParams
-
-    # the rest of what every worker's recognize() will check: names and values
-    return RecognizeParams().replace(**(params or {}))
-
-
-def check_recognize(store: str, models: list[str], scenes: list[str] | None, library_params: dict | None,
-                    params: dict | None) -> ScanStore:
-    """User errors of a recognize run, found before any cluster starts."""
-    st = open_store(store)
-    if not models:
-        raise InputError("no model scans given (--models)")
-    require_scans(st, models, "model scan")
-    require_scans(st, scenes, "scene scan")
-    p = check_recognize_params(library_params, params)
-    lp = {**LIBRARY_DEFAULTS, **{k: v for k, v in (library_params or {}).items() if v is not None}}
-    # coordinates too coarse in float32 for the radii (a scan many km across), before any work
-    st.check_coordinates(models, {k: lp.get(k) for k in ("model_ss", "descr_rad", "rf_rad")})
-    st.check_coordinates(scenes, {"scene_ss": p.scene_ss, "descr_rad": p.descr_rad or lp.get("descr_rad"),
-                                  "normal_radius": p.normal_radius, "cg_size": p.cg_size,
-                                  "rf_rad": (p.rf_rad or lp.get("rf_rad")) if p.method == "hough" else None})
-    return st
 
 
 #: recomputed scenes a summary names one by one, with the reason (the run's records name them all)

@@ -204,7 +204,7 @@ def test_recognize_resumes_and_redoes_a_scene_described_or_matched_again(world):
 
 
 def test_index_build_refuses_both_or_neither_reference(world):
-    from scanforest.flows.match import check_index_build
+    from scanforest.flows.inputs import check_index_build
 
     with pytest.raises(InputError, match="not both"):
         check_index_build(world["store"], ["scene_x"], 1, {}, "float32", library="lib")

@@ -74,6 +74,26 @@ def test_bad_parameters_fail_in_one_line_at_once(small_store, user_env, tmp_path
     assert not Path(f"{small_store}.new").exists()  # no store created by a refused archive
 
 
+@pytest.mark.parametrize("args", [
+    ("index", "build", "{store}", "-r", "s0.pcd", "--recall", "1.5"), ("match", "{store}", "-k", "0"),
+    ("match", "{store}", "-q", "nomatch*"), ("describe", "{store}", "--scan", "nope.pcd"),
+    ("recognize", "{store}", "-m", "s0.pcd", "--cg-size", "-1"), ("align-store", "{store}", "--pair", "s0.pcd:x"),
+    ("archive", "{store}", "{store}.new", "--method", "ransac"), ("ingest", "no-such-folder", "new.zarr"),
+], ids=["index-recall", "match-k", "match-queries", "describe-scan", "recognize-cg-size", "align-pair",
+        "archive-method", "ingest-source"])
+def test_user_errors_are_found_before_prefect_is_imported(small_store, user_env, tmp_path, args):
+    """A command's user error is answered by the checks of ``flows.inputs``, before the flow
+    module and Prefect are imported (3-5 s of a 2-core machine's time, where the answer takes 1)."""
+    code = ("import sys\nsys.argv = ['scanforest', *sys.argv[1:]]\nfrom scanforest.deploy.cli import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'prefect' in sys.modules, 'distributed' in sys.modules)\n")
+    env = {**user_env, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # none is started: a user error needs none
+    proc = subprocess.run([sys.executable, "-c", code, *[a.format(store=small_store) for a in args]], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "exit 2 False False", proc.stdout + proc.stderr[-3000:]
+    assert proc.stderr.count("error: ") == 1, proc.stderr
+
+
 @pytest.mark.parametrize("command", ["describe S", "match S", "info S", "recognize S -m x", "index build S -r x",
                                      "align-store S --pair a:b", "check S", "report S"])
 def test_commands_on_a_missing_store_create_nothing(user_env, tmp_path, command):

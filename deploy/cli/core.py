@@ -104,10 +104,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         Unchanged files already in the store are skipped (a COPC file also when read with the same
         query); unreadable files are quarantined with the reason and the batch goes on.
         """
-        from scanforest.flows.ingest import run_ingest
-        from scanforest.tasks.las import copc_settings
+        from scanforest.flows.inputs import check_ingest
 
-        copc = copc_settings(level=copc_level, resolution=copc_resolution, bounds=bounds)
+        # a bad source or COPC query answered before the flow (and Prefect) is imported
+        copc = check_ingest(source, store, {"level": copc_level, "resolution": copc_resolution, "bounds": bounds})
+        from scanforest.flows.ingest import run_ingest
+
         summary = run_ingest(source, store, scheduler=scheduler, workers=workers, units=units, progress=not as_json,
                              copc=copc)
         print_summary(f"ingest {source} -> {store}", summary, as_json=as_json, keys=INGEST_KEYS)

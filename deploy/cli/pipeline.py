@@ -71,9 +71,11 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             scan = resolve_scan_names(open_store(store, mode="r"), scan)
         summary = quick_describe(store, scan, params)  # nothing to do: answered before Prefect or Dask start
         if summary is None:
-            from scanforest.flows.describe import check_describe, run_describe
+            from scanforest.flows.inputs import check_describe
 
-            check_describe(store, scan)
+            check_describe(store, scan)  # a user error answered before the flow (and Prefect) is imported
+            from scanforest.flows.describe import run_describe
+
             dev = choose_device(device)
             summary = run_describe(store, scans=scan, params=params, device=dev, scheduler=scheduler,
                                    workers=workers, progress=not as_json)
@@ -111,7 +113,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     ):
         """Build a sharded KD-forest index over the SHOT descriptors of the reference scans, or of a model
         library (kept when unchanged)."""
-        from scanforest.flows.match import check_index_build, run_index_build
+        from scanforest.flows.inputs import check_index_build
         from scanforest.kernels.errors import InputError
 
         if (library is None) == (not reference):
@@ -120,6 +122,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         params = {"method": method, "leaf_size": leaf_size, "backtracks": backtracks,
                   "random_dims": random_dims, "seed": seed, **({} if recall is None else {"recall": recall})}
         check_index_build(store, chosen, shards, params, dtype, library=library)
+        from scanforest.flows.match import run_index_build
+
         res = run_index_build(store, chosen, name=name, params=params, device=choose_device(device),
                               shards=shards if shards == "auto" else int(shards), dtype=dtype, library=library)
         print_summary(f"index {name!r} in {store}", res, as_json=as_json)
@@ -146,16 +150,18 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         if library is not None and name is not None:
             raise InputError("give the index by --name INDEX or by --library NAME, not both")
         if library is not None:
-            from scanforest.flows.match import library_index_for_match
+            from scanforest.flows.inputs import library_index_for_match
 
             name = library_index_for_match(store, library)
         name = name or "default"
         chosen = _pick(store, queries, "--queries") if queries else None
         res = quick_match(store, chosen, k, name)  # nothing to do: answered before Prefect or Dask start
         if res is None:
-            from scanforest.flows.match import check_match, run_match
+            from scanforest.flows.inputs import check_match
 
             check_match(store, chosen, k, name)
+            from scanforest.flows.match import run_match
+
             dev = choose_device(device)
             res = run_match(store, queries=chosen, k=k, name=name, device=dev, scheduler=scheduler,
                             workers=workers, progress=not as_json)
@@ -178,7 +184,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         as_json: bool = JsonOpt,
     ):
         """Parametric chamfer alignment for a batch of scan pairs in the store (results stored per scan)."""
-        from scanforest.flows.align import check_align, run_align
+        from scanforest.flows.inputs import check_align
 
         pairs = []
         for p in pair:
@@ -186,6 +192,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                 raise typer.BadParameter(f"--pair takes OBSERVED:REFERENCE, got {p!r}")
             pairs.append(p.split(":", 1))
         check_align(store, pairs)
+        from scanforest.flows.align import run_align
+
         dev = choose_device(device)
         res = run_align(store, pairs, model=model, chain=chain, loss=loss, device=dev, scheduler=scheduler,
                         workers=workers, progress=not as_json)
@@ -223,13 +231,15 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         it, then one pass over the scenes (describe + match + recognize each). Georeferenced scans (LAS/LAZ,
         E57) are computed in a local frame and their poses stored and exported in the file's coordinates.
         A rerun resumes: what is done is skipped."""
-        from scanforest.flows.archive import run_archive
-        from scanforest.flows.recognize import check_recognize_params, export_results
+        from scanforest.flows.inputs import check_recognize_params
 
         library_params = {k: v for k, v in {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad}.items()
                           if v is not None}
         params = {"scene_ss": scene_ss, "method": method, "cg_size": cg_size, "cg_thresh": cg_thresh}
         check_recognize_params(library_params, params)  # before Prefect's API or any ingest starts
+        from scanforest.flows.archive import run_archive
+        from scanforest.flows.recognize import export_results
+
         dev = choose_device(device)
         out = run_archive(store=store, source=source, models=models, library=library, index="models",
                           library_params=library_params, recognize=params, device=dev, scheduler=scheduler,
@@ -282,7 +292,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """Recognise library models in scenes: correspondences, grouping, GPU verification, ICP. A scene
         described (describe) and matched against the library's index (match --library) is recognised
         from those stored results; the summary says how many were, and why any others were recomputed."""
-        from scanforest.flows.recognize import check_recognize, run_recognize
+        from scanforest.flows.inputs import check_recognize
         from scanforest.tasks.recognize import resolve_library
 
         model_ids = _pick(store, models, "--models") if models else None
@@ -292,6 +302,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                                     {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad})
         params = {"scene_ss": scene_ss, "method": method, "cg_size": cg_size, "cg_thresh": cg_thresh}
         check_recognize(store, model_ids, scene_ids, library_params, params)
+        from scanforest.flows.recognize import run_recognize
+
         dev = choose_device(device)
         res = run_recognize(store, model_ids, scenes=scene_ids, library=library, library_params=library_params,
                             params=params, device=dev, scheduler=scheduler, workers=workers, export=export,
