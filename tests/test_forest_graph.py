@@ -37,7 +37,8 @@ def test_graph_search_is_canonical_and_finds_more(rng, dup):
     k = 4
     ed, ei = knn_bruteforce(X, Q, k)
     plain = KDForest(n_trees=1, leaf_size=16, device="cpu").fit(X)
-    g = KDForest(n_trees=1, leaf_size=16, device="cpu", graph_degree=16, graph_budget=32, graph_expand=8).fit(X)
+    g = KDForest(n_trees=1, leaf_size=16, device="cpu", graph_degree=16, graph_budget=32, graph_expand=8,
+                 graph_rounds=1).fit(X)
     assert g.graph_.shape == (6000, 16) and g.graph_.dtype == np.int32
     assert g.graph_stats_["degree"] == 16 and g.graph_stats_["seconds"] > 0
     for b in (1, 4):

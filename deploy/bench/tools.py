@@ -350,7 +350,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32, ef_construction: int = 80, ef_search=(16, 64, 256),
         threads: int = 0, clusters: int = 1000, real: str | None = None, targets=(0.9, 0.95, 0.98),
         repeat: int = 3, gpu_nprobes=(4, 8, 16, 32), cagra_degree: int = 32, itopk=(32, 64, 128, 256), out=None,
-        forests=None, recalls=(), batches=(), graph: int = 0, graph_expands=(8, 16), graph_rounds=(1,),
+        forests=None, recalls=(), batches=(), graph: int = 0, graph_expands=(4, 8), graph_rounds=(2,),
         graph_budget: int = 128, graph_leaves=(16, 32, 64, 128), radius: float | None = None):
     """Measure every tool on one data set and print the table (see the module docstring).
 
@@ -577,9 +577,9 @@ def register(app, bench) -> None:
                                     "batches of each size, one call per batch, and compared within each size"),
         graph: int = typer.Option(0, "--graph", help="also a forest with a neighbour graph of this many neighbours "
                                   "a row (0: none), searched from its leaves"),
-        graph_expand: str = typer.Option("8,16", "--graph-expand", help="list entries whose graph neighbours are "
+        graph_expand: str = typer.Option("4,8", "--graph-expand", help="list entries whose graph neighbours are "
                                          "scored, per round (comma list: a curve each)"),
-        graph_rounds: str = typer.Option("1", "--graph-rounds", help="rounds of the graph expansion, each over "
+        graph_rounds: str = typer.Option("2", "--graph-rounds", help="rounds of the graph expansion, each over "
                                          "entries not expanded before (comma list: a curve each)"),
         graph_budget: int = typer.Option(128, "--graph-budget", help="leaves a row's graph search scans"),
         graph_leaves: str = typer.Option("16,32,64,128", "--graph-leaves", help="forest leaves per query before the "
