@@ -174,7 +174,7 @@ def test_gpu_wide_expansion_matches_the_generic_round(rng):
     Qd = cp.asarray(Q)
     e = kk = 32
     d, i = g._forest_search(Qd, kk, 4)[:2]
-    got_d, got_i, _ = g._expand(Qd, d, i, e, kk)
+    got_d, got_i = g._expand(Qd, d, i, e, kk)
     cand = g.graph_[cp.maximum(i[:, :e], 0)].astype(cp.int64).reshape(len(Q), -1)
     cand = cp.where(cp.repeat(i[:, :e] < 0, 32, axis=1), -1, cand)
     want_d, want_i = merge_topk_unique([(d, i), (pair_distances(g._fit_X, Qd, cand, device="gpu"), cand)], kk)
@@ -192,7 +192,7 @@ def test_cpu_graph_round_is_the_sorted_merge(rng, dup):
     g = KDForest(n_trees=2, leaf_size=8, device="cpu", graph_degree=10, graph_budget=4).fit(X)
     for e, kk in ((3, 5), (6, 6), (4, 9)):
         d, i = g._forest_search(Q, kk, 2)[:2]
-        got_d, got_i, _ = g._expand(Q, d, i, e, kk)
+        got_d, got_i = g._expand(Q, d, i, e, kk)
         cand = g.graph_[np.maximum(i[:, :e], 0)].astype(np.int64).reshape(len(Q), -1)
         cand[np.repeat(i[:, :e] < 0, 10, axis=1)] = -1
         want_d, want_i = merge_topk_unique([(d, i), (pair_distances(X, Q, cand), cand)], kk)
@@ -287,7 +287,7 @@ def test_gpu_rounds_equal_the_definition(rng, dup):
     np.testing.assert_array_equal(got_d.get(), want_d)
     done = cp.full((len(Q), 2 * e), -1, cp.int64)  # round by round (the bounds' path)
     for r in range(2):
-        dd, ii, _ = g._expand(Qd, dd, ii, e, kk, done=done, r=r)
+        dd, ii = g._expand(Qd, dd, ii, e, kk, done=done, r=r)
     np.testing.assert_array_equal(ii.get(), want_i)
     np.testing.assert_array_equal(dd.get(), want_d)
 
@@ -309,6 +309,6 @@ def test_gpu_walk_leave_one_out_and_wide_lists(rng):
         got_d, got_i = g._rounds(Qd, d, i, e, rounds, kk, exclude=own)
         done = cp.full((300, e * rounds), -1, cp.int64)
         for r in range(rounds):
-            d, i, _ = g._expand(Qd, d, i, e, kk, exclude=own, done=done, r=r)
+            d, i = g._expand(Qd, d, i, e, kk, exclude=own, done=done, r=r)
         np.testing.assert_array_equal(got_i.get(), i.get())
         np.testing.assert_array_equal(got_d.get(), d.get())

@@ -2,7 +2,8 @@
 the numba twin of :mod:`._graph_gpu`: each query's list takes the graph neighbours of its first
 entries, scored with the canonical distance (:func:`.bruteforce._sqdist4`: four rows at a time,
 each summed in dimension order, the brute force's bits), a row already in the list never scored
-again; which entries a round expands is the caller's (:func:`.kdforest._next_seeds`). The list keeps the ``kk`` smallest ``(distance, id)`` pairs, a row once: the answer of
+again; which entries a round expands is the caller's (:func:`.kdforest._next_seeds`). The list
+keeps the ``kk`` smallest ``(distance, id)`` pairs, a row once: the answer of
 :func:`.kdforest.merge_topk_unique` over the list and the candidates, without their sorts."""
 from __future__ import annotations
 

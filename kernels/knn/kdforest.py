@@ -47,19 +47,11 @@ def _check_graph(f) -> None:
                          f"got {f.graph_budget!r}")
 
 
-def _first_others(ids, own, n: int, xp):
-    """Each row of ``ids`` ((M, c) int64) without the id ``own[r]``, its first ``n`` entries in
-    their order (the own id, wherever it is, moved past them): a row's graph neighbours, and the
-    seeds of a leave-one-out search's graph rounds."""
-    c = int(ids.shape[1])
-    key = (ids == own[:, None]).astype(xp.int64) * (c + 1) + xp.arange(c, dtype=xp.int64)[None, :]
-    return xp.take_along_axis(ids, xp.argsort(key, axis=1)[:, :n], axis=1)
-
-
 def _next_seeds(ids, done, exclude, e: int, xp):
     """The first ``e`` entries of each list ``ids`` ((M, c) int64) that a graph round has not
     expanded yet: neither empty, nor in ``done[r]`` (the ids earlier rounds expanded), nor
-    ``exclude[r]`` (a leave-one-out's own row); -1 where a list holds fewer."""
+    ``exclude[r]`` (a leave-one-out's own row); -1 where a list holds fewer. Also a row's graph
+    neighbours: its search's answer without its own id."""
     c = int(ids.shape[1])
     used = ids < 0
     if exclude is not None:
@@ -493,7 +485,7 @@ class KDForest:
             return unpack(_graph_gpu.walk(self._fit_X, Q, self.graph_, pack(dist, ids), e, rounds, exclude))
         done = xp.full((int(Q.shape[0]), e * rounds), -1, xp.int64)  # the entries expanded so far
         for r in range(rounds):
-            dist, ids, _ = self._expand(Q, dist, ids, e, kk, bounds, exclude, done, r)
+            dist, ids = self._expand(Q, dist, ids, e, kk, bounds, exclude, done, r)
         return dist, ids
 
     def _expand(self, Q, dist, ids, e: int, kk: int, bounds=None, exclude=None, done=None, r: int = 0):
@@ -513,7 +505,6 @@ class KDForest:
             import cupy as xp
         g = self.graph_
         m, deg = int(Q.shape[0]), int(g.shape[1])
-        scored = m * e * deg
         if done is None:
             done, r = xp.full((m, e), -1, xp.int64), 0
         lim = None if bounds is None else _bound_limit(check_bounds(bounds, m, xp=xp), m, xp=xp)
@@ -526,7 +517,7 @@ class KDForest:
             graph_round(self._fit_X, np.ascontiguousarray(Q, dtype=np.float32), g,
                         np.ascontiguousarray(dist, dtype=np.float32), np.ascontiguousarray(ids, dtype=np.int64),
                         seeds, out_d, out_i)
-            return out_d, out_i, scored
+            return out_d, out_i
         # canonical keys scored and merged by the GPU kernels, or (bounds, float16 rows, lists longer
         # than the merge holds) scored and sorted the generic way
         kernels = (self.device_ == "gpu" and lim is None and self._fit_X.dtype == np.float32
@@ -552,8 +543,8 @@ class KDForest:
             out_d.append(dd)
             out_i.append(ii)
         if len(out_d) == 1:
-            return out_d[0], out_i[0], scored
-        return xp.concatenate(out_d), xp.concatenate(out_i), scored
+            return out_d[0], out_i[0]
+        return xp.concatenate(out_d), xp.concatenate(out_i)
 
     def _build_graph(self, X):
         """``graph_``: each row's ``graph_degree`` nearest other rows (int32, (N, D); -1 where a
@@ -571,7 +562,7 @@ class KDForest:
             q = X[a:a + step]
             _, ids, _ = self._forest_search(q, kq, self.graph_budget)
             rows = xp.arange(a, a + int(q.shape[0]), dtype=xp.int64)
-            out[a:a + int(q.shape[0])] = _first_others(ids, rows, deg, xp).astype(xp.int32)
+            out[a:a + int(q.shape[0])] = _next_seeds(ids, None, rows, deg, xp).astype(xp.int32)
         if self.device_ == "gpu":
             xp.cuda.get_current_stream().synchronize()
         self.graph_ = out
