@@ -203,6 +203,7 @@ def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degre
                   lambda nl: faiss.GpuIndexIVFFlat(res, d, nl, faiss.METRIC_L2, faiss.GpuIndexIVFFlatConfig()),
                   nlist, nprobes, sync)
     if itopk and hasattr(faiss, "GpuIndexCagra"):
+        held = _device_in_use()
         t0 = time.perf_counter()
         cfg = faiss.GpuIndexCagraConfig()
         cfg.graph_degree = int(cagra_degree)
@@ -211,7 +212,12 @@ def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degre
         cagra.train(Xh)
         sync()
         build = time.perf_counter() - t0
-        rep.add(f"FAISS GPU CAGRA build (degree {cagra_degree})", build, "s", gdev, higher_is_better=False)
+        held = _device_in_use() - held
+        rep.add(f"FAISS GPU CAGRA build (degree {cagra_degree})", build, "s", gdev, higher_is_better=False,
+                index_device_bytes=held)
+        rep.note(f"FAISS GPU CAGRA (degree {cagra_degree}, intermediate {2 * int(cagra_degree)}): built in "
+                 f"{build:.2f} s; the index holds {held / 2**20:.0f} MiB on the device (the device's memory in use "
+                 "after its build less before it, CuPy's cached blocks given back first)")
         for it in itopk:
             sp = faiss.SearchParametersCagra()
             sp.itopk_size = max(int(it), k)
@@ -253,6 +259,16 @@ def _duplicate_share(X: np.ndarray) -> float:
         return 0.0
     _, counts = np.unique(X.view(np.dtype((np.void, X.dtype.itemsize * X.shape[1]))).ravel(), return_counts=True)
     return float(counts[counts > 1].sum()) / len(X)
+
+
+def _device_in_use() -> int:
+    """Bytes in use on the current GPU by every allocator (FAISS's included): total less free,
+    after CuPy's pool gives its cached blocks back."""
+    import cupy as cp
+
+    cp.get_default_memory_pool().free_all_blocks()
+    free, total = cp.cuda.runtime.memGetInfo()
+    return int(total - free)
 
 
 def _device_bytes(dev: str) -> int:

@@ -26,7 +26,6 @@ twins of its functions as ``kdtree._name``: they live in :mod:`._kdtree_cpu`.
 from __future__ import annotations
 
 import functools
-import time
 
 import numpy as np
 
@@ -122,12 +121,33 @@ def _mma_args(tree, d: int) -> tuple:
 
 def _module(kp: int, half: bool = False, hcap: int = HCAP):
     """The search kernels for top-``kp`` lists over float32 rows, or float16 ones (``half``),
-    with queues of ``hcap`` pending boxes."""
+    with queues of ``hcap`` pending boxes: made once per process and device (a search's
+    kernels are looked up, not their 60 kB source hashed again, at every call)."""
+    import cupy as cp
+
+    return _module_on(int(kp), bool(half), int(hcap), cp.cuda.runtime.getDevice())
+
+
+@functools.lru_cache(maxsize=None)
+def _module_on(kp: int, half: bool, hcap: int, device: int):
     import cupy as cp
 
     opts = ("--std=c++14",) + (("-DPT_HALF",) if half else ())
     src = _source().replace("__KP__", str(kp)).replace("#define HCAP 256", f"#define HCAP {int(hcap)}")
-    return cp.RawModule(code=src, options=opts)
+    return _Kernels(cp.RawModule(code=src, options=opts))
+
+
+class _Kernels:
+    """A compiled module whose functions are looked up once each (``get_function``)."""
+
+    def __init__(self, module):
+        self.module, self._fns = module, {}
+
+    def get_function(self, name: str):
+        fn = self._fns.get(name)
+        if fn is None:
+            fn = self._fns[name] = self.module.get_function(name)
+        return fn
 
 
 def _is_half(tree) -> bool:
@@ -317,6 +337,7 @@ def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None,
     m, d = queries.shape
     if roots is None:
         roots = cp.zeros(1, cp.int32)
+    bounded = lim is not None  # without bounds every query has a root to search (no host sync to find them)
     if lim is None:
         lim = cp.full(m, np.inf, cp.float32)
     roots = cp.ascontiguousarray(roots, dtype=cp.int32)
@@ -338,9 +359,9 @@ def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None,
         finish_below = max(32, m // 256)
     if leaves_per_round > 1 and window == "stream" and smem:
         return _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, int(leaves_per_round),
-                              descent, hcap)
+                              descent, hcap, bounded)
     f_adv = mod.get_function("banns_advance")
-    st = _BannsState(mod, tree, queries, k, roots, lim, hcap)
+    st = _BannsState(mod, tree, queries, k, roots, lim, hcap, bounded)
     active, na = st.active, int(st.active.size)
     ev = []  # per round: the events between its phases and its leaf blocks, read once at the end
     E = cp.cuda.Event
@@ -375,7 +396,7 @@ class _BannsState:
     key), the roots pushed and the first box popped (``banns_init``); ``active``: the queries
     with a box to search."""
 
-    def __init__(self, mod, tree, queries, k, roots, lim, hcap):
+    def __init__(self, mod, tree, queries, k, roots, lim, hcap, bounded=True):
         import cupy as cp
 
         m, d = queries.shape
@@ -391,36 +412,41 @@ class _BannsState:
         mod.get_function("banns_init")(_grid(m, 128), (128,), (
             np.int32(m), queries, np.int32(d), roots, np.int32(roots.size), tree.lo, tree.hi, lim, self.HD, self.HN,
             self.HS, self.OVF, self.target, self.TK, keep0))
-        self.active = cp.nonzero(keep0)[0].astype(cp.int32)
+        # without bounds (lim +inf) every root is pushed: all queries stay, known without a host sync
+        self.active = cp.nonzero(keep0)[0].astype(cp.int32) if bounded else cp.arange(m, dtype=cp.int32)
 
-    def finish(self, tree, queries, k, budget, active, ev):
+    def finish(self, tree, queries, k, budget, active, ev, blocks=None):
         """Decode the lists, redo exactly the still ``active`` queries (and, with an unlimited
         budget, those whose queue overflowed); (dist2, ids, stats), with the phase times of the
-        rounds' events ``ev`` ((e0, .., e4, leaf blocks) per round)."""
+        rounds' events ``ev`` ((e0, .., e4, leaf blocks) per round; leaf blocks an int, or a
+        device scalar read here). One host sync, at the end, where the budget is limited."""
         import cupy as cp
 
-        phase = np.zeros(4)
-        leaf_blocks = 0
-        if ev:
-            ev[-1][4].synchronize()
-            for e0, e1, e2, e3, e4, nb in ev:
-                phase += [cp.cuda.get_elapsed_time(a, b) for a, b in ((e0, e1), (e1, e2), (e2, e3), (e3, e4))]
-                leaf_blocks += nb
-        t0 = time.perf_counter()
+        E = cp.cuda.Event
+        f0 = E(); f0.record()
         out_d, out_i = decode_keys(self.top)
-        n_ovf = int(self.OVF.sum())
-        redo = active
-        if n_ovf and budget == 0:
-            redo = cp.unique(cp.concatenate([active, cp.nonzero(self.OVF)[0].astype(cp.int32)]))
+        redo, n_ovf = active, None
+        if budget == 0:  # an unlimited search redoes the queries whose queue overflowed: count them now
+            n_ovf = int(self.OVF.sum())
+            if n_ovf:
+                redo = cp.unique(cp.concatenate([active, cp.nonzero(self.OVF)[0].astype(cp.int32)]))
         if int(redo.size):
             _exact_redo(tree, queries, redo, k, out_d, out_i)
+        f1 = E(); f1.record()
+        ovf = self.OVF.sum() if n_ovf is None else None
+        blk = [nb for *_, nb in ev if not isinstance(nb, int)]
+        blk = cp.stack(blk).sum() if blk else None
         cp.cuda.get_current_stream().synchronize()  # this search's stream: others may run beside it
-        t_fin = (time.perf_counter() - t0) * 1e3
-        return out_d, out_i, {"rounds": len(ev), "finished_by_bruteforce": int(active.size), "heap_overflow": n_ovf,
+        phase = np.zeros(4)
+        leaf_blocks = sum(nb for *_, nb in ev if isinstance(nb, int)) + (0 if blk is None else int(blk))
+        for e0, e1, e2, e3, e4, _ in ev:
+            phase += [cp.cuda.get_elapsed_time(a, b) for a, b in ((e0, e1), (e1, e2), (e2, e3), (e3, e4))]
+        return out_d, out_i, {"rounds": len(ev), "finished_by_bruteforce": int(active.size),
+                              "heap_overflow": int(ovf) if n_ovf is None else n_ovf,
                               "leaf_blocks": leaf_blocks, "leaves_visited": cp.asnumpy(self.visits),
                               "ms_descend": round(float(phase[0]), 3), "ms_bucket": round(float(phase[1]), 3),
                               "ms_leaf_scan": round(float(phase[2]), 3), "ms_advance": round(float(phase[3]), 3),
-                              "ms_finish": round(t_fin, 3)}
+                              "ms_finish": round(cp.cuda.get_elapsed_time(f0, f1), 3)}
 
 
 SLOT_KEYS = 1 << 26  # slot keys of a batched round (512 MB): queries are taken L * k slot keys each
@@ -454,6 +480,40 @@ def _leaf_blocks(leaf_of, qb, drop_none=True):
     first = (gstart[bg] + (bidx - (bcum[bg] - nblk_g[bg]).astype(cp.int32)) * qb).astype(cp.int32)
     cnt = cp.minimum(qb, gend[bg] - first).astype(cp.int32)
     return pair, sleaf[gstart[bg]], first, cnt
+
+
+def _leaf_count(tree) -> int:
+    """Leaves of ``tree`` (over every tree of a forest), counted once and kept on it."""
+    got = tree.__dict__.get("_n_leaves")
+    if got is None or got[0] != tree.child.data.ptr:
+        got = tree.__dict__["_n_leaves"] = (tree.child.data.ptr, int((tree.child == -1).sum()))
+    return got[1]
+
+
+def _round_blocks(mod, tree, leaf_of, qb):
+    """A batched round's pairs bucketed by leaf, as :func:`_leaf_blocks` (pairs without a leaf
+    left out) but with no host sync: a counting sort on the device (``bucket_*`` kernels), the
+    blocks laid out over a bound of their count (pairs / ``qb`` + leaves; those past the last
+    have leaf -1, which the leaf kernels skip). Returns (pair of each sorted position, block
+    leaf, block first position, block count, the block count as a device scalar)."""
+    import cupy as cp
+
+    n = int(leaf_of.size)
+    nnodes = int(tree.child.size)
+    nb_max = min(_leaf_count(tree), n) + (n + qb - 1) // qb
+    cnt = cp.zeros(nnodes, cp.int32)
+    cursor = cp.zeros(nnodes, cp.int32)
+    pair = cp.zeros(n, cp.int32)  # positions past the pairs that have a leaf stay 0: gathers through them stay in range
+    scan = cp.empty(nnodes, cp.int64)
+    bleaf = cp.full(nb_max, -1, cp.int32)
+    first, bcnt = cp.empty(nb_max, cp.int32), cp.empty(nb_max, cp.int32)
+    mod.get_function("bucket_count")(_grid(n), (256,), (leaf_of, np.int64(n), cnt))
+    mod.get_function("bucket_pack")(_grid(nnodes), (256,), (cnt, np.int32(nnodes), np.int32(qb), scan))
+    scan = cp.cumsum(scan)
+    mod.get_function("bucket_scatter")(_grid(n), (256,), (leaf_of, np.int64(n), scan, cnt, cursor, pair))
+    mod.get_function("bucket_blocks")(_grid(nnodes), (256,), (scan, cnt, np.int32(nnodes), np.int32(qb), bleaf,
+                                                             first, bcnt))
+    return pair, bleaf, first, bcnt, scan[-1] >> 32
 
 
 def _mma_round(mod, tree, queries, k, active, na, L, blocks, top, state):
@@ -541,7 +601,7 @@ def _row_sqnorms(tree):
     return got[1]
 
 
-def _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, L, descent, hcap):
+def _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, L, descent, hcap, bounded=True):
     """P-BANNS in batched rounds: each active query takes up to ``L`` leaves a round (pop ->
     descend, against the round's pruning distance: ``banns_collect``), every (query, leaf) pair
     is bucketed by leaf and a leaf is read once for all the queries of its bucket
@@ -561,15 +621,16 @@ def _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, L, d
     chunk = max(1, SLOT_KEYS // (L * k))
     if m > chunk:  # at most SLOT_KEYS slot keys at a time
         parts = [_banns_batched(tree, queries[a:a + chunk], k, budget, finish_below, roots, lim[a:a + chunk], mod,
-                                L, descent, hcap) for a in range(0, m, chunk)]
+                                L, descent, hcap, bounded) for a in range(0, m, chunk)]
         stats = {key: sum(p[2][key] for p in parts) for key in parts[0][2] if key != "leaves_visited"}
         stats["rounds"] = max(p[2]["rounds"] for p in parts)
         stats["leaves_visited"] = np.concatenate([p[2]["leaves_visited"] for p in parts])
         return cp.concatenate([p[0] for p in parts]), cp.concatenate([p[1] for p in parts]), stats
-    st = _BannsState(mod, tree, queries, k, roots, lim, hcap)
+    st = _BannsState(mod, tree, queries, k, roots, lim, hcap, bounded)
     active, na = st.active, int(st.active.size)
     ev = []
     E = cp.cuda.Event
+    rounds = 0
     while na > finish_below:
         e0 = E(); e0.record()
         leaf_of = cp.empty(na * L, cp.int32)
@@ -579,24 +640,25 @@ def _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, L, d
                                      st.TK, lim, st.HD, st.HN, st.HS, st.OVF, st.visits, np.int32(budget), leaf_of,
                                      keep, np.int32(DESCENT_IDS[descent])))
         e1 = E(); e1.record()
-        blocks = _leaf_blocks(leaf_of, qb)
+        blocks = _round_blocks(mod, tree, leaf_of, qb)
         e2 = E(); e2.record()
-        nb = 0
-        if blocks is not None:
-            pair, bleaf, first, cnt = blocks
-            nb = int(bleaf.size)
-            if mma is not None:
-                _mma_round(mod, tree, queries, k, active, na, L, blocks, st.top, mma)
-            else:
-                slots = cp.full((na * L, k), np.uint64(0xFFFFFFFFFFFFFFFF), cp.uint64)
-                f_scan((nb,), (SP,), (bleaf, first, cnt, active[pair // L], queries, tree.points, tree.perm,
-                                      tree.start, tree.end, np.int32(d), np.int32(k), slots, pair, st.top),
-                       shared_mem=SQ * d * 4)
+        pair, bleaf, first, cnt, nb = blocks
+        if mma is not None:
+            _mma_round(mod, tree, queries, k, active, na, L, blocks[:4], st.top, mma)
+        else:
+            slots = cp.full((na * L, k), np.uint64(0xFFFFFFFFFFFFFFFF), cp.uint64)
+            f_scan((int(bleaf.size),), (SP,), (bleaf, first, cnt, active[pair // L], queries, tree.points, tree.perm,
+                                               tree.start, tree.end, np.int32(d), np.int32(k), slots, pair, st.top),
+                   shared_mem=SQ * d * 4)
         e3 = E(); e3.record()
-        if blocks is not None and mma is None:
+        if mma is None:
             f_merge(_grid(na, 128), (128,), (active, np.int32(na), np.int32(L), np.int32(k), slots, st.top))
-        active = active[keep.astype(cp.bool_)]
-        na = int(active.size)
+        rounds += 1
+        if budget > 0 and rounds * L >= budget:  # every query has spent its budget (keep is all 0): no sync
+            active, na = active[:0], 0
+        else:
+            active = active[keep.astype(cp.bool_)]
+            na = int(active.size)
         e4 = E(); e4.record()
         ev.append((e0, e1, e2, e3, e4, nb))
     dist, ids, stats = st.finish(tree, queries, k, budget, active, ev)

@@ -427,6 +427,22 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
     """
     if not isinstance(tree, KDTree):
         raise InputError("tree must be a KDTree from build_kdtree()")
+    if tree.device == "gpu":
+        import cupy as cp
+
+        queries = check_points(cp.asarray(queries), "queries", dim=tree.n_dims, xp=cp)
+    else:
+        queries = check_points(to_numpy(queries), "queries", dim=tree.n_dims, xp=np)
+    return _query_checked(tree, queries, k, method=method, backtracks=backtracks, sliding_window=sliding_window,
+                          finish_below=finish_below, bounds=bounds, return_stats=return_stats, heap_cap=heap_cap,
+                          descent=descent, leaves_per_round=leaves_per_round)
+
+
+def _query_checked(tree, queries, k, *, method, backtracks, sliding_window, finish_below=None, bounds=None,
+                   return_stats=False, heap_cap=None, descent="auto", leaves_per_round=None):
+    """:func:`query_kdtree` of ``queries`` already checked (C-contiguous float32 on the tree's
+    device, finite, ``tree.n_dims`` wide): what a :class:`~.kdforest.KDForest` search calls
+    after its own check of the same array (a check is a pass over the queries and a host sync)."""
     if method not in ("anns", "banns"):
         raise InputError(f"method must be 'anns' or 'banns', got {method!r}")
     if not (isinstance(sliding_window, (bool, np.bool_)) or sliding_window in ("stream", "rotate", "tile")):
@@ -441,15 +457,15 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
 
         from . import _kdtree_gpu
 
-        queries = check_points(cp.asarray(queries), "queries", dim=tree.n_dims, xp=cp)
         k = check_k(k, tree.n_points)
         b = check_bounds(bounds, queries.shape[0], xp=cp)
         lim = _bound_limit(b, queries.shape[0], xp=cp)
         if roots is None:
             roots = cp.zeros(1, cp.int32)
-        if method == "banns":
-            res = _kdtree_gpu.banns(tree, queries, k, budget, sliding_window, finish_below, roots=roots, lim=lim,
-                                    hcap=cap, descent=descent, leaves_per_round=per_round)
+        if method == "banns":  # lim None: no bounds (every query has a root to search)
+            res = _kdtree_gpu.banns(tree, queries, k, budget, sliding_window, finish_below, roots=roots,
+                                    lim=None if b is None else lim, hcap=cap, descent=descent,
+                                    leaves_per_round=per_round)
         else:
             res = _kdtree_gpu.anns(tree, queries, k, budget, roots=roots, lim=lim, hcap=cap, descent=descent)
         if b is not None:
@@ -457,7 +473,6 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
             res[0][drop] = cp.inf
             res[1][drop] = -1
         return res if return_stats else res[:2]
-    queries = check_points(to_numpy(queries), "queries", dim=tree.n_dims, xp=np)
     k = check_k(k, tree.n_points)
     m = queries.shape[0]
     b = check_bounds(None if bounds is None else to_numpy(bounds), m, xp=np)

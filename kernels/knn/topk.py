@@ -8,6 +8,8 @@ so one row-wise sort does the lexicographic order on either backend.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..backend import array_module
@@ -21,6 +23,8 @@ MAX_ID = (1 << 32) - 1
 def pack(dist, ids):
     """uint64 keys (distance bits << 32 | id) ordering like (distance, id)."""
     xp = array_module(dist, ids)
+    if xp is not np:  # one kernel (the steps below, fused)
+        return _gpu_kernels()[0](xp.asarray(dist, dtype=xp.float32), ids.astype(xp.int64, copy=False))
     d = xp.ascontiguousarray(dist, dtype=xp.float32)
     d = xp.where(d < 0, xp.float32(0), d)  # -0.0 and rounding below zero sort as 0
     bits = d.view(xp.uint32).astype(xp.uint64)
@@ -29,10 +33,30 @@ def pack(dist, ids):
 
 def unpack(keys):
     xp = array_module(keys)
+    if xp is not np:
+        return _gpu_kernels()[1](keys)
     dist = (keys >> xp.uint64(32)).astype(xp.uint32).view(xp.float32)
     ids = (keys & xp.uint64(MAX_ID)).astype(xp.int64)
     ids[ids == MAX_ID] = -1
     return dist, ids
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_kernels():
+    """:func:`pack` and :func:`unpack` on the GPU, each one elementwise kernel (the same bits)."""
+    import cupy as cp
+
+    pack_k = cp.ElementwiseKernel(
+        "float32 dist, int64 idx", "uint64 key",
+        "float v = dist < 0.0f ? 0.0f : dist;"
+        " key = ((unsigned long long)__float_as_uint(v) << 32) | ((unsigned long long)idx & 0xFFFFFFFFull)",
+        "sf_pack_keys")
+    unpack_k = cp.ElementwiseKernel(
+        "uint64 key", "float32 dist, int64 idx",
+        "dist = __uint_as_float((unsigned int)(key >> 32));"
+        " unsigned long long u = key & 0xFFFFFFFFull; idx = u == 0xFFFFFFFFull ? -1LL : (long long)u",
+        "sf_unpack_keys")
+    return pack_k, unpack_k
 
 
 def merge_topk(parts, k: int):

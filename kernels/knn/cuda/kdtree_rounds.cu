@@ -366,3 +366,53 @@ extern "C" __global__ void banns_init(int m, const float* __restrict__ Q, int d,
     HS[qi] = hs;
     OVF[qi] = ovf;
 }
+
+// ---------------------------------------------------------------------------- round buckets
+// A batched round's (query, leaf) pairs bucketed by leaf with no host sync (a counting sort):
+//   bucket_count:   pairs per leaf (cnt, zeroed before)
+//   (host)          one inclusive scan of cnt | ceil(cnt / qb) << 32: each leaf's end in the
+//                   sorted pairs and in the blocks
+//   bucket_scatter: each pair at its leaf's next free position (the order inside a leaf is
+//                   whichever thread came first: a pair's scan is its own, so the lists are not)
+//   bucket_blocks:  each leaf's blocks of at most qb pairs (leaf, first position, count)
+// The host launches the leaf kernels over a bound of the block count (pairs / qb + leaves);
+// the blocks past the last keep leaf -1 and return at once.
+extern "C" __global__ void bucket_count(const int* __restrict__ leaf_of, long long n, int* __restrict__ cnt) {
+    long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (p >= n) return;
+    int l = leaf_of[p];
+    if (l >= 0) atomicAdd(cnt + l, 1);
+}
+extern "C" __global__ void bucket_pack(const int* __restrict__ cnt, int nnodes, int qb,
+                                       long long* __restrict__ packed) {
+    int l = blockIdx.x * blockDim.x + threadIdx.x;
+    if (l >= nnodes) return;
+    long long c = cnt[l];
+    packed[l] = c | (((c + qb - 1) / qb) << 32);
+}
+extern "C" __global__ void bucket_scatter(const int* __restrict__ leaf_of, long long n,
+                                          const long long* __restrict__ scan, const int* __restrict__ cnt,
+                                          int* __restrict__ cursor, int* __restrict__ pair) {
+    long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (p >= n) return;
+    int l = leaf_of[p];
+    if (l < 0) return;
+    long long base = (scan[l] & 0xFFFFFFFFLL) - cnt[l];
+    pair[base + atomicAdd(cursor + l, 1)] = (int)p;
+}
+extern "C" __global__ void bucket_blocks(const long long* __restrict__ scan, const int* __restrict__ cnt,
+                                         int nnodes, int qb, int* __restrict__ bleaf, int* __restrict__ first,
+                                         int* __restrict__ bcnt) {
+    int l = blockIdx.x * blockDim.x + threadIdx.x;
+    if (l >= nnodes) return;
+    int c = cnt[l];
+    if (c == 0) return;
+    long long v = scan[l];
+    int nb = (c + qb - 1) / qb;
+    int p0 = (int)(v & 0xFFFFFFFFLL) - c, b0 = (int)(v >> 32) - nb;
+    for (int j = 0; j < nb; ++j) {
+        bleaf[b0 + j] = l;
+        first[b0 + j] = p0 + j * qb;
+        bcnt[b0 + j] = min(qb, c - j * qb);
+    }
+}
