@@ -127,6 +127,15 @@ def check_index_build(store: str, reference: list[str] | None, shards, params: d
         if p.get("backtracks") is not None:
             raise InputError(f"give --recall or --backtracks, not both (got --recall {p['recall']} and "
                              f"--backtracks {p['backtracks']})")
+    if p.get("graph_degree") is not None:
+        if p.get("method", "banns") == "exact":
+            raise InputError("--graph needs a forest (--method banns or anns): an exact index searches every row")
+        for flag, key, lo, hi in (("--graph", "graph_degree", 1, 256), ("--graph-budget", "graph_budget", 1, None),
+                                  ("--graph-expand", "graph_expand", 1, 256), ("--graph-rounds", "graph_rounds", 0, 16)):
+            v = p.get(key)
+            if v is not None and not (lo <= int(v) and (hi is None or int(v) <= hi)):
+                raise InputError(f"{flag} must be " + (f"in {lo}..{hi}" if hi is not None else f"at least {lo}")
+                                 + f", got {v}")
     if dtype not in ("float32", "float16"):
         raise InputError(f"--dtype must be float32 or float16, got {dtype!r}")
     return st

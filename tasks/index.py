@@ -44,7 +44,8 @@ log = logging.getLogger("scanforest")
 
 TREE_ARRAYS = ("perm", "child", "split_dim", "split_val", "start", "end", "lo", "hi")
 FOREST_KEYS = ("n_trees", "leaf_size", "backtracks", "method", "random_dims", "seed", "max_depth", "sliding_window",
-               "split", "descent", "leaves_per_round", "recall")
+               "split", "descent", "leaves_per_round", "recall", "graph_degree", "graph_budget", "graph_expand",
+               "graph_rounds")
 
 
 REFERENCE_DTYPES = ("float32", "float16")
@@ -167,11 +168,19 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
         from scanforest.kernels.backend import resolve_device
 
         dev = resolve_device(device)
+        graph = params.get("graph_degree") is not None
         for i, (a, b) in enumerate(ranges):
             t = time.perf_counter()
-            # the trees only (no leaf-ordered copy): one copy of the shard's rows on the device
-            forest = _fit_forest(_stored_rows(reference, a, b, dev), params, i, dev, keep_rows=False)
-            _write_tree(store, g.require_group(f"shard_{i}"), forest.tree_)
+            # the trees only (no leaf-ordered copy): one copy of the shard's rows on the device; a
+            # graph is found by searching the rows, so its shard keeps them while it is built
+            forest = _fit_forest(_stored_rows(reference, a, b, dev), params, i, dev, keep_rows=graph)
+            grp = g.require_group(f"shard_{i}")
+            _write_tree(store, grp, forest.tree_)
+            if graph and getattr(forest, "graph_", None) is not None:
+                from scanforest.kernels.backend import to_numpy
+
+                store._write_array(grp, "graph", to_numpy(forest.graph_in_leaf_order()))
+                grp.attrs["graph"] = _jsonable({k: v for k, v in forest.graph_stats_.items() if k != "bytes"})
             del forest
             free_gpu_pool()  # a shard's rows and tree on the GPU: give them back before the next one
             build_s.append(time.perf_counter() - t)
@@ -208,7 +217,8 @@ def plan_for(n: int, d: int, params: dict[str, Any], device: str, *, k: int = 4,
     plan = plan_shards(n, d, mem, k=k, block=block, n_trees=int(params.get("n_trees") or 1),
                        leaf_size=int(params.get("leaf_size") or 64), method=params.get("method") or "banns",
                        device=dev, row_bytes=resident_row_bytes(dtype, dev),
-                       build_row_bytes=4 if dev == "gpu" else 0, shards=shards)
+                       build_row_bytes=4 if dev == "gpu" else 0, shards=shards,
+                       graph_degree=int(params.get("graph_degree") or 0))
     if not plan.fits:
         raise InputError(f"an index of {n:,} x {d} rows does not fit {len(mem)} {dev} device(s) of "
                          f"{min(mem) / 2**30:.1f} GiB: {plan.describe()}; it needs at least {plan.min_workers} "
@@ -270,7 +280,7 @@ def _write_tree(store: ScanStore, grp, tree) -> None:
 def _shard_nbytes(shard: Shard) -> int:
     """Bytes a resident shard holds (rows and tree), for Dask's placement decisions."""
     f = shard.forest
-    total = int(getattr(getattr(f, "_fit_X", None), "nbytes", 0))
+    total = int(getattr(getattr(f, "_fit_X", None), "nbytes", 0)) + int(getattr(getattr(f, "graph_", None), "nbytes", 0))
     tree = getattr(f, "tree_", None)
     if tree is not None:
         for name in TREE_ARRAYS + ("points",):
@@ -371,7 +381,14 @@ def load_shard(store: str | ScanStore, name: str, shard: int, device: str = "aut
     points = _leaf_rows(z, a, b, perm, dev, dtype=np.float16 if half else np.float32)
     tree = KDTree(dev, points=points, depth=int(tg.attrs["depth"]), leaf_size=int(tg.attrs["leaf_size"]),
                   params=dict(tg.attrs.get("params", {})), data=None, **arrays)
-    return Shard(a, b, resident_forest(tree, params, shard, dev, int(b - a)))
+    forest = resident_forest(tree, params, shard, dev, int(b - a))
+    if "graph" in tg:  # over the leaf-ordered rows the shard holds (KDForest.graph_in_leaf_order)
+        graph = np.asarray(tg["graph"][...], np.int32)
+        if graph.shape[0] != b - a or (graph.size and (graph.min() < -1 or graph.max() >= b - a)):
+            raise InputError(f"index {name!r} shard {shard} in {st.path}: its graph does not join its {b - a} rows "
+                             "(a damaged store: rebuild the index)")
+        forest.set_leaf_graph(xp.asarray(graph))
+    return Shard(a, b, forest)
 
 
 def resident_forest(tree, params: dict[str, Any], shard: int, dev: str, rows: int):

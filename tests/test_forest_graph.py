@@ -312,3 +312,65 @@ def test_gpu_walk_leave_one_out_and_wide_lists(rng):
             d, i = g._expand(Qd, d, i, e, kk, exclude=own, done=done, r=r)
         np.testing.assert_array_equal(got_i.get(), i.get())
         np.testing.assert_array_equal(got_d.get(), d.get())
+
+
+def _stored_graph_check(tmp_path, rng, device, xp):
+    """An index stored with a graph (``build_index(params={"graph_degree": ...})``, what ``index
+    build --graph`` runs): each shard keeps its graph over its leaf-ordered rows, and a loaded
+    shard walks it to the answer of the same forest and graph fitted in memory; without the graph
+    the same budget finds less."""
+    from scanforest.tasks import index as idx
+
+    X, Q = _clustered(rng, 6000, 300, 24)
+    k, store = 4, str(tmp_path / "g.zarr")
+    params = {"leaf_size": 16, "graph_degree": 12, "graph_budget": 32, "graph_expand": 4, "graph_rounds": 2}
+    res = idx.build_index(store, "g", X, shards=2, params=params, device=device)
+    plain = idx.build_index(store, "p", X, shards=2, params={"leaf_size": 16}, device=device)
+    assert res["status"] == plain["status"] == "built" and res["content_hash"] != plain["content_hash"]
+    ed, _ = knn_bruteforce(X, Q, k)
+    got, base = [], []
+    for s, (a, b) in enumerate([(0, 3000), (3000, 6000)]):
+        shard = idx.load_shard(store, "g", s, device)
+        f = shard.forest
+        assert f.graph_stats_["stored"] and f.graph_.shape == (b - a, 12) and f._fit_X is None
+        mem = idx._fit_forest(xp.asarray(X[a:b]), dict(params, split="variance"), s, device)
+        assert mem.graph_ is not None
+        np.testing.assert_array_equal(_np(f.graph_), _np(mem.graph_in_leaf_order()))
+        sd, si = f.query(xp.asarray(Q), k, backtracks=2)
+        md, mi = mem.query(xp.asarray(Q), k, backtracks=2)
+        np.testing.assert_array_equal(_np(si), _np(mi))  # random rows: no distance ties
+        np.testing.assert_array_equal(_np(sd), _np(md))
+        np.testing.assert_array_equal(_np(sd), pair_distances(X[a:b], Q, _np(si)))
+        # a bounded search (a sharded search's second phase) walks the stored graph round by round
+        bound = xp.asarray(np.quantile(_np(md)[:, -1], 0.5) * np.ones(len(Q), np.float32))
+        bd_, bi_ = f.query(xp.asarray(Q), k, backtracks=2, bounds=bound)
+        np.testing.assert_array_equal(_np(bi_), _np(mem.query(xp.asarray(Q), k, backtracks=2, bounds=bound)[1]))
+        assert np.isinf(_np(bd_)).any() and (_np(bd_)[np.isfinite(_np(bd_))] < _np(bound)[0]).all()
+        got.append((_np(sd), _np(si) + a))
+        pd, pi = idx.load_shard(store, "p", s, device).forest.query(xp.asarray(Q), k, backtracks=2)
+        base.append((_np(pd), _np(pi) + a))
+        # a leave-one-out calibration maps its own rows out of the walk too
+        cal = f.calibrate(k, 0.9)
+        assert cal["budget"] is not None and cal["recall"] >= 0.9
+    from scanforest.kernels.knn.topk import merge_topk
+
+    gd, _ = merge_topk(got, k)
+    bd, _ = merge_topk(base, k)
+    assert _recall(gd, ed, k) > _recall(bd, ed, k)
+
+
+def _np(a):
+    from scanforest.kernels.backend import to_numpy
+
+    return to_numpy(a)
+
+
+def test_stored_index_keeps_its_graph(tmp_path, rng):
+    _stored_graph_check(tmp_path, rng, "cpu", np)
+
+
+@pytest.mark.gpu
+def test_gpu_stored_index_keeps_its_graph(tmp_path, rng):
+    import cupy as cp
+
+    _stored_graph_check(tmp_path, rng, "gpu", cp)

@@ -104,6 +104,16 @@ def test_pcl_clouds_through_every_stage_and_the_report(user_env, tmp_path, pcl_d
     html = tmp_path / "report.html"
     _ok(sf("report", store, "-o", str(html), env=user_env, cwd=tmp_path))
     _render_in_chromium(html, tmp_path)
+    # an index with a neighbour graph (index build --graph): stored beside its trees, walked by match
+    ix = json.loads(_ok(sf("index", "build", store, "-r", scene, "--name", "g", "--graph", "8", "--backtracks", "4",
+                           "--json", env=user_env, cwd=tmp_path)))
+    assert ix["status"] == "built", ix
+    import zarr
+
+    graph = zarr.open_group(store, mode="r")["indexes/g/shard_0/graph"]
+    assert graph.shape[1] == 8 and graph.shape[0] == ix["n"], (graph.shape, ix)
+    gm = json.loads(_ok(sf("match", store, "--name", "g", "-q", scene, "--json", env=user_env, cwd=tmp_path)))
+    assert gm["matched"] == 1 and gm["queries"] >= ix["n"] > 100, gm
 
 
 def _render_in_chromium(html: Path, tmp_path: Path) -> None:

@@ -106,6 +106,14 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                                "rows (per k, at its first search)."),
         random_dims: Optional[int] = typer.Option(None, help="Randomized split among the F widest dimensions."),
         seed: int = typer.Option(0),
+        graph: Optional[int] = typer.Option(None, "--graph", help="Also a neighbour graph of this many neighbours "
+                                            "a row in every shard: a search with a budget walks it from the "
+                                            "forest's answer (more found at the same budget; its build searches "
+                                            "every row, ~10x the trees' time)."),
+        graph_budget: int = typer.Option(128, "--graph-budget", help="Leaves a row's graph search scans."),
+        graph_expand: int = typer.Option(4, "--graph-expand", help="List entries whose graph neighbours a round "
+                                         "scores."),
+        graph_rounds: int = typer.Option(2, "--graph-rounds", help="Rounds of the walk."),
         dtype: str = typer.Option("float32", help="Stored rows: float32, or float16 (half the disk and host "
                                   "memory; searches are exact for the rounded rows)."),
         device: str = DeviceOpt,
@@ -120,7 +128,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             raise InputError("give the index's reference: --reference SCANS or --library NAME (one of them)")
         chosen = _pick(store, reference, "--reference") if reference else None
         params = {"method": method, "leaf_size": leaf_size, "backtracks": backtracks,
-                  "random_dims": random_dims, "seed": seed, **({} if recall is None else {"recall": recall})}
+                  "random_dims": random_dims, "seed": seed, **({} if recall is None else {"recall": recall}),
+                  **({} if graph is None else {"graph_degree": graph, "graph_budget": graph_budget,
+                                               "graph_expand": graph_expand, "graph_rounds": graph_rounds})}
         check_index_build(store, chosen, shards, params, dtype, library=library)
         from scanforest.flows.match import run_index_build
 

@@ -167,7 +167,8 @@ class KDForest:
         since): 2,428,433 queries/s at 0.951 and 822,860 at 0.981 (1.53x / 1.40x CAGRA), in
         batches of 10k queries 1.16x / 1.21x. On two CPU cores (200k rows, 4 trees of 32) one round was
         2.6x the forest alone at recall 0.9 and 0.95, its build 72 s against the trees' 8.6 s.
-        Not held by stored indexes yet. The answer stays canonical: every distance is the
+        A stored index keeps each shard's graph over its leaf-ordered rows (``index build
+        --graph``, :meth:`graph_in_leaf_order`). The answer stays canonical: every distance is the
         brute force's for that pair, and an unlimited budget (the exact forest) is not
         expanded. ``None``: no graph.
     graph_expand : int, default 4
@@ -346,6 +347,8 @@ class KDForest:
                                         random_dims=rand_f or None, seed=seed, split=self.split, device=dev,
                                         leaf_rows=keep_rows)
         self.graph_, self.graph_stats_ = None, {}
+        self.__dict__.pop("_leaf_graph", None)
+        self.__dict__.pop("_leaf_inv", None)
         if self.graph_degree is not None and self.method != "exact" and keep_rows and self.n_samples_fit_ > 1:
             self._build_graph(X)
         self.stats_ = {}
@@ -456,7 +459,19 @@ class KDForest:
         kk = min(max(int(k), e * rounds + (exclude is not None)), self.n_samples_fit_)
         dist, ids, stats = self._forest_search(Q, kk, budget, bounds)
         t0 = time.perf_counter()
-        dist, ids = self._rounds(Q, dist, ids, e, rounds, kk, bounds, exclude)
+        leaf = self._leaf_positions()
+        if leaf is None:
+            dist, ids = self._rounds(Q, dist, ids, e, rounds, kk, bounds, exclude)
+        else:  # a stored index's graph joins the rows' leaf positions: walk there, answer in ids
+            xp = np
+            if self.device_ == "gpu":
+                import cupy as xp
+            perm, inv = leaf
+            pos = xp.where(ids >= 0, inv[xp.maximum(ids, 0)], -1)
+            ex = None if exclude is None else inv[exclude]
+            dist, pos = self._rounds(Q, dist, pos, e, rounds, kk, bounds, ex)
+            ids = xp.where(pos >= 0, perm[xp.maximum(pos, 0)], -1)
+            dist, ids = merge_topk_unique([(dist, ids)], kk)  # (distance, id) order again, as every search answers
         scored = int(Q.shape[0]) * e * rounds * int(g.shape[1])
         if self.device_ == "gpu":
             import cupy as cp
@@ -481,11 +496,11 @@ class KDForest:
         xp = np
         if self.device_ == "gpu":
             import cupy as xp
-        if (self.device_ == "gpu" and bounds is None and self._fit_X.dtype == np.float32
-                and _graph_gpu.walk_fits(kk, e)):
+        X = self._graph_rows()
+        if self.device_ == "gpu" and bounds is None and X.dtype == np.float32 and _graph_gpu.walk_fits(kk, e):
             from .topk import pack, unpack
 
-            return unpack(_graph_gpu.walk(self._fit_X, Q, self.graph_, pack(dist, ids), e, rounds, exclude))
+            return unpack(_graph_gpu.walk(X, Q, self.graph_, pack(dist, ids), e, rounds, exclude))
         done = xp.full((int(Q.shape[0]), e * rounds), -1, xp.int64)  # the entries expanded so far
         for r in range(rounds):
             dist, ids = self._expand(Q, dist, ids, e, kk, bounds, exclude, done, r)
@@ -506,7 +521,7 @@ class KDForest:
         xp = np
         if self.device_ == "gpu":
             import cupy as xp
-        g = self.graph_
+        g, X = self.graph_, self._graph_rows()
         m, deg = int(Q.shape[0]), int(g.shape[1])
         if done is None:
             done, r = xp.full((m, e), -1, xp.int64), 0
@@ -517,14 +532,13 @@ class KDForest:
             seeds = _next_seeds(ids, done[:, :r * e], exclude, e, np)
             done[:, r * e:(r + 1) * e] = seeds
             out_d, out_i = np.empty((m, kk), np.float32), np.empty((m, kk), np.int64)
-            graph_round(self._fit_X, np.ascontiguousarray(Q, dtype=np.float32), g,
+            graph_round(X, np.ascontiguousarray(Q, dtype=np.float32), g,
                         np.ascontiguousarray(dist, dtype=np.float32), np.ascontiguousarray(ids, dtype=np.int64),
                         seeds, out_d, out_i)
             return out_d, out_i
         # canonical keys scored and merged by the GPU kernels, or (bounds, float16 rows, lists longer
         # than the merge holds) scored and sorted the generic way
-        kernels = (self.device_ == "gpu" and lim is None and self._fit_X.dtype == np.float32
-                   and _graph_gpu.fits(kk))
+        kernels = self.device_ == "gpu" and lim is None and X.dtype == np.float32 and _graph_gpu.fits(kk)
         step = max(1, GRAPH_CHUNK_PAIRS // max(1, e * deg))
         out_d, out_i = [], []
         for a in range(0, m, step):
@@ -535,10 +549,10 @@ class KDForest:
             cand = g[xp.maximum(seeds, 0)].astype(xp.int64).reshape(seeds.shape[0], e * deg)
             cand = xp.where(xp.repeat(seeds < 0, deg, axis=1), -1, cand)
             if kernels:
-                dd, ii = unpack(_graph_gpu.merge(pack(d0, i0), _graph_gpu.pair_keys(self._fit_X, Q[a:a + step], cand),
+                dd, ii = unpack(_graph_gpu.merge(pack(d0, i0), _graph_gpu.pair_keys(X, Q[a:a + step], cand),
                                                  kk))
             else:
-                cd = pair_distances(self._fit_X, Q[a:a + step], cand, device=self.device_)
+                cd = pair_distances(X, Q[a:a + step], cand, device=self.device_)
                 if lim is not None:
                     far = cd >= lim[a:a + step, None]
                     cd, cand = xp.where(far, xp.float32(np.inf), cd), xp.where(far, -1, cand)
@@ -571,6 +585,62 @@ class KDForest:
         self.graph_ = out
         self.graph_stats_ = {"degree": deg, "budget": self.graph_budget, "seconds": time.perf_counter() - t0,
                              "bytes": int(out.nbytes)}
+
+    def _graph_rows(self):
+        """The rows the graph's ids index: the fitted rows, or a stored index's leaf-ordered rows
+        (:meth:`set_leaf_graph`; the first tree's order)."""
+        if self._fit_X is not None:
+            return self._fit_X
+        return self.tree_.points[:self.n_samples_fit_]
+
+    def _leaf_positions(self):
+        """``(perm, inverse)`` of a graph over leaf positions (:meth:`set_leaf_graph`), else None."""
+        if not self.__dict__.get("_leaf_graph"):
+            return None
+        got = self.__dict__.get("_leaf_inv")
+        if got is None:
+            xp = np
+            if self.device_ == "gpu":
+                import cupy as xp
+            perm = self.tree_.perm[:self.n_samples_fit_].astype(xp.int64)
+            inv = xp.empty_like(perm)
+            inv[perm] = xp.arange(perm.size, dtype=xp.int64)
+            got = self.__dict__["_leaf_inv"] = (perm, inv)
+        return got
+
+    def graph_in_leaf_order(self):
+        """``graph_`` over the rows' positions in the first tree's leaf order (row ``perm[p]``
+        at position ``p``): what a stored index keeps beside its leaf-ordered rows (int32,
+        (N, D); -1 where a row has fewer neighbours). :meth:`set_leaf_graph` takes it back."""
+        if getattr(self, "graph_", None) is None:
+            raise InputError("this KDForest has no graph (fit it with graph_degree=...)")
+        if self.__dict__.get("_leaf_graph"):
+            return self.graph_
+        xp = np
+        if self.device_ == "gpu":
+            import cupy as xp
+        n = self.n_samples_fit_
+        perm = self.tree_.perm[:n].astype(xp.int64)
+        inv = xp.empty_like(perm)
+        inv[perm] = xp.arange(n, dtype=xp.int64)
+        g = self.graph_[perm]
+        return xp.where(g >= 0, inv[xp.maximum(g, 0)], -1).astype(xp.int32)
+
+    def set_leaf_graph(self, graph) -> "KDForest":
+        """Follow ``graph`` ((N, D) int32 over leaf positions, :meth:`graph_in_leaf_order`): a
+        stored index's forest, whose rows are held in leaf order only. A search maps its ids to
+        positions for the rounds and back, each list again in (distance, id) order."""
+        xp = np
+        if self.device_ == "gpu":
+            import cupy as xp
+        g = xp.asarray(graph, dtype=xp.int32)
+        if g.ndim != 2 or int(g.shape[0]) != self.n_samples_fit_:
+            raise InputError(f"a leaf-ordered graph needs one row per indexed row ({self.n_samples_fit_}), "
+                             f"got shape {tuple(g.shape)}")
+        self.graph_, self.graph_stats_ = g, {"degree": int(g.shape[1]), "bytes": int(g.nbytes), "stored": True}
+        self.__dict__["_leaf_graph"] = True
+        self.__dict__.pop("_leaf_inv", None)
+        return self
 
     def calibrate(self, k: int, recall: float) -> dict:
         """The smallest leaf budget whose recall@``k`` on a sample of the indexed rows is >= ``recall``.

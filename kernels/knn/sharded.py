@@ -125,19 +125,21 @@ MAX_BLOCK = {"gpu": 262_144, "cpu": 65_536}
 
 
 def shard_resident_bytes(rows: int, d: int, *, n_trees: int = 1, leaf_size: int = 64,
-                         method: str = "banns", row_bytes: int = 4) -> int:
+                         method: str = "banns", row_bytes: int = 4, graph_degree: int = 0) -> int:
     """Bytes a loaded shard of ``rows`` rows holds on its device: for the exact method the rows;
     for a forest each tree's leaf-ordered rows, permutation and nodes (at most 4 per
     ``leaf_size`` rows; a node is its child, split, point range and a box of 2 x ``d`` floats).
     ``row_bytes`` per value: 2 for a float16 index on a GPU, which keeps its rows in half
     precision (and, once searched, their squared norms for the tensor-core leaf scan: 4 bytes a
-    row), else 4."""
+    row), else 4. ``graph_degree``: a neighbour graph over the rows (4 bytes a neighbour) and the
+    inverse of the leaf order its searches map ids through (8 bytes a row)."""
     rows, d = int(rows), int(d)
     if method == "exact":
         return rows * d * int(row_bytes)
     nodes = 4 * -(-rows // int(leaf_size))
     norms = 4 if int(row_bytes) == 2 else 0
-    return int(n_trees) * (rows * (d * int(row_bytes) + norms) + rows * 8 + nodes * (28 + 8 * d))
+    graph = rows * (4 * int(graph_degree) + 8) if graph_degree else 0
+    return int(n_trees) * (rows * (d * int(row_bytes) + norms) + rows * 8 + nodes * (28 + 8 * d)) + graph
 
 
 def search_working_bytes(rows: int, d: int, block: int, k: int, *, device: str = "gpu") -> int:
@@ -215,7 +217,7 @@ class ShardPlan:
 def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int | None = None, n_trees: int = 1,
                 leaf_size: int = 64, method: str = "banns", device: str = "gpu", headroom: float = 0.85,
                 min_block: int = 256, row_bytes: int = 4, build_row_bytes: int = 0,
-                shards: int | None = None) -> ShardPlan:
+                shards: int | None = None, graph_degree: int = 0) -> ShardPlan:
     """Shards, replicas and query block for ``n`` x ``d`` reference rows on workers of
     ``memory_bytes`` each (an int, or one per worker, i.e. per GPU: the smallest counts).
 
@@ -230,7 +232,8 @@ def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int | None =
     ``shards`` fixes the shard count (a stored index's) and plans only its replicas.
     ``fits=False`` means even ``min_block`` does not fit one shard per worker; then
     ``min_workers`` is the number of such workers the index needs. ``row_bytes``: bytes per
-    resident value of the rows (2 for a float16 index on GPUs).
+    resident value of the rows (2 for a float16 index on GPUs). ``graph_degree``: each shard
+    also holds a neighbour graph of that degree (and builds it where its trees are built).
     """
     mem = [int(m) for m in (memory_bytes if hasattr(memory_bytes, "__len__") else [memory_bytes])]
     if not mem or min(mem) <= 0:
@@ -251,8 +254,9 @@ def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int | None =
         rows = -(-int(n) // s)
         each = -(-s // on)  # shards a worker holds (more than one only when s > on)
         res = each * shard_resident_bytes(rows, d, n_trees=n_trees, leaf_size=leaf_size, method=method,
-                                          row_bytes=row_bytes)
-        bld = (res * (each - 1) // each + build_bytes(rows, d, leaf_size=leaf_size, row_bytes=build_row_bytes)
+                                          row_bytes=row_bytes, graph_degree=graph_degree)
+        bld = (res * (each - 1) // each + build_bytes(rows, d, leaf_size=leaf_size, row_bytes=build_row_bytes,
+                                                      graph_degree=graph_degree)
                if build_row_bytes else 0)  # one shard built beside those already resident
         b = fit_block(rows, d, k, cap - max(res, bld), block=block, min_block=min_block, device=device)
         return rows, res, bld, b, search_working_bytes(rows, d, b, k, device=device)
@@ -294,8 +298,15 @@ def plan_shards(n: int, d: int, memory_bytes, *, k: int = 4, block: int | None =
     return ShardPlan(s, b, rows, res, work, min(mem), fits, w, replicas, workers, bld, why)
 
 
-def build_bytes(rows: int, d: int, *, leaf_size: int = 64, row_bytes: int = 4) -> int:
+def build_bytes(rows: int, d: int, *, leaf_size: int = 64, row_bytes: int = 4, graph_degree: int = 0) -> int:
     """Bytes on a device while a shard's tree is built there: its rows at ``row_bytes`` per value
     (the build works on float32 rows), the permutation and the nodes: a resident shard's bytes
-    at those rows, and the build's second 8 bytes a row."""
-    return shard_resident_bytes(rows, d, leaf_size=leaf_size, row_bytes=row_bytes) + 8 * int(rows)
+    at those rows, and the build's second 8 bytes a row. A graph (``graph_degree``) is found by
+    searching the rows: its build keeps them in input order beside the leaf-ordered copy, with
+    the graph and one chunk of searches (:data:`~.kdforest.GRAPH_CHUNK_PAIRS` keys)."""
+    total = shard_resident_bytes(rows, d, leaf_size=leaf_size, row_bytes=row_bytes, graph_degree=graph_degree)
+    if graph_degree:
+        from .kdforest import GRAPH_CHUNK_PAIRS
+
+        total += int(rows) * int(d) * 4 + 16 * GRAPH_CHUNK_PAIRS
+    return total + 8 * int(rows)
