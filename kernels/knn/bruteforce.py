@@ -602,8 +602,8 @@ class _CoarseBuffers:
         with self._lock:
             fits = [x for x in self._free if x[0].size >= need]
             item = min(fits, key=lambda x: x[0].size) if fits else None
-            if item is not None:
-                self._free.remove(item)
+            if item is not None:  # by identity: list.remove compares with ==, elementwise on CuPy arrays
+                del self._free[next(i for i, x in enumerate(self._free) if x is item)]
         if item is None:
             buf = cp.empty(max(1, -(-need // _WS_GRAIN)) * _WS_GRAIN, cp.float32)
         else:
