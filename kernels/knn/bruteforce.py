@@ -851,6 +851,15 @@ def pair_distances(base, queries, ids, *, device: str = "auto"):
     if ids.ndim != 2 or ids.shape[0] != queries.shape[0] or ids.dtype.kind not in "iu":
         raise InputError(f"ids must be an (M, k) integer array with M = {queries.shape[0]}, "
                          f"got {ids.dtype} {ids.shape}")
+    return pair_distances_checked(base, queries, ids, dev)
+
+
+def pair_distances_checked(base, queries, ids, dev: str):
+    """:func:`pair_distances` of arrays already checked and placed on ``dev`` (a search's own
+    rows, queries and candidate ids: no pass over the base to check it again)."""
+    xp = np
+    if dev == "gpu":
+        import cupy as xp
     ids = ids.astype(xp.int64, copy=False)
     if dev == "gpu":
         n = base.shape[0]

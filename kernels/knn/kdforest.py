@@ -515,7 +515,7 @@ class KDForest:
         ``bounds``, only points strictly closer than a query's bound enter, as in the forest's
         search. Queries go in chunks of :data:`GRAPH_CHUNK_PAIRS` scored pairs."""
         from . import _graph_gpu
-        from .bruteforce import pair_distances
+        from .bruteforce import pair_distances_checked
         from .topk import pack, unpack
 
         xp = np
@@ -552,7 +552,7 @@ class KDForest:
                 dd, ii = unpack(_graph_gpu.merge(pack(d0, i0), _graph_gpu.pair_keys(X, Q[a:a + step], cand),
                                                  kk))
             else:
-                cd = pair_distances(X, Q[a:a + step], cand, device=self.device_)
+                cd = pair_distances_checked(X, Q[a:a + step], cand, self.device_)  # the index's own rows
                 if lim is not None:
                     far = cd >= lim[a:a + step, None]
                     cd, cand = xp.where(far, xp.float32(np.inf), cd), xp.where(far, -1, cand)
