@@ -406,8 +406,14 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
             raise InputError("--graph-rounds needs at least one round count")
         for e in graph_expands:
             for rr in graph_rounds:
-                KDForest(graph_degree=int(graph), graph_expand=int(e), graph_rounds=int(rr),
-                         graph_budget=int(graph_budget))._validate()
+                try:
+                    KDForest(graph_degree=int(graph), graph_expand=int(e), graph_rounds=int(rr),
+                             graph_budget=int(graph_budget))._validate()
+                except InputError as exc:  # named as the command's options
+                    msg = str(exc)
+                    for key in ("graph_degree", "graph_expand", "graph_rounds", "graph_budget"):
+                        msg = msg.replace(key, "--" + key.replace("_", "-").replace("-degree", ""))
+                    raise InputError(msg) from None
         if not graph_leaves or any(int(b) < 1 for b in graph_leaves):
             raise InputError(f"--graph-leaves must be positive leaf counts, got {list(graph_leaves)}")
     if radius is not None and (not real or not radius > 0):
