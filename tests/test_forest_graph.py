@@ -220,8 +220,8 @@ def test_bench_tools_graph_rows(tmp_path):
         assert q.extra["recall"] == r1 and r1 > plain
         assert rows[f"scanforest KDForest + graph (expand {e} x 2) recall@4, 1 trees, 1 leaves"].value > r1
     assert rep.params["graph"] == {"degree": 8, "expand": [2, 4], "rounds": [1, 2], "budget": 8, "leaves": [1, 2]}
-    for bad, match in ((dict(graph=300), "graph_degree"), (dict(graph=8, graph_expands=[0]), "graph_expand"),
-                       (dict(graph=8, graph_rounds=[-1]), "graph_rounds"), (dict(graph=8, graph_rounds=[]), "rounds"),
+    for bad, match in ((dict(graph=300), "--graph must"), (dict(graph=8, graph_expands=[0]), "--graph-expand"),
+                       (dict(graph=8, graph_rounds=[-1]), "--graph-rounds"), (dict(graph=8, graph_rounds=[]), "rounds"),
                        (dict(graph=8, graph_leaves=[0]), "--graph-leaves")):
         with pytest.raises(InputError, match=match):  # before anything is measured
             bench_tools.run(100, 10, 4, 2, device="cpu", out=tmp_path / "bad.json", **bad)
