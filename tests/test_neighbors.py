@@ -69,6 +69,33 @@ def test_knn_matches_brute_force(cloud):
         np.testing.assert_array_equal(d2[q], full[q, ref])
 
 
+def _knn_cases(rng):
+    g = rng.standard_normal((3000, 3)).astype(np.float32)
+    lattice = np.round(rng.random((3000, 3)) * 8).astype(np.float32)  # many exact ties
+    plane = (np.concatenate([rng.random((2000, 2)), np.zeros((2000, 1))], 1) + 1e5).astype(np.float32)
+    speck = np.concatenate([rng.random((3000, 3)) * 0.01, [[50, 50, 50], [-40, 3, 2]]]).astype(np.float32)
+    two = np.zeros((500, 3), np.float32)
+    two[250:] = 1
+    return [("gaussian", g, g[:400], 10), ("lattice ties", lattice, lattice[:400], 12),
+            ("queries outside the cloud", g, (rng.standard_normal((200, 3)) * 10).astype(np.float32), 7),
+            ("a plane far from the origin", plane, plane[:300], 10), ("k = N", g[:20], g[:20], 20),
+            ("outliers", speck, speck[-5:], 10), ("two stacks of duplicates", two, two[::50], 10)]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_knn_grid_is_exact_where_it_is_hard(rng, case):
+    """The CPU k-NN's cell list (shells of cells until the k-th distance lies inside the block
+    searched) against the float32 brute force, ties by index: dense ties, queries far outside the
+    cloud, coordinates far from the origin, outliers whose neighbours are many shells away, all
+    points equal."""
+    name, pts, qs, k = _knn_cases(rng)[case]
+    idx, d2 = knn(pts, qs, k=k, device="cpu")
+    full = brute_d2(pts, qs)
+    ref = np.lexsort((np.broadcast_to(np.arange(pts.shape[0]), full.shape), full), axis=1)[:, :k]
+    np.testing.assert_array_equal(idx, ref, err_msg=name)
+    np.testing.assert_array_equal(d2, np.take_along_axis(full, ref, 1), err_msg=name)
+
+
 def test_bad_inputs(cloud):
     pts, qs = cloud
     with pytest.raises(InputError, match="shape"):

@@ -297,3 +297,82 @@ def verify_points(hyp, src, T, VP, VN, vx, vy, vz, P, cs, origin, inv_h, dims, r
         bi = grid_nearest(P, cs, origin, inv_h, dims, wx, wy, wz, r2)
         out[i] = vox[order[bi]] if bi >= 0 else -1
     return out
+
+
+@njit(cache=True, inline="always")
+def _knn_insert(bd, bi, cnt, k, d, i):
+    """Insert (d, i) into the ascending (distance, index) list ``bd``/``bi`` holding ``cnt``
+    entries (at most ``k``); returns the new count."""
+    if cnt == k:
+        if d > bd[k - 1] or (d == bd[k - 1] and i > bi[k - 1]):
+            return cnt
+        p = k - 1
+    else:
+        p = cnt
+        cnt += 1
+    while p > 0 and (bd[p - 1] > d or (bd[p - 1] == d and bi[p - 1] > i)):
+        bd[p] = bd[p - 1]
+        bi[p] = bi[p - 1]
+        p -= 1
+    bd[p] = d
+    bi[p] = i
+    return cnt
+
+
+@njit(cache=True, parallel=True)
+def grid_knn(P, order, cs, origin, inv_h, dims, qs, k, out_i, out_d2):
+    """The exact ``k`` nearest points of each query (float32 :func:`sqdist32`, ties by the
+    smaller index, as :func:`exact_sq_dist_sort` orders them), from the cell list: the query's
+    cell, then shells of cells around it, until the ``k``-th distance lies inside the block
+    searched (or the block covers the grid). ``order`` maps the cell-sorted ``P`` to indices."""
+    h = 1.0 / np.float64(inv_h)
+    span = 0.0
+    for a in range(3):
+        span = max(span, abs(np.float64(origin[a])) + dims[a] * h)
+    eps = 4e-6 * span + 1e-30  # float32 cell assignment and coordinates: a point's cell may be off by this
+    for q in prange(qs.shape[0]):
+        qx = np.float32(qs[q, 0])
+        qy = np.float32(qs[q, 1])
+        qz = np.float32(qs[q, 2])
+        c0 = _cell(qx, origin[0], inv_h, dims[0])
+        c1 = _cell(qy, origin[1], inv_h, dims[1])
+        c2 = _cell(qz, origin[2], inv_h, dims[2])
+        bd = out_d2[q]
+        bi = out_i[q]
+        cnt = 0
+        r = 0
+        while True:
+            for z in range(max(c2 - r, 0), min(c2 + r, dims[2] - 1) + 1):
+                zs = abs(z - c2) == r
+                for y in range(max(c1 - r, 0), min(c1 + r, dims[1] - 1) + 1):
+                    base = (z * dims[1] + y) * dims[0]
+                    if zs or abs(y - c1) == r:  # a face row of the shell: every x of the block
+                        x0 = max(c0 - r, 0)
+                        x1 = min(c0 + r, dims[0] - 1)
+                        for j in range(cs[base + x0], cs[base + x1 + 1]):
+                            cnt = _knn_insert(bd, bi, cnt, k,
+                                              sqdist32(qx, qy, qz, P[j, 0], P[j, 1], P[j, 2]), order[j])
+                    else:  # inside rows: the shell's two ends
+                        for x in (c0 - r, c0 + r):
+                            if 0 <= x < dims[0]:
+                                for j in range(cs[base + x], cs[base + x + 1]):
+                                    cnt = _knn_insert(bd, bi, cnt, k,
+                                                      sqdist32(qx, qy, qz, P[j, 0], P[j, 1], P[j, 2]), order[j])
+            # every point outside the block is farther than g: the nearest face with cells beyond it
+            g = np.inf
+            whole = True
+            for a in range(3):
+                c = c0 if a == 0 else (c1 if a == 1 else c2)
+                v = np.float64(qx if a == 0 else (qy if a == 1 else qz))
+                if c - r > 0:
+                    g = min(g, v - (np.float64(origin[a]) + (c - r) * h))
+                    whole = False
+                if c + r < dims[a] - 1:
+                    g = min(g, np.float64(origin[a]) + (c + r + 1) * h - v)
+                    whole = False
+            if whole:
+                break
+            g -= eps
+            if cnt == k and g > 0 and np.float64(bd[k - 1]) < g * g * (1.0 - 1e-5):
+                break
+            r += 1
