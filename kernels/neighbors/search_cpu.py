@@ -99,18 +99,6 @@ def _sort_segment(idx, d2):
         d2[t] = e2[order[t]]
 
 
-@njit(cache=True, parallel=True)
-def exact_sq_dist_sort(pts, qs, idx):
-    nq, k = idx.shape
-    d2 = np.empty((nq, k), np.float32)
-    for q in prange(nq):
-        for j in range(k):
-            i = idx[q, j]
-            d2[q, j] = sqdist32(qs[q, 0], qs[q, 1], qs[q, 2], pts[i, 0], pts[i, 1], pts[i, 2])
-        _sort_segment(idx[q], d2[q])
-    return idx, d2
-
-
 # ---------------------------------------------------------------------------------------------
 # uniform grid (cell list), the CPU twin of search_gpu
 # ---------------------------------------------------------------------------------------------
@@ -322,7 +310,7 @@ def _knn_insert(bd, bi, cnt, k, d, i):
 @njit(cache=True, parallel=True)
 def grid_knn(P, order, cs, origin, inv_h, dims, qs, k, out_i, out_d2):
     """The exact ``k`` nearest points of each query (float32 :func:`sqdist32`, ties by the
-    smaller index, as :func:`exact_sq_dist_sort` orders them), from the cell list: the query's
+    smaller index, the order of :func:`grid_radius`'s sorted lists), from the cell list: the query's
     cell, then shells of cells around it, until the ``k``-th distance lies inside the block
     searched (or the block covers the grid). ``order`` maps the cell-sorted ``P`` to indices."""
     h = 1.0 / np.float64(inv_h)
