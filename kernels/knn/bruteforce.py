@@ -29,6 +29,7 @@ from numba import njit, prange
 from .. import validation
 from ..backend import free_memory, is_cupy, resolve_device, to_numpy, xp_for
 from ..errors import InputError
+from ..neighbors.search_cpu import insert_sorted as _insert  # the ascending (distance, id) lists
 
 __all__ = ["knn_bruteforce", "ExactSearch", "pair_distances", "recall", "check_points", "MAX_K"]
 
@@ -100,26 +101,6 @@ def _sqdist4(q, x0, x1, x2, x3):
         a2 += t2 * t2
         a3 += t3 * t3
     return a0, a1, a2, a3
-
-
-@njit(cache=True, inline="always")
-def _insert(dist, ids, cnt, k, dv, iv):
-    """Insert (dv, iv) into the ascending (dist, id) list of length cnt <= k; returns new cnt."""
-    if cnt == k:
-        last = k - 1
-        if dv > dist[last] or (dv == dist[last] and iv >= ids[last]):
-            return cnt
-        pos = last
-    else:
-        pos = cnt
-        cnt += 1
-    while pos > 0 and (dist[pos - 1] > dv or (dist[pos - 1] == dv and ids[pos - 1] > iv)):
-        dist[pos] = dist[pos - 1]
-        ids[pos] = ids[pos - 1]
-        pos -= 1
-    dist[pos] = dv
-    ids[pos] = iv
-    return cnt
 
 
 @njit(cache=True, parallel=True)

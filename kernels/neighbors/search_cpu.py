@@ -288,22 +288,25 @@ def verify_points(hyp, src, T, VP, VN, vx, vy, vz, P, cs, origin, inv_h, dims, r
 
 
 @njit(cache=True, inline="always")
-def _knn_insert(bd, bi, cnt, k, d, i):
-    """Insert (d, i) into the ascending (distance, index) list ``bd``/``bi`` holding ``cnt``
-    entries (at most ``k``); returns the new count."""
+def insert_sorted(dist, ids, cnt, k, dv, iv):
+    """Insert (dv, iv) into the ascending (distance, id) list ``dist``/``ids`` holding ``cnt <= k``
+    entries; returns the new count (an entry not below the last of a full list is dropped). The
+    k-NN lists here and the exact brute force's (:mod:`scanforest.kernels.knn.bruteforce`) keep
+    theirs with it."""
     if cnt == k:
-        if d > bd[k - 1] or (d == bd[k - 1] and i > bi[k - 1]):
+        last = k - 1
+        if dv > dist[last] or (dv == dist[last] and iv >= ids[last]):
             return cnt
-        p = k - 1
+        pos = last
     else:
-        p = cnt
+        pos = cnt
         cnt += 1
-    while p > 0 and (bd[p - 1] > d or (bd[p - 1] == d and bi[p - 1] > i)):
-        bd[p] = bd[p - 1]
-        bi[p] = bi[p - 1]
-        p -= 1
-    bd[p] = d
-    bi[p] = i
+    while pos > 0 and (dist[pos - 1] > dv or (dist[pos - 1] == dv and ids[pos - 1] > iv)):
+        dist[pos] = dist[pos - 1]
+        ids[pos] = ids[pos - 1]
+        pos -= 1
+    dist[pos] = dv
+    ids[pos] = iv
     return cnt
 
 
@@ -338,13 +341,13 @@ def grid_knn(P, order, cs, origin, inv_h, dims, qs, k, out_i, out_d2):
                         x0 = max(c0 - r, 0)
                         x1 = min(c0 + r, dims[0] - 1)
                         for j in range(cs[base + x0], cs[base + x1 + 1]):
-                            cnt = _knn_insert(bd, bi, cnt, k,
+                            cnt = insert_sorted(bd, bi, cnt, k,
                                               sqdist32(qx, qy, qz, P[j, 0], P[j, 1], P[j, 2]), order[j])
                     else:  # inside rows: the shell's two ends
                         for x in (c0 - r, c0 + r):
                             if 0 <= x < dims[0]:
                                 for j in range(cs[base + x], cs[base + x + 1]):
-                                    cnt = _knn_insert(bd, bi, cnt, k,
+                                    cnt = insert_sorted(bd, bi, cnt, k,
                                                       sqdist32(qx, qy, qz, P[j, 0], P[j, 1], P[j, 2]), order[j])
             # every point outside the block is farther than g: the nearest face with cells beyond it
             g = np.inf
