@@ -127,6 +127,17 @@ def check_index_build(store: str, reference: list[str] | None, shards, params: d
         if p.get("backtracks") is not None:
             raise InputError(f"give --recall or --backtracks, not both (got --recall {p['recall']} and "
                              f"--backtracks {p['backtracks']})")
+    check_graph_options(p)
+    if dtype not in ("float32", "float16"):
+        raise InputError(f"--dtype must be float32 or float16, got {dtype!r}")
+    return st
+
+
+def check_graph_options(p: dict) -> None:
+    """The graph options of an index (``--graph``, ``--graph-budget``, ``--graph-expand``,
+    ``--graph-rounds``): one line naming the option, where ``p`` names a graph."""
+    from scanforest.kernels.errors import InputError
+
     if p.get("graph_degree") is not None:
         if p.get("method", "banns") == "exact":
             raise InputError("--graph needs a forest (--method banns or anns): an exact index searches every row")
@@ -136,9 +147,6 @@ def check_index_build(store: str, reference: list[str] | None, shards, params: d
             if v is not None and not (lo <= int(v) and (hi is None or int(v) <= hi)):
                 raise InputError(f"{flag} must be " + (f"in {lo}..{hi}" if hi is not None else f"at least {lo}")
                                  + f", got {v}")
-    if dtype not in ("float32", "float16"):
-        raise InputError(f"--dtype must be float32 or float16, got {dtype!r}")
-    return st
 
 
 def check_match(store: str, queries: list[str] | None, k: int, name: str) -> tuple[ScanStore, dict]:

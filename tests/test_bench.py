@@ -572,3 +572,20 @@ def test_archive_timeline_tail_per_worker_and_per_gpu():
     assert out["gpu_tail"] == {"0": 0.0, "1": 2.0}
     # plain worker names (one GPU, or a CPU cluster): no GPU split; no compute span: no figures
     assert "gpu_tail" not in _tail(data, 10.0, {}) and _tail([], 10.0, names) == {}
+
+
+def test_bench_match_with_a_graph_on_drawn_shards():
+    """``bench match --graph``: shards drawn on the workers fit their graph there and keep only the
+    leaf-ordered rows, as a stored shard does; at the same small budget the walk finds more than
+    the forest alone, and a bad graph option is refused before anything is drawn."""
+    from scanforest.deploy.bench import match as bench_match
+
+    kw = dict(method="banns", backtracks=[2], leaf_size=16, device="cpu", block=60, clusters=10, shards=2,
+              reference="workers", out=None)
+    plain = {x.figure: x.value for x in bench_match.run(3000, 60, 8, 4, [1], **kw).rows}
+    rep = bench_match.run(3000, 60, 8, 4, [1], graph=8, graph_budget=16, **kw)
+    walked = {x.figure: x.value for x in rep.rows}
+    assert rep.params["graph_degree"] == 8
+    assert walked["recall@4, 1 workers"] > plain["recall@4, 1 workers"]
+    with pytest.raises(InputError, match="--graph-rounds must be in 0..16"):
+        bench_match.run(300, 10, 8, 4, [1], graph=8, graph_rounds=99, **kw)

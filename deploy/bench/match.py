@@ -291,6 +291,14 @@ class GeneratedShards:
         rdt = np.float16 if idx.resident_row_bytes(self.dtype, dev) == 2 else np.float32
         if params.get("method", "banns") == "exact":
             return Shard(a, b, idx._fit_forest(self.rows(a, b, xp, rdt), params, shard, dev))
+        if params.get("graph_degree") is not None:  # the graph is found by searching the rows: fit with them,
+            forest = idx._fit_forest(self.rows(a, b, xp, np.float32), params, shard, dev)  # then keep the
+            graph = forest.graph_in_leaf_order()  # leaf-ordered copy only, as a stored shard holds it
+            forest._fit_X = None
+            forest.__dict__.pop("_exact", None)
+            if dev == "gpu":
+                idx.free_gpu_pool()
+            return Shard(a, b, forest.set_leaf_graph(graph))
         forest = idx._fit_forest(self.rows(a, b, xp, np.float32), params, shard, dev, keep_rows=False)
         tree = forest.tree_
         del forest
@@ -399,7 +407,8 @@ def _faiss_ivf_rows(rep, X, Q, k, mb, ref, qps, *, nlist: int, nprobes, where: s
                 baseline=f"FAISS GPU IVF-Flat nlist={nl}", baseline_value=theirs[0])
 
 
-def _plan(w: int, n: int, d: int, k: int, dev: str, *, shards, n_trees, leaf_size, method, store_dtype, block):
+def _plan(w: int, n: int, d: int, k: int, dev: str, *, shards, n_trees, leaf_size, method, store_dtype, block,
+          graph_degree: int = 0):
     """The placement plan of an ``n``-row bench index on ``w`` workers, one per GPU (workers
     beyond the GPUs share them, and their memory), or on the host (its memory split ``w`` ways)."""
     from scanforest.kernels.backend import device_memory
@@ -408,8 +417,9 @@ def _plan(w: int, n: int, d: int, k: int, dev: str, *, shards, n_trees, leaf_siz
     mem = device_memory(dev)
     per = -(-w // len(mem))  # workers per device
     mem = [mem[i % len(mem)] // per for i in range(w)]
-    return idx.plan_for(n, d, {"n_trees": n_trees, "leaf_size": leaf_size, "method": method}, dev, k=k, memory=mem,
-                        dtype=store_dtype, shards=shards, block=block)
+    params = {"n_trees": n_trees, "leaf_size": leaf_size, "method": method,
+              **({"graph_degree": graph_degree} if graph_degree else {})}
+    return idx.plan_for(n, d, params, dev, k=k, memory=mem, dtype=store_dtype, shards=shards, block=block)
 
 
 def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, backtracks,
@@ -417,7 +427,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         sync_after: int | None = None, bf_queries: int | None = None, n_trees: int = 1,
         workdir: str | None = None, store_dtype: str = "float32", reference: str = "store",
         faiss_nprobes=(), faiss_nlist: int = 0, leaves_per_round: int | None = None,
-        rows_per_worker: int | None = None, queries: str = "client") -> BenchReport:
+        rows_per_worker: int | None = None, queries: str = "client", graph: int = 0,
+        graph_budget: int = 128, graph_expand: int = 4, graph_rounds: int = 2) -> BenchReport:
     """One table: for each worker count, the forest (with and without the global bound
     synchronisation when ``sync_after`` is given) and the exact brute force over the same
     resident shards; recall against the exact answer of the first ``bf_queries`` queries.
@@ -467,6 +478,13 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
         raise InputError(f"--block must be a positive number of queries (0: planned), got {block}")
     if leaves_per_round is not None and (isinstance(leaves_per_round, bool) or int(leaves_per_round) < 1):
         raise InputError(f"--leaves-per-round must be a positive number of leaves, got {leaves_per_round}")
+    gparams = {}
+    if graph:  # every shard with a neighbour graph (index build --graph), checked as the command checks it
+        from scanforest.flows.inputs import check_graph_options
+
+        gparams = {"graph_degree": int(graph), "graph_budget": int(graph_budget), "graph_expand": int(graph_expand),
+                   "graph_rounds": int(graph_rounds)}
+        check_graph_options({"method": method, **gparams})
     from scanforest.flows.distributed import DistributedIndex
     from scanforest.tasks import index as idx
 
@@ -487,7 +505,7 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                                 **({"leaves_per_round": leaves_per_round} if leaves_per_round else {}),
                                 **({"store_dtype": store_dtype} if store_dtype != "float32" else {}),
                                 **({"reference": reference} if reference != "store" else {}),
-                                **({"queries": queries} if queries != "client" else {})}, echo=True)
+                                **({"queries": queries} if queries != "client" else {}), **gparams}, echo=True)
     t0 = time.perf_counter()
     if dev == "gpu":
         import cupy as cp
@@ -511,13 +529,14 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                  "bf": QueryFile.write(os.path.join(tmp, "queries-bf.npy"), Q[:mb])}
         rep.note(f"queries read by the workers from .npy files in {tmp} (written before the clocks start)")
     # budgets are set per query, so one stored index serves every budget (and every later run)
-    params = {"method": method, "leaf_size": leaf_size, "backtracks": None, "n_trees": n_trees}
+    params = {"method": method, "leaf_size": leaf_size, "backtracks": None, "n_trees": n_trees, **gparams}
     if leaves_per_round:
         params["leaves_per_round"] = int(leaves_per_round)
     built = {}
     data = {}  # the reference of each size, generated only when an index must be (re)built
     plans = {w: _plan(w, rows_per_worker * w if rows_per_worker else n, d, k, dev, shards=shards, n_trees=n_trees,
-                      leaf_size=leaf_size, method=method, store_dtype=store_dtype, block=block)
+                      leaf_size=leaf_size, method=method, store_dtype=store_dtype, block=block,
+                      graph_degree=int(graph or 0))
              for w in workers}
 
     def size(w):
@@ -676,6 +695,11 @@ def register(app, bench) -> None:
         queries: str = typer.Option("client", help="client: query blocks sent from this process; file: the "
                                     "workers read their blocks from an .npy in the workdir (no client "
                                     "in the data path)."),
+        graph: int = typer.Option(0, "--graph", help="Every shard with a neighbour graph of this many neighbours "
+                                  "a row (index build --graph; 0: none), walked after each budget's search."),
+        graph_budget: int = typer.Option(128, "--graph-budget", help="Leaves a row's graph search scans."),
+        graph_expand: int = typer.Option(4, "--graph-expand", help="List entries a graph round expands."),
+        graph_rounds: int = typer.Option(2, "--graph-rounds", help="Rounds of the graph walk."),
         out: str = typer.Option(None, "--out"),
     ):
         """Distributed matching: queries/s on 1..W workers, efficiency, bytes moved, vs brute force."""
@@ -688,5 +712,6 @@ def register(app, bench) -> None:
             sync_after=sync or None, bf_queries=bf_queries or None, n_trees=n_trees, workdir=workdir,
             leaves_per_round=None if leaves_per_round == 0 else leaves_per_round,
             store_dtype=store_dtype, reference=reference, queries=queries,
-            faiss_nprobes=parse_counts(faiss_nprobe), faiss_nlist=faiss_nlist)
+            faiss_nprobes=parse_counts(faiss_nprobe), faiss_nlist=faiss_nlist, graph=graph,
+            graph_budget=graph_budget, graph_expand=graph_expand, graph_rounds=graph_rounds)
 
