@@ -291,14 +291,12 @@ class GeneratedShards:
         rdt = np.float16 if idx.resident_row_bytes(self.dtype, dev) == 2 else np.float32
         if params.get("method", "banns") == "exact":
             return Shard(a, b, idx._fit_forest(self.rows(a, b, xp, rdt), params, shard, dev))
-        if params.get("graph_degree") is not None:  # the graph is found by searching the rows: fit with them,
-            forest = idx._fit_forest(self.rows(a, b, xp, np.float32), params, shard, dev)  # then keep the
-            graph = forest.graph_in_leaf_order()  # leaf-ordered copy only, as a stored shard holds it
-            forest._fit_X = None
-            forest.__dict__.pop("_exact", None)
+        if params.get("graph_degree") is not None:  # the graph is found by searching the rows: fit with
+            # them, then keep the leaf-ordered copy only, as a stored shard holds it
+            forest = idx._fit_forest(self.rows(a, b, xp, np.float32), params, shard, dev).to_leaf_order()
             if dev == "gpu":
                 idx.free_gpu_pool()
-            return Shard(a, b, forest.set_leaf_graph(graph))
+            return Shard(a, b, forest)
         forest = idx._fit_forest(self.rows(a, b, xp, np.float32), params, shard, dev, keep_rows=False)
         tree = forest.tree_
         del forest

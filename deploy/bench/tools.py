@@ -404,16 +404,12 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
             raise InputError("--graph-expand needs at least one list width")
         if not graph_rounds:
             raise InputError("--graph-rounds needs at least one round count")
+        from scanforest.flows.inputs import check_graph_options
+
         for e in graph_expands:
             for rr in graph_rounds:
-                try:
-                    KDForest(graph_degree=int(graph), graph_expand=int(e), graph_rounds=int(rr),
-                             graph_budget=int(graph_budget))._validate()
-                except InputError as exc:  # named as the command's options
-                    msg = str(exc)
-                    for key in ("graph_degree", "graph_expand", "graph_rounds", "graph_budget"):
-                        msg = msg.replace(key, "--" + key.replace("_", "-").replace("-degree", ""))
-                    raise InputError(msg) from None
+                check_graph_options({"graph_degree": int(graph), "graph_expand": int(e), "graph_rounds": int(rr),
+                                     "graph_budget": int(graph_budget)})
         if not graph_leaves or any(int(b) < 1 for b in graph_leaves):
             raise InputError(f"--graph-leaves must be positive leaf counts, got {list(graph_leaves)}")
     if radius is not None and (not real or not radius > 0):

@@ -372,14 +372,11 @@ def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None,
                                        tree.split_val, tree.lo, tree.hi, np.int32(k), st.top, st.target, st.TK, lim,
                                        st.HD, st.HN, st.HS, st.OVF, leaf_of, np.int32(DESCENT_IDS[descent])))
         e1 = E(); e1.record()
-        blocks = _leaf_blocks(leaf_of, qb, drop_none=False)
+        pair, bleaf, first, cnt = _leaf_blocks(leaf_of, qb)
         e2 = E(); e2.record()
-        nb = 0
-        if blocks is not None:
-            pair, bleaf, first, cnt = blocks
-            nb = int(bleaf.size)
-            f_leaf((nb,), (threads,), (bleaf, first, cnt, active[pair], queries, tree.points, tree.perm, tree.start,
-                                      tree.end, np.int32(d), np.int32(k), st.top), shared_mem=smem)
+        nb = int(bleaf.size)
+        f_leaf((nb,), (threads,), (bleaf, first, cnt, active[pair], queries, tree.points, tree.perm, tree.start,
+                                  tree.end, np.int32(d), np.int32(k), st.top), shared_mem=smem)
         e3 = E(); e3.record()
         keep = cp.empty(na, cp.uint8)
         f_adv(_grid(na, 128), (128,), (active, np.int32(na), np.int32(k), np.int32(budget), st.top, lim, leaf_of,
@@ -415,7 +412,7 @@ class _BannsState:
         # without bounds (lim +inf) every root is pushed: all queries stay, known without a host sync
         self.active = cp.nonzero(keep0)[0].astype(cp.int32) if bounded else cp.arange(m, dtype=cp.int32)
 
-    def finish(self, tree, queries, k, budget, active, ev, blocks=None):
+    def finish(self, tree, queries, k, budget, active, ev):
         """Decode the lists, redo exactly the still ``active`` queries (and, with an unlimited
         budget, those whose queue overflowed); (dist2, ids, stats), with the phase times of the
         rounds' events ``ev`` ((e0, .., e4, leaf blocks) per round; leaf blocks an int, or a
@@ -452,21 +449,14 @@ class _BannsState:
 SLOT_KEYS = 1 << 26  # slot keys of a batched round (512 MB): queries are taken L * k slot keys each
 
 
-def _leaf_blocks(leaf_of, qb, drop_none=True):
+def _leaf_blocks(leaf_of, qb):
     """Bucket the pairs of ``leaf_of`` by leaf into blocks of at most ``qb``: (pair of each
-    sorted position, block leaf, block first position, block count), or None when there are
-    none. ``drop_none``: leave out the pairs without a leaf (-1; the batched rounds, whose
-    rounds leave many); else they make blocks of leaf -1, which the leaf kernels skip (one
-    leaf per query and round: no host sync to count them)."""
+    sorted position, block leaf, block first position, block count). Pairs without a leaf (-1)
+    make blocks of leaf -1, which the leaf kernels skip (one leaf per query and round: no host
+    sync to count them). The batched rounds bucket theirs on the device (:func:`_round_blocks`)."""
     import cupy as cp
 
-    if drop_none:
-        valid = cp.nonzero(leaf_of >= 0)[0].astype(cp.int32)
-        if int(valid.size) == 0:
-            return None
-        pair = valid[cp.argsort(leaf_of[valid])]
-    else:
-        pair = cp.argsort(leaf_of).astype(cp.int32)
+    pair = cp.argsort(leaf_of).astype(cp.int32)
     n = int(pair.size)
     sleaf = leaf_of[pair]
     brk = cp.nonzero(sleaf[1:] != sleaf[:-1])[0].astype(cp.int32) + 1
@@ -491,8 +481,8 @@ def _leaf_count(tree) -> int:
 
 
 def _round_blocks(mod, tree, leaf_of, qb):
-    """A batched round's pairs bucketed by leaf, as :func:`_leaf_blocks` (pairs without a leaf
-    left out) but with no host sync: a counting sort on the device (``bucket_*`` kernels), the
+    """A batched round's pairs bucketed by leaf, as :func:`_leaf_blocks` but with the pairs
+    without a leaf left out and no host sync: a counting sort on the device (``bucket_*`` kernels), the
     blocks laid out over a bound of their count (pairs / ``qb`` + leaves; those past the last
     have leaf -1, which the leaf kernels skip). Returns (pair of each sorted position, block
     leaf, block first position, block count, the block count as a device scalar)."""

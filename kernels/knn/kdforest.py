@@ -595,8 +595,11 @@ class KDForest:
 
     def _leaf_positions(self):
         """``(perm, inverse)`` of a graph over leaf positions (:meth:`set_leaf_graph`), else None."""
-        if not self.__dict__.get("_leaf_graph"):
-            return None
+        return self._leaf_order() if self.__dict__.get("_leaf_graph") else None
+
+    def _leaf_order(self):
+        """``(perm, inverse)``: the row at each position of the first tree's leaf order, and the
+        position of each row (int64, kept until the next :meth:`fit` or :meth:`set_leaf_graph`)."""
         got = self.__dict__.get("_leaf_inv")
         if got is None:
             xp = np
@@ -619,12 +622,19 @@ class KDForest:
         xp = np
         if self.device_ == "gpu":
             import cupy as xp
-        n = self.n_samples_fit_
-        perm = self.tree_.perm[:n].astype(xp.int64)
-        inv = xp.empty_like(perm)
-        inv[perm] = xp.arange(n, dtype=xp.int64)
+        perm, inv = self._leaf_order()
         g = self.graph_[perm]
         return xp.where(g >= 0, inv[xp.maximum(g, 0)], -1).astype(xp.int32)
+
+    def to_leaf_order(self) -> "KDForest":
+        """Keep the rows in leaf order only (``tree_.points``), the graph following them, as a
+        stored index's loaded shard holds them: the input-order copy of the rows goes."""
+        if getattr(self, "graph_", None) is not None:
+            self.set_leaf_graph(self.graph_in_leaf_order())
+        if self.tree_ is not None and self.tree_.points is not None:
+            self._fit_X = None
+            self.__dict__.pop("_exact", None)
+        return self
 
     def set_leaf_graph(self, graph) -> "KDForest":
         """Follow ``graph`` ((N, D) int32 over leaf positions, :meth:`graph_in_leaf_order`): a
