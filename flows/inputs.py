@@ -168,7 +168,7 @@ def check_match(store: str, queries: list[str] | None, k: int, name: str) -> tup
 
 
 #: recognition parameters that are lengths or thresholds: positive when given
-_POSITIVE = ("model_ss", "scene_ss", "rf_rad", "descr_rad", "cg_size", "cg_thresh")
+_POSITIVE = ("model_ss", "scene_ss", "rf_rad", "descr_rad", "cg_size", "cg_thresh", "voxel")
 
 
 def check_recognize_params(library_params: dict | None, params: dict | None):

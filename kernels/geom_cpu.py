@@ -230,3 +230,47 @@ def cov_eig3(X, n, cx, cy, cz, w, C, ev, V):
         for c in range(3):
             C[r, c] /= total
     return eig3(C[0, 0], C[0, 1], C[0, 2], C[1, 1], C[1, 2], C[2, 2], ev, V)
+
+
+@njit(cache=True)
+def finite_bounds(P):
+    """``(bad, lo, hi)`` of an (N, 3) float array in one pass: the number of rows holding a NaN or
+    an inf, and the per-axis minimum and maximum (float64 holding the input's values) of the
+    other rows (``+inf`` / ``-inf`` when there are none)."""
+    lo = np.full(3, np.inf)
+    hi = np.full(3, -np.inf)
+    bad = 0
+    for i in range(P.shape[0]):
+        x, y, z = P[i, 0], P[i, 1], P[i, 2]
+        if not (np.isfinite(x) and np.isfinite(y) and np.isfinite(z)):
+            bad += 1
+            continue
+        if x < lo[0]:
+            lo[0] = x
+        if x > hi[0]:
+            hi[0] = x
+        if y < lo[1]:
+            lo[1] = y
+        if y > hi[1]:
+            hi[1] = y
+        if z < lo[2]:
+            lo[2] = z
+        if z > hi[2]:
+            hi[2] = z
+    return bad, lo, hi
+
+
+@njit(cache=True)
+def ball_indices(P, c, r2):
+    """Indices (int64, ascending) of the rows of the (N, 3) float32 ``P`` whose float32 squared
+    distance to ``c`` is below ``r2``."""
+    out = np.empty(P.shape[0], np.int64)
+    m = 0
+    for i in range(P.shape[0]):
+        dx = P[i, 0] - c[0]
+        dy = P[i, 1] - c[1]
+        dz = P[i, 2] - c[2]
+        if dx * dx + dy * dy + dz * dz < r2:
+            out[m] = i
+            m += 1
+    return out[:m]

@@ -45,7 +45,7 @@ from scanforest.kernels.errors import InputError
 from .store import ScanStore, _jsonable, local_points, scan_origin, stage_digest, stage_matches
 from .store.catalog import warm
 
-LIBRARY_KEYS = ("model_ss", "descr_rad", "rf_rad", "normal_k", "normal_radius", "verify_leaf", "views")
+LIBRARY_KEYS = ("model_ss", "descr_rad", "rf_rad", "normal_k", "normal_radius", "verify_leaf", "views", "voxel")
 
 #: the library parameters that ``library build`` and ``recognize`` use when none are given and the
 #: store has no library of that name yet (PCL's correspondence-grouping tutorial)
@@ -212,6 +212,9 @@ def stored_inputs(st: ScanStore, scan_id: str, library: str, lib_attrs: dict[str
     def unfit(reason: str) -> dict[str, Any]:
         return {"fits": False, "reason": reason, "describe": None, "match": None}
 
+    if p.scene_voxel is not None:
+        return unfit(f"recognition thins the scene (scene_voxel {p.scene_voxel:g}): the stored description is "
+                     "of every point")
     if scan_attrs is None:
         scan_attrs = st.attrs(scan_id)
     stages = scan_attrs.get("stages", {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scanforest.kernels.descriptors.keypoints import keypoints
+from scanforest.kernels.descriptors.keypoints import keypoints, voxel_grid
 from scanforest.kernels.descriptors.normals import normals
 from scanforest.kernels.errors import InputError
 
@@ -121,6 +121,52 @@ def test_uniform_sampling_matches_reference(rng):
     np.testing.assert_array_equal(keypoints(pts, coords=pts[[7, 2]] + 1e-6, device="cpu"), [2, 7])
     with pytest.raises(InputError):
         keypoints(pts, indices=[3000], device="cpu")
+
+
+def ref_voxel_grid(pts, leaf):
+    """PCL VoxelGrid in float64: voxel ijk = floor(p * float32(1/leaf)) (float32 product), the mean
+    of each voxel's points, voxels in (i fastest, j, k) order."""
+    inv = np.float32(np.float32(1) / np.float32(leaf))
+    ijk = np.floor(pts.astype(np.float32) * inv).astype(np.int64)
+    ijk -= ijk.min(axis=0)
+    dims = ijk.max(axis=0) + 1
+    key = ijk[:, 0] + dims[0] * (ijk[:, 1] + dims[1] * ijk[:, 2])
+    u, inv_idx = np.unique(key, return_inverse=True)
+    sums = np.zeros((len(u), 3))
+    np.add.at(sums, inv_idx, pts.astype(np.float64))
+    return (sums / np.bincount(inv_idx)[:, None]).astype(np.float32)
+
+
+def test_voxel_grid_matches_float64_reference(rng, pcl_dir):
+    # a scan in scan-line order (runs of points in one voxel), shuffled, and far from the origin
+    scan = read_points(pcl_dir / "milk_cartoon_all_small_clorox.pcd")
+    cases = [(scan, 0.015), (scan[rng.permutation(len(scan))], 0.005),
+             ((rng.random((5000, 3)) * 2 - 1).astype(np.float32), 0.1),
+             ((rng.random((3000, 3)) * 50 + 1000).astype(np.float32), 3.0),
+             (np.zeros((7, 3), np.float32), 1.0)]
+    for pts, leaf in cases:
+        got = voxel_grid(pts, leaf, device="cpu")
+        np.testing.assert_array_equal(got, ref_voxel_grid(pts, leaf))
+        assert got.dtype == np.float32
+    assert voxel_grid(np.zeros((0, 3), np.float32), 0.1, device="cpu").shape == (0, 3)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(InputError, match="leaf"):
+            voxel_grid(scan, bad, device="cpu")
+    with pytest.raises(InputError):
+        voxel_grid(np.array([[0, 0, np.nan]], np.float32), 0.1, device="cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_voxel_grid_matches_cpu(rng, pcl_dir):
+    import cupy as cp
+
+    scan = read_points(pcl_dir / "milk_cartoon_all_small_clorox.pcd")
+    for pts, leaf in ((scan, 0.015), (scan, 0.003), ((rng.random((3000, 3)) * 50 + 1000).astype(np.float32), 3.0)):
+        got = cp.asnumpy(voxel_grid(cp.asarray(pts), leaf))
+        ref = ref_voxel_grid(pts, leaf)
+        assert got.shape == ref.shape
+        # float64 sums in another order (atomics): at most one float32 step apart
+        assert (np.abs(got - ref) <= np.spacing(np.abs(ref))).all()
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy.spatial.transform import Rotation
 
 from scanforest.kernels.errors import InputError
 from scanforest.kernels.recognition.icp import icp_point_to_plane
@@ -702,6 +703,48 @@ def test_milk_carton_found_once_at_identity(pcl_dir, device):
     assert dets[0].score > 0.9 and dets[0].correspondences >= 5
 
 
+#: the thinned pipeline's settings on PCL's scene: a 15 mm voxel, radii scaled to it
+MILK_VOXEL = dict(voxel=0.015, model_ss=0.03, descr_rad=0.06, rf_rad=0.045)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_milk_carton_found_in_the_thinned_scene(pcl_dir, device):
+    """scene_voxel + a library built at the same voxel: the carton found once, near the true pose
+    (the identity), from a scene of 1/18 of the points; moved by a known rigid motion, the same."""
+    m, s = _milk(pcl_dir)
+    lib = ModelLibrary.build([m], ["milk"], normal_k=10, device=device, **MILK_VOXEL)
+    assert lib.params["voxel"] == 0.015 and len(lib.points) < len(m) / 5
+    T = np.eye(4)
+    T[:3, :3] = Rotation.from_rotvec(np.radians(30) * np.array([0.3, 1.0, 0.2]) / np.linalg.norm([0.3, 1.0, 0.2])
+                                     ).as_matrix()
+    T[:3, 3] = (0.1, -0.12, 0.15)
+    moved = (s.astype(np.float64) @ T[:3, :3].T + T[:3, 3]).astype(np.float32)
+    for scene, pose in ((s, np.eye(4)), (moved, T)):
+        if device == "gpu":
+            import cupy as cp
+
+            scene = cp.asarray(scene)
+        dets = recognize(scene, lib, device=device, scene_voxel=0.015, scene_ss=0.045, method="gc", cg_size=0.03,
+                         inlier_dist=0.015, viewpoint=tuple(pose[:3, 3]))
+        assert dets.info["scene_points"] < len(s) / 10
+        assert len(dets) == 1
+        # found on 15 mm centroids (1.5-5 mm off), then polished on the scene's own points, which
+        # hold the model's (it was cut from the scene)
+        r, t = pose_errors(dets[0].pose, pose)
+        assert r < 0.01 and t < 1e-4, (r, t)
+
+
+def test_voxel_settings_are_checked(pcl_dir):
+    m, s = _milk(pcl_dir)
+    with pytest.raises(InputError, match="voxel"):
+        ModelLibrary.build([m], ["milk"], voxel=-1.0, device="cpu")
+    with pytest.raises(InputError, match="voxel.*views|views.*voxel"):
+        ModelLibrary.build([m], ["milk"], voxel=0.01, views=4, models_normals=[m], device="cpu")
+    lib = ModelLibrary.build([m], ["milk"], device="cpu", **MILK_VOXEL)
+    with pytest.raises(InputError, match="scene_normals"):
+        recognize(s, lib, device="cpu", scene_voxel=0.015, scene_normals=np.zeros_like(s))
+
+
 def test_recognize_rejects_bad_input(small_world):
     _, lib, scene = small_world
     with pytest.raises(InputError, match="method"):
@@ -725,7 +768,7 @@ def test_recognize_without_verification_returns_every_hypothesis(small_world):
 
 # --------------------------------------------------------------------------- parameters
 #: recognize()'s keyword defaults before they moved onto RecognizeParams
-_DEFAULTS = dict(scene_ss=0.03, descr_rad=None, rf_rad=None, normal_k=10, normal_radius=None, method="hough",
+_DEFAULTS = dict(scene_ss=0.03, scene_voxel=None, descr_rad=None, rf_rad=None, normal_k=10, normal_radius=None, method="hough",
                  cg_size=0.01, cg_thresh=5, use_interpolation=True, match_k=1, max_dist2=0.25, ratio=None,
                  match_recall=None, ransac=True, verify=True, inlier_dist=None, min_inlier_fraction=0.5, min_inliers=10,
                  viewpoint=(0.0, 0.0, 0.0), icp=True, icp_iterations=30, refine_min_fraction=0.3, max_refine=32,
@@ -757,6 +800,7 @@ def test_recognize_params_defaults_and_frozen():
     (dict(min_inliers=-1), "min_inliers"), (dict(verify="yes"), "verify"), (dict(viewpoint=(0, 0)), "viewpoint"),
     (dict(method="gc", cg_thresh=-1), "cg_thresh"), (dict(max_detections=0), "max_detections"),
     (dict(seed=1.5), "seed"), (dict(match_recall=1.0), "match_recall"), (dict(match_recall="0.9"), "match_recall"),
+    (dict(scene_voxel=0.0), "scene_voxel"), (dict(scene_voxel=float("inf")), "scene_voxel"),
 ])
 def test_recognize_params_refuse_bad_values(bad, word):
     with pytest.raises(InputError, match=word) as err:

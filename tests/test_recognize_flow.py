@@ -33,6 +33,15 @@ def test_recognize_flow_finds_the_milk_carton(tmp_path, pcl_dir):
     assert (out / "renders" / f"{sid}.png").stat().st_size > 1000
     again = run_recognize(store, ["milk.pcd"], workers=1, device="cpu", progress=False)
     assert again["skipped"] == 1 and again["library"] == "unchanged"
+    # thinned (`recognize --voxel 0.015`): a library of thinned models, the scene thinned as they
+    # are, the pose polished on the scene's own points; the stored full description is not used
+    thin = run_recognize(store, ["milk.pcd"], library="thin", workers=1, device="cpu", progress=False,
+                         library_params=dict(voxel=0.015, model_ss=0.03, descr_rad=0.06, rf_rad=0.045),
+                         params=dict(scene_voxel=0.015, scene_ss=0.045, method="gc", cg_size=0.03))
+    assert thin["recognized"] == 1 and thin["detections"] == 1 and thin["recomputed"] == 1
+    assert any("scene_voxel" in r for r in thin["recompute_reasons"])
+    pose = ScanStore(store, mode="r").read(sid, "det_pose")[0]
+    assert np.abs(pose - np.eye(4)).max() < 1e-4
 
 
 def test_flow_process_killed_midway_then_rerun(tmp_path, prefect_api):

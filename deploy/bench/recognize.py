@@ -47,6 +47,12 @@ PHASES = ("normals", "keypoints", "shot", "matching", "grouping", "verification"
 TUTORIAL = dict(scene_ss=0.03, method="hough", cg_size=0.01, cg_thresh=5, max_dist2=0.25,
                 normal_k=10, inlier_dist=0.005)
 TUTORIAL_LIB = dict(model_ss=0.01, descr_rad=0.02, rf_rad=0.015, normal_k=10)
+# scanforest on a thinned scene (the Open3D comparison's second scanforest setting): scene and
+# model voxel-averaged at 15 mm, radii scaled to the voxel, the accepted poses polished against
+# the scene's own points (RecognizeParams.scene_voxel)
+THINNED_REAL = dict(scene_voxel=0.015, scene_ss=0.045, method="gc", cg_size=0.03, cg_thresh=5, max_dist2=0.25,
+                    normal_k=10, inlier_dist=0.015)
+THINNED_REAL_LIB = dict(voxel=0.015, model_ss=0.03, descr_rad=0.06, rf_rad=0.045, normal_k=10)
 # synthetic setup: SYN_LIB and SYN_REC (model sizes 0.15-0.35 m, resolution ~3 mm)
 
 # Open3D peer: voxel sizes swept (the milk carton and the synthetic models are 0.15-0.35 m; the
@@ -160,6 +166,9 @@ def bench_recognize(
     open3d_points: str = typer.Option("20k,300k", help="Points per synthetic scene compared with Open3D."),
     open3d_models: int = typer.Option(5, help="Models in the synthetic library compared with Open3D (5: the "
                                               "archive bench's; each scene holds min(3, this) of them)."),
+    thinned: bool = typer.Option(True, "--thinned/--no-thinned",
+                                 help="With Open3D on PCL's scene: also scanforest on the scene thinned to 15 mm "
+                                      "voxels (scene_voxel; radii scaled to it; poses polished at full resolution)."),
     out: Path = typer.Option(None, help="JSON output (file or folder)."),
 ) -> None:
     """Seconds per scene (phase breakdown, CPU vs GPU) and synthetic detection accuracy."""
@@ -254,7 +263,7 @@ def bench_recognize(
             rep.note(f"archive failed: {type(exc).__name__}: {exc}")
     if open3d is not False and (real or open3d_archive):
         _open3d_peer(rep, real, pcl_dir, open3d_voxels, open3d_archive, open3d_points, repeats, cpu, gpu,
-                     threads, open3d_models, method)
+                     threads, open3d_models, method, thinned)
     rep.finish(out)
 
 
@@ -283,7 +292,7 @@ def _voxels(text, default):
 
 
 def _open3d_peer(rep, real, pcl_dir, voxels, n_archive, points, repeats, cpu, gpu, threads, n_models=5,
-                 method="hough"):
+                 method="hough", thinned=True):
     """Open3D's pipeline and scanforest on the same scenes and models (PCL's real scene as it is and
     moved; synthetic archive scenes), rows per tool and the ratio to Open3D's fastest successful
     setting."""
@@ -314,8 +323,12 @@ def _open3d_peer(rep, real, pcl_dir, voxels, n_archive, points, repeats, cpu, gp
         for label, pts, pose in ((f"PCL milk scene ({method})", scene, np.eye(4)),
                                  (f"PCL milk scene moved {MOVE_DEG:g} deg, {MOVE_DIST:g} m ({method})", moved, T)):
             kw = dict(TUTORIAL, method=method, viewpoint=tuple(pose[:3, 3]))
+            thin_kw = dict(THINNED_REAL, viewpoint=tuple(pose[:3, 3]))
+            variants = {"": lambda dev, kw=kw: (TUTORIAL_LIB, kw)}
+            if thinned:
+                variants[", thinned 15 mm"] = lambda dev, kw=thin_kw: (THINNED_REAL_LIB, kw)
             _versus(rep, o3d, label, [model], ["milk"], None, [("scene", pts, [{"model_id": 0, "pose": pose}])],
-                    lambda dev, kw=kw: (TUTORIAL_LIB, kw), devs, vox, max(1, min(repeats, 3)), threads)
+                    variants, devs, vox, max(1, min(repeats, 3)), threads)
     if sizes:
         from scanforest.kernels.synthetic import scenes as S
 
@@ -334,7 +347,7 @@ def _open3d_peer(rep, real, pcl_dir, voxels, n_archive, points, repeats, cpu, gp
                     + ("" if n_models == 5 else f", {n_models} models"),
                     [m.points for m in models], [m.name for m in models], [m.normals for m in models],
                     [(f"seed {50_000 + i}", sc.points, sc.ground_truth) for i, sc in enumerate(scs)],
-                    params, devs, vox, 1, threads)
+                    {"": params}, devs, vox, 1, threads)
 
 
 def _summary(inst):
@@ -345,11 +358,12 @@ def _summary(inst):
     return len(ok), len(flat), med([x[1] for x in ok]), med([x[2] for x in ok])
 
 
-def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels, reps, threads):
-    """scanforest (each device) and Open3D (each voxel size) on ``scenes`` [(label, points, ground
-    truth)]: seconds per scene (median over ``reps`` warm runs of each scene, then over scenes),
-    instances found, median pose errors; the ratio to Open3D's fastest successful setting; the
-    instances Open3D finds and scanforest does not."""
+def _versus(rep, o3d, tag, models, names, normals, scenes, variants, devs, voxels, reps, threads):
+    """scanforest (each device, each of ``variants``: name suffix -> ``params(dev) -> (library
+    parameters, recognize parameters)``) and Open3D (each voxel size) on ``scenes`` [(label, points,
+    ground truth)]: seconds per scene (median over ``reps`` warm runs of each scene, then over
+    scenes), instances found, median pose errors; the ratio of each scanforest setting to Open3D's
+    fastest successful setting; the instances Open3D finds and scanforest does not."""
     import os
 
     from scanforest.kernels.backend import describe_device
@@ -367,7 +381,8 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
     def rows(tool, dev, secs, inst, side_s, phases=()):
         found, total, rot, tra = _summary(inst)
         sec = statistics.median(secs)
-        ph = {f"{p}_s": statistics.median(t.get(p, 0.0) for t in phases) for p in PHASES[:-1]} if phases else {}
+        ph = {f"{p}_s": statistics.median(t.get(p, 0.0) for t in phases) for p in ("thinning",) + PHASES[:-1]
+              if any(p in t for t in phases)} if phases else {}
         rep.add(f"{tag}: {tool} seconds per scene ({what})", sec, "s", dev, higher_is_better=False,
                 per_scene_s=secs, model_side_s=side_s, found=found, instances=total, **ph)
         rep.add(f"{tag}: {tool} success (instances within {SUCCESS_ROT_DEG:g} deg, "
@@ -383,7 +398,7 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
     # the model side of every tool first (timed apart), then each scene through every tool in turn,
     # so that a change of load on the machine falls on both tools alike
     tools = {}  # name -> (device, kind, run(points) -> (detections, seconds), model side s)
-    for dev in devs:
+    for dev, (vname, params) in ((d, v) for d in devs for v in variants.items()):
         lib_p, rec_kw = params(dev)
         try:
             with numba_threads(threads if dev == "cpu" else 0):
@@ -404,7 +419,7 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
                 dets = recognize(pts, lib, device=dev, **rec_kw)
                 return dets, time.perf_counter() - t0
 
-        name = "scanforest" if len(devs) == 1 else f"scanforest {dev}"
+        name = ("scanforest" if len(devs) == 1 else f"scanforest {dev}") + vname
         tools[name] = (describe_device(dev) + (f", {nthreads} threads" if dev == "cpu" else ""), dev, run_sf,
                        lib_s)
     d = f"cpu ({nthreads} threads), Open3D {o3d.__version__}"
@@ -455,7 +470,7 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
         if kind == "open3d":
             o3[k] = (rows(k, dname, secs[k], inst[k], side_s), inst[k])
         else:
-            sf[kind] = (dname, rows(k, dname, secs[k], inst[k], side_s, phases[k]), inst[k])
+            sf[k] = (dname, rows(k, dname, secs[k], inst[k], side_s, phases[k]), inst[k])
     if not o3 or not sf:
         return
     best_found = max(r[1] for r, _ in o3.values())
@@ -467,13 +482,13 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
         tool = min(o3, key=lambda k: o3[k][0][0])
         how = f"no Open3D setting found an instance; its fastest: {tool}"
     ob = o3[tool][0]
-    for dev, (dname, r, _) in sf.items():
-        rep.add(f"{tag}: scanforest vs Open3D (fastest successful) seconds per scene", r[0], "s", dname,
+    for dev, (dname, r, _) in sf.items():  # dev: the scanforest tool's name
+        rep.add(f"{tag}: {dev} vs Open3D (fastest successful) seconds per scene", r[0], "s", dname,
                 baseline=f"{tag}: {tool} seconds per scene ({how})", baseline_value=ob[0], higher_is_better=False,
                 scanforest_found=r[1], open3d_found=ob[1], instances=r[2], scanforest_rot_deg=r[3],
                 open3d_rot_deg=ob[3], scanforest_trans_mm=r[4] * 1000, open3d_trans_mm=ob[4] * 1000)
         sp = ob[0] / r[0] if r[0] else float("nan")
-        rep.note(f"{tag}: scanforest on {dev} {r[0]:.3f} s/scene, {r[1]}/{r[2]} found, rot {r[3]:.3f} deg, "
+        rep.note(f"{tag}: {dev} ({dname}) {r[0]:.3f} s/scene, {r[1]}/{r[2]} found, rot {r[3]:.3f} deg, "
                  f"trans {r[4] * 1000:.3f} mm; Open3D ({how}) {ob[0]:.3f} s/scene, {ob[1]}/{ob[2]} found, rot "
                  f"{ob[3]:.3f} deg, trans {ob[4] * 1000:.3f} mm: scanforest {sp:.2f}x Open3D's speed"
                  f" ({'meets' if sp >= 2 and r[1] >= ob[1] and (ob[1] == 0 or r[4] <= ob[4]) else 'misses'} the goal:"
@@ -487,7 +502,7 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, params, devs, voxels,
                 by = [k for k, (_, inst) in o3.items() if inst[si][gi][0]]
                 if by:
                     miss.append(f"{label} instance {gi} (model {names[int(g['model_id'])]}) found by {', '.join(by)}")
-        rep.note(f"{tag}: where Open3D succeeds and scanforest on {dev} does not: "
+        rep.note(f"{tag}: where Open3D succeeds and {dev} does not: "
                  + ("; ".join(miss) if miss else "nowhere"))
 
 

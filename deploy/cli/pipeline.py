@@ -290,6 +290,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         scene_ss: float = SceneSsOpt,
         rf_rad: Optional[float] = typer.Option(None, help="Hough reference-frame radius (the library's, else 0.015)."),
         descr_rad: Optional[float] = typer.Option(None, help="SHOT radius (the library's, else 0.02)."),
+        voxel: Optional[float] = typer.Option(None, help="Thin models and scenes first to one point per voxel of "
+                                              "this edge (m), then polish each pose on the scene's own points; "
+                                              "scale --scene-ss, --descr-rad, --cg-size with it (default: the "
+                                              "stored library's; none)."),
         method: str = MethodOpt,
         cg_size: float = CgSizeOpt,
         cg_thresh: float = CgThreshOpt,
@@ -309,8 +313,11 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         scene_ids = _pick(store, scenes, "--scenes") if scenes else None
         # library parameters not given are the stored library's: a built library is used, not rebuilt
         model_ids, library_params = resolve_library(store, library, model_ids,
-                                                    {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad})
+                                                    {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad,
+                                                     "voxel": voxel})
         params = {"scene_ss": scene_ss, "method": method, "cg_size": cg_size, "cg_thresh": cg_thresh}
+        if library_params.get("voxel") is not None:  # the scenes thinned as the library's models are
+            params["scene_voxel"] = library_params["voxel"]
         check_recognize(store, model_ids, scene_ids, library_params, params)
         from scanforest.flows.recognize import run_recognize
 

@@ -1,10 +1,16 @@
-"""Keypoint selection: PCL ``UniformSampling``, caller-given indices or coordinates, or all points.
+"""Keypoint selection (PCL ``UniformSampling``, caller-given indices or coordinates, or all points)
+and the voxel-grid filter that thins a cloud before it is described (PCL ``VoxelGrid``).
 
 Uniform sampling (PCL 1.13 semantics): voxels of edge ``radius`` aligned to the origin
 (``ijk = floor(p * (1/radius))`` in float32), and in each occupied voxel the point closest to
 the voxel centre ``(ijk + 0.5) * radius`` (float32 squared distance; on a tie the earlier
 point wins, as PCL's strict ``<``). The indices come back sorted ascending (PCL returns them
 in voxel order).
+
+Voxel grid (:func:`voxel_grid`, PCL 1.13 ``VoxelGrid`` semantics): the same voxels of edge
+``leaf`` (``ijk = floor(p * (1/leaf))`` in float32), one point per occupied voxel, the centroid of
+its points, in voxel order (``i`` fastest, then ``j``, then ``k``, as PCL's ``divb_mul``). The
+centroid is summed in float64 in point order and rounded once to float32 (PCL sums in float32).
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from .. import validation
 from ..backend import resolve_device, to_device, xp_for
 from ..errors import InputError
 
-__all__ = ["keypoints"]
+__all__ = ["keypoints", "voxel_grid"]
 
 
 def keypoints(points, *, radius: float | None = None, indices=None, coords=None,
@@ -100,3 +106,68 @@ def _uniform_sampling(pts, r, xp):
     first = xp.ones(n, dtype=bool)
     first[1:] = ks[1:] != ks[:-1]
     return xp.sort(order[first]).astype(xp.int64)
+
+
+def voxel_grid(points, leaf: float, *, device: str = "auto"):
+    """Thin a cloud to one point per occupied voxel: its points' centroid (PCL ``VoxelGrid``).
+
+    Parameters
+    ----------
+    points : (N, 3) array
+        The cloud (finite coordinates; numpy or CuPy).
+    leaf : float
+        Voxel edge (positive).
+    device : {"auto", "cpu", "gpu"}
+
+    Returns
+    -------
+    (M, 3) float32 centroids in voxel order (numpy or CuPy, following the device), M the number
+    of occupied voxels.
+    """
+    dev = resolve_device(device, points)
+    pts = validation.points(to_device(points, dev), "points", allow_empty=True)
+    v = validation.positive(leaf, "leaf")
+    return thin(pts, v, dev)
+
+
+def thin(pts, leaf: float, dev: str):
+    """:func:`voxel_grid` of points already checked (finite (N, 3) on ``dev``)."""
+    xp = xp_for(dev)
+    if pts.shape[0] == 0:
+        return xp.zeros((0, 3), xp.float32)
+    inv = np.float32(np.float32(1.0) / np.float32(leaf))
+    if dev == "gpu":
+        return _voxel_grid_gpu(xp.ascontiguousarray(pts, xp.float32), inv)
+    return _voxel_grid_cpu(np.ascontiguousarray(pts, np.float32), inv)
+
+
+def _voxel_grid_cpu(P, inv):
+    from ._voxel_cpu import centroids, voxel_bounds, voxel_sums
+
+    lo, dims = voxel_bounds(P, inv)
+    keys, sums, cnt = voxel_sums(P, inv, lo, dims)
+    return centroids(np.argsort(keys), sums, cnt)
+
+
+def _voxel_keys(pts, inv, lo, dims, xp):
+    rel = xp.floor(pts * inv).astype(xp.int64) - xp.asarray(lo)
+    return rel[:, 0] + int(dims[0]) * (rel[:, 1] + int(dims[1]) * rel[:, 2])
+
+
+def _voxel_grid_gpu(pts, inv):
+    import cupy as cp
+
+    from ..neighbors.search_gpu import bounds
+
+    c = np.floor(np.stack([v.astype(np.float32) for v in bounds(pts)]) * inv).astype(np.int64)
+    key = _voxel_keys(pts, inv, c[0], c[1] - c[0] + 1, cp)
+    order = cp.argsort(key)
+    ks = key[order]
+    first = cp.ones(ks.shape[0], dtype=bool)
+    first[1:] = ks[1:] != ks[:-1]
+    seg = cp.cumsum(first) - 1  # the voxel rank of each sorted point
+    m = int(seg[-1]) + 1
+    sums = cp.zeros((m, 3), cp.float64)
+    cp.add.at(sums, seg, pts[order].astype(cp.float64))
+    cnt = cp.bincount(seg, minlength=m)
+    return (sums / cnt[:, None]).astype(cp.float32)

@@ -137,15 +137,16 @@ def cpu_grid(pts: np.ndarray, r: float, *, slot: str = "g"):
     """Cell list of ``pts`` with cells of edge >= r (the last one is cached for reuse): ``(sorted
     points, order, cell starts, origin, 1/edge, dims)``, the grid of :func:`radius_search_cpu`, which
     SHOT and recognition's scene index reuse."""
-    from .search_cpu import cell_ids
+    from ..geom_cpu import finite_bounds
+    from .search_cpu import cell_ids, cell_order
 
     key = (pts.__array_interface__["data"][0], pts.shape, float(r))
     hit = _GRID_CACHE.get(slot)
     if hit is not None and hit[0] == key and hit[2] is pts:
         return hit[1]
     n = pts.shape[0]
-    lo = pts.min(axis=0).astype(np.float64)
-    ext = np.maximum(pts.max(axis=0).astype(np.float64) - lo, 0.0)
+    _, lo, hi = finite_bounds(pts)  # (the points are finite)
+    ext = np.maximum(hi - lo, 0.0)
     h = float(r) * 1.001
     while True:
         dims = np.floor(ext / h).astype(np.int64) + 1
@@ -155,10 +156,8 @@ def cpu_grid(pts: np.ndarray, r: float, *, slot: str = "g"):
     origin = lo.astype(np.float32)
     inv_h = np.float32(1.0 / h)
     cid = cell_ids(pts, origin, inv_h, dims)
-    order = np.argsort(cid, kind="stable")
-    cs = np.zeros(int(np.prod(dims)) + 1, np.int64)
-    np.cumsum(np.bincount(cid, minlength=int(np.prod(dims))), out=cs[1:])
-    g = (np.ascontiguousarray(pts[order]), order.astype(np.int64), cs, origin, inv_h, dims)
+    P, order, cs = cell_order(cid, int(np.prod(dims)), pts)
+    g = (P, order, cs, origin, inv_h, dims)
     _GRID_CACHE[slot] = (key, g, pts)
     return g
 
@@ -185,17 +184,24 @@ def knn_grid(pts: np.ndarray, k: int):
     ``k``-th neighbour distance of three quarters of the points: a query then reads the 27 cells
     around its own (about 10 k points on a surface) and only the rest go a shell further. The
     distance is measured, exactly, on 1,024 points drawn with a fixed seed, searched in a first
-    grid sized from the bounding box (one cell per 64 points of its volume)."""
+    grid sized from the bounding box (one cell per 64 points of its volume, or per 16 points of its
+    largest face where that is finer)."""
     from .search_cpu import grid_knn
 
     key = (pts.__array_interface__["data"][0], pts.shape, int(k))
     hit = _GRID_CACHE.get("k")
     if hit is not None and hit[0] == key and hit[2] is pts:
         return hit[1]
+    from ..geom_cpu import finite_bounds
+
     n = max(pts.shape[0], 1)
-    ext = np.maximum(pts.max(axis=0).astype(np.float64) - pts.min(axis=0).astype(np.float64), 1e-9)
+    _, lo, hi = finite_bounds(pts)
+    ext = np.maximum(hi - lo, 1e-9)
     ext = np.maximum(ext, ext.max() * 1e-3)
-    h0 = (float(np.prod(ext)) / n * 64) ** (1 / 3)
+    # one cell per 64 points of the box's volume, or per 16 points of its largest face when
+    # that is finer (scans are surfaces: a volume-sized cell would hold hundreds of points)
+    e = np.sort(ext)
+    h0 = min((float(np.prod(ext)) / n * 64) ** (1 / 3), (float(e[1] * e[2]) / n * 16) ** 0.5)
     g0 = cpu_grid(pts, h0, slot="k-grid")
     sample = pts if n <= 1024 else pts[np.random.default_rng(0).choice(n, 1024, replace=False)]
     si, sd = np.empty((sample.shape[0], k), np.int64), np.empty((sample.shape[0], k), np.float32)

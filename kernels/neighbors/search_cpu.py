@@ -125,6 +125,30 @@ def cell_ids(pts, origin, inv_h, dims):
 
 
 @njit(cache=True)
+def cell_order(cid, ncells, pts):
+    """Counting sort of the points by cell: ``(sorted points (float32, C order), order, cell
+    starts)``, ``order`` stable (by index within a cell), ``starts`` of length ``ncells + 1``."""
+    n = cid.shape[0]
+    cs = np.zeros(ncells + 1, np.int64)
+    for i in range(n):
+        cs[cid[i] + 1] += 1
+    for c in range(ncells):
+        cs[c + 1] += cs[c]
+    pos = cs[:-1].copy()
+    order = np.empty(n, np.int64)
+    P = np.empty((n, 3), np.float32)
+    for i in range(n):
+        c = cid[i]
+        j = pos[c]
+        pos[c] = j + 1
+        order[j] = i
+        P[j, 0] = pts[i, 0]
+        P[j, 1] = pts[i, 1]
+        P[j, 2] = pts[i, 2]
+    return P, order, cs
+
+
+@njit(cache=True)
 def _scan(P, cs, origin, inv_h, dims, qx, qy, qz, r2, oidx, od2, w, fill):
     cx = _cell(qx, origin[0], inv_h, dims[0])
     cy = _cell(qy, origin[1], inv_h, dims[1])

@@ -214,7 +214,8 @@ class ModelLibrary:
               descr_rad: float = 0.02, rf_rad: float = 0.015, normal_k: int = 10,
               normal_radius: float | None = None,
               viewpoint=(0.0, 0.0, 0.0), verify_leaf: float | None = None, views: int = 0,
-              view_distance: float = 1.0, device: str = "auto") -> "ModelLibrary":
+              view_distance: float = 1.0, voxel: float | None = None,
+              device: str = "auto") -> "ModelLibrary":
         """Describe every model (normals, keypoints, SHOT, frames) and stack the results.
 
         Parameters
@@ -249,6 +250,14 @@ class ModelLibrary:
             camera). All views' keypoints stay in model coordinates and vote the same
             centroid, so a scene instance seen from any side meets descriptors computed on the
             same partial surface.
+        voxel : float, optional
+            Thin each model first to one point per voxel of this edge, the centroid of its points
+            (:func:`~scanforest.kernels.descriptors.keypoints.voxel_grid`), and describe that:
+            the library for scenes recognised with the same ``scene_voxel`` (with
+            ``models_normals``, each thinned point takes its nearest model point's). The
+            verification points stay the model's own points (``verify_leaf`` apart), each with
+            its nearest thinned point's normal: the final polish fits them to the scene's own
+            points. Not with ``views``.
         device : {"auto", "cpu", "gpu"}
             Where descriptors are computed; the library itself is always stored as numpy.
         """
@@ -266,6 +275,11 @@ class ModelLibrary:
         for name, val in (("model_ss", model_ss), ("descr_rad", descr_rad), ("rf_rad", rf_rad)):
             if not (float(val) > 0 and math.isfinite(float(val))):
                 raise InputError(f"{name} must be a positive number, got {val!r}")
+        if voxel is not None:
+            if not (float(voxel) > 0 and math.isfinite(float(voxel))):
+                raise InputError(f"voxel must be a positive number, got {voxel!r}")
+            if views and views > 0:
+                raise InputError("voxel cannot be combined with views (the views are rendered from the model)")
         verify_leaf = float(verify_leaf) if verify_leaf else model_ss / 2.0
         dev = resolve_device(device)
         parts: dict[str, list] = {k: [] for k in ("points", "normals", "kp_index", "kp_coords",
@@ -278,6 +292,15 @@ class ModelLibrary:
                 raise InputError(f"model {names[i]!r} must have shape (N, 3), got {P.shape}")
             keep = np.isfinite(P).all(axis=1)
             P = np.ascontiguousarray(P[keep], np.float32)
+            near = full = None  # full: the model's own points where it is thinned
+            if voxel is not None and len(P):
+                from scipy.spatial import cKDTree
+
+                from ..descriptors.keypoints import thin
+
+                full, P = P, thin(P, float(voxel), "cpu")
+                if models_normals is not None:  # thinned point -> its nearest model point's normal
+                    near = cKDTree(full).query(P)[1]
             if len(P) < max(normal_k, 10):
                 raise InputError(f"model {names[i]!r} has only {len(P)} finite points")
             if views and views > 0:
@@ -297,6 +320,8 @@ class ModelLibrary:
                 nrm = np.asarray(to_numpy(d["normals"]), np.float32)
                 if models_normals is not None:
                     ref = np.asarray(to_numpy(models_normals[i]), np.float32)[keep]
+                    if near is not None:
+                        ref = ref[near]
                     flip = np.einsum("ij,ij->i", nrm, ref) < 0
                     if flip.any():
                         nrm = nrm.copy()
@@ -309,7 +334,15 @@ class ModelLibrary:
                 rf = np.asarray(to_numpy(d["rf"]), np.float32)
                 c = kc.astype(np.float64).mean(axis=0) if len(kc) else P.astype(np.float64).mean(0)
             votes = np.einsum("kij,kj->ki", rf.astype(np.float64), c[None, :] - kc).astype(np.float32)
-            vsel = _uniform_subsample(P, verify_leaf)
+            if full is None:
+                vsel = _uniform_subsample(P, verify_leaf)
+                vpts, vnrm = P[vsel], nrm[vsel]
+            else:  # verification points from the model's own points (the final polish fits them to
+                # the scene's): each with the normal of its nearest thinned point
+                from scipy.spatial import cKDTree
+
+                vpts = full[_uniform_subsample(full, verify_leaf)]
+                vnrm = nrm[cKDTree(P).query(vpts)[1]]
             parts["points"].append(P)
             parts["normals"].append(nrm)
             parts["kp_index"].append(kp)
@@ -320,8 +353,8 @@ class ModelLibrary:
             parts["model_id"].append(np.full(len(kp), i, np.int32))
             parts["kp_id"].append(np.arange(len(kp), dtype=np.int32))
             parts["votes"].append(votes)
-            parts["vpts"].append(P[vsel])
-            parts["vnrm"].append(nrm[vsel])
+            parts["vpts"].append(vpts)
+            parts["vnrm"].append(vnrm)
             centroids.append(c)
             res.append(resolution(P))
 
@@ -334,6 +367,7 @@ class ModelLibrary:
         params = {"model_ss": float(model_ss), "descr_rad": float(descr_rad), "rf_rad": float(rf_rad),
                   "normal_k": int(normal_k), "normal_radius": normal_radius,
                   "verify_leaf": float(verify_leaf), "views": int(views),
+                  "voxel": None if voxel is None else float(voxel),
                   "viewpoint": [float(v) for v in viewpoint]}
         return cls(names=names, point_offsets=offs(parts["points"]), points=cat["points"],
                    normals=cat["normals"], kp_offsets=offs(parts["kp_index"]),

@@ -37,7 +37,7 @@ from ._scene_index import _SceneIndex
 from .correspondences import match
 from .grouping import group_gc, group_hough
 from .library import ModelLibrary, describe
-from .refinement import refine_hypotheses
+from .refinement import polish_poses, refine_hypotheses
 from .verification import verify
 
 __all__ = ["RecognizeParams", "Detection", "Detections", "recognize", "recognize_many", "recognize_described",
@@ -58,6 +58,16 @@ class RecognizeParams:
 
     scene_ss: float = 0.03
     """Scene keypoint uniform-sampling leaf (PCL tutorial: 0.03)."""
+    scene_voxel: float | None = None
+    """Thin the scene first to one point per voxel of this edge, the centroid of its points
+    (PCL ``VoxelGrid``, :func:`~scanforest.kernels.descriptors.keypoints.voxel_grid`): normals,
+    keypoints, SHOT, grouping, verification and refinement run on the thinned scene, as Open3D's
+    global registration does on its downsampled clouds; then each accepted pose is polished by
+    point-to-point ICP against the scene's own points around it
+    (:func:`~.refinement.polish_poses`). Pair it with a library built at the same ``voxel`` and
+    radii scaled to it (docs/algorithms.md: 15 mm, ``scene_ss`` 0.045, SHOT 0.06, ``cg_size``
+    0.03, ``inlier_dist`` 0.015 on PCL's Kinect scene); ``None`` (default): every scene point.
+    :func:`recognize` and :func:`recognize_many` only (a described scene is described already)."""
     descr_rad: float | None = None
     """SHOT support radius; default: the library's (0.02)."""
     rf_rad: float | None = None
@@ -94,7 +104,8 @@ class RecognizeParams:
     verify: bool = True
     """Run the verification stage; without it every hypothesis is returned (PCL tutorial)."""
     inlier_dist: float | None = None
-    """Verification / refinement distance; default: 2x the library's mean model resolution."""
+    """Verification / refinement distance; default: 2x the library's mean model resolution
+    (``scene_voxel`` when the scene is thinned)."""
     min_inlier_fraction: float = 0.5
     """Acceptance threshold on ``inliers / visible`` of the refined poses (see
     :func:`~.verification.verify`)."""
@@ -133,7 +144,7 @@ class RecognizeParams:
             raise InputError(f"refine must be 'icp' or 'pcha', got {self.refine!r}")
         for name in ("scene_ss", "cg_size", "max_dist2"):
             positive(getattr(self, name), name)
-        for name in ("descr_rad", "rf_rad", "normal_radius", "inlier_dist"):
+        for name in ("descr_rad", "rf_rad", "normal_radius", "inlier_dist", "scene_voxel"):
             if getattr(self, name) is not None:
                 positive(getattr(self, name), name)
         for name in ("normal_k", "match_k", "icp_iterations", "max_refine"):
@@ -286,20 +297,36 @@ def _prepare(scene_points, scene_normals, library, p: RecognizeParams, dev: str,
     timer = Timer(dev == "gpu")
     # NaN/inf rows are dropped here (and the normals beside them), not refused
     pts = points(to_device(scene_points, dev), "scene_points", finite=False, dtype=None)
-    fin = xp.isfinite(pts).all(axis=1)
-    nrm_in = None
-    if not bool(fin.all()):
+    nrm_in = None if scene_normals is None else to_device(scene_normals, dev)
+    box = None
+    if dev == "cpu":  # one pass: the non-finite rows' count and the finite rows' bounds
+        from ..geom_cpu import finite_bounds
+
+        bad, lo, hi = finite_bounds(pts)
+        box = (lo, hi) if int(pts.shape[0]) > bad else None
+    else:
+        bad = int(pts.shape[0]) - int(xp.isfinite(pts).all(axis=1).sum())
+    if bad:
+        fin = xp.isfinite(pts).all(axis=1)
         pts = pts[fin]
-        if scene_normals is not None:
-            nrm_in = to_device(scene_normals, dev)[fin]
-    elif scene_normals is not None:
-        nrm_in = to_device(scene_normals, dev)
+        if nrm_in is not None:
+            nrm_in = nrm_in[fin]
     descr_rad = float(library.params.get("descr_rad", 0.02) if p.descr_rad is None else p.descr_rad)
     rf_rad = float(library.params.get("rf_rad", 0.015) if p.rf_rad is None else p.rf_rad)
-    inlier_dist = float(2.0 * library.resolution if p.inlier_dist is None else p.inlier_dist)
+    inlier_dist = float(p.inlier_dist if p.inlier_dist is not None else p.scene_voxel if p.scene_voxel is not None
+                        else 2.0 * library.resolution)
     pts, origin = _local(pts, origin, xp, {"scene_ss": p.scene_ss, "descr_rad": descr_rad, "normal_radius":
                                            p.normal_radius, "rf_rad": rf_rad if p.method == "hough" else None,
-                                           "cg_size": p.cg_size, "inlier_dist": inlier_dist})
+                                           "cg_size": p.cg_size, "inlier_dist": inlier_dist,
+                                           "scene_voxel": p.scene_voxel}, box)
+    if p.scene_voxel is not None:
+        if nrm_in is not None:
+            raise InputError("scene_normals cannot be given with scene_voxel (the thinned scene's normals are "
+                             "estimated from its points)")
+        from ..descriptors.keypoints import thin
+
+        full, pts = pts, thin(pts, p.scene_voxel, dev)
+        timer.lap("thinning")
     vp = np.asarray(p.viewpoint, np.float64).reshape(3)
 
     d = describe(pts, normals=nrm_in, normal_k=p.normal_k, normal_radius=p.normal_radius,
@@ -308,16 +335,20 @@ def _prepare(scene_points, scene_normals, library, p: RecognizeParams, dev: str,
     corr = match(d["descriptors"], library, k=p.match_k, max_dist2=p.max_dist2, ratio=p.ratio, device=dev,
                  recall=p.match_recall)
     timer.lap("matching")
-    return _Matched(pts, d, corr, p, dev, timer, t0, inlier_dist, vp, origin)
+    return _Matched(pts, d, corr, p, dev, timer, t0, inlier_dist, vp, origin,
+                    full if p.scene_voxel is not None else None)
 
 
-def _local(pts, origin, xp, radii: dict):
+def _local(pts, origin, xp, radii: dict, box=None):
     """The scene's points in its local frame (float32) and its origin (float64, (3,)):
-    ``origin`` None is chosen from the points' bounding box; the coordinates are checked
-    against the radii in use (:func:`~scanforest.kernels.coordinates.check_spacing`)."""
+    ``origin`` None is chosen from the points' bounding box (``box``: ``(lo, hi)`` when known);
+    the coordinates are checked against the radii in use
+    (:func:`~scanforest.kernels.coordinates.check_spacing`)."""
+    if box is None and int(pts.shape[0]):
+        box = (to_numpy(pts.min(axis=0)), to_numpy(pts.max(axis=0)))
     if origin is None:
         if int(pts.shape[0]):
-            origin = choose_origin(to_numpy(pts.min(axis=0)), to_numpy(pts.max(axis=0)))
+            origin = choose_origin(*box)
         else:
             origin = np.zeros(3)
         if not is_zero(origin):  # said, not silent: the viewpoint is relative to this origin
@@ -326,8 +357,9 @@ def _local(pts, origin, xp, radii: dict):
                           "offset or the scanner's position) to choose it", UserWarning, stacklevel=4)
     origin = np.asarray(origin, np.float64).reshape(3)
     local = to_local(pts, origin, xp)
-    if int(local.shape[0]):
-        check_spacing(float(xp.abs(local).max()), radii, "scene_points")
+    if int(local.shape[0]):  # the largest magnitude in the local frame, from the box's corners
+        far = np.abs(np.stack([np.asarray(b, np.float64) for b in box]) - origin).astype(np.float32)
+        check_spacing(float(far.max()), radii, "scene_points")
     return local, origin
 
 
@@ -374,6 +406,9 @@ def _prepare_described(scene_points, library, params, *, normals, keypoints, des
                        device, origin=None, **overrides) -> "_Matched":
     """:func:`recognize_described` up to its correspondences."""
     dev, p = _setup(scene_points, library, params, overrides, device)
+    if p.scene_voxel is not None:
+        raise InputError("scene_voxel applies to recognize() and recognize_many(): a described scene was "
+                         "described at its own resolution")
     if descriptors is None and correspondences is None:
         raise InputError("recognize_described needs the keypoints' descriptors or their correspondences")
     xp = xp_for(dev)
@@ -487,6 +522,7 @@ class _Matched:
     inlier_dist: float
     vp: np.ndarray
     origin: np.ndarray
+    full: object = None  # the scene's own points where ``pts`` is thinned (scene_voxel)
 
 
 def _recognize_matched(m: _Matched, library) -> Detections:
@@ -545,6 +581,12 @@ def _verified(m: _Matched, hyps, library) -> Detections:
                                  float(first_scores[hi]),
                                  None if np.isnan(rmse[hi]) else float(rmse[hi])))
         timer.lap("verification")
+        if m.full is not None and len(out):  # thinned scene: each pose fitted to the scene's own points
+            polished = polish_poses([det.pose for det in out], [det.model_id for det in out], library, m.full,
+                                    dist=inlier_dist, iterations=p.icp_iterations, device=dev)
+            for det, pose in zip(out, polished):
+                det.pose = pose
+            timer.lap("icp")
     # one scene alone: wall time; one of a batch: the sum of its phases
     timer.t["total"] = time.perf_counter() - m.t0 if m.t0 is not None else sum(timer.t.values())
     out.timings = dict(timer.t)

@@ -7,6 +7,12 @@ refines their poses against the scene, all candidates in lockstep: point-to-plan
 the GPU) or parametric chamfer alignment (:func:`scanforest.kernels.align.pcha.align_batch`:
 Levenberg-Marquardt on a distance transform of the scene around the candidates, Huber loss at
 ``inlier_dist``). Pass 2 then runs the greedy acceptance on the refined poses.
+
+:func:`polish_poses` is the last step of a recognition on a thinned scene (``scene_voxel``): each
+accepted pose, found on voxel centroids, is fitted by point-to-point ICP to the scene's own points
+around it (the model's verification points, its own points ``verify_leaf`` apart, paired with
+their nearest scene point within ``inlier_dist``; Horn/Umeyama fits until the step is below
+1e-9 m and rad).
 """
 from __future__ import annotations
 
@@ -17,7 +23,56 @@ from ._groups import take_groups
 from .grouping import Hypotheses
 from .icp import icp_point_to_plane_batch
 
-__all__ = ["refine_hypotheses"]
+__all__ = ["polish_poses", "refine_hypotheses"]
+
+
+def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: int = 30, device: str = "cpu"):
+    """Point-to-point ICP of each pose's model (its verification points) against ``scene`` (the
+    full-resolution points, numpy or CuPy on ``device``): a list of float64 4x4 poses. Only the
+    scene points within ``dist`` of the model's bounding sphere at the start are searched; a pose
+    with fewer than 3 pairs is returned as given."""
+    from ._scene_index import _SceneIndex
+    from .rigid import rigid_transform
+
+    xp = xp_for(device)
+    vo = library.verify_offsets
+    out = []
+    for T, mid in zip(poses, model_ids):
+        T = np.array(T, np.float64)
+        V = np.asarray(library.verify_points[vo[mid]:vo[mid + 1]], np.float64)
+        W = V @ T[:3, :3].T + T[:3, 3]
+        c = W.mean(axis=0)
+        reach = float(np.sqrt(((W - c) ** 2).sum(axis=1).max())) + 2.0 * dist
+        crop = _ball(scene, c, reach, xp)
+        if len(V) < 3 or int(crop.shape[0]) < 3:
+            out.append(T)
+            continue
+        idx = _SceneIndex(crop, None, dist, device)
+        host = to_numpy(crop).astype(np.float64)
+        for _ in range(int(iterations)):
+            W = V @ T[:3, :3].T + T[:3, 3]
+            pair, _d2 = idx.nearest(xp.asarray(W.astype(np.float32)), dist)
+            pair = to_numpy(pair)
+            ok = pair >= 0
+            if int(ok.sum()) < 3:
+                break
+            step = rigid_transform(W[ok], host[pair[ok]])
+            T = step @ T
+            if np.abs(step[:3, 3]).max() < 1e-9 and np.abs(step[:3, :3] - np.eye(3)).max() < 1e-9:
+                break
+        out.append(T)
+    return out
+
+
+def _ball(scene, c, r: float, xp):
+    """The scene points within ``r`` of ``c`` (float32 distances)."""
+    if xp is np:
+        from ..geom_cpu import ball_indices
+
+        return scene[ball_indices(scene, c.astype(np.float32), np.float32(r * r))]
+    cc = xp.asarray(c.astype(np.float32))
+    d = scene - cc
+    return scene[(d * d).sum(axis=1) < np.float32(r * r)]
 
 
 def refine_hypotheses(hyps: Hypotheses, first_scores, library, sidx, *, method: str = "icp",
