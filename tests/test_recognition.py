@@ -709,8 +709,9 @@ MILK_VOXEL = dict(voxel=0.015, model_ss=0.03, descr_rad=0.06, rf_rad=0.045)
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_milk_carton_found_in_the_thinned_scene(pcl_dir, device):
-    """scene_voxel + a library built at the same voxel: the carton found once, near the true pose
-    (the identity), from a scene of 1/18 of the points; moved by a known rigid motion, the same."""
+    """scene_voxel + a library built at the same voxel: the carton found once, at the true pose
+    (the identity), from a scene of 1/18 of the points; moved by a known rigid motion, and at UTM
+    offsets (the pose in the scene's own coordinates), the same."""
     m, s = _milk(pcl_dir)
     lib = ModelLibrary.build([m], ["milk"], normal_k=10, device=device, **MILK_VOXEL)
     assert lib.params["voxel"] == 0.015 and len(lib.points) < len(m) / 5
@@ -719,13 +720,17 @@ def test_milk_carton_found_in_the_thinned_scene(pcl_dir, device):
                                      ).as_matrix()
     T[:3, 3] = (0.1, -0.12, 0.15)
     moved = (s.astype(np.float64) @ T[:3, :3].T + T[:3, 3]).astype(np.float32)
-    for scene, pose in ((s, np.eye(4)), (moved, T)):
+    off = np.array([512345.0, 4123456.0, 87.0])  # UTM-sized: the scene's own coordinates in float64
+    G = np.eye(4)
+    G[:3, 3] = off
+    for scene, pose, origin in ((s, np.eye(4), None), (moved, T, None), (s.astype(np.float64) + off, G, off)):
         if device == "gpu":
             import cupy as cp
 
             scene = cp.asarray(scene)
+        vp = tuple(pose[:3, 3] - (0 if origin is None else origin))  # relative to the origin
         dets = recognize(scene, lib, device=device, scene_voxel=0.015, scene_ss=0.045, method="gc", cg_size=0.03,
-                         inlier_dist=0.015, viewpoint=tuple(pose[:3, 3]))
+                         inlier_dist=0.015, viewpoint=vp, origin=origin)
         assert dets.info["scene_points"] < len(s) / 10
         assert len(dets) == 1
         # found on 15 mm centroids (1.5-5 mm off), then polished on the scene's own points, which
