@@ -378,6 +378,23 @@ def test_verify_lookup_matches_a_float64_kdtree(small_world):
     np.testing.assert_array_equal(got[~edge], want[~edge])
 
 
+def test_scene_voxel_ranks_match_the_sorted_reference(rng, pcl_dir):
+    """Verification's voxel ranks (a hash of the occupied voxels) equal np.unique's inverse of the
+    voxel keys (float32 (p - min) * (1 / cell), floor), on a scan in scan-line order, shuffled,
+    and far from the origin."""
+    from scanforest.kernels.recognition._scene_index import _voxel_ranks_cpu
+
+    def ref(p, cell):
+        ijk = np.floor((p - p.min(axis=0)) * np.float32(1.0 / cell)).astype(np.int64)
+        dims = ijk.max(axis=0) + 1
+        return np.unique(ijk[:, 0] + dims[0] * (ijk[:, 1] + dims[1] * ijk[:, 2]), return_inverse=True)[1]
+
+    _, s = _milk(pcl_dir)
+    for p, cell in ((s, 0.005), (s[rng.permutation(len(s))], 0.0137),
+                    ((rng.random((4000, 3)) * 50 + 1000).astype(np.float32), 0.7)):
+        np.testing.assert_array_equal(_voxel_ranks_cpu(p, cell), ref(p, cell))
+
+
 @pytest.mark.gpu
 def test_verify_gpu_matches_cpu(small_world):
     import cupy as cp

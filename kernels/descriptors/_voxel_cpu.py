@@ -93,3 +93,49 @@ def centroids(order, sums, cnt):
         for j in range(3):
             out[t, j] = np.float32(sums[r, j] / cnt[r])
     return out
+
+
+@njit(cache=True)
+def voxel_rank_of_rows(P, lo, inv, dims):
+    """Each float32 point's voxel rank (int64): voxels ``floor((p - lo) * inv)`` (float32
+    subtraction and product), keyed ``i + dims0 (j + dims1 k)``, ranked by key among the occupied
+    ones (``np.unique``'s inverse), through a hash of the occupied voxels and a sort of their keys."""
+    n = P.shape[0]
+    size = 1
+    while size < 2 * n:
+        size *= 2
+    mask = size - 1
+    table = np.full(size, -1, np.int64)
+    keys = np.empty(n, np.int64)
+    row = np.empty(n, np.int64)
+    m = 0
+    last_key = np.int64(-1)
+    r = np.int64(-1)
+    for i in range(n):
+        a = np.int64(math.floor(np.float32(P[i, 0] - lo[0]) * inv))
+        b = np.int64(math.floor(np.float32(P[i, 1] - lo[1]) * inv))
+        c = np.int64(math.floor(np.float32(P[i, 2] - lo[2]) * inv))
+        key = a + dims[0] * (b + dims[1] * c)
+        if key != last_key:
+            last_key = key
+            h = (np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)
+            s = np.int64(h) & mask
+            while True:
+                r = table[s]
+                if r < 0:
+                    r = m
+                    table[s] = r
+                    keys[r] = key
+                    m += 1
+                    break
+                if keys[r] == key:
+                    break
+                s = (s + 1) & mask
+        row[i] = r
+    order = np.argsort(keys[:m])
+    rank = np.empty(m, np.int64)
+    for t in range(m):
+        rank[order[t]] = t
+    for i in range(n):
+        row[i] = rank[row[i]]
+    return row

@@ -28,15 +28,30 @@ class _SceneIndex:
             self.normals = None if normals is None else cp.ascontiguousarray(
                 cp.asarray(normals, dtype=cp.float32))
             self.grid = g.build_grid(self.points, self.cell)
-            self.vox = g.voxel_ranks(self.points, self.cell)
         else:
             self.points = np.ascontiguousarray(to_numpy(points), np.float32)
             self.normals = None if normals is None else np.ascontiguousarray(to_numpy(normals),
                                                                              np.float32)
             self._tree = None  # a KD-tree, for a radius wider than a cell, built on first use
             self._cells = None  # the cell list of verification lookups, built on first use
-            self.vox = _voxel_ranks_cpu(self.points, self.cell)
-        self.n_vox = int(self.vox.max()) + 1 if len(self.vox) else 0
+        self._vox = None
+
+    @property
+    def vox(self):
+        """Dense rank of each point's voxel (edge ``cell``, origin at the min corner; voxels in
+        key order), built on first use (verification claims voxels; ICP and the polish do not)."""
+        if self._vox is None:
+            if self.device == "gpu":
+                from . import _verification_gpu as g
+
+                self._vox = g.voxel_ranks(self.points, self.cell)
+            else:
+                self._vox = _voxel_ranks_cpu(self.points, self.cell)
+        return self._vox
+
+    @property
+    def n_vox(self) -> int:
+        return int(self.vox.max()) + 1 if len(self.vox) else 0
 
     @property
     def tree(self):
@@ -87,12 +102,16 @@ class _SceneIndex:
 
 
 def _voxel_ranks_cpu(points, cell):
+    """The GPU's ``voxel_ranks`` on the CPU: ``ijk = floor((p - min corner) * (1/cell))`` in
+    float32, the voxels ranked by key (``i + dims0 (j + dims1 k)``), through a hash of the occupied
+    voxels (one pass; only their keys are sorted)."""
+    from ..descriptors._voxel_cpu import voxel_rank_of_rows
+    from ..geom_cpu import finite_bounds
+
     if len(points) == 0:
         return np.zeros(0, np.int64)
-    lo = points.min(axis=0)
+    _, lo, hi = finite_bounds(points)
+    lo = lo.astype(np.float32)
     inv = np.float32(1.0 / cell)
-    ijk = np.floor((points - lo) * inv).astype(np.int64)
-    dims = ijk.max(axis=0) + 1
-    key = ijk[:, 0] + dims[0] * (ijk[:, 1] + dims[1] * ijk[:, 2])
-    _, rank = np.unique(key, return_inverse=True)
-    return rank.astype(np.int64)
+    dims = np.floor((hi.astype(np.float32) - lo) * inv).astype(np.int64) + 1
+    return voxel_rank_of_rows(points, lo, inv, dims)
