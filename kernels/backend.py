@@ -161,6 +161,31 @@ def numba_cache_cold() -> str | None:
     return None if warm else str(path)
 
 
+#: a CPU GEMM of fewer multiply-adds than this runs BLAS on one thread (:func:`blas_one_thread`)
+SMALL_GEMM = 1 << 28
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller():
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # optional: without it BLAS keeps its own threads
+        return None
+    return ThreadpoolController()
+
+
+def blas_one_thread(madds: float = 0):
+    """A context in which BLAS runs on one thread when ``madds`` (the multiply-adds of the work
+    inside) is below :data:`SMALL_GEMM` (``threadpoolctl``; a no-op without it or for larger
+    work). Around the CPU backend's small GEMMs: OpenBLAS's worker threads otherwise keep
+    spinning for a while after each call and take the cores numba's threads run on next (2-core
+    machine, PCL's scene thinned: the whole scene 84 -> 44 ms with BLAS on one thread)."""
+    import contextlib
+
+    c = _blas_controller() if madds < SMALL_GEMM else None
+    return contextlib.nullcontext() if c is None else c.limit(limits=1, user_api="blas")
+
+
 @functools.lru_cache(maxsize=1)
 def gpu_available() -> bool:
     """True when CuPy imports and at least one CUDA device answers. The first call also applies

@@ -136,3 +136,20 @@ def test_a_context_opened_through_the_driver_is_the_one_cupy_then_uses():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-2:] == ["1", str(CUDA_SCHEDULES["blocking"])]
+
+
+def test_small_gemms_run_blas_on_one_thread():
+    """Small CPU GEMMs (the brute force against a small library) hold BLAS at one thread, so its
+    spinning workers leave the cores to numba's; large ones keep BLAS's own threads."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from scanforest.kernels.backend import SMALL_GEMM, blas_one_thread
+
+    def blas_threads():
+        return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+
+    before = blas_threads()
+    with blas_one_thread(1_000):
+        assert all(n == 1 for n in blas_threads())
+    assert blas_threads() == before
+    with blas_one_thread(SMALL_GEMM):
+        assert blas_threads() == before

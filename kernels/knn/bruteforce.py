@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from .. import validation
-from ..backend import free_memory, is_cupy, resolve_device, to_numpy, xp_for
+from ..backend import blas_one_thread, free_memory, is_cupy, resolve_device, to_numpy, xp_for
 from ..errors import InputError
 from ..neighbors.search_cpu import insert_sorted as _insert  # the ascending (distance, id) lists
 
@@ -666,6 +666,13 @@ def _bf_cpu(st: _BaseStats, queries, k, block, ids=None):
     out_d = np.empty((m, k), np.float32)
     out_i = np.empty((m, k), np.int64)
     g = _gamma(d)
+    with blas_one_thread(float(m) * n * d):  # small GEMMs: BLAS's spinning workers would slow numba's
+        return _bf_cpu_blocks(base, mu, tiles, bn, bnmax, queries, k, kc, idm, qb, bb, g, out_d, out_i)
+
+
+def _bf_cpu_blocks(base, mu, tiles, bn, bnmax, queries, k, kc, idm, qb, bb, g, out_d, out_i):
+    n = base.shape[0]
+    m = queries.shape[0]
     for q0 in range(0, m, qb):
         qs = queries[q0:q0 + qb]
         qc = qs - mu
