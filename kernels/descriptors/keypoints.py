@@ -167,7 +167,9 @@ def _voxel_grid_gpu(pts, inv):
     first[1:] = ks[1:] != ks[:-1]
     seg = cp.cumsum(first) - 1  # the voxel rank of each sorted point
     m = int(seg[-1]) + 1
+    import cupyx
+
     sums = cp.zeros((m, 3), cp.float64)
-    cp.add.at(sums, seg, pts[order].astype(cp.float64))
+    cupyx.scatter_add(sums, seg, pts[order].astype(cp.float64))
     cnt = cp.bincount(seg, minlength=m)
     return (sums / cnt[:, None]).astype(cp.float32)
