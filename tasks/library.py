@@ -22,7 +22,7 @@ INDEX_DEFAULTS = {"method": "exact"}
 #: the index's search methods (``scanforest.kernels.knn.kdforest.METHODS``, not imported here)
 METHODS = ("banns", "anns", "exact")
 
-_POSITIVE = ("model_ss", "descr_rad", "rf_rad", "normal_radius")
+_POSITIVE = ("model_ss", "descr_rad", "rf_rad", "normal_radius", "voxel")
 
 
 def index_params(given: dict | None) -> dict[str, Any]:
@@ -85,6 +85,8 @@ def check_library_build(store: str, models: list[str], params: dict | None, inde
     for key, least in (("normal_k", 1), ("views", 0)):
         if p.get(key) is not None and int(p[key]) < least:
             raise InputError(f"--{key.replace('_', '-')} must be at least {least}, got {p[key]}")
+    if p.get("voxel") is not None and (p.get("views") or 0) > 0:
+        raise InputError("--voxel cannot be combined with --views (the views are rendered from the whole model)")
     ip = index_params(index_params_)
     if ip.get("method") not in METHODS:
         raise InputError(f"--method must be one of {', '.join(METHODS)}, got {ip.get('method')!r}")

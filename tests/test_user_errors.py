@@ -58,10 +58,11 @@ def _tree(path: Path) -> set[str]:
     (("recognize", "{store}", "-m", "s0.pcd", "--cg-size", "-1"), ("--cg-size",)),
     (("recognize", "{store}", "-m", "nomodel*"), ("nomodel*",)),
     (("recognize", "{store}", "-m", "s0.pcd", "--voxel", "-0.01"), ("--voxel", "positive")),
+    (("library", "build", "{store}", "-m", "s0.pcd", "--voxel", "0.01", "--views", "4"), ("--voxel", "--views")),
     (("describe", "{store}", "--workers", "0"), ("--workers",)),
     (("archive", "{store}", "{store}.new", "--method", "ransac"), ("--method",)),  # before anything is ingested
 ], ids=["shot-radius", "normal-k", "scan", "k", "queries", "index", "reference", "shards", "recall-and-budget",
-        "recall-range", "graph-degree", "cg-size", "models", "voxel", "workers", "archive-method"])
+        "recall-range", "graph-degree", "cg-size", "models", "voxel", "voxel-views", "workers", "archive-method"])
 def test_bad_parameters_fail_in_one_line_at_once(small_store, user_env, tmp_path, args, needles):
     """A deterministic user error is never retried and prints one line: no traceback, no 12-18 s
     of retries, nothing written into the store."""

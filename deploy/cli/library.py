@@ -30,6 +30,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         normal_radius: Optional[float] = typer.Option(None, help="Model normals from a radius instead of k."),
         views: Optional[int] = typer.Option(None, help="Describe each model through N rendered partial views "
                                             "(for full 360-degree models; default: the model as it is)."),
+        voxel: Optional[float] = typer.Option(None, help="Thin each model to one point per voxel of this edge (m) "
+                                              "before describing it; `recognize` then thins the scenes the same "
+                                              "way (scale --model-ss, --descr-rad, --rf-rad with it)."),
         method: str = typer.Option("exact", help="Search of the library's index: exact | banns | anns."),
         backtracks: Optional[int] = typer.Option(None, help="Leaf visits per query for banns/anns (None = exact)."),
         device: str = DeviceOpt,
@@ -45,7 +48,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         model_ids = _pick(store, models, "--models")
         params = {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad, "normal_k": normal_k,
-                  "normal_radius": normal_radius, "views": views}
+                  "normal_radius": normal_radius, "views": views, "voxel": voxel}
         params = {k: v for k, v in params.items() if v is not None}
         index_params = {"method": method, "backtracks": backtracks}
         check_library_build(absolute_path(store), model_ids, params, index_params)

@@ -20,7 +20,7 @@ from .. import validation
 from ..backend import resolve_device, to_device, xp_for
 from ..errors import InputError
 
-__all__ = ["keypoints", "voxel_grid"]
+__all__ = ["keypoints", "voxel_grid", "voxel_ranks"]
 
 
 def keypoints(points, *, radius: float | None = None, indices=None, coords=None,
@@ -173,3 +173,22 @@ def _voxel_grid_gpu(pts, inv):
     cupyx.scatter_add(sums, seg, pts[order].astype(cp.float64))
     cnt = cp.bincount(seg, minlength=m)
     return (sums / cnt[:, None]).astype(cp.float32)
+
+
+def voxel_ranks(points, cell: float) -> np.ndarray:
+    """Dense rank (int64) of each point's voxel, on the CPU: voxels of edge ``cell`` from the
+    cloud's min corner (``floor((p - min) * (1/cell))`` in float32), ranked by key (``i + dims0 (j
+    + dims1 k)``) among the occupied ones, as ``np.unique``'s inverse gives them and as
+    recognition's GPU verification computes them; through a hash of the occupied voxels (one pass;
+    only their keys are sorted). ``points``: finite float32 (N, 3) numpy."""
+    from ..geom_cpu import finite_bounds
+    from ._voxel_cpu import voxel_rank_of_rows
+
+    P = np.ascontiguousarray(points, np.float32)
+    if len(P) == 0:
+        return np.zeros(0, np.int64)
+    _, lo, hi = finite_bounds(P)
+    lo = lo.astype(np.float32)
+    inv = np.float32(1.0 / cell)
+    dims = np.floor((hi.astype(np.float32) - lo) * inv).astype(np.int64) + 1
+    return voxel_rank_of_rows(P, lo, inv, dims)

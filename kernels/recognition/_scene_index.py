@@ -102,16 +102,7 @@ class _SceneIndex:
 
 
 def _voxel_ranks_cpu(points, cell):
-    """The GPU's ``voxel_ranks`` on the CPU: ``ijk = floor((p - min corner) * (1/cell))`` in
-    float32, the voxels ranked by key (``i + dims0 (j + dims1 k)``), through a hash of the occupied
-    voxels (one pass; only their keys are sorted)."""
-    from ..descriptors._voxel_cpu import voxel_rank_of_rows
-    from ..geom_cpu import finite_bounds
+    """The GPU's ``voxel_ranks`` on the CPU (:func:`~scanforest.kernels.descriptors.keypoints.voxel_ranks`)."""
+    from ..descriptors.keypoints import voxel_ranks
 
-    if len(points) == 0:
-        return np.zeros(0, np.int64)
-    _, lo, hi = finite_bounds(points)
-    lo = lo.astype(np.float32)
-    inv = np.float32(1.0 / cell)
-    dims = np.floor((hi.astype(np.float32) - lo) * inv).astype(np.int64) + 1
-    return voxel_rank_of_rows(points, lo, inv, dims)
+    return voxel_ranks(points, cell)
