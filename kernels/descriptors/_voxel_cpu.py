@@ -1,5 +1,6 @@
-"""numba backend of :func:`.keypoints.voxel_grid`: voxel centroids through a hash of the occupied
-voxels (one pass over the points, no sort of them; only the occupied voxels' keys are sorted)."""
+"""numba backends of :func:`.keypoints.voxel_grid` (voxel centroids) and :func:`.keypoints.voxel_ranks`:
+a hash of the occupied voxels (one pass over the points, no sort of them; only the occupied
+voxels' keys are sorted)."""
 from __future__ import annotations
 
 import math
@@ -33,15 +34,36 @@ def voxel_bounds(P, inv):
 
 
 @njit(cache=True)
+def _table(n):
+    """An empty open-addressing hash for up to ``n`` keys: (slot -> row, all -1; the slot mask)."""
+    size = 1
+    while size < 2 * n:
+        size *= 2
+    return np.full(size, -1, np.int64), size - 1
+
+
+@njit(cache=True, inline="always")
+def _row_of(table, mask, keys, key, m):
+    """The row of voxel ``key`` (``keys``: row -> key), added as row ``m`` when new: (row, rows)."""
+    h = (np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)
+    s = np.int64(h) & mask
+    while True:
+        r = table[s]
+        if r < 0:
+            table[s] = m
+            keys[m] = key
+            return m, m + 1
+        if keys[r] == key:
+            return r, m
+        s = (s + 1) & mask
+
+
+@njit(cache=True)
 def voxel_sums(P, inv, lo, dims):
     """Per occupied voxel, in first-seen order: its key (``i + dims0 (j + dims1 k)``), the float64
     sum of its points (in point order) and their count."""
     n = P.shape[0]
-    size = 1
-    while size < 2 * n:
-        size *= 2
-    mask = size - 1
-    table = np.full(size, -1, np.int64)  # slot -> row
+    table, mask = _table(n)
     keys = np.empty(n, np.int64)
     sums = np.empty((n, 3), np.float64)
     cnt = np.empty(n, np.int64)
@@ -53,30 +75,15 @@ def voxel_sums(P, inv, lo, dims):
         b = np.int64(math.floor(P[i, 1] * inv)) - lo[1]
         c = np.int64(math.floor(P[i, 2] * inv)) - lo[2]
         key = a + dims[0] * (b + dims[1] * c)
-        if key == last_key:  # scans come in scan-line order: a point's voxel is often the last one's
-            sums[r, 0] += P[i, 0]
-            sums[r, 1] += P[i, 1]
-            sums[r, 2] += P[i, 2]
-            cnt[r] += 1
-            continue
-        last_key = key
-        h = (np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)
-        s = np.int64(h) & mask
-        while True:
-            r = table[s]
-            if r < 0:
-                r = m
-                table[s] = r
-                keys[r] = key
+        if key != last_key:  # scans come in scan-line order: a point's voxel is often the last one's
+            last_key = key
+            r, m2 = _row_of(table, mask, keys, key, m)
+            if m2 > m:
                 sums[r, 0] = 0.0
                 sums[r, 1] = 0.0
                 sums[r, 2] = 0.0
                 cnt[r] = 0
-                m += 1
-                break
-            if keys[r] == key:
-                break
-            s = (s + 1) & mask
+                m = m2
         sums[r, 0] += P[i, 0]
         sums[r, 1] += P[i, 1]
         sums[r, 2] += P[i, 2]
@@ -101,11 +108,7 @@ def voxel_rank_of_rows(P, lo, inv, dims):
     subtraction and product), keyed ``i + dims0 (j + dims1 k)``, ranked by key among the occupied
     ones (``np.unique``'s inverse), through a hash of the occupied voxels and a sort of their keys."""
     n = P.shape[0]
-    size = 1
-    while size < 2 * n:
-        size *= 2
-    mask = size - 1
-    table = np.full(size, -1, np.int64)
+    table, mask = _table(n)
     keys = np.empty(n, np.int64)
     row = np.empty(n, np.int64)
     m = 0
@@ -118,19 +121,7 @@ def voxel_rank_of_rows(P, lo, inv, dims):
         key = a + dims[0] * (b + dims[1] * c)
         if key != last_key:
             last_key = key
-            h = (np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)
-            s = np.int64(h) & mask
-            while True:
-                r = table[s]
-                if r < 0:
-                    r = m
-                    table[s] = r
-                    keys[r] = key
-                    m += 1
-                    break
-                if keys[r] == key:
-                    break
-                s = (s + 1) & mask
+            r, m = _row_of(table, mask, keys, key, m)
         row[i] = r
     order = np.argsort(keys[:m])
     rank = np.empty(m, np.int64)
