@@ -762,9 +762,13 @@ def test_voxel_settings_are_checked(pcl_dir):
         ModelLibrary.build([m], ["milk"], voxel=-1.0, device="cpu")
     with pytest.raises(InputError, match="voxel.*views|views.*voxel"):
         ModelLibrary.build([m], ["milk"], voxel=0.01, views=4, models_normals=[m], device="cpu")
+    with pytest.raises(InputError, match="after thinning to 0.5 m voxels"):
+        ModelLibrary.build([m], ["milk"], voxel=0.5, device="cpu")
     lib = ModelLibrary.build([m], ["milk"], device="cpu", **MILK_VOXEL)
     with pytest.raises(InputError, match="scene_normals"):
         recognize(s, lib, device="cpu", scene_voxel=0.015, scene_normals=np.zeros_like(s))
+    with pytest.raises(InputError, match="scene_voxel 5 leaves 4 of the scene's"):
+        recognize(s, lib, device="cpu", scene_voxel=5.0)
 
 
 def test_recognize_rejects_bad_input(small_world):

@@ -302,7 +302,9 @@ class ModelLibrary:
                 if models_normals is not None:  # thinned point -> its nearest model point's normal
                     near = cKDTree(full).query(P)[1]
             if len(P) < max(normal_k, 10):
-                raise InputError(f"model {names[i]!r} has only {len(P)} finite points")
+                raise InputError(f"model {names[i]!r} has only {len(P)} finite points"
+                                 + ("" if full is None else f" after thinning to {voxel:g} m voxels (choose a "
+                                                            "smaller voxel)"))
             if views and views > 0:
                 if models_normals is None:
                     raise InputError("views > 0 needs models_normals (outward surface normals)")

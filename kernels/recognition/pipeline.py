@@ -326,6 +326,10 @@ def _prepare(scene_points, scene_normals, library, p: RecognizeParams, dev: str,
         from ..descriptors.keypoints import thin
 
         full, pts = pts, thin(pts, p.scene_voxel, dev)
+        if int(full.shape[0]) and int(pts.shape[0]) <= p.normal_k:
+            raise InputError(f"scene_voxel {p.scene_voxel:g} leaves {int(pts.shape[0])} of the scene's "
+                             f"{int(full.shape[0])} points, too few for normals from {p.normal_k} neighbours: "
+                             "choose a smaller voxel")
         timer.lap("thinning")
     vp = np.asarray(p.viewpoint, np.float64).reshape(3)
 
