@@ -11,8 +11,8 @@ Levenberg-Marquardt on a distance transform of the scene around the candidates, 
 :func:`polish_poses` is the last step of a recognition on a thinned scene (``scene_voxel``): each
 accepted pose, found on voxel centroids, is fitted by point-to-point ICP to the scene's own points
 around it (the model's verification points, its own points ``verify_leaf`` apart, paired with
-their nearest scene point within ``inlier_dist``; Horn/Umeyama fits until the step is below
-1e-9 m and rad).
+their nearest scene point within ``inlier_dist``; least-squares rigid fits (SVD, Umeyama) until
+the step is below 1e-9 m and rad).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ __all__ = ["polish_poses", "refine_hypotheses"]
 def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: int = 30, device: str = "cpu"):
     """Point-to-point ICP of each pose's model (its verification points) against ``scene`` (the
     full-resolution points, numpy or CuPy on ``device``): a list of float64 4x4 poses. Only the
-    scene points within ``dist`` of the model's bounding sphere at the start are searched; a pose
+    scene points within ``2 dist`` of the model's bounding sphere at the start are searched; a pose
     with fewer than 3 pairs is returned as given."""
     from ._scene_index import _SceneIndex
     from .rigid import rigid_transform
