@@ -54,8 +54,9 @@ THINNED_REAL = dict(scene_voxel=0.015, scene_ss=0.045, method="gc", cg_size=0.03
                     normal_k=10, inlier_dist=0.015)
 THINNED_REAL_LIB = dict(voxel=0.015, model_ss=0.03, descr_rad=0.06, rf_rad=0.045, normal_k=10)
 # ... and on the synthetic scenes of 100k points and more: the scene thinned to 6 mm (the library of
-# rendered views as it is), the library matched by its forest at recall 0.9, keypoints 3 cm apart
-THINNED_SYN = dict(scene_voxel=0.006, match_recall=0.9, scene_ss=0.03, inlier_dist=0.005)
+# rendered views as it is), the library matched by its forest at recall 0.9, keypoints 3 cm apart,
+# the polish on the scene's points averaged into 3 mm voxels (their noise is 0.2 mesh resolutions)
+THINNED_SYN = dict(scene_voxel=0.006, match_recall=0.9, scene_ss=0.03, inlier_dist=0.005, polish_voxel=0.003)
 # synthetic setup: SYN_LIB and SYN_REC (model sizes 0.15-0.35 m, resolution ~3 mm)
 
 # Open3D peer: voxel sizes swept (the milk carton and the synthetic models are 0.15-0.35 m; the

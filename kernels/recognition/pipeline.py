@@ -68,6 +68,10 @@ class RecognizeParams:
     radii scaled to it (docs/algorithms.md: 15 mm, ``scene_ss`` 0.045, SHOT 0.06, ``cg_size``
     0.03, ``inlier_dist`` 0.015 on PCL's Kinect scene); ``None`` (default): every scene point.
     :func:`recognize` and :func:`recognize_many` only (a described scene is described already)."""
+    polish_voxel: float | None = None
+    """With ``scene_voxel``: the final polish fits the scene's own points around each detection
+    averaged into voxels of this edge (noise averaged out, as Open3D registers on averaged
+    clouds); ``None`` (default): the points as they are."""
     descr_rad: float | None = None
     """SHOT support radius; default: the library's (0.02)."""
     rf_rad: float | None = None
@@ -144,7 +148,7 @@ class RecognizeParams:
             raise InputError(f"refine must be 'icp' or 'pcha', got {self.refine!r}")
         for name in ("scene_ss", "cg_size", "max_dist2"):
             positive(getattr(self, name), name)
-        for name in ("descr_rad", "rf_rad", "normal_radius", "inlier_dist", "scene_voxel"):
+        for name in ("descr_rad", "rf_rad", "normal_radius", "inlier_dist", "scene_voxel", "polish_voxel"):
             if getattr(self, name) is not None:
                 positive(getattr(self, name), name)
         for name in ("normal_k", "match_k", "icp_iterations", "max_refine"):
@@ -587,7 +591,8 @@ def _verified(m: _Matched, hyps, library) -> Detections:
         timer.lap("verification")
         if m.full is not None and len(out):  # thinned scene: each pose fitted to the scene's own points
             polished = polish_poses([det.pose for det in out], [det.model_id for det in out], library, m.full,
-                                    dist=inlier_dist, iterations=p.icp_iterations, device=dev)
+                                    dist=inlier_dist, iterations=p.icp_iterations, device=dev, viewpoint=vp,
+                                    voxel=p.polish_voxel)
             for det, pose in zip(out, polished):
                 det.pose = pose
             timer.lap("icp")

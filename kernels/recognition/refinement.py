@@ -26,11 +26,15 @@ from .icp import icp_point_to_plane_batch
 __all__ = ["polish_poses", "refine_hypotheses"]
 
 
-def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: int = 30, device: str = "cpu"):
+def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: int = 30, device: str = "cpu",
+                 viewpoint=None, voxel: float | None = None):
     """Point-to-point ICP of each pose's model (its verification points) against ``scene`` (the
     full-resolution points, numpy or CuPy on ``device``): a list of float64 4x4 poses. Only the
-    scene points within ``2 dist`` of the model's bounding sphere at the start are searched; a pose
-    with fewer than 3 pairs is returned as given."""
+    scene points within ``2 dist`` of the model's bounding sphere at the start are searched; with
+    ``viewpoint``, only the model points whose normal faces it at the start are fitted (as
+    verification counts them: the far side of a full model would pair with the near side's edges);
+    with ``voxel``, those scene points averaged into voxels of that edge first. A pose with fewer
+    than 3 pairs is returned as given."""
     from ._scene_index import _SceneIndex
     from .rigid import rigid_transform
 
@@ -41,9 +45,20 @@ def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: i
         T = np.array(T, np.float64)
         V = np.asarray(library.verify_points[vo[mid]:vo[mid + 1]], np.float64)
         W = V @ T[:3, :3].T + T[:3, 3]
+        if viewpoint is not None:
+            N = np.asarray(library.verify_normals[vo[mid]:vo[mid + 1]], np.float64) @ T[:3, :3].T
+            seen = np.einsum("ij,ij->i", N, np.asarray(viewpoint, np.float64) - W) > 0
+            V, W = V[seen], W[seen]
+            if len(V) < 3:
+                out.append(T)
+                continue
         c = W.mean(axis=0)
         reach = float(np.sqrt(((W - c) ** 2).sum(axis=1).max())) + 2.0 * dist
         crop = _ball(scene, c, reach, xp)
+        if voxel is not None and int(crop.shape[0]):
+            from ..descriptors.keypoints import thin
+
+            crop = thin(crop, float(voxel), device)
         if len(V) < 3 or int(crop.shape[0]) < 3:
             out.append(T)
             continue
