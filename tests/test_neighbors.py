@@ -140,7 +140,7 @@ def test_gpu_grid_bounds_and_cell_starts_equal_numpy(rng):
 
     from scanforest.kernels.descriptors.keypoints import keypoints
     from scanforest.kernels.neighbors.search_gpu import bounds, build_grid
-    from scanforest.kernels.recognition._scene_index import _voxel_ranks_cpu
+    from scanforest.kernels.descriptors.keypoints import voxel_ranks as _voxel_ranks_cpu
     from scanforest.kernels.recognition._verification_gpu import voxel_ranks
 
     far = np.concatenate([rng.random((3000, 3)) * 0.2 - 5.0, rng.random((2000, 3)) * 0.2 + [3.0, -2.0, 7.5]])

@@ -382,7 +382,7 @@ def test_scene_voxel_ranks_match_the_sorted_reference(rng, pcl_dir):
     """Verification's voxel ranks (a hash of the occupied voxels) equal np.unique's inverse of the
     voxel keys (float32 (p - min) * (1 / cell), floor), on a scan in scan-line order, shuffled,
     and far from the origin."""
-    from scanforest.kernels.recognition._scene_index import _voxel_ranks_cpu
+    from scanforest.kernels.descriptors.keypoints import voxel_ranks as _voxel_ranks_cpu
 
     def ref(p, cell):
         ijk = np.floor((p - p.min(axis=0)) * np.float32(1.0 / cell)).astype(np.int64)

@@ -35,6 +35,7 @@ class _SceneIndex:
             self._tree = None  # a KD-tree, for a radius wider than a cell, built on first use
             self._cells = None  # the cell list of verification lookups, built on first use
         self._vox = None
+        self._n_vox = 0
 
     @property
     def vox(self):
@@ -46,12 +47,17 @@ class _SceneIndex:
 
                 self._vox = g.voxel_ranks(self.points, self.cell)
             else:
-                self._vox = _voxel_ranks_cpu(self.points, self.cell)
+                from ..descriptors.keypoints import voxel_ranks
+
+                self._vox = voxel_ranks(self.points, self.cell)
+            self._n_vox = int(self._vox.max()) + 1 if len(self._vox) else 0
         return self._vox
 
     @property
     def n_vox(self) -> int:
-        return int(self.vox.max()) + 1 if len(self.vox) else 0
+        """The number of occupied voxels (with :attr:`vox`)."""
+        _ = self.vox  # built with the ranks
+        return self._n_vox
 
     @property
     def tree(self):
@@ -100,9 +106,3 @@ class _SceneIndex:
         i = np.where(np.isfinite(d) & (d2 < np.float32(r * r)), i, -1).astype(np.int64)
         return i, d2
 
-
-def _voxel_ranks_cpu(points, cell):
-    """The GPU's ``voxel_ranks`` on the CPU (:func:`~scanforest.kernels.descriptors.keypoints.voxel_ranks`)."""
-    from ..descriptors.keypoints import voxel_ranks
-
-    return voxel_ranks(points, cell)

@@ -169,6 +169,13 @@ def _describe_views(P, ref_normals, views, distance, normal_k, normal_radius, mo
     return d, nrm
 
 
+def _nearest(points, queries):
+    """Index of each query's nearest point (exact k-NN of the neighbours module, k = 1)."""
+    from ..neighbors.search import knn_cpu
+
+    return knn_cpu(np.ascontiguousarray(points, np.float32), np.ascontiguousarray(queries, np.float32), 1)[0][:, 0]
+
+
 def _uniform_subsample(points, leaf):
     from ..descriptors.keypoints import keypoints as _keypoints
 
@@ -294,13 +301,11 @@ class ModelLibrary:
             P = np.ascontiguousarray(P[keep], np.float32)
             near = full = None  # full: the model's own points where it is thinned
             if voxel is not None and len(P):
-                from scipy.spatial import cKDTree
-
                 from ..descriptors.keypoints import thin
 
                 full, P = P, thin(P, float(voxel), "cpu")
                 if models_normals is not None:  # thinned point -> its nearest model point's normal
-                    near = cKDTree(full).query(P)[1]
+                    near = _nearest(full, P)
             if len(P) < max(normal_k, 10):
                 raise InputError(f"model {names[i]!r} has only {len(P)} finite points"
                                  + ("" if full is None else f" after thinning to {voxel:g} m voxels (choose a "
@@ -341,10 +346,8 @@ class ModelLibrary:
                 vpts, vnrm = P[vsel], nrm[vsel]
             else:  # verification points from the model's own points (the final polish fits them to
                 # the scene's): each with the normal of its nearest thinned point
-                from scipy.spatial import cKDTree
-
                 vpts = full[_uniform_subsample(full, verify_leaf)]
-                vnrm = nrm[cKDTree(P).query(vpts)[1]]
+                vnrm = nrm[_nearest(P, vpts)]
             parts["points"].append(P)
             parts["normals"].append(nrm)
             parts["kp_index"].append(kp)
