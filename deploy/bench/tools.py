@@ -298,10 +298,23 @@ def _forest_curve(rep, forest, name, method, trees, ls, budgets, build, X, Q, k,
                  leaf_size=ls)
 
 
+def _scan_dtypes(text: str) -> tuple:
+    """``--graph-scan``'s list, each one of :data:`~scanforest.kernels.knn.kdforest.SCAN_DTYPES`."""
+    from scanforest.kernels.knn.kdforest import SCAN_DTYPES
+
+    got = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in got if t not in SCAN_DTYPES]
+    if bad or not got:
+        raise InputError(f"--graph-scan takes {', '.join(SCAN_DTYPES)} (comma list), got {text!r}")
+    return got
+
+
 def _graph_rows(rep, KDForest, X, Q, k, ed, trees, ls, method, split, dev, gdev, sync, repeat, base, mine, batches,
-                by_batch, *, degree, expands, rounds, budget, leaves):
+                by_batch, *, degree, expands, rounds, budget, leaves, scans=("float32",)):
     """The forest with a neighbour graph (``KDForest(graph_degree=...)``): its build (trees and
-    graph) and device memory, then a curve per expansion width over the forest budgets."""
+    graph) and device memory, then a curve per expansion width over the forest budgets, for each
+    of ``scans`` (``scan_dtype``: float16 scores the leaves and the walk on half rows, the lists
+    re-ranked in float32)."""
     before = _device_bytes(dev)
     t0 = time.perf_counter()
     forest = KDForest(n_trees=trees, leaf_size=ls, method=method, split=split, device=dev, graph_degree=degree,
@@ -317,12 +330,15 @@ def _graph_rows(rep, KDForest, X, Q, k, ed, trees, ls, method, split, dev, gdev,
              f"{(_device_bytes(dev) - before) / 2**20:.0f} MiB on the device"
              if dev == "gpu" else f"scanforest graph: {gs['degree']} neighbours a row at {budget} leaves in "
              f"{gs['seconds']:.2f} s of the {build:.2f} s build")
-    for rr in rounds:
-        for e in expands:
-            forest.set_params(graph_expand=int(e), graph_rounds=int(rr))
-            _forest_curve(rep, forest, f"scanforest KDForest + graph (expand {e} x {rr})", method, trees, ls, leaves,
-                          build, X, Q, k, ed, sync, repeat, base, mine, batches, by_batch, gdev,
-                          setting=lambda b, e=e, rr=rr: f"{b} leaves + graph {degree}, expand {e} x {rr}")
+    for scan in scans:
+        forest.set_params(scan_dtype=scan)
+        half = ", half scan" if scan == "float16" else ""
+        for rr in rounds:
+            for e in expands:
+                forest.set_params(graph_expand=int(e), graph_rounds=int(rr))
+                _forest_curve(rep, forest, f"scanforest KDForest + graph (expand {e} x {rr}{half})", method, trees,
+                              ls, leaves, build, X, Q, k, ed, sync, repeat, base, mine, batches, by_batch, gdev,
+                              setting=lambda b, e=e, rr=rr: f"{b} leaves + graph {degree}, expand {e} x {rr}{half}")
 
 
 def _flann_rows(rep, binary, X, Q, k, ed, trees, threads, checks, repeat, cdev, base):
@@ -367,7 +383,8 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         threads: int = 0, clusters: int = 1000, real: str | None = None, targets=(0.9, 0.95, 0.98),
         repeat: int = 3, gpu_nprobes=(4, 8, 16, 32), cagra_degree: int = 32, itopk=(32, 64, 128, 256), out=None,
         forests=None, recalls=(), batches=(), graph: int = 0, graph_expands=(4, 8), graph_rounds=(2,),
-        graph_budget: int = 128, graph_leaves=(16, 32, 64, 128), radius: float | None = None):
+        graph_budget: int = 128, graph_leaves=(16, 32, 64, 128), radius: float | None = None,
+        graph_scans=("float32",)):
     """Measure every tool on one data set and print the table (see the module docstring).
 
     ``forests``: several scanforest forests, ``[(leaf_size, budgets), ...]`` (a curve each; the
@@ -487,7 +504,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         if graph:
             _graph_rows(rep, KDForest, X, Q, k, ed, trees, forests[0][0], method, split, dev, gdev, sync, repeat, base,
                         mine, batches, by_batch, degree=graph, expands=graph_expands, rounds=graph_rounds,
-                        budget=graph_budget, leaves=graph_leaves)
+                        budget=graph_budget, leaves=graph_leaves, scans=graph_scans)
         if recalls:
             _recall_rows(rep, KDForest, X, Q, k, ed, recalls, method, split, dev, gdev, sync, repeat, base, mine)
     if flann_baseline:
@@ -602,6 +619,9 @@ def register(app, bench) -> None:
         graph_budget: int = typer.Option(128, "--graph-budget", help="leaves a row's graph search scans"),
         graph_leaves: str = typer.Option("16,32,64,128", "--graph-leaves", help="forest leaves per query before the "
                                          "graph (comma list)"),
+        graph_scan: str = typer.Option("float32", "--graph-scan", help="the graph forest's scan_dtype (comma list: "
+                                       "float32, float16; a curve each): float16 scores leaves and walk on half "
+                                       "rows and re-ranks each list in float32"),
         radius: float = typer.Option(None, "--radius", help="with --real: SHOT at this fixed support radius (m) on "
                                      "every cloud instead of 10 resolutions (the near-duplicate-heavy variant)"),
         out: str = typer.Option(None, "--out", help="JSON file or folder"),
@@ -626,4 +646,5 @@ def register(app, bench) -> None:
             gpu_nprobes=parse_counts(gpu_nprobe), cagra_degree=cagra_degree, itopk=parse_counts(itopk), out=out,
             recalls=[float(r) for r in recall.split(",") if r.strip()], batches=parse_counts(batches),
             graph=graph, graph_expands=parse_counts(graph_expand), graph_rounds=parse_counts(graph_rounds),
-            graph_budget=graph_budget, graph_leaves=parse_counts(graph_leaves), radius=radius)
+            graph_budget=graph_budget, graph_leaves=parse_counts(graph_leaves), radius=radius,
+            graph_scans=_scan_dtypes(graph_scan))

@@ -28,10 +28,11 @@ MERGE_PER_LANE = 24
 NONE_KEY = np.uint64((0x7F800000 << 32) | 0xFFFFFFFF)
 
 _SRC = r"""
+// @@ROWS@@
 #define TP 128
 #define PER MERGE_PER_LANE
 #define NONE_KEY 0x7F800000FFFFFFFFULL
-extern "C" __global__ void graph_pair_keys(const float* __restrict__ X, long long n, const float* __restrict__ Q,
+extern "C" __global__ void graph_pair_keys(const RT* __restrict__ X, long long n, const float* __restrict__ Q,
         const long long* __restrict__ cand, long long npairs, int C, int d, unsigned long long* __restrict__ keys) {
     __shared__ float tile[TP][33];
     __shared__ long long rid[TP];
@@ -48,7 +49,7 @@ extern "C" __global__ void graph_pair_keys(const float* __restrict__ X, long lon
         for (int i = 0; i < 32; ++i) {  // this warp's 32 pairs: a row slice per load
             const int pr = warp * 32 + i;
             const long long r = rid[pr];
-            if (r >= 0 && lane < w) tile[pr][lane] = X[r * (long long)d + c0 + lane];
+            if (r >= 0 && lane < w) tile[pr][lane] = ldr(X[r * (long long)d + c0 + lane]);
         }
         __syncthreads();
         if (b >= 0) {
@@ -101,7 +102,7 @@ extern "C" __global__ void graph_merge(const unsigned long long* __restrict__ ol
 // neighbour the table forgot is scored again and found in the list by its key (binary search).
 // An entry's flag lost with its entry is never needed again (a dropped key never comes back).
 #define HB WALK_HASH_BITS
-extern "C" __global__ void graph_walk(const float* __restrict__ X, long long n, int d,
+extern "C" __global__ void graph_walk(const RT* __restrict__ X, long long n, int d,
         const int* __restrict__ G, int deg, const float* __restrict__ Q, long long m,
         unsigned long long* __restrict__ keys, int kk, int e, int rounds, const long long* __restrict__ excl,
         int wpb, int per) {
@@ -169,7 +170,7 @@ extern "C" __global__ void graph_walk(const float* __restrict__ X, long long n, 
 #pragma unroll
                     for (int i = 0; i < 32; ++i) {
                         const long long rr = __shfl_sync(FULL, my, i);
-                        if (rr >= 0 && lane < wd) tile[i * 33 + lane] = X[rr * (long long)d + a + lane];
+                        if (rr >= 0 && lane < wd) tile[i * 33 + lane] = ldr(X[rr * (long long)d + a + lane]);
                     }
                     __syncwarp();
                     if (lane < nsc) {
@@ -218,11 +219,24 @@ extern "C" __global__ void graph_walk(const float* __restrict__ X, long long n, 
 
 
 @functools.cache
-def _module():
+def _module(half: bool = False):
+    """The kernels over float32 rows, or float16 ones (``half``: widened exactly as they are read,
+    so a distance is the float32 one of the widened row, bit for bit)."""
     import cupy as cp
 
-    src = _SRC.replace("MERGE_PER_LANE", str(MERGE_PER_LANE)).replace("WALK_HASH_BITS", str(WALK_HASH_BITS))
-    return cp.RawModule(code=src, options=("--std=c++14",))
+    from .bruteforce import _half_rows
+
+    src = (_SRC.replace("// @@ROWS@@", _half_rows("ROWS_HALF", "RT", "ldr"))
+           .replace("MERGE_PER_LANE", str(MERGE_PER_LANE)).replace("WALK_HASH_BITS", str(WALK_HASH_BITS)))
+    return cp.RawModule(code=src, options=("--std=c++14",) + (("-DROWS_HALF",) if half else ()))
+
+
+def _rows(X):
+    """``X`` as the kernels take it (C-contiguous float32, or float16 kept as it is) and whether half."""
+    import cupy as cp
+
+    half = X.dtype == cp.float16
+    return cp.ascontiguousarray(X, dtype=cp.float16 if half else cp.float32), bool(half)
 
 
 #: warps (queries) a block of :func:`walk` runs at most, and the shared memory it may take
@@ -260,9 +274,10 @@ def walk(X, Q, G, keys, e: int, rounds: int, exclude=None):
     per = _walk_bytes(kk, e)
     wpb = max(1, min(WALK_WARPS, WALK_SHARED // per))
     ex = None if exclude is None else cp.ascontiguousarray(exclude, dtype=cp.int64)
-    _module().get_function("graph_walk")(
+    X, half = _rows(X)
+    _module(half).get_function("graph_walk")(
         ((m + wpb - 1) // wpb,), (32 * wpb,),
-        (cp.ascontiguousarray(X, dtype=cp.float32), np.int64(n), np.int32(d), cp.ascontiguousarray(G, dtype=cp.int32),
+        (X, np.int64(n), np.int32(d), cp.ascontiguousarray(G, dtype=cp.int32),
          np.int32(G.shape[1]), cp.ascontiguousarray(Q, dtype=cp.float32), np.int64(m), out, np.int32(kk), np.int32(e),
          np.int32(rounds), ex if ex is not None else np.uint64(0), np.int32(wpb), np.int32(per)),
         shared_mem=per * wpb)
@@ -277,14 +292,16 @@ def fits(kk: int) -> bool:
 
 def pair_keys(X, Q, cand):
     """uint64 keys (canonical distance bits << 32 | id) of ``Q[r]`` against ``X[cand[r, c]]``
-    ((M, C) int64; an id outside ``[0, N)`` gives :data:`NONE_KEY`). ``X`` float32 (N, d)."""
+    ((M, C) int64; an id outside ``[0, N)`` gives :data:`NONE_KEY`). ``X`` float32 or float16
+    (N, d), ``Q`` float32."""
     import cupy as cp
 
     m, c = cand.shape
     keys = cp.empty((m, c), cp.uint64)
     n = int(m) * int(c)
     if n:
-        _module().get_function("graph_pair_keys")(
+        X, half = _rows(X)
+        _module(half).get_function("graph_pair_keys")(
             ((n + 127) // 128,), (128,),
             (X, np.int64(X.shape[0]), Q, cp.ascontiguousarray(cand, dtype=cp.int64), np.int64(n), np.int32(c),
              np.int32(X.shape[1]), keys))

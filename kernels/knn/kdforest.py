@@ -27,6 +27,11 @@ CALIBRATION_SEED = 0
 CALIBRATION_START = 8
 
 
+#: the precisions a budgeted search may score rows in (``KDForest(scan_dtype=...)``)
+SCAN_DTYPES = ("float32", "float16")
+#: half's largest finite value: rows scanned in half must lie within it
+HALF_MAX = 65504.0
+
 #: scored (query, row) pairs a graph round or a graph build handles at a time
 GRAPH_CHUNK_PAIRS = 1 << 23
 
@@ -45,6 +50,14 @@ def _check_graph(f) -> None:
     if f.graph_budget is not None and (not whole(f.graph_budget) or f.graph_budget < 1):
         raise InputError(f"graph_budget must be a positive leaf count or None (exact neighbours), "
                          f"got {f.graph_budget!r}")
+
+
+def _check_half_range(X) -> None:
+    """Rows a half-precision scan rounds must lie within half's range: one line otherwise."""
+    big = max(float(X.max()), -float(X.min())) if X.size else 0.0  # no copy of the rows
+    if not big < HALF_MAX:
+        raise InputError(f"scan_dtype='float16' needs rows within half's range (|x| < {HALF_MAX:g}); these reach "
+                         f"{big:g}: use scan_dtype='float32' or scale the rows")
 
 
 def _next_seeds(ids, done, exclude, e: int, xp):
@@ -183,6 +196,15 @@ class KDForest:
         0.921; at 32 leaves 1,919,823 at 0.951 against 1,923,739 at 0.945.
     graph_budget : int or None, default 128
         Leaves a row's graph search scans (None: exact neighbours, O(N^2 d)).
+    scan_dtype : {"float32", "float16"}, default "float32"
+        The precision of the rows a budgeted search scores. ``"float16"``: the leaves and the
+        graph walk read the rows rounded to half precision (on a GPU stored as half: half the
+        bytes every leaf scan and graph round reads; the CPU keeps the same rounded values in
+        float32, so both devices answer alike), and each query's list (``max(k, 2 k,
+        graph_expand * graph_rounds)`` entries) is then re-ranked with the canonical distance
+        to the float32 rows it keeps: the ``k`` returned are the nearest of the rows the search
+        found, by their float32 distances. An unlimited budget is the float32 brute force.
+        Rows must lie within half's range (|x| < 65504); ``bounds`` apply after the re-rank.
 
     Attributes
     ----------
@@ -238,7 +260,7 @@ class KDForest:
                  device: str = "auto", max_depth: int | None = None, sliding_window: bool = True,
                  split: str = "variance", heap_cap: int | None = None, descent: str = "auto",
                  leaves_per_round: int | None = None, graph_degree: int | None = None, graph_expand: int = 4,
-                 graph_rounds: int = 2, graph_budget: int | None = 128):
+                 graph_rounds: int = 2, graph_budget: int | None = 128, scan_dtype: str = "float32"):
         self.n_trees = n_trees
         self.leaf_size = leaf_size
         self.backtracks = backtracks
@@ -256,12 +278,13 @@ class KDForest:
         self.graph_expand = graph_expand
         self.graph_rounds = graph_rounds
         self.graph_budget = graph_budget
+        self.scan_dtype = scan_dtype
 
     def get_params(self, deep: bool = True) -> dict:
         return {k: getattr(self, k) for k in ("n_trees", "leaf_size", "backtracks", "method", "random_dims",
                                               "seed", "device", "max_depth", "sliding_window", "split",
                                               "heap_cap", "descent", "leaves_per_round", "graph_degree",
-                                              "graph_expand", "graph_rounds", "graph_budget")}
+                                              "graph_expand", "graph_rounds", "graph_budget", "scan_dtype")}
 
     def set_params(self, **params) -> "KDForest":
         for k, v in params.items():
@@ -288,6 +311,8 @@ class KDForest:
         _check_budget(self.backtracks)
         heap_capacity(1, self.heap_cap)
         _check_graph(self)
+        if self.scan_dtype not in SCAN_DTYPES:
+            raise InputError(f"scan_dtype must be one of {SCAN_DTYPES}, got {self.scan_dtype!r}")
         check_split(self.split)
         resolve_descent(self.descent)
         leaf_size, max_depth, rand_f, seed = _check_build_params(1 if self.leaf_size is None else self.leaf_size,
@@ -316,6 +341,10 @@ class KDForest:
             raise InputError("graph_degree needs the rows (keep_rows=True): the graph is found by searching them "
                              "and its rounds score them")
         leaf_size, max_depth, rand_f, seed = self._validate()
+        half = self.scan_dtype == "float16" and self.method != "exact"
+        if half and not keep_rows:
+            raise InputError("scan_dtype='float16' needs the rows (keep_rows=True): its lists are re-ranked "
+                             "with the float32 rows")
         dev = resolve_device(self.device, X)
         if dev == "gpu":
             import cupy as cp
@@ -349,8 +378,12 @@ class KDForest:
         self.graph_, self.graph_stats_ = None, {}
         self.__dict__.pop("_leaf_graph", None)
         self.__dict__.pop("_leaf_inv", None)
+        self._scan_X = None
+        if half:
+            _check_half_range(X)  # nothing built on rows beyond half's range
         if self.graph_degree is not None and self.method != "exact" and keep_rows and self.n_samples_fit_ > 1:
-            self._build_graph(X)
+            self._build_graph(X)  # over the float32 rows: the same graph whatever the scan's precision
+        self._sync_scan()
         self.stats_ = {}
         self._calibrations, self.recall_target_ = {}, recall
         self.__dict__.pop("calibration_", None)
@@ -443,7 +476,85 @@ class KDForest:
         self.stats_ = stats = dict(stats, method=self.method, **({} if recall is None else {"backtracks": budget}))
         return (dist, ids, stats) if return_stats else (dist, ids)
 
+    def _half_rows(self, X):
+        """``X`` rounded to half precision: float16 on a GPU, the same values in float32 on the
+        CPU (numba scores float32)."""
+        h = X.astype(np.float16)
+        return h if self.device_ == "gpu" else h.astype(np.float32)
+
+    def _sync_scan(self) -> None:
+        """Hold the rows a search scores in ``scan_dtype`` (it may change with :meth:`set_params`
+        after :meth:`fit`): half copies of the leaf rows and of the rows the graph walks, or the
+        float32 leaf rows again (gathered from the kept rows)."""
+        if self.scan_dtype not in SCAN_DTYPES:
+            raise InputError(f"scan_dtype must be one of {SCAN_DTYPES}, got {self.scan_dtype!r}")
+        tree = self.tree_
+        want = self.scan_dtype == "float16" and self.method != "exact" and tree is not None
+        have = getattr(self, "_scan_X", None) is not None
+        if want == have or tree is None or tree.points is None:
+            return
+        if self._fit_X is None:
+            raise InputError("scan_dtype='float16' needs the rows (keep_rows=True and not to_leaf_order()): its "
+                             "lists are re-ranked with the float32 rows")
+        if want:
+            _check_half_range(self._fit_X)
+            self._scan_X, tree.points = self._half_rows(self._fit_X), self._half_rows(tree.points)
+        else:
+            self._scan_X, tree.points = None, self._fit_X[tree.perm]
+
+    def _half_scan(self) -> bool:
+        return getattr(self, "_scan_X", None) is not None
+
     def _search(self, Q, k: int, budget, bounds=None, exclude=None):
+        """:meth:`_search_rows`, and with ``scan_dtype="float16"`` each list re-ranked by its
+        float32 distances (an unlimited budget: the float32 brute force; ``bounds`` applied to
+        the re-ranked distances)."""
+        self._sync_scan()
+        if not self._half_scan():
+            return self._search_rows(Q, k, budget, bounds, exclude)
+        xp = np
+        if self.device_ == "gpu":
+            import cupy as xp
+        b = check_bounds(bounds, int(Q.shape[0]), xp=xp)
+        if budget is None:
+            dist, ids = self._exact_search().search(Q, k)
+            stats = {"method": "exact", "scan_dtype": "float16"}
+        else:
+            # the whole list the search keeps (the graph's rounds keep graph_expand x graph_rounds) re-ranked
+            walk = int(self.graph_expand) * int(self.graph_rounds) if getattr(self, "graph_", None) is not None else 0
+            wide = min(max(2 * int(k), walk + (exclude is not None)), self.n_samples_fit_, MAX_K)
+            dist, ids, stats = self._search_rows(Q, wide, budget, None, exclude)
+            t0 = time.perf_counter()
+            dist, ids = self._rerank(Q, ids, k)
+            if self.device_ == "gpu":
+                xp.cuda.get_current_stream().synchronize()
+            stats = dict(stats, scan_dtype="float16", ms_rerank=round(1e3 * (time.perf_counter() - t0), 3))
+        if b is not None:
+            drop = dist > _bound_limit(b, int(Q.shape[0]), xp=xp)[:, None]
+            dist, ids = xp.where(drop, xp.float32(np.inf), dist), xp.where(drop, -1, ids)
+        return dist, ids, stats
+
+    def _rerank(self, Q, ids, k: int):
+        """The ``k`` nearest of each list's rows ``ids`` ((M, c) int64, -1: none) by the canonical
+        distance to the float32 rows, in (distance, id) order."""
+        X = self._fit_X
+        if self.device_ == "gpu":
+            import cupy as cp
+
+            from . import _graph_gpu
+            from .topk import unpack
+
+            keys = _graph_gpu.pair_keys(X, Q, ids)
+            if _graph_gpu.fits(k):  # a warp a query keeps the k smallest (the ids are distinct)
+                return unpack(_graph_gpu.merge(cp.full((int(Q.shape[0]), k), _graph_gpu.NONE_KEY, cp.uint64), keys, k))
+            return unpack(cp.sort(keys, axis=1)[:, :k])
+        from .bruteforce import pair_distances_checked
+
+        d = pair_distances_checked(X, Q, ids, "cpu")
+        d[ids < 0] = np.inf
+        return merge_topk_unique([(d, ids)], k)
+
+    def _search_rows(self, Q, k: int, budget, bounds=None, exclude=None):
         """The forest's search of ``Q`` at a leaf budget (None: unlimited), with its parameters,
         then the graph's rounds (``graph_degree``) when there is a budget. ``exclude``: each
         query's own row id (a calibration's leave-one-out), never a seed of the graph rounds:
@@ -497,7 +608,7 @@ class KDForest:
         if self.device_ == "gpu":
             import cupy as xp
         X = self._graph_rows()
-        if self.device_ == "gpu" and bounds is None and X.dtype == np.float32 and _graph_gpu.walk_fits(kk, e):
+        if self.device_ == "gpu" and bounds is None and X.dtype in (np.float32, np.float16) and _graph_gpu.walk_fits(kk, e):
             from .topk import pack, unpack
 
             return unpack(_graph_gpu.walk(X, Q, self.graph_, pack(dist, ids), e, rounds, exclude))
@@ -536,9 +647,9 @@ class KDForest:
                         np.ascontiguousarray(dist, dtype=np.float32), np.ascontiguousarray(ids, dtype=np.int64),
                         seeds, out_d, out_i)
             return out_d, out_i
-        # canonical keys scored and merged by the GPU kernels, or (bounds, float16 rows, lists longer
-        # than the merge holds) scored and sorted the generic way
-        kernels = self.device_ == "gpu" and lim is None and X.dtype == np.float32 and _graph_gpu.fits(kk)
+        # canonical keys scored and merged by the GPU kernels (float32 or float16 rows), or (bounds,
+        # lists longer than the merge holds) scored and sorted the generic way
+        kernels = self.device_ == "gpu" and lim is None and X.dtype in (np.float32, np.float16) and _graph_gpu.fits(kk)
         step = max(1, GRAPH_CHUNK_PAIRS // max(1, e * deg))
         out_d, out_i = [], []
         for a in range(0, m, step):
@@ -589,6 +700,8 @@ class KDForest:
     def _graph_rows(self):
         """The rows the graph's ids index: the fitted rows, or a stored index's leaf-ordered rows
         (:meth:`set_leaf_graph`; the first tree's order)."""
+        if self._half_scan():
+            return self._scan_X
         if self._fit_X is not None:
             return self._fit_X
         return self.tree_.points[:self.n_samples_fit_]
@@ -629,6 +742,10 @@ class KDForest:
     def to_leaf_order(self) -> "KDForest":
         """Keep the rows in leaf order only (``tree_.points``), the graph following them, as a
         stored index's loaded shard holds them: the input-order copy of the rows goes."""
+        if self._half_scan():
+            raise InputError("a KDForest with scan_dtype='float16' keeps its float32 rows to re-rank with: it has "
+                             "no leaf-order-only form (a stored index keeps half rows with index build --dtype "
+                             "float16)")
         if getattr(self, "graph_", None) is not None:
             self.set_leaf_graph(self.graph_in_leaf_order())
         if self.tree_ is not None and self.tree_.points is not None:
