@@ -193,26 +193,33 @@ def test_scan_dtype_changes_after_fit(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [30, 64, 352])
-def test_gpu_walk_layouts_agree(rng, d):
-    """The walk's two layouts (scalar tile reads and the query from memory; float4 reads of a
-    36-float tile and of the query kept in shared memory) give the same lists bit for bit, over
-    float32 and float16 rows, with a dimension count not a multiple of 4 (the scalar tail) and a
-    graph with repeated ids in a row (scored once)."""
+@pytest.mark.parametrize("half", [False, True])
+def test_gpu_walk_scores_a_repeated_graph_id_once(rng, half):
+    """A graph row holding an id twice (a graph not built by the forest) walks as the row with
+    the repeats removed: the same lists bit for bit, ascending and distinct (two lanes entering
+    the same key used to leave a slot of the next list unwritten)."""
     import cupy as cp
     from scanforest.kernels.knn import _graph_gpu
     from scanforest.kernels.knn.topk import pack
 
-    X, Q = _clustered(rng, 4000, 300, d, dup=True)
-    G = cp.asarray(rng.integers(-1, 4000, (4000, 40)).astype(np.int32))
+    X, Q = _clustered(rng, 4000, 300, 40, dup=True)
+    G = rng.integers(0, 4000, (4000, 40)).astype(np.int32)
+    G[:, 20:30] = G[:, 5:15]  # repeats within a 32-wide slice and across slices
+    G[:, 35:40] = G[:, 0:5]
+    dedup = G.copy()
+    for r in dedup:
+        _, first = np.unique(r, return_index=True)
+        keep = np.zeros(len(r), bool)
+        keep[first] = True
+        r[~keep] = -1
     ids = np.stack([rng.choice(4000, 16, replace=False) for _ in range(300)])
-    dd = pair_distances(X, Q, ids)
+    rows = X.astype(np.float16) if half else X
+    dd = pair_distances(rows.astype(np.float32), Q, ids)
     o = np.lexsort((ids, dd), axis=1)
     keys = pack(cp.asarray(np.take_along_axis(dd, o, 1)), cp.asarray(np.take_along_axis(ids, o, 1)))
-    for rows in (cp.asarray(X), cp.asarray(X.astype(np.float16))):
-        a = _graph_gpu.walk(rows, cp.asarray(Q), G, keys, 4, 4, vec4=False).get()
-        b = _graph_gpu.walk(rows, cp.asarray(Q), G, keys, 4, 4, vec4=True).get()
-        np.testing.assert_array_equal(a, b)
-        for r in a:  # ascending and distinct, the empty slots last
-            v = r[r != _graph_gpu.NONE_KEY]
-            assert (v[1:] > v[:-1]).all() and (r[len(v):] == _graph_gpu.NONE_KEY).all()
+    a = _graph_gpu.walk(cp.asarray(rows), cp.asarray(Q), cp.asarray(G), keys, 4, 4).get()
+    b = _graph_gpu.walk(cp.asarray(rows), cp.asarray(Q), cp.asarray(dedup), keys, 4, 4).get()
+    np.testing.assert_array_equal(a, b)
+    for r in a:  # ascending and distinct, the empty slots last
+        v = r[r != _graph_gpu.NONE_KEY]
+        assert (v[1:] > v[:-1]).all() and (r[len(v):] == _graph_gpu.NONE_KEY).all()

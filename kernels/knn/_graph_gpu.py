@@ -116,22 +116,14 @@ extern "C" __global__ void graph_walk(const RT* __restrict__ X, long long n, int
     unsigned long long* B = A + kk;                           // kk keys: the next list
     unsigned long long* NK = B + kk;                          // the new keys entering (at most 32)
     long long* C = (long long*)(NK + 32);                     // the candidates to score (at most 32)
-    float* tile = (float*)(C + 32);                           // 32 x TW
-    int* H = (int*)(tile + 32 * TW);                          // 1 << HB ids scored
-#if WALK_QS
-    float* q = (float*)(H + (1 << HB));                       // the query (d rounded up to 4 floats)
-    int* S = (int*)(q + ((d + 3) & ~3));                      // e seeds
-#else
-    const float* q = Q + w * (long long)d;  // read by every lane at once: one broadcast load
+    float* tile = (float*)(C + 32);                           // 32 x 33
+    int* H = (int*)(tile + 32 * 33);                          // 1 << HB ids scored
     int* S = H + (1 << HB);                                   // e seeds
-#endif
     unsigned char* F = (unsigned char*)(S + e);               // kk flags
     unsigned char* F2 = F + kk;                               // kk flags
     const long long ex = excl ? excl[w] : -2;
+    const float* q = Q + w * (long long)d;  // read by every lane at once: one broadcast load
     for (int t = lane; t < (1 << HB); t += 32) H[t] = -1;
-#if WALK_QS
-    for (int t = lane; t < d; t += 32) q[t] = Q[w * (long long)d + t];
-#endif
     __syncwarp();
     for (int t = lane; t < kk; t += 32) {
         const unsigned long long kv = keys[w * (long long)kk + t];
@@ -180,33 +172,13 @@ extern "C" __global__ void graph_walk(const RT* __restrict__ X, long long n, int
                     // (a loop over the nsc candidates waited for each row in turn: 0.6x)
 #pragma unroll
                     for (int i = 0; i < 32; ++i) {
-#if WALK_VEC4
-                        const long long rr = i < nsc ? C[i] : -1;  // a broadcast read
-#else
                         const long long rr = __shfl_sync(FULL, my, i);
-#endif
-                        if (rr >= 0 && lane < wd) tile[i * TW + lane] = ldr(X[rr * (long long)d + a + lane]);
+                        if (rr >= 0 && lane < wd) tile[i * 33 + lane] = ldr(X[rr * (long long)d + a + lane]);
                     }
                     __syncwarp();
                     if (lane < nsc) {
-                        const float* tr = tile + lane * TW;
-                        int jj = 0;
-#if WALK_VEC4
-                        for (; jj + 4 <= wd; jj += 4) {  // four dimensions a read, summed in order
-                            const float4 t4 = *(const float4*)(tr + jj);
-                            const float4 q4 = *(const float4*)(q + a + jj);
-                            float u = __fsub_rn(q4.x, t4.x);
-                            acc = __fadd_rn(acc, __fmul_rn(u, u));
-                            u = __fsub_rn(q4.y, t4.y);
-                            acc = __fadd_rn(acc, __fmul_rn(u, u));
-                            u = __fsub_rn(q4.z, t4.z);
-                            acc = __fadd_rn(acc, __fmul_rn(u, u));
-                            u = __fsub_rn(q4.w, t4.w);
-                            acc = __fadd_rn(acc, __fmul_rn(u, u));
-                        }
-#endif
-                        for (; jj < wd; ++jj) {
-                            const float u = __fsub_rn(q[a + jj], tr[jj]);
+                        for (int jj = 0; jj < wd; ++jj) {
+                            const float u = __fsub_rn(q[a + jj], tile[lane * 33 + jj]);
                             acc = __fadd_rn(acc, __fmul_rn(u, u));
                         }
                     }
@@ -250,25 +222,16 @@ extern "C" __global__ void graph_walk(const RT* __restrict__ X, long long n, int
 
 
 @functools.cache
-def _module(half: bool = False, vec4: bool | None = None):
+def _module(half: bool = False):
     """The kernels over float32 rows, or float16 ones (``half``: widened exactly as they are read,
-    so a distance is the float32 one of the widened row, bit for bit); ``vec4``: the walk's
-    layout (:data:`WALK_VEC4` when None)."""
+    so a distance is the float32 one of the widened row, bit for bit)."""
     import cupy as cp
 
     from .bruteforce import _half_rows
 
-    v = WALK_VEC4 if vec4 is None else bool(vec4)
     src = (_SRC.replace("// @@ROWS@@", _half_rows("ROWS_HALF", "RT", "ldr"))
            .replace("MERGE_PER_LANE", str(MERGE_PER_LANE)).replace("WALK_HASH_BITS", str(WALK_HASH_BITS)))
-    opts = ("--std=c++14", f"-DWALK_VEC4={int(v)}", f"-DWALK_QS={int(v)}", f"-DTW={_tile_w(v)}")
-    return cp.RawModule(code=src, options=opts + (("-DROWS_HALF",) if half else ()))
-
-
-def _tile_w(vec4: bool) -> int:
-    """The walk's tile row stride (floats): 33 (conflict-free scalar reads), or 36 (16-byte rows
-    for float4 reads, conflict-free a quarter-warp at a time)."""
-    return 36 if vec4 else 33
+    return cp.RawModule(code=src, options=("--std=c++14",) + (("-DROWS_HALF",) if half else ()))
 
 
 def _rows(X):
@@ -284,24 +247,20 @@ WALK_WARPS, WALK_SHARED = 4, 48 * 1024
 #: the walk's table of ids scored a query (a power of two): 256 slots, 1 KiB of shared memory a warp
 #: (the walk waits on its row loads: shared memory a warp takes is occupancy lost)
 WALK_HASH_BITS = 8
-#: the walk reads its tile and the query (kept in shared memory) four floats at a time
-WALK_VEC4 = False
 
 
-def _walk_bytes(kk: int, e: int, d: int = 0, vec4: bool | None = None) -> int:
-    """Shared memory of one warp of ``graph_walk`` (its layout there) for ``d`` dimensions, 16-byte aligned."""
-    v = WALK_VEC4 if vec4 is None else bool(vec4)
-    qs = (int(d) + 3) // 4 * 4 if v else 0
-    b = 8 * (2 * kk + 64) + 4 * (32 * _tile_w(v) + (1 << WALK_HASH_BITS) + qs + e) + 2 * kk
+def _walk_bytes(kk: int, e: int) -> int:
+    """Shared memory of one warp of ``graph_walk`` (its layout there), 16-byte aligned."""
+    b = 8 * (2 * kk + 64) + 4 * (32 * 33 + (1 << WALK_HASH_BITS) + e) + 2 * kk
     return (b + 15) // 16 * 16
 
 
-def walk_fits(kk: int, e: int, d: int = 0) -> bool:
-    """Whether :func:`walk` takes lists of ``kk`` keys, ``e`` seeds a round and ``d`` dimensions."""
-    return _walk_bytes(kk, e, d) <= WALK_SHARED
+def walk_fits(kk: int, e: int) -> bool:
+    """Whether :func:`walk` takes lists of ``kk`` keys and ``e`` seeds a round."""
+    return _walk_bytes(kk, e) <= WALK_SHARED
 
 
-def walk(X, Q, G, keys, e: int, rounds: int, exclude=None, vec4: bool | None = None):
+def walk(X, Q, G, keys, e: int, rounds: int, exclude=None):
     """``rounds`` graph rounds of every query in one kernel (a warp each): each round the graph
     neighbours (``G`` (N, D) int32, -1: none) of the first ``e`` entries of the list not
     expanded in an earlier round (nor ``exclude[r]``) are scored with the canonical distance and
@@ -315,11 +274,11 @@ def walk(X, Q, G, keys, e: int, rounds: int, exclude=None, vec4: bool | None = N
     out = cp.array(keys, dtype=cp.uint64, order="C", copy=True)
     if not m or not rounds or not e:
         return out
-    per = _walk_bytes(kk, e, d, vec4)
+    per = _walk_bytes(kk, e)
     wpb = max(1, min(WALK_WARPS, WALK_SHARED // per))
     ex = None if exclude is None else cp.ascontiguousarray(exclude, dtype=cp.int64)
     X, half = _rows(X)
-    _module(half, WALK_VEC4 if vec4 is None else bool(vec4)).get_function("graph_walk")(
+    _module(half).get_function("graph_walk")(
         ((m + wpb - 1) // wpb,), (32 * wpb,),
         (X, np.int64(n), np.int32(d), cp.ascontiguousarray(G, dtype=cp.int32),
          np.int32(G.shape[1]), cp.ascontiguousarray(Q, dtype=cp.float32), np.int64(m), out, np.int32(kk), np.int32(e),

@@ -608,7 +608,7 @@ class KDForest:
         if self.device_ == "gpu":
             import cupy as xp
         X = self._graph_rows()
-        if self.device_ == "gpu" and bounds is None and X.dtype in (np.float32, np.float16) and _graph_gpu.walk_fits(kk, e, int(Q.shape[1])):
+        if self.device_ == "gpu" and bounds is None and X.dtype in (np.float32, np.float16) and _graph_gpu.walk_fits(kk, e):
             from .topk import pack, unpack
 
             return unpack(_graph_gpu.walk(X, Q, self.graph_, pack(dist, ids), e, rounds, exclude))
