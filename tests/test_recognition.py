@@ -513,6 +513,39 @@ def test_icp_batch_equals_one_by_one(small_world, device):
     assert icp_point_to_plane_batch([], idx, inits=[], max_correspondence_distance=0.01) == []
 
 
+@pytest.mark.parametrize("normals", [True, False])
+def test_cpu_icp_batch_is_bit_equal_to_one_by_one(small_world, normals):
+    """The CPU's lockstep batch (the active problems paired in parallel each iteration) gives
+    each problem exactly the single-source ICP: poses, RMSE, fitness, iterations, convergence,
+    for sources that converge, stop on the iteration cap or find too few pairs."""
+    from scanforest.kernels.recognition.icp import icp_point_to_plane_batch
+    from scanforest.kernels.recognition._scene_index import _SceneIndex
+
+    _, lib, scene = small_world
+    idx = _SceneIndex(scene.points, scene.normals, 0.01, "cpu")
+    vo = lib.verify_offsets
+    srcs, sns, inits = [], [], []
+    rng = np.random.default_rng(11)
+    for g in scene.ground_truth:
+        m = g["model_id"]
+        for off in (0.0, 0.003, 0.5):  # at the pose, 3 mm off, half a metre off (no pairs)
+            D = np.eye(4)
+            D[:3, 3] = off * rng.normal(size=3) / np.sqrt(3)
+            srcs.append(lib.verify_points[vo[m]:vo[m + 1]])
+            sns.append(lib.verify_normals[vo[m]:vo[m + 1]])
+            inits.append(np.array(g["pose"]) @ D)
+    for iters in (3, 30):
+        batch = icp_point_to_plane_batch(srcs, idx, inits=inits, source_normals=sns if normals else None,
+                                         max_correspondence_distance=0.01, max_iterations=iters)
+        for s, sn, T0, rb in zip(srcs, sns, inits, batch):
+            r1 = icp_point_to_plane(s, None, None, init=T0, source_normals=sn if normals else None,
+                                    max_correspondence_distance=0.01, max_iterations=iters, _target_index=idx)
+            assert (rb.iterations, rb.converged) == (r1.iterations, r1.converged)
+            np.testing.assert_array_equal(rb.pose, r1.pose)
+            np.testing.assert_array_equal([rb.rmse, rb.fitness], [r1.rmse, r1.fitness])
+    assert {r.converged for r in batch} == {True, False}
+
+
 def test_cpu_icp_pass_equals_the_array_reference(small_world):
     """The CPU's compiled ICP iteration (pairing and the 6x6 sums in one loop) against the numpy
     reference on gathered pairs (``_step``): the same pairs, the same sums up to float64 order,

@@ -12,7 +12,7 @@ summation order.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from ..neighbors.search_cpu import grid_nearest
 
@@ -72,3 +72,19 @@ def icp_normal_equations(src, sn, use_sn, T, P, order, cs, origin, inv_h, dims, 
         for c in range(r):
             A[r, c] = A[c, r]
     return kept, se
+
+
+@njit(cache=True, parallel=True)
+def icp_normal_equations_batch(src, sn, use_sn, off, T, act, P, order, cs, origin, inv_h, dims, r2, tp, tn, agree,
+                               A, b, kept, se):
+    """:func:`icp_normal_equations` of the problems ``act`` (in parallel): problem ``p``'s source
+    rows are ``src[off[p]:off[p + 1]]`` (``sn`` alike), its pose ``T[p]``; its sums go to
+    ``A[j]``, ``b[j]``, ``kept[j]``, ``se[j]`` for ``p = act[j]``. Each problem's sums are those
+    of the one-problem call, bit for bit."""
+    for j in prange(act.shape[0]):
+        p = act[j]
+        a0, a1 = off[p], off[p + 1]
+        k, e = icp_normal_equations(src[a0:a1], sn[a0:a1] if use_sn else src[a0:a1], use_sn, T[p], P, order, cs,
+                                    origin, inv_h, dims, r2, tp, tn, agree, A[j], b[j])
+        kept[j] = k
+        se[j] = e

@@ -150,6 +150,46 @@ def _icp_cpu(src, sn, T, idx, r, iters, tol, agree):
     return _iterate(T, iters, tol, pair)
 
 
+def _icp_cpu_batch(srcs, sns, T, idx, r, iters, tol, agree):
+    """:func:`_icp_cpu` of every problem at once: each iteration pairs the problems still going
+    in parallel and solves their systems together; each stops by :func:`_iterate`'s rule.
+    (poses (B, 4, 4), rmse, fitness, iterations, converged)."""
+    from ._icp_cpu import icp_normal_equations_batch
+
+    B = len(srcs)
+    off = np.zeros(B + 1, np.int64)
+    off[1:] = np.cumsum([len(s) for s in srcs])
+    src = np.ascontiguousarray(np.concatenate(srcs), np.float64)
+    sn = src if sns is None else np.ascontiguousarray(np.concatenate(sns), np.float64)  # read only when given
+    T = np.ascontiguousarray(T, np.float64).copy()
+    P, order, cs, origin, inv_h, dims = idx.cells()
+    n_src = np.diff(off)
+    rmse, fit = np.full(B, np.nan), np.zeros(B)
+    its, conv = np.zeros(B, np.int64), np.zeros(B, bool)
+    A, b, kept, se = np.empty((B, 6, 6)), np.empty((B, 6)), np.empty(B, np.int64), np.empty(B)
+    active = np.arange(B, dtype=np.int64)
+    for it in range(1, iters + 1):
+        if not active.size:
+            break
+        na = active.size
+        icp_normal_equations_batch(src, sn, sns is not None, off, T, active, P, order, cs, origin, inv_h, dims,
+                                   np.float32(r * r), idx.points, idx.normals, float(agree), A, b, kept, se)
+        its[active] = it
+        with np.errstate(invalid="ignore", divide="ignore"):
+            fit[active] = np.where(n_src[active] > 0, kept[:na] / np.maximum(n_src[active], 1), np.nan)
+        ok = kept[:na] >= 6  # fewer pairs: that problem stops with its pose
+        go = active[ok]
+        if not go.size:
+            break
+        rmse[go] = np.sqrt(se[:na][ok] / kept[:na][ok])
+        T2, x = _increment_batch(T[go], A[:na][ok], b[:na][ok])
+        T[go] = T2
+        done = np.array([np.linalg.norm(v) < tol for v in x], bool)  # _iterate's norm, one step at a time
+        conv[go[done]] = True
+        active = go[~done]
+    return T, rmse, fit, its, conv
+
+
 def _icp_cpu_arrays(src, sn, T, idx, r, iters, tol, agree):
     """The CPU loop on gathered arrays (:func:`_step`): the reference of the compiled pass, and
     the path for a radius wider than the scene index's cells (its KD-tree)."""
@@ -207,7 +247,9 @@ def icp_point_to_plane_batch(sources, index, *, inits, source_normals=None, max_
     On the GPU the whole loop runs on the device (:mod:`._icp_gpu`: per iteration one launch
     pairs every source point and sums the normal equations per problem, one solves the 6x6
     systems and updates the poses; the host looks at the active flags every few iterations and
-    fetches the results once). On the CPU the problems are solved one after the other. ``index``
+    fetches the results once). On the CPU the problems advance in lockstep too, each iteration
+    pairing the active ones in parallel (:func:`._icp_cpu.icp_normal_equations_batch`; each
+    problem's sums, steps and stopping those of :func:`icp_point_to_plane`, bit for bit). ``index``
     is the target's ``_SceneIndex`` (cell = ``max_correspondence_distance``).
     """
     r = float(max_correspondence_distance)
@@ -218,14 +260,13 @@ def icp_point_to_plane_batch(sources, index, *, inits, source_normals=None, max_
         raise InputError("target_normals are required for point-to-plane ICP")
     if B == 0:
         return []
-    if index.device != "gpu":
+    cpu_cells = index.device != "gpu" and abs(index.cell - r) <= 1e-12 * max(r, 1) and index.cells_hold(r)
+    if index.device != "gpu" and not cpu_cells:
         return [icp_point_to_plane(s, None, None, init=T, source_normals=None if source_normals is None
                                    else source_normals[b], max_correspondence_distance=r,
                                    max_iterations=max_iterations, tolerance=tolerance,
                                    normal_agreement=normal_agreement, _target_index=index)
                 for b, (s, T) in enumerate(zip(sources, inits))]
-    from ._icp_gpu import icp_batch
-
     srcs = [points(to_numpy(s), f"sources[{b}]", finite=False, dtype=np.float64)
             for b, s in enumerate(sources)]
     sns = None
@@ -235,5 +276,10 @@ def icp_point_to_plane_batch(sources, index, *, inits, source_normals=None, max_
     T = np.stack([np.array(to_numpy(t), np.float64) for t in inits])
     if T.shape != (B, 4, 4) or not np.isfinite(T).all():
         raise InputError("every init must be a finite 4x4 matrix")
-    P, rm, ft, its, cv = icp_batch(srcs, sns, T, index, r, max_iterations, tolerance, normal_agreement)
+    if cpu_cells:
+        P, rm, ft, its, cv = _icp_cpu_batch(srcs, sns, T, index, r, max_iterations, tolerance, normal_agreement)
+    else:
+        from ._icp_gpu import icp_batch
+
+        P, rm, ft, its, cv = icp_batch(srcs, sns, T, index, r, max_iterations, tolerance, normal_agreement)
     return [IcpResult(P[b], float(rm[b]), float(ft[b]), int(its[b]), bool(cv[b])) for b in range(B)]
