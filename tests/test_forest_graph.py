@@ -219,7 +219,19 @@ def test_bench_tools_graph_rows(tmp_path):
         q = rows[f"scanforest KDForest + graph (expand {e} x 1) banns queries/s, 1 trees, 1 leaves"]
         assert q.extra["recall"] == r1 and r1 > plain
         assert rows[f"scanforest KDForest + graph (expand {e} x 2) recall@4, 1 trees, 1 leaves"].value > r1
-    assert rep.params["graph"] == {"degree": 8, "expand": [2, 4], "rounds": [1, 2], "budget": 8, "leaves": [1, 2]}
+    assert rep.params["graph"] == {"degree": 8, "expand": [2, 4], "rounds": [1, 2], "budget": 8, "leaves": [1, 2],
+                                   "scans": ["float32"]}
+    # --graph-scan float32,float16: a half-scan curve beside each, its recall measured the same way
+    rep = bench_tools.run(3000, 150, 16, 4, device="cpu", trees=1, leaf_size=16, budgets=[1], nprobes=[],
+                          ef_search=[], threads=2, clusters=30, repeat=1, targets=[0.5], graph=8,
+                          graph_expands=[4], graph_rounds=[2], graph_leaves=[1], graph_budget=8,
+                          graph_scans=("float32", "float16"), out=tmp_path / "h.json")
+    rows = {r.figure: r for r in rep.rows}
+    full = rows["scanforest KDForest + graph (expand 4 x 2) recall@4, 1 trees, 1 leaves"].value
+    half = rows["scanforest KDForest + graph (expand 4 x 2, half scan) recall@4, 1 trees, 1 leaves"].value
+    assert abs(full - half) < 0.05 and half > plain
+    with pytest.raises(InputError, match="--graph-scan takes"):
+        bench_tools._scan_dtypes("float32,int8")
     for bad, match in ((dict(graph=300), "--graph must"), (dict(graph=8, graph_expands=[0]), "--graph-expand"),
                        (dict(graph=8, graph_rounds=[-1]), "--graph-rounds"), (dict(graph=8, graph_rounds=[]), "rounds"),
                        (dict(graph=8, graph_leaves=[0]), "--graph-leaves")):

@@ -447,7 +447,8 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                                 **({"recalls": recalls} if recalls else {}),
                                 **({"batches": batches} if batches else {}),
                                 **({"graph": {"degree": graph, "expand": list(graph_expands), "rounds": list(graph_rounds),
-                                              "budget": graph_budget, "leaves": list(graph_leaves)}}
+                                              "budget": graph_budget, "leaves": list(graph_leaves),
+                                              "scans": list(graph_scans)}}
                                    if graph else {})},
                       echo=True)
     if dev == "gpu":

@@ -486,10 +486,11 @@ class KDForest:
         """Hold the rows a search scores in ``scan_dtype`` (it may change with :meth:`set_params`
         after :meth:`fit`): half copies of the leaf rows and of the rows the graph walks, or the
         float32 leaf rows again (gathered from the kept rows)."""
-        if self.scan_dtype not in SCAN_DTYPES:
-            raise InputError(f"scan_dtype must be one of {SCAN_DTYPES}, got {self.scan_dtype!r}")
+        scan = getattr(self, "scan_dtype", "float32")  # a forest pickled before the parameter: float32
+        if scan not in SCAN_DTYPES:
+            raise InputError(f"scan_dtype must be one of {SCAN_DTYPES}, got {scan!r}")
         tree = self.tree_
-        want = self.scan_dtype == "float16" and self.method != "exact" and tree is not None
+        want = scan == "float16" and self.method != "exact" and tree is not None
         have = getattr(self, "_scan_X", None) is not None
         if want == have or tree is None or tree.points is None:
             return
@@ -608,7 +609,8 @@ class KDForest:
         if self.device_ == "gpu":
             import cupy as xp
         X = self._graph_rows()
-        if self.device_ == "gpu" and bounds is None and X.dtype in (np.float32, np.float16) and _graph_gpu.walk_fits(kk, e):
+        rows_ok = X.dtype in (np.float32, np.float16)
+        if self.device_ == "gpu" and bounds is None and rows_ok and _graph_gpu.walk_fits(kk, e):
             from .topk import pack, unpack
 
             return unpack(_graph_gpu.walk(X, Q, self.graph_, pack(dist, ids), e, rounds, exclude))
