@@ -498,6 +498,9 @@ def test_bench_recognize_runs_open3d_on_the_same_scenes(tmp_path, monkeypatch):
              "seconds per scene"]
     assert len(ratio) == 1 and ratio[0]["baseline"].startswith(f"{tag}: Open3D voxel 20 mm")
     assert ratio[0]["ratio"] == pytest.approx(ratio[0]["baseline_value"] / ratio[0]["value"])
+    for fast in ("fast 3 cm", "fast 4 cm"):  # sparse scenes: two points of scanforest's curve, each compared
+        assert any(r["figure"] == f"{tag}: scanforest, {fast} vs Open3D (fastest successful) seconds per scene"
+                   for r in rec["rows"]), fast
     assert rec["params"]["open3d"] is True
     assert any("where Open3D succeeds and scanforest does not" in n for n in rec["notes"])
 
