@@ -179,9 +179,9 @@ def check_recognize_params(library_params: dict | None, params: dict | None):
     for key, v in {**(library_params or {}), **(params or {})}.items():
         if key in _POSITIVE and v is not None and not float(v) > 0:
             raise InputError(f"--{key.replace('_', '-')} must be positive, got {v}")
-    lp = library_params or {}
-    if lp.get("voxel") is not None and (lp.get("views") or 0) > 0:
-        raise InputError("--voxel cannot be combined with a library of rendered views (--views)")
+    from scanforest.tasks.library import check_voxel_views
+
+    check_voxel_views(library_params)
     method = (params or {}).get("method")
     if method is not None and method not in ("hough", "gc"):
         raise InputError(f"--method must be hough or gc, got {method!r}")

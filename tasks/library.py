@@ -66,6 +66,14 @@ def library_unchanged(store: str, models: list[str], name: str = "default", para
     return summary(store, name, "unchanged", index, "unchanged", time.perf_counter() - t0)
 
 
+def check_voxel_views(params: dict | None) -> None:
+    """A thinned library (``voxel``) is described from the thinned model, not from rendered views:
+    the two refused together in one line, before anything is built."""
+    p = params or {}
+    if p.get("voxel") is not None and (p.get("views") or 0) > 0:
+        raise InputError("--voxel cannot be combined with --views (the views are rendered from the whole model)")
+
+
 def check_library_build(store: str, models: list[str], params: dict | None, index_params_: dict | None):
     """User errors of a library build (``store``: an absolute path), found before anything
     starts; the store."""
@@ -85,8 +93,7 @@ def check_library_build(store: str, models: list[str], params: dict | None, inde
     for key, least in (("normal_k", 1), ("views", 0)):
         if p.get(key) is not None and int(p[key]) < least:
             raise InputError(f"--{key.replace('_', '-')} must be at least {least}, got {p[key]}")
-    if p.get("voxel") is not None and (p.get("views") or 0) > 0:
-        raise InputError("--voxel cannot be combined with --views (the views are rendered from the whole model)")
+    check_voxel_views(p)
     ip = index_params(index_params_)
     if ip.get("method") not in METHODS:
         raise InputError(f"--method must be one of {', '.join(METHODS)}, got {ip.get('method')!r}")

@@ -52,6 +52,11 @@ def _check_graph(f) -> None:
                          f"got {f.graph_budget!r}")
 
 
+def _check_scan_dtype(value) -> None:
+    if value not in SCAN_DTYPES:
+        raise InputError(f"scan_dtype must be one of {SCAN_DTYPES}, got {value!r}")
+
+
 def _check_half_range(X) -> None:
     """Rows a half-precision scan rounds must lie within half's range: one line otherwise."""
     big = max(float(X.max()), -float(X.min())) if X.size else 0.0  # no copy of the rows
@@ -200,7 +205,7 @@ class KDForest:
         The precision of the rows a budgeted search scores. ``"float16"``: the leaves and the
         graph walk read the rows rounded to half precision (on a GPU stored as half: half the
         bytes every leaf scan and graph round reads; the CPU keeps the same rounded values in
-        float32, so both devices answer alike), and each query's list (``max(k, 2 k,
+        float32, so both devices answer alike), and each query's list (``max(2 k,
         graph_expand * graph_rounds)`` entries) is then re-ranked with the canonical distance
         to the float32 rows it keeps: the ``k`` returned are the nearest of the rows the search
         found, by their float32 distances. An unlimited budget is the float32 brute force.
@@ -311,8 +316,7 @@ class KDForest:
         _check_budget(self.backtracks)
         heap_capacity(1, self.heap_cap)
         _check_graph(self)
-        if self.scan_dtype not in SCAN_DTYPES:
-            raise InputError(f"scan_dtype must be one of {SCAN_DTYPES}, got {self.scan_dtype!r}")
+        _check_scan_dtype(self.scan_dtype)
         check_split(self.split)
         resolve_descent(self.descent)
         leaf_size, max_depth, rand_f, seed = _check_build_params(1 if self.leaf_size is None else self.leaf_size,
@@ -383,7 +387,7 @@ class KDForest:
             _check_half_range(X)  # nothing built on rows beyond half's range
         if self.graph_degree is not None and self.method != "exact" and keep_rows and self.n_samples_fit_ > 1:
             self._build_graph(X)  # over the float32 rows: the same graph whatever the scan's precision
-        self._sync_scan()
+        self._sync_scan(checked=half)
         self.stats_ = {}
         self._calibrations, self.recall_target_ = {}, recall
         self.__dict__.pop("calibration_", None)
@@ -482,13 +486,13 @@ class KDForest:
         h = X.astype(np.float16)
         return h if self.device_ == "gpu" else h.astype(np.float32)
 
-    def _sync_scan(self) -> None:
+    def _sync_scan(self, checked: bool = False) -> None:
         """Hold the rows a search scores in ``scan_dtype`` (it may change with :meth:`set_params`
         after :meth:`fit`): half copies of the leaf rows and of the rows the graph walks, or the
-        float32 leaf rows again (gathered from the kept rows)."""
+        float32 leaf rows again (gathered from the kept rows). ``checked``: the rows' range was
+        checked already (:meth:`fit`, before building on them)."""
         scan = getattr(self, "scan_dtype", "float32")  # a forest pickled before the parameter: float32
-        if scan not in SCAN_DTYPES:
-            raise InputError(f"scan_dtype must be one of {SCAN_DTYPES}, got {scan!r}")
+        _check_scan_dtype(scan)
         tree = self.tree_
         want = scan == "float16" and self.method != "exact" and tree is not None
         have = getattr(self, "_scan_X", None) is not None
@@ -498,7 +502,8 @@ class KDForest:
             raise InputError("scan_dtype='float16' needs the rows (keep_rows=True and not to_leaf_order()): its "
                              "lists are re-ranked with the float32 rows")
         if want:
-            _check_half_range(self._fit_X)
+            if not checked:
+                _check_half_range(self._fit_X)
             self._scan_X, tree.points = self._half_rows(self._fit_X), self._half_rows(tree.points)
         else:
             self._scan_X, tree.points = None, self._fit_X[tree.perm]
