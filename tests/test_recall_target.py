@@ -48,7 +48,7 @@ def test_cpu_defaults_resolved(data):
     assert (f.n_trees_, f.leaf_size_) == (DEVICE_DEFAULTS["cpu"]["n_trees"], DEVICE_DEFAULTS["cpu"]["leaf_size"])
     assert (f.n_trees_, f.leaf_size_) == (4, 32)  # the measured CPU default (docs/benchmarks.md)
     assert f.tree_.n_trees == 4 and f.tree_.leaf_size == 32
-    assert DEVICE_DEFAULTS["gpu"] == {"n_trees": 1, "leaf_size": 64}  # the GPU's, unchanged
+    assert DEVICE_DEFAULTS["gpu"] == {"n_trees": 1, "leaf_size": 64, "descent": "beam"}  # the GPU's
     # given values win; one-dimensional rows default to one tree (randomized trees need d >= 2)
     g = KDForest(n_trees=2, leaf_size=16, device="cpu").fit(X[:2000])
     assert (g.n_trees_, g.leaf_size_, g.tree_.n_trees) == (2, 16, 2)

@@ -672,20 +672,133 @@ def _banns_merge_cpu(active, slot_of, slot_d, slot_i, slot_n, top_d, top_i, cnt)
         cnt[qi] = c
 
 
+
+# ---- the beam: a one-round budget's leaves chosen level by level (descent="beam")
+BEAM_MAX = 128  # the largest budget (and root count) a beam takes; the GPU keeps 2 * BEAM_MAX entries a query
+
+
+@njit(cache=True)
+def _beam_select(node, key, pn, n, B, code):
+    """Keep the ``B`` entries of the smallest (key, node) among the first ``n`` (in place, in any
+    order; keys are stored with -0 read as +0): the GPU's order, a key's float order then its
+    node, as one uint64 code. Returns how many are kept."""
+    if n <= B:
+        return n
+    kb = key.view(np.uint32)
+    for t in range(n):
+        u = np.uint64(kb[t])
+        if u & np.uint64(0x80000000):
+            u = np.uint64(0xFFFFFFFF) ^ u
+        else:
+            u = u | np.uint64(0x80000000)
+        code[t] = (u << np.uint64(32)) | np.uint64(node[t])
+    cut = np.partition(code[:n], B - 1)[B - 1]
+    j = 0
+    for t in range(n):
+        if code[t] <= cut:
+            node[j] = node[t]
+            key[j] = key[t]
+            pn[j] = pn[t]
+            j += 1
+    return j
+
+
+@njit(cache=True, parallel=True)
+def _banns_beam_cpu(child, sdim, sval, lo, hi, roots, queries, lim, active, B, L, visits, leaves, nleaves, keep):
+    """A one-round budget's ``B`` leaves per active query by a beam over the trees' levels: the
+    entries start as the roots within the query's bound (their box distance); at each step every
+    entry that is not a leaf becomes its near child (the entry's key, its popped box P) and its
+    far child (the incremental bound from the key and P's interval on the split dimension, as
+    ``_path_bound``; P the far child itself), a far child beyond the bound dropped, a near child
+    whose box lies beyond a finite bound dropped; then the ``B`` entries of the smallest (key,
+    node) are kept, until all are leaves. A node's key is the key of the leaf its near children
+    lead to, so the beam keeps the ancestors of the B leaves of the smallest keys up to the few
+    ulps by which a far child's bound can fall below its parent's key. The GPU's ``banns_beam``."""
+    for i in prange(active.shape[0]):
+        qi = active[i]
+        q = queries[qi]
+        bl = lim[qi]
+        check_near = bl < np.float32(np.inf)
+        cap = 2 * max(B, roots.shape[0])
+        code = np.empty(cap, np.uint64)
+        node = np.empty(cap, np.int64)
+        key = np.empty(cap, np.float32)
+        pn = np.empty(cap, np.int64)
+        node2 = np.empty(cap, np.int64)
+        key2 = np.empty(cap, np.float32)
+        pn2 = np.empty(cap, np.int64)
+        n = 0
+        for t in range(roots.shape[0]):
+            r = roots[t]
+            bd = _box_dist(q, lo[r], hi[r])
+            if bd <= bl:
+                node[n] = r
+                key[n] = bd + np.float32(0.0)
+                pn[n] = r
+                n += 1
+        n = _beam_select(node, key, pn, n, B, code)
+        while True:
+            m = 0
+            internal = False
+            for j in range(n):
+                nd = node[j]
+                c = child[nd]
+                if c < 0:
+                    node2[m] = nd
+                    key2[m] = key[j]
+                    pn2[m] = pn[j]
+                    m += 1
+                    continue
+                internal = True
+                s = sdim[nd]
+                left = q[s] <= sval[nd]
+                if left:
+                    near = c
+                    far = c + 1
+                else:
+                    near = c + 1
+                    far = c
+                p = pn[j]
+                bd = _path_bound(key[j], q[s], lo[p, s], hi[p, s], sval[nd], left)
+                if bd <= bl:
+                    node2[m] = far
+                    key2[m] = bd + np.float32(0.0)
+                    pn2[m] = far
+                    m += 1
+                if not (check_near and _box_dist(q, lo[near], hi[near]) > bl):
+                    node2[m] = near
+                    key2[m] = key[j]
+                    pn2[m] = p
+                    m += 1
+            if not internal:
+                break
+            node, node2 = node2, node
+            key, key2 = key2, key
+            pn, pn2 = pn2, pn
+            n = _beam_select(node, key, pn, m, B, code)
+        for j in range(n):
+            leaves[i, j] = node[j]
+        nleaves[i] = n
+        keep[i] = False
+        visits[qi] = n
+
+
 BANNS_CPU_SLOTS = 1 << 22  # slot entries of a CPU round: queries are taken L * k entries each
 
 
-def _banns_cpu(tree, points, queries, lim, k, budget, heap_cap, path, L):
+def _banns_cpu(tree, points, queries, lim, k, budget, heap_cap, path, L, beam=False):
     """P-BANNS on the CPU in rounds of ``L`` leaves per query, as the GPU: the round's leaves are
     chosen per query (``_banns_collect_cpu``), the (query, leaf) pairs sorted by leaf, each leaf
     scanned once for all the queries that took it (its rows stay in cache from one query to the
     next: ``_banns_scan_cpu``), and each query's slots merged into its list. The same answer as
-    ``_anns_cpu`` with ``per_round=L``. Returns (dist2, ids, overflow, visits)."""
+    ``_anns_cpu`` with ``per_round=L``; ``beam``: the one round's leaves chosen by
+    ``_banns_beam_cpu`` (a budget of at most ``min(L, BEAM_MAX)`` leaves). Returns (dist2, ids,
+    overflow, visits)."""
     m = queries.shape[0]
     roots = np.zeros(1, np.int32) if tree.roots is None else np.ascontiguousarray(tree.roots, dtype=np.int32)
     chunk = max(1, BANNS_CPU_SLOTS // (L * k))
     if m > chunk:  # a query's answer does not depend on the others
-        parts = [_banns_cpu(tree, points, queries[a:a + chunk], lim[a:a + chunk], k, budget, heap_cap, path, L)
+        parts = [_banns_cpu(tree, points, queries[a:a + chunk], lim[a:a + chunk], k, budget, heap_cap, path, L, beam)
                  for a in range(0, m, chunk)]
         return tuple(np.concatenate([p[j] for p in parts]) for j in range(4))
     HD = np.empty((m, heap_cap), np.float32)
@@ -703,8 +816,12 @@ def _banns_cpu(tree, points, queries, lim, k, budget, heap_cap, path, L):
         leaves = np.empty((na, L), np.int64)
         nleaves = np.empty(na, np.int64)
         keep = np.empty(na, np.bool_)
-        _banns_collect_cpu(tree.child, tree.split_dim, tree.split_val, tree.lo, tree.hi, queries, lim, active, L,
-                           budget, path, HD, HN, HS, OVF, visits, top_d, cnt, leaves, nleaves, keep)
+        if beam:  # the whole budget in this round
+            _banns_beam_cpu(tree.child, tree.split_dim, tree.split_val, tree.lo, tree.hi, roots, queries, lim, active,
+                            budget, L, visits, leaves, nleaves, keep)
+        else:
+            _banns_collect_cpu(tree.child, tree.split_dim, tree.split_val, tree.lo, tree.hi, queries, lim, active, L,
+                               budget, path, HD, HN, HS, OVF, visits, top_d, cnt, leaves, nleaves, keep)
         pair = np.nonzero(np.arange(L)[None, :] < nleaves[:, None])  # (query position, j) of each taken leaf
         leaf = leaves[pair]
         if leaf.size == 0:  # every active query found nothing left within its pruning distance

@@ -45,12 +45,17 @@ DC = 32      # dimensions per shared-memory chunk
 MQ = 32      # queries per block of the tensor-core leaf scan (float16 rows)
 MR = 32      # leaf rows per tile of the tensor-core leaf scan
 MT = 128     # threads per block of the tensor-core leaf scan
+MERGE_STREAMS = 5  # streams (slots and the list) a lane of banns_merge_warp takes (cuda/kdtree_rounds.cu)
+BEAM_WARPS = 4  # queries (a warp each) per block of the beam (cuda/kdtree_rounds.cu's BEAM_WARPS)
 # batched rounds: score leaves on tensor cores first, canonical distances only where needed.
 # "half": over float16 rows (10M x 352 float16, one H200: 199k -> 513k queries/s at recall
 # 0.956); float32 rows keep the canonical stream kernel, which was as fast or faster on PCL SHOT
 # (1.15M rows, 20k queries: 0.73-0.87x at 64-128 leaves, 1.01-1.14x at 256-512). True: every
-# row type; False: never.
+# row type; False: never. Over float16 rows only where k <= MMA_HALF_K: on PCL SHOT (1.15M rows,
+# 10k queries, 64 leaves, the k = 16 list a graph walk starts from, one H100) the stream kernel
+# scanned the half rows in 3.9 ms against the tensor cores' 7.9 (near-duplicates pass the bound).
 MMA_FILTER = "half"
+MMA_HALF_K = 8
 
 #: the search and build kernels (CUDA source in ``cuda/kdtree.cu``, then the tensor-core and
 #: batched rounds in ``cuda/kdtree_rounds.cu``, package data, read in this order as one source):
@@ -79,8 +84,9 @@ def stream_fits(d: int) -> bool:
 def mma_fits(tree, d: int, k: int) -> bool:
     """Whether P-BANNS's batched rounds score ``tree``'s leaves on tensor cores (the
     ``mma_*`` kernels): ``d`` a multiple of 16 whose half queries fit the shared memory,
-    ``k <= 16``, at least one tile of rows, and :data:`MMA_FILTER` on for these rows."""
-    rows = MMA_FILTER is True or (MMA_FILTER == "half" and _is_half(tree))
+    ``k <= 16``, at least one tile of rows, and :data:`MMA_FILTER` on for these rows (with
+    ``"half"``: float16 rows and ``k <= MMA_HALF_K``)."""
+    rows = MMA_FILTER is True or (MMA_FILTER == "half" and _is_half(tree) and int(k) <= MMA_HALF_K)
     return (rows and int(d) % 16 == 0 and 16 <= int(d) <= 512 and int(k) <= 16
             and int(tree.points.shape[0]) >= MR)
 
@@ -324,13 +330,14 @@ def anns(tree, queries, k, budget, *, roots=None, lim=None, hcap=HCAP, descent="
 
 
 def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None, lim=None, hcap=HCAP,
-          descent="path", leaves_per_round=1):
+          descent="path", leaves_per_round=1, beam=False):
     """P-BANNS: rounds of descend -> bucket by leaf -> one block per leaf chunk -> advance.
 
     ``roots``: (T,) int32 roots of a packed forest (one queue per query over all trees);
     ``lim``: (M,) float32 per-query pruning limit (default +inf); ``descent``: kdtree.DESCENTS;
     ``leaves_per_round``: leaves a query takes per round (> 1: :func:`_banns_batched`, with the
-    stream leaf kernel; the other kernels take one).
+    stream leaf kernel; the other kernels take one); ``beam``: the one round's leaves chosen by
+    ``banns_beam`` (kdtree._uses_beam says when).
     """
     import cupy as cp
 
@@ -359,7 +366,7 @@ def banns(tree, queries, k, budget, sliding_window, finish_below, *, roots=None,
         finish_below = max(32, m // 256)
     if leaves_per_round > 1 and window == "stream" and smem:
         return _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, int(leaves_per_round),
-                              descent, hcap, bounded)
+                              descent, hcap, bounded, beam)
     f_adv = mod.get_function("banns_advance")
     st = _BannsState(mod, tree, queries, k, roots, lim, hcap, bounded)
     active, na = st.active, int(st.active.size)
@@ -591,7 +598,8 @@ def _row_sqnorms(tree):
     return got[1]
 
 
-def _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, L, descent, hcap, bounded=True):
+def _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, L, descent, hcap, bounded=True,
+                   beam=False):
     """P-BANNS in batched rounds: each active query takes up to ``L`` leaves a round (pop ->
     descend, against the round's pruning distance: ``banns_collect``), every (query, leaf) pair
     is bucketed by leaf and a leaf is read once for all the queries of its bucket
@@ -599,19 +607,21 @@ def _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, L, d
     slots are merged into its list (``banns_merge_slots``). A budget of B leaves takes
     ceil(B / L) rounds instead of B, and a leaf gathers the queries of L rounds at once.
     Queries are taken ``SLOT_KEYS // (L * k)`` at a time (a query's answer does not depend on
-    the others)."""
+    the others). ``beam``: the budget's leaves (one round) chosen by ``banns_beam``, a warp a
+    query, instead of ``banns_collect``'s queue, a thread a query."""
     import cupy as cp
 
     m, d = queries.shape
-    f_col = mod.get_function("banns_collect")
+    f_col = mod.get_function("banns_beam" if beam else "banns_collect")
     f_scan = mod.get_function("banns_leaf_stream_slots")
-    f_merge = mod.get_function("banns_merge_slots")
+    warp_merge = k <= 32 and L + 1 <= 32 * MERGE_STREAMS  # a warp a query merges the slots
+    f_merge = mod.get_function("banns_merge_warp" if warp_merge else "banns_merge_slots")
     mma = {} if mma_fits(tree, d, k) else None  # the same answer, rows scored on tensor cores first
     qb = MQ if mma is not None else SQ
     chunk = max(1, SLOT_KEYS // (L * k))
     if m > chunk:  # at most SLOT_KEYS slot keys at a time
         parts = [_banns_batched(tree, queries[a:a + chunk], k, budget, finish_below, roots, lim[a:a + chunk], mod,
-                                L, descent, hcap, bounded) for a in range(0, m, chunk)]
+                                L, descent, hcap, bounded, beam) for a in range(0, m, chunk)]
         stats = {key: sum(p[2][key] for p in parts) for key in parts[0][2] if key != "leaves_visited"}
         stats["rounds"] = max(p[2]["rounds"] for p in parts)
         stats["leaves_visited"] = np.concatenate([p[2]["leaves_visited"] for p in parts])
@@ -625,10 +635,16 @@ def _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, L, d
         e0 = E(); e0.record()
         leaf_of = cp.empty(na * L, cp.int32)
         keep = cp.empty(na, cp.uint8)
-        f_col(_grid(na, 64), (64,), (active, np.int32(na), np.int32(L), queries, np.int32(d), tree.child,
-                                     tree.split_dim, tree.split_val, tree.lo, tree.hi, np.int32(k), st.top, st.target,
-                                     st.TK, lim, st.HD, st.HN, st.HS, st.OVF, st.visits, np.int32(budget), leaf_of,
-                                     keep, np.int32(DESCENT_IDS[descent])))
+        if beam:
+            f_col(((na + BEAM_WARPS - 1) // BEAM_WARPS,), (32 * BEAM_WARPS,), (
+                active, np.int32(na), np.int32(L), np.int32(budget), queries, np.int32(d), tree.child, tree.split_dim,
+                tree.split_val, tree.lo, tree.hi, lim, st.target, st.TK, st.HD, st.HN, st.HS, st.visits, leaf_of,
+                keep))
+        else:
+            f_col(_grid(na, 64), (64,), (active, np.int32(na), np.int32(L), queries, np.int32(d), tree.child,
+                                         tree.split_dim, tree.split_val, tree.lo, tree.hi, np.int32(k), st.top,
+                                         st.target, st.TK, lim, st.HD, st.HN, st.HS, st.OVF, st.visits,
+                                         np.int32(budget), leaf_of, keep, np.int32(DESCENT_IDS[descent])))
         e1 = E(); e1.record()
         blocks = _round_blocks(mod, tree, leaf_of, qb)
         e2 = E(); e2.record()
@@ -641,7 +657,9 @@ def _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, L, d
                                                tree.start, tree.end, np.int32(d), np.int32(k), slots, pair, st.top),
                    shared_mem=SQ * d * 4)
         e3 = E(); e3.record()
-        if mma is None:
+        if mma is None and warp_merge:
+            f_merge(_grid(32 * na, 128), (128,), (active, np.int32(na), np.int32(L), np.int32(k), slots, st.top))
+        elif mma is None:
             f_merge(_grid(na, 128), (128,), (active, np.int32(na), np.int32(L), np.int32(k), slots, st.top))
         rounds += 1
         if budget > 0 and rounds * L >= budget:  # every query has spent its budget (keep is all 0): no sync

@@ -19,7 +19,8 @@ _UNSET = object()
 
 #: what ``KDForest()`` builds on each device when ``n_trees`` / ``leaf_size`` are left None
 #: (the measurements behind each value are in the class docstring and docs/benchmarks.md)
-DEVICE_DEFAULTS = {"cpu": {"n_trees": 4, "leaf_size": 32}, "gpu": {"n_trees": 1, "leaf_size": 64}}
+DEVICE_DEFAULTS = {"cpu": {"n_trees": 4, "leaf_size": 32, "descent": "incremental"},
+                   "gpu": {"n_trees": 1, "leaf_size": 64, "descent": "beam"}}
 #: rows of the index a ``recall=`` calibration queries (leave-one-out), drawn with this seed
 CALIBRATION_ROWS = 2000
 CALIBRATION_SEED = 0
@@ -155,10 +156,15 @@ class KDForest:
     heap_cap : int or None, default None
         Pending boxes each query's queue keeps (a full queue drops its farthest box). ``None``
         grows it with the budget (:func:`scanforest.kernels.knn.kdtree.heap_capacity`).
-    descent : {"auto", "box", "path"}, default "auto"
+    descent : {"auto", "box", "path", "incremental", "beam"}, default "auto"
         How a descent bounds the far children it queues: their box distance, or an O(1) bound
-        from the popped box (:func:`scanforest.kernels.knn.kdtree.query_kdtree`); ``auto`` is
-        ``path``. Both devices answer alike for the same value.
+        from the popped box or from its queue key; ``"beam"`` takes a budget that fits one
+        round (at most ``leaves_per_round`` and 128 leaves) level by level, the 128 closest
+        boxes kept at each level, a GPU warp a query, and descends ``"incremental"``-ly
+        otherwise (:func:`scanforest.kernels.knn.kdtree.query_kdtree`). ``"auto"``:
+        :data:`DEVICE_DEFAULTS` (``"beam"`` on the GPU, ``"incremental"`` on the CPU, where the
+        beam's wider expansion costs more than the queue it saves). Both devices answer alike
+        for the same value.
     leaves_per_round : int or None, default None
         P-BANNS: leaves a query takes per round, chosen together and scanned together (each
         leaf once for all the queries that took it); ``None``:
@@ -600,9 +606,12 @@ class KDForest:
 
     def _forest_search(self, Q, k: int, budget, bounds=None):
         """The trees' search of ``Q`` (checked by :meth:`query`, or rows of the index)."""
+        descent = self.descent
+        if descent == "auto":
+            descent = DEVICE_DEFAULTS["gpu" if self.device_ == "gpu" else "cpu"]["descent"]
         return _query_checked(self.tree_, Q, k, method=self.method, backtracks=budget,
                               sliding_window=self.sliding_window, bounds=bounds, return_stats=True,
-                              heap_cap=self.heap_cap, descent=self.descent, leaves_per_round=self.leaves_per_round)
+                              heap_cap=self.heap_cap, descent=descent, leaves_per_round=self.leaves_per_round)
 
     def _rounds(self, Q, dist, ids, e: int, rounds: int, kk: int, bounds=None, exclude=None):
         """The graph's ``rounds`` rounds from the forest's lists ``(dist, ids)`` (``kk`` wide):

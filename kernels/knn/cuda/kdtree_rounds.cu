@@ -313,6 +313,52 @@ extern "C" __global__ void banns_merge_slots(const int* __restrict__ active, int
     }
 }
 
+// banns_merge_slots with a warp a query (k <= 32, L + 1 <= 32 * MERGE_STREAMS): the list and the
+// L slots are ascending streams; k times the warp takes the smallest head of all (a shuffle
+// minimum) and every stream whose head equals it moves on (a point reached through two trees
+// counts once): the k smallest distinct keys, as banns_merge_slots leaves them, bit for bit.
+#define MERGE_STREAMS 5
+extern "C" __global__ void banns_merge_warp(const int* __restrict__ active, int na, int L, int k,
+        const unsigned long long* __restrict__ slots, unsigned long long* __restrict__ top) {
+    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (w >= na) return;  // the whole warp
+    unsigned long long* mytop = top + (long long)active[w] * k;
+    const unsigned long long* s = slots + w * (long long)L * k;
+    const unsigned long long* base[MERGE_STREAMS];
+    int ptr[MERGE_STREAMS];
+    unsigned long long head[MERGE_STREAMS];
+#pragma unroll
+    for (int u = 0; u < MERGE_STREAMS; ++u) {
+        const int t = lane + 32 * u;  // stream t: slot t, or the list (t == L)
+        base[u] = t < L ? s + (long long)t * k : (t == L ? (const unsigned long long*)mytop : nullptr);
+        ptr[u] = 0;
+        head[u] = base[u] ? base[u][0] : KEY_NONE;
+    }
+    unsigned long long mine_out = KEY_NONE;
+    for (int r = 0; r < k; ++r) {
+        unsigned long long mn = KEY_NONE;
+#pragma unroll
+        for (int u = 0; u < MERGE_STREAMS; ++u) mn = head[u] < mn ? head[u] : mn;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const unsigned long long v = __shfl_xor_sync(0xFFFFFFFFu, mn, o);
+            mn = v < mn ? v : mn;
+        }
+        if (mn == KEY_NONE) break;  // the same on every lane
+        if (lane == r) mine_out = mn;
+#pragma unroll
+        for (int u = 0; u < MERGE_STREAMS; ++u) {
+            if (head[u] == mn) {
+                ++ptr[u];
+                head[u] = ptr[u] < k ? base[u][ptr[u]] : KEY_NONE;
+            }
+        }
+    }
+    __syncwarp();
+    if (lane < k) mytop[lane] = mine_out;
+}
+
 extern "C" __global__ void banns_advance(const int* __restrict__ active, int na, int k, int budget,
         const unsigned long long* __restrict__ top, const float* __restrict__ lim,
         const int* __restrict__ leaf_of, float* __restrict__ HD, int* __restrict__ HN,
@@ -414,5 +460,133 @@ extern "C" __global__ void bucket_blocks(const long long* __restrict__ scan, con
         bleaf[b0 + j] = l;
         first[b0 + j] = p0 + j * qb;
         bcnt[b0 + j] = min(qb, c - j * qb);
+    }
+}
+
+// ---------------------------------------------------------------------------- the beam
+// descent="beam": a one-round budget's B leaves (B <= BEAM_MAX) chosen level by level, a warp a
+// query (kdtree._kdtree_cpu._banns_beam_cpu, the same entries, bit for bit). The entries start as
+// banns_init's roots (target, then the queue); at each step every entry that is not a leaf
+// becomes its near child (its key, its box P) and its far child (path_bound from the key and P's
+// interval on the split dimension; P the far child itself), a far child beyond the bound dropped,
+// a near child whose box lies beyond a finite bound dropped; the B smallest (key, node) codes are
+// kept (a bitonic sort of the warp's entries in shared memory), until every entry is a leaf.
+#define BEAM_MAX 128
+#define BEAM_WARPS 4
+#define BEAM_NONE 0xFFFFFFFFFFFFFFFFULL
+__device__ __forceinline__ unsigned long long beam_code(float key, int node) {
+    unsigned int b = __float_as_uint(key);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((unsigned long long)b << 32) | (unsigned int)node;
+}
+__device__ __forceinline__ float beam_key(unsigned long long c) {
+    unsigned int b = (unsigned int)(c >> 32);
+    b = (b & 0x80000000u) ? (b & 0x7FFFFFFFu) : ~b;
+    return __uint_as_float(b);
+}
+// sort the warp's first n codes (and their P) ascending, padded to a power of two >= 32
+__device__ __forceinline__ void beam_sort(unsigned long long* C, int* P, int n, int lane) {
+    int p2 = 32;
+    while (p2 < n) p2 <<= 1;
+    for (int j = n + lane; j < p2; j += 32) C[j] = BEAM_NONE;
+    __syncwarp();
+    for (int size = 2; size <= p2; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int t = lane; t < (p2 >> 1); t += 32) {
+                int a = 2 * t - (t & (stride - 1));
+                int b = a + stride;
+                unsigned long long x = C[a], y = C[b];
+                if ((x > y) == ((a & size) == 0)) {
+                    C[a] = y; C[b] = x;
+                    int u = P[a]; P[a] = P[b]; P[b] = u;
+                }
+            }
+            __syncwarp();
+        }
+    }
+}
+extern "C" __global__ void banns_beam(const int* __restrict__ active, int na, int L, int B,
+        const float* __restrict__ Q, int d, const int* __restrict__ child, const int* __restrict__ sdim,
+        const float* __restrict__ sval, const float* __restrict__ lo, const float* __restrict__ hi,
+        const float* __restrict__ lim, const int* __restrict__ target, const float* __restrict__ TK,
+        const float* __restrict__ HD, const int* __restrict__ HN, int* __restrict__ HS, int* __restrict__ visits,
+        int* __restrict__ leaf_of, unsigned char* __restrict__ keep) {
+    __shared__ unsigned long long sc[BEAM_WARPS][2 * BEAM_MAX];
+    __shared__ int sp[BEAM_WARPS][2 * BEAM_MAX];
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int i = blockIdx.x * BEAM_WARPS + w;
+    if (i >= na) return;  // the whole warp
+    unsigned long long* C = sc[w];
+    int* P = sp[w];
+    const int qi = active[i];
+    const float* q = Q + (long long)qi * d;
+    const float bl = lim[qi];
+    const bool check_near = bl < F_INF;
+    int cnt = 1 + HS[qi];  // banns_init's first popped root, then its queue (at most BEAM_MAX roots)
+    for (int j = lane; j < cnt; j += 32) {
+        int nd = j == 0 ? target[qi] : HN[(long long)qi * HCAP + j - 1];
+        float kk = j == 0 ? TK[qi] : HD[(long long)qi * HCAP + j - 1];
+        C[j] = beam_code(__fadd_rn(kk, 0.0f), nd);
+        P[j] = nd;
+    }
+    __syncwarp();
+    if (cnt > B) {
+        beam_sort(C, P, cnt, lane);
+        cnt = B;
+    }
+    while (true) {
+        unsigned long long e[BEAM_MAX / 32];
+        int p[BEAM_MAX / 32], c[BEAM_MAX / 32];
+        bool internal = false;
+#pragma unroll
+        for (int t = 0; t < BEAM_MAX / 32; ++t) {
+            int j = lane + 32 * t;
+            c[t] = -1;
+            if (j < cnt) {
+                e[t] = C[j]; p[t] = P[j];
+                c[t] = child[(int)(unsigned int)e[t]];
+                internal |= c[t] >= 0;
+            }
+        }
+        if (!__any_sync(0xFFFFFFFFu, internal)) break;
+        __syncwarp();
+        int valid = 0;
+#pragma unroll
+        for (int t = 0; t < BEAM_MAX / 32; ++t) {
+            int j = lane + 32 * t;
+            if (j >= cnt) continue;
+            if (c[t] < 0) {  // a leaf stays
+                C[2 * j] = e[t]; P[2 * j] = p[t];
+                C[2 * j + 1] = BEAM_NONE;
+                ++valid;
+                continue;
+            }
+            const int node = (int)(unsigned int)e[t];
+            const float key = beam_key(e[t]);
+            const int s = sdim[node];
+            const float v = sval[node], qs = q[s];
+            const bool left = qs <= v;
+            const int near_ = left ? c[t] : c[t] + 1, far_ = left ? c[t] + 1 : c[t];
+            const int pn = p[t];
+            float bd = path_bound(key, qs, lo[(long long)pn * d + s], hi[(long long)pn * d + s], v, left);
+            bool fok = bd <= bl;
+            C[2 * j + 1] = fok ? beam_code(__fadd_rn(bd, 0.0f), far_) : BEAM_NONE;
+            P[2 * j + 1] = far_;
+            bool nok = !(check_near && box_dist(q, lo + (long long)near_ * d, hi + (long long)near_ * d, d) > bl);
+            C[2 * j] = nok ? beam_code(key, near_) : BEAM_NONE;
+            P[2 * j] = pn;
+            valid += (int)fok + (int)nok;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) valid += __shfl_xor_sync(0xFFFFFFFFu, valid, o);
+        beam_sort(C, P, 2 * cnt, lane);
+        cnt = valid < B ? valid : B;
+    }
+    int* out = leaf_of + (long long)i * L;
+    for (int j = lane; j < L; j += 32) out[j] = j < cnt ? (int)(unsigned int)C[j] : -1;
+    if (lane == 0) {
+        visits[qi] = cnt;
+        keep[i] = 0;
+        HS[qi] = 0;
     }
 }
