@@ -386,4 +386,3 @@ def test_gpu_stored_index_keeps_its_graph(tmp_path, rng):
     import cupy as cp
 
     _stored_graph_check(tmp_path, rng, "gpu", cp)
-
