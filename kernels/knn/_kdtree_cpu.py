@@ -495,6 +495,17 @@ def _push_roots(q, bl, roots, lo, hi, hd, hn, heap_cap):
     return hs, ovf
 
 
+@njit(cache=True, inline="always")
+def _split_children(child, sdim, sval, q, node):
+    """An inner node's (near child, far child, split dimension, query on the left side)."""
+    c = child[node]
+    s = sdim[node]
+    left = q[s] <= sval[node]
+    if left:
+        return c, c + 1, s, left
+    return c + 1, c, s, left
+
+
 @njit(cache=True)
 def _next_leaf(q, worst, check_near, path, child, sdim, sval, lo, hi, hd, hn, hs, heap_cap):
     """Pop the closest box within ``worst`` and descend to its nearest leaf, pushing the far
@@ -526,15 +537,7 @@ def _next_leaf(q, worst, check_near, path, child, sdim, sval, lo, hi, hd, hn, hs
                 continue
         pruned = False
         while child[node] >= 0:
-            c = child[node]
-            s = sdim[node]
-            left = q[s] <= sval[node]
-            if left:
-                near = c
-                far = c + 1
-            else:
-                near = c + 1
-                far = c
+            near, far, s, left = _split_children(child, sdim, sval, q, node)
             if path > 0:
                 bd = _path_bound(dp, q[s], lo[pn, s], hi[pn, s], sval[node], left)
             else:
@@ -750,14 +753,7 @@ def _banns_beam_cpu(child, sdim, sval, lo, hi, roots, queries, lim, active, B, L
                     m += 1
                     continue
                 internal = True
-                s = sdim[nd]
-                left = q[s] <= sval[nd]
-                if left:
-                    near = c
-                    far = c + 1
-                else:
-                    near = c + 1
-                    far = c
+                near, far, s, left = _split_children(child, sdim, sval, q, nd)
                 p = pn[j]
                 bd = _path_bound(key[j], q[s], lo[p, s], hi[p, s], sval[nd], left)
                 if bd <= bl:
