@@ -17,8 +17,9 @@ METHODS = ("banns", "anns", "exact")  # search methods, in the order of the docs
 _METHODS = METHODS
 _UNSET = object()
 
-#: what ``KDForest()`` builds on each device when ``n_trees`` / ``leaf_size`` are left None
-#: (the measurements behind each value are in the class docstring and docs/benchmarks.md)
+#: what ``KDForest()`` builds on each device when ``n_trees`` / ``leaf_size`` are left None, and
+#: how it descends with ``descent="auto"`` (the measurements behind each value are in the class
+#: docstring and docs/benchmarks.md)
 DEVICE_DEFAULTS = {"cpu": {"n_trees": 4, "leaf_size": 32, "descent": "incremental"},
                    "gpu": {"n_trees": 1, "leaf_size": 64, "descent": "beam"}}
 #: rows of the index a ``recall=`` calibration queries (leave-one-out), drawn with this seed
