@@ -416,7 +416,10 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
         box's key is that of the leaf its near children lead to, so the beam keeps the
         ancestors of the B leaves of the smallest keys, as the queue takes them, up to the few
         ulps by which ``PATH_SAFE`` can set a far child's bound below its parent's key and ties
-        of equal keys (the same lists on 99.95-100% of queries in our checks). Any other search
+        of equal keys, which the beam breaks by node and the queue by its heap order (one tree:
+        the same lists on 99.95-100% of queries in our checks; a forest, where every tree's
+        nearest leaf has the key 0 when the query is inside the roots' boxes, takes other
+        leaves among those ties at small budgets, at the same recall). Any other search
         with ``"beam"`` descends ``"incremental"``-ly. ``"auto"`` is ``"incremental"``. All are
         exact with an unlimited budget; for the same ``descent`` the two devices return the
         same answer.
