@@ -58,7 +58,10 @@ def _beam_leaves(tree, Q, B, lim=None):
     lim = np.full(m, np.inf, np.float32) if lim is None else lim
     leaves = np.full((m, B), -1, np.int64)
     nleaves = np.zeros(m, np.int64)
-    kc._banns_beam_cpu(tree.child, tree.split_dim, tree.split_val, tree.lo, tree.hi, roots, Q, lim,
+    HD, HN = np.empty((m, 256), np.float32), np.empty((m, 256), np.int32)
+    HS, OVF = np.zeros(m, np.int64), np.zeros(m, np.bool_)
+    kc._banns_init_cpu(Q, lim, roots, tree.lo, tree.hi, HD, HN, HS, OVF)  # the roots within the bound
+    kc._banns_beam_cpu(tree.child, tree.split_dim, tree.split_val, tree.lo, tree.hi, HD, HN, HS, Q, lim,
                        np.arange(m), B, B, np.zeros(m, np.int32), leaves, nleaves, np.zeros(m, np.bool_))
     return [set(leaves[i, :nleaves[i]].tolist()) for i in range(m)]
 

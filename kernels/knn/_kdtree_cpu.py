@@ -675,7 +675,6 @@ def _banns_merge_cpu(active, slot_of, slot_d, slot_i, slot_n, top_d, top_i, cnt)
         cnt[qi] = c
 
 
-
 # ---- the beam: a one-round budget's leaves chosen level by level (descent="beam")
 BEAM_MAX = 128  # the largest budget (and root count) a beam takes; the GPU keeps 2 * BEAM_MAX entries a query
 
@@ -707,9 +706,11 @@ def _beam_select(node, key, pn, n, B, code):
 
 
 @njit(cache=True, parallel=True)
-def _banns_beam_cpu(child, sdim, sval, lo, hi, roots, queries, lim, active, B, L, visits, leaves, nleaves, keep):
+def _banns_beam_cpu(child, sdim, sval, lo, hi, HD, HN, HS, queries, lim, active, B, L, visits, leaves, nleaves,
+                    keep):
     """A one-round budget's ``B`` leaves per active query by a beam over the trees' levels: the
-    entries start as the roots within the query's bound (their box distance); at each step every
+    entries start as ``_banns_init_cpu``'s queue (the roots within the query's bound, keyed by
+    their box distance; the GPU starts from ``banns_init``'s); at each step every
     entry that is not a leaf becomes its near child (the entry's key, its popped box P) and its
     far child (the incremental bound from the key and P's interval on the split dimension, as
     ``_path_bound``; P the far child itself), a far child beyond the bound dropped, a near child
@@ -722,7 +723,7 @@ def _banns_beam_cpu(child, sdim, sval, lo, hi, roots, queries, lim, active, B, L
         q = queries[qi]
         bl = lim[qi]
         check_near = bl < np.float32(np.inf)
-        cap = 2 * max(B, roots.shape[0])
+        cap = 2 * max(B, HS[qi])
         code = np.empty(cap, np.uint64)
         node = np.empty(cap, np.int64)
         key = np.empty(cap, np.float32)
@@ -730,15 +731,11 @@ def _banns_beam_cpu(child, sdim, sval, lo, hi, roots, queries, lim, active, B, L
         node2 = np.empty(cap, np.int64)
         key2 = np.empty(cap, np.float32)
         pn2 = np.empty(cap, np.int64)
-        n = 0
-        for t in range(roots.shape[0]):
-            r = roots[t]
-            bd = _box_dist(q, lo[r], hi[r])
-            if bd <= bl:
-                node[n] = r
-                key[n] = bd + np.float32(0.0)
-                pn[n] = r
-                n += 1
+        n = HS[qi]
+        for t in range(n):
+            node[t] = HN[qi, t]
+            key[t] = HD[qi, t] + np.float32(0.0)
+            pn[t] = HN[qi, t]
         n = _beam_select(node, key, pn, n, B, code)
         while True:
             m = 0
@@ -813,8 +810,8 @@ def _banns_cpu(tree, points, queries, lim, k, budget, heap_cap, path, L, beam=Fa
         nleaves = np.empty(na, np.int64)
         keep = np.empty(na, np.bool_)
         if beam:  # the whole budget in this round
-            _banns_beam_cpu(tree.child, tree.split_dim, tree.split_val, tree.lo, tree.hi, roots, queries, lim, active,
-                            budget, L, visits, leaves, nleaves, keep)
+            _banns_beam_cpu(tree.child, tree.split_dim, tree.split_val, tree.lo, tree.hi, HD, HN, HS, queries, lim,
+                            active, budget, L, visits, leaves, nleaves, keep)
         else:
             _banns_collect_cpu(tree.child, tree.split_dim, tree.split_val, tree.lo, tree.hi, queries, lim, active, L,
                                budget, path, HD, HN, HS, OVF, visits, top_d, cnt, leaves, nleaves, keep)

@@ -657,10 +657,9 @@ def _banns_batched(tree, queries, k, budget, finish_below, roots, lim, mod, L, d
                                                tree.start, tree.end, np.int32(d), np.int32(k), slots, pair, st.top),
                    shared_mem=SQ * d * 4)
         e3 = E(); e3.record()
-        if mma is None and warp_merge:
-            f_merge(_grid(32 * na, 128), (128,), (active, np.int32(na), np.int32(L), np.int32(k), slots, st.top))
-        elif mma is None:
-            f_merge(_grid(na, 128), (128,), (active, np.int32(na), np.int32(L), np.int32(k), slots, st.top))
+        if mma is None:  # a warp or a thread a query
+            f_merge(_grid(32 * na if warp_merge else na, 128), (128,),
+                    (active, np.int32(na), np.int32(L), np.int32(k), slots, st.top))
         rounds += 1
         if budget > 0 and rounds * L >= budget:  # every query has spent its budget (keep is all 0): no sync
             active, na = active[:0], 0

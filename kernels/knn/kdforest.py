@@ -160,8 +160,8 @@ class KDForest:
     descent : {"auto", "box", "path", "incremental", "beam"}, default "auto"
         How a descent bounds the far children it queues: their box distance, or an O(1) bound
         from the popped box or from its queue key; ``"beam"`` takes a budget that fits one
-        round (at most ``leaves_per_round`` and 128 leaves) level by level, the 128 closest
-        boxes kept at each level, a GPU warp a query, and descends ``"incremental"``-ly
+        round (at most ``leaves_per_round`` and 128 leaves) level by level, as many of the
+        closest boxes kept at each level as the budget has leaves, a GPU warp a query, and descends ``"incremental"``-ly
         otherwise (:func:`scanforest.kernels.knn.kdtree.query_kdtree`). ``"auto"``:
         :data:`DEVICE_DEFAULTS` (``"beam"`` on the GPU, ``"incremental"`` on the CPU, where the
         beam's wider expansion costs more than the queue it saves). Both devices answer alike

@@ -310,7 +310,7 @@ def heap_capacity(budget: int, heap_cap: int | None = None) -> int:
 
 
 #: how a descent bounds the far children it pushes (``query_kdtree``'s ``descent``)
-DESCENTS = ("auto", "box", "path", "incremental", "beam")  # DESCENT_IDS: the kernels' number of each
+DESCENTS = ("auto", "box", "path", "incremental", "beam")  # DESCENT_IDS: the kernels' number of the bounds
 
 
 def resolve_descent(descent: str) -> str:
@@ -326,8 +326,7 @@ def _uses_beam(descent: str, method: str, budget: int, per_round: int, n_roots: 
     whole budget fits one round of several leaves (``2 <= budget <= min(leaves_per_round,
     BEAM_MAX)``) over at most ``BEAM_MAX`` trees; any other search with ``"beam"`` descends
     ``"incremental"``-ly, from a queue."""
-    return (descent == "beam" and method == "banns" and per_round > 1 and 2 <= budget <= min(per_round, BEAM_MAX)
-            and n_roots <= BEAM_MAX)
+    return descent == "beam" and method == "banns" and 2 <= budget <= min(per_round, BEAM_MAX) and n_roots <= BEAM_MAX
 
 
 #: P-BANNS's default leaves per query and round (``query_kdtree``'s ``leaves_per_round``)
