@@ -326,6 +326,36 @@ def test_gpu_walk_leave_one_out_and_wide_lists(rng):
         np.testing.assert_array_equal(got_d.get(), d.get())
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("d", [20, 37, 100, 352])
+def test_gpu_walk_row_loads_of_every_width(rng, half, d):
+    """The walk loading 1, 2 or 4 values of a row a lane (``vec``; float32 rows 1 or 2) gives the
+    same lists bit for bit, every distance the pair's canonical one (the sums stay in dimension
+    order); slices a width leaves partial (d 100, 352) and a length it does not divide (d 37:
+    one value a lane) included."""
+    import cupy as cp
+    from scanforest.kernels.knn import _graph_gpu
+    from scanforest.kernels.knn.topk import unpack
+
+    X, Q = _clustered(rng, 6000, 400, d, dup=True)
+    Xd = cp.asarray(X).astype(cp.float16) if half else cp.asarray(X)
+    G = cp.asarray(rng.integers(-1, 6000, (6000, 24)), dtype=cp.int32)
+    Qd = cp.asarray(Q)
+    kk = 16
+    seeds = cp.asarray(np.stack([rng.choice(6000, kk, replace=False) for _ in range(400)]), dtype=cp.int64)
+    keys = cp.sort(_graph_gpu.pair_keys(Xd, Qd, seeds), axis=1)
+    want = _graph_gpu.walk(Xd, Qd, G, keys, 4, 3, vec=1)
+    assert not bool(cp.all(want == keys)), "the walk changed nothing: the test tests nothing"
+    for vec in ((1, 2, 4) if half else (1, 2)):
+        got = _graph_gpu.walk(Xd, Qd, G, keys, 4, 3, vec=vec)
+        np.testing.assert_array_equal(got.get(), want.get(), err_msg=f"vec {vec}")
+    dist, ids = unpack(want)
+    live = ids >= 0
+    again = _graph_gpu.pair_keys(Xd, Qd, cp.where(live, ids, -1))
+    np.testing.assert_array_equal(cp.where(live, again, want).get(), want.get())
+
 def _stored_graph_check(tmp_path, rng, device, xp):
     """An index stored with a graph (``build_index(params={"graph_degree": ...})``, what ``index
     build --graph`` runs): each shard keeps its graph over its leaf-ordered rows, and a loaded

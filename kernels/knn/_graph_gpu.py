@@ -102,6 +102,28 @@ extern "C" __global__ void graph_merge(const unsigned long long* __restrict__ ol
 // neighbour the table forgot is scored again and found in the list by its key (binary search).
 // An entry's flag lost with its entry is never needed again (a dropped key never comes back).
 #define HB WALK_HASH_BITS
+#ifndef WALK_V
+#define WALK_V 1
+#endif
+#if WALK_V == 1
+#define WTB 4
+#elif WALK_V == 2 && defined(ROWS_HALF)
+#define WTB 4
+typedef unsigned int WT;  // two halves, the first in the low bits
+__device__ __forceinline__ float wval(WT v, int s) { return ldr((unsigned short)(v >> (16 * s))); }
+#elif WALK_V == 4 && defined(ROWS_HALF)
+#define WTB 8
+typedef uint2 WT;
+__device__ __forceinline__ float wval(WT v, int s) {
+    return ldr((unsigned short)((s < 2 ? v.x : v.y) >> (16 * (s & 1))));
+}
+#elif WALK_V == 2
+#define WTB 8
+typedef float2 WT;
+__device__ __forceinline__ float wval(WT v, int s) { return s ? v.y : v.x; }
+#elif WALK_V != 1
+#error WALK_V: 1, 2, or 4 on half rows
+#endif
 extern "C" __global__ void graph_walk(const RT* __restrict__ X, long long n, int d,
         const int* __restrict__ G, int deg, const float* __restrict__ Q, long long m,
         unsigned long long* __restrict__ keys, int kk, int e, int rounds, const long long* __restrict__ excl,
@@ -116,8 +138,8 @@ extern "C" __global__ void graph_walk(const RT* __restrict__ X, long long n, int
     unsigned long long* B = A + kk;                           // kk keys: the next list
     unsigned long long* NK = B + kk;                          // the new keys entering (at most 32)
     long long* C = (long long*)(NK + 32);                     // the candidates to score (at most 32)
-    float* tile = (float*)(C + 32);                           // 32 x 33
-    int* H = (int*)(tile + 32 * 33);                          // 1 << HB ids scored
+    float* tile = (float*)(C + 32);                           // 32 x 33 words (WTB bytes each)
+    int* H = (int*)((unsigned char*)tile + 32 * 33 * WTB);    // 1 << HB ids scored
     int* S = H + (1 << HB);                                   // e seeds
     unsigned char* F = (unsigned char*)(S + e);               // kk flags
     unsigned char* F2 = F + kk;                               // kk flags
@@ -166,6 +188,7 @@ extern "C" __global__ void graph_walk(const RT* __restrict__ X, long long n, int
                 __syncwarp();
                 const long long my = lane < nsc ? C[lane] : -1;
                 float acc = 0.0f;
+#if WALK_V == 1
                 for (int a = 0; a < d; a += 32) {
                     const int wd = min(32, d - a);
                     // a fixed, unrolled count: the 32 loads go out before the first store waits on one
@@ -184,6 +207,34 @@ extern "C" __global__ void graph_walk(const RT* __restrict__ X, long long n, int
                     }
                     __syncwarp();
                 }
+#else
+                // WALK_V values of a row a lane a load (a word WT: 128 or 256 bytes a row a warp load),
+                // kept packed in the tile and widened as they are summed, still in dimension order
+                const WT* XW = reinterpret_cast<const WT*>(X);
+                WT* TW = reinterpret_cast<WT*>(tile);
+                const long long dw = d / WALK_V;
+                for (int a = 0; a < dw; a += 32) {
+                    const int ww = min(32, (int)(dw - a));
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) {
+                        const long long rr = __shfl_sync(FULL, my, i);
+                        if (rr >= 0 && lane < ww) TW[i * 33 + lane] = XW[rr * dw + a + lane];
+                    }
+                    __syncwarp();
+                    if (lane < nsc) {
+                        const float* qa = q + (long long)a * WALK_V;
+                        for (int jw = 0; jw < ww; ++jw) {
+                            const WT v = TW[lane * 33 + jw];
+#pragma unroll
+                            for (int s = 0; s < WALK_V; ++s) {
+                                const float u = __fsub_rn(qa[jw * WALK_V + s], wval(v, s));
+                                acc = __fadd_rn(acc, __fmul_rn(u, u));
+                            }
+                        }
+                    }
+                    __syncwarp();
+                }
+#endif
                 const unsigned long long key = my < 0 ? NONE_KEY
                     : (((unsigned long long)__float_as_uint(acc)) << 32) | (unsigned long long)(my & 0xFFFFFFFFLL);
                 bool live = false;
@@ -222,16 +273,17 @@ extern "C" __global__ void graph_walk(const RT* __restrict__ X, long long n, int
 
 
 @functools.cache
-def _module(half: bool = False):
+def _module(half: bool = False, vec: int = 1):
     """The kernels over float32 rows, or float16 ones (``half``: widened exactly as they are read,
-    so a distance is the float32 one of the widened row, bit for bit)."""
+    so a distance is the float32 one of the widened row, bit for bit); the walk loading ``vec``
+    values of a row a lane (:data:`WALK_VEC`)."""
     import cupy as cp
 
     from .bruteforce import _half_rows
 
     src = (_SRC.replace("// @@ROWS@@", _half_rows("ROWS_HALF", "RT", "ldr"))
            .replace("MERGE_PER_LANE", str(MERGE_PER_LANE)).replace("WALK_HASH_BITS", str(WALK_HASH_BITS)))
-    return cp.RawModule(code=src, options=("--std=c++14",) + (("-DROWS_HALF",) if half else ()))
+    return cp.RawModule(code=src, options=("--std=c++14", f"-DWALK_V={int(vec)}") + (("-DROWS_HALF",) if half else ()))
 
 
 def _rows(X):
@@ -247,20 +299,29 @@ WALK_WARPS, WALK_SHARED = 4, 48 * 1024
 #: the walk's table of ids scored a query (a power of two): 256 slots, 1 KiB of shared memory a warp
 #: (the walk waits on its row loads: shared memory a warp takes is occupancy lost)
 WALK_HASH_BITS = 8
+#: values of a row each lane of the walk loads at once, by row type (float16 rows: ``True``), where
+#: the row length divides by it: a warp's load of a row is 32 x this many values (float32 x 2 or
+#: float16 x 2: 256 / 128 bytes), the tile's words that many values
+WALK_VEC = {False: 1, True: 2}
 
 
-def _walk_bytes(kk: int, e: int) -> int:
-    """Shared memory of one warp of ``graph_walk`` (its layout there), 16-byte aligned."""
-    b = 8 * (2 * kk + 64) + 4 * (32 * 33 + (1 << WALK_HASH_BITS) + e) + 2 * kk
+def _word_bytes(half: bool, vec: int) -> int:
+    return 4 if vec == 1 or (half and vec == 2) else 8
+
+
+def _walk_bytes(kk: int, e: int, wb: int = 8) -> int:
+    """Shared memory of one warp of ``graph_walk`` (its layout there, a tile of ``wb``-byte
+    words), 16-byte aligned."""
+    b = 8 * (2 * kk + 64) + wb * 32 * 33 + 4 * ((1 << WALK_HASH_BITS) + e) + 2 * kk
     return (b + 15) // 16 * 16
 
 
 def walk_fits(kk: int, e: int) -> bool:
-    """Whether :func:`walk` takes lists of ``kk`` keys and ``e`` seeds a round."""
+    """Whether :func:`walk` takes lists of ``kk`` keys and ``e`` seeds a round (at any word size)."""
     return _walk_bytes(kk, e) <= WALK_SHARED
 
 
-def walk(X, Q, G, keys, e: int, rounds: int, exclude=None):
+def walk(X, Q, G, keys, e: int, rounds: int, exclude=None, vec: int | None = None):
     """``rounds`` graph rounds of every query in one kernel (a warp each): each round the graph
     neighbours (``G`` (N, D) int32, -1: none) of the first ``e`` entries of the list not
     expanded in an earlier round (nor ``exclude[r]``) are scored with the canonical distance and
@@ -274,11 +335,14 @@ def walk(X, Q, G, keys, e: int, rounds: int, exclude=None):
     out = cp.array(keys, dtype=cp.uint64, order="C", copy=True)
     if not m or not rounds or not e:
         return out
-    per = _walk_bytes(kk, e)
+    X, half = _rows(X)
+    vec = int(WALK_VEC[half] if vec is None else vec)
+    if vec not in ((1, 2, 4) if half else (1, 2)) or d % vec:
+        vec = 1
+    per = _walk_bytes(kk, e, _word_bytes(half, vec))
     wpb = max(1, min(WALK_WARPS, WALK_SHARED // per))
     ex = None if exclude is None else cp.ascontiguousarray(exclude, dtype=cp.int64)
-    X, half = _rows(X)
-    _module(half).get_function("graph_walk")(
+    _module(half, vec).get_function("graph_walk")(
         ((m + wpb - 1) // wpb,), (32 * wpb,),
         (X, np.int64(n), np.int32(d), cp.ascontiguousarray(G, dtype=cp.int32),
          np.int32(G.shape[1]), cp.ascontiguousarray(Q, dtype=cp.float32), np.int64(m), out, np.int32(kk), np.int32(e),
