@@ -202,28 +202,29 @@ def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degre
                   lambda: faiss.GpuIndexFlatL2(res, d),
                   lambda nl: faiss.GpuIndexIVFFlat(res, d, nl, faiss.METRIC_L2, faiss.GpuIndexIVFFlatConfig()),
                   nlist, nprobes, sync)
-    if itopk and hasattr(faiss, "GpuIndexCagra"):
+    degrees = [int(cagra_degree)] if np.isscalar(cagra_degree) else [int(g) for g in cagra_degree]
+    for degree in (degrees if itopk and hasattr(faiss, "GpuIndexCagra") else ()):
         held = _device_in_use()
         t0 = time.perf_counter()
         cfg = faiss.GpuIndexCagraConfig()
-        cfg.graph_degree = int(cagra_degree)
-        cfg.intermediate_graph_degree = 2 * int(cagra_degree)
+        cfg.graph_degree = degree
+        cfg.intermediate_graph_degree = 2 * degree
         cagra = faiss.GpuIndexCagra(res, d, faiss.METRIC_L2, cfg)
         cagra.train(Xh)
         sync()
         build = time.perf_counter() - t0
         held = _device_in_use() - held
-        rep.add(f"FAISS GPU CAGRA build (degree {cagra_degree})", build, "s", gdev, higher_is_better=False,
+        rep.add(f"FAISS GPU CAGRA build (degree {degree})", build, "s", gdev, higher_is_better=False,
                 index_device_bytes=held)
-        rep.note(f"FAISS GPU CAGRA (degree {cagra_degree}, intermediate {2 * int(cagra_degree)}): built in "
+        rep.note(f"FAISS GPU CAGRA (degree {degree}, intermediate {2 * degree}): built in "
                  f"{build:.2f} s; the index holds {held / 2**20:.0f} MiB on the device (the device's memory in use "
                  "after its build less before it, CuPy's cached blocks given back first)")
         for it in itopk:
             sp = faiss.SearchParametersCagra()
             sp.itopk_size = max(int(it), k)
-            search(cagra, f"CAGRA degree {cagra_degree}", f"itopk={sp.itopk_size}", build, sp)
+            search(cagra, f"CAGRA degree {degree}", f"itopk={sp.itopk_size}", build, sp)
         del cagra
-    elif itopk:
+    if itopk and not hasattr(faiss, "GpuIndexCagra"):
         rep.note("FAISS GPU CAGRA rows skipped: this faiss has no GpuIndexCagra (built without cuVS)")
     return curves
 
@@ -381,7 +382,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         flann_baseline: str | None = None, flann_checks=None, flann_trees: int | None = None,
         nlist: int = 0, nprobes=(1, 4, 16), hnsw_m: int = 32, ef_construction: int = 80, ef_search=(16, 64, 256),
         threads: int = 0, clusters: int = 1000, real: str | None = None, targets=(0.9, 0.95, 0.98),
-        repeat: int = 3, gpu_nprobes=(4, 8, 16, 32), cagra_degree: int = 32, itopk=(32, 64, 128, 256), out=None,
+        repeat: int = 3, gpu_nprobes=(4, 8, 16, 32), cagra_degree=32, itopk=(32, 64, 128, 256), out=None,
         forests=None, recalls=(), batches=(), graph: int = 0, graph_expands=(4, 8), graph_rounds=(2,),
         graph_budget: int = 128, graph_leaves=(16, 32, 64, 128), radius: float | None = None,
         graph_scans=("float32",)):
@@ -603,7 +604,8 @@ def register(app, bench) -> None:
         repeat: int = typer.Option(3, "--repeat"),
         gpu_nprobe: str = typer.Option("4,8,16,32", "--gpu-nprobe", help="FAISS GPU IVF-Flat probes (--device gpu; "
                                        "comma list; empty: none)"),
-        cagra_degree: int = typer.Option(32, "--cagra-degree", help="FAISS GPU CAGRA graph degree"),
+        cagra_degree: str = typer.Option("32", "--cagra-degree", help="FAISS GPU CAGRA graph degree (comma list: "
+                                         "an index built and searched at each)"),
         itopk: str = typer.Option("32,64,128,256", "--itopk", help="FAISS GPU CAGRA itopk_size (comma list; empty: "
                                   "no CAGRA)"),
         recall: str = typer.Option("", "--recall", help="recall@P targets (comma list): KDForest() with the "
@@ -644,7 +646,8 @@ def register(app, bench) -> None:
             nprobes=parse_counts(nprobe), hnsw_m=hnsw_m,
             ef_construction=ef_construction, ef_search=parse_counts(ef_search), threads=threads, clusters=clusters,
             real=real, targets=[float(t) for t in target.split(",") if t.strip()], repeat=repeat,
-            gpu_nprobes=parse_counts(gpu_nprobe), cagra_degree=cagra_degree, itopk=parse_counts(itopk), out=out,
+            gpu_nprobes=parse_counts(gpu_nprobe), cagra_degree=parse_counts(cagra_degree) or [32],
+            itopk=parse_counts(itopk), out=out,
             recalls=[float(r) for r in recall.split(",") if r.strip()], batches=parse_counts(batches),
             graph=graph, graph_expands=parse_counts(graph_expand), graph_rounds=parse_counts(graph_rounds),
             graph_budget=graph_budget, graph_leaves=parse_counts(graph_leaves), radius=radius,

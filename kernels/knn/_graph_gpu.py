@@ -14,7 +14,10 @@ row: its distance to the query is one value), instead of two row-wise sorts.
 
 ``graph_walk``: every round of a query's graph walk in one warp (:func:`walk`): the seeds
 chosen, their neighbours scored and merged into the list in shared memory, with no round trip
-through memory and no launch a round.
+through memory and no launch a round. The walk waits on its row loads: a lane loads
+:data:`WALK_VEC` values of a row at once (float16 rows two: 128 bytes a row a warp load, which
+took the walk from 4.99 to 3.42 ms at 10k SHOT queries on an H100), packed in the tile and widened
+as they are summed.
 """
 from __future__ import annotations
 
