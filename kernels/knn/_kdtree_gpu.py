@@ -125,20 +125,25 @@ def _mma_args(tree, d: int) -> tuple:
     return (np.int64(tree.points.shape[0]), rel, ab)
 
 
+#: bytes a thread of the leaf stream kernel loads of a float16 row at once (8 or 16; 16 where the
+#: row length divides by 8): its warp reads 32 rows a row apart, bound on L1's sector requests
+STREAM_HALF_LOAD = 16
+
+
 def _module(kp: int, half: bool = False, hcap: int = HCAP):
     """The search kernels for top-``kp`` lists over float32 rows, or float16 ones (``half``),
     with queues of ``hcap`` pending boxes: made once per process and device (a search's
     kernels are looked up, not their 60 kB source hashed again, at every call)."""
     import cupy as cp
 
-    return _module_on(int(kp), bool(half), int(hcap), cp.cuda.runtime.getDevice())
+    return _module_on(int(kp), bool(half), int(hcap), cp.cuda.runtime.getDevice(), int(STREAM_HALF_LOAD))
 
 
 @functools.lru_cache(maxsize=None)
-def _module_on(kp: int, half: bool, hcap: int, device: int):
+def _module_on(kp: int, half: bool, hcap: int, device: int, half_load: int = 16):
     import cupy as cp
 
-    opts = ("--std=c++14",) + (("-DPT_HALF",) if half else ())
+    opts = ("--std=c++14",) + (("-DPT_HALF",) if half else ()) + (("-DSTREAM_HALF16",) if half_load == 16 else ())
     src = _source().replace("__KP__", str(kp)).replace("#define HCAP 256", f"#define HCAP {int(hcap)}")
     return _Kernels(cp.RawModule(code=src, options=opts))
 

@@ -694,6 +694,11 @@ __device__ __forceinline__ void leaf_stream(const int* __restrict__ blk_leaf,
     }
     __syncthreads();
     const bool vec = ((d & 3) | ((unsigned long long)points & (4 * sizeof(PT) - 1))) == 0;
+#if defined(PT_HALF) && defined(STREAM_HALF16)
+    // 8 halves (16 bytes) a load: a warp's 32 rows 704 bytes apart are 32 lines a load either way,
+    // and the wider load asks L1 for each line's sectors half as often (the kernel is bound on L1)
+    const bool vec8 = ((d & 7) | ((unsigned long long)points & 15)) == 0;
+#endif
     long long p_beg = start[leaf], p_end = end[leaf];
     for (long long p0 = p_beg; p0 < p_end; p0 += SP) {
         long long p = p0 + t;
@@ -701,6 +706,35 @@ __device__ __forceinline__ void leaf_stream(const int* __restrict__ blk_leaf,
             float acc[SQ];
 #pragma unroll
             for (int s = 0; s < SQ; ++s) acc[s] = 0.0f;
+#if defined(PT_HALF) && defined(STREAM_HALF16)
+            if (vec8) {
+                const uint4* x8 = (const uint4*)(points + p * d);
+                const int d8 = d >> 3, d4 = d >> 2;
+#pragma unroll 2
+                for (int j = 0; j < d8; ++j) {
+                    const uint4 h = __ldg(x8 + j);
+                    const float4 v0 = make_float4(ldp((unsigned short)(h.x & 0xffffu)), ldp((unsigned short)(h.x >> 16)),
+                                                  ldp((unsigned short)(h.y & 0xffffu)), ldp((unsigned short)(h.y >> 16)));
+                    const float4 v1 = make_float4(ldp((unsigned short)(h.z & 0xffffu)), ldp((unsigned short)(h.z >> 16)),
+                                                  ldp((unsigned short)(h.w & 0xffffu)), ldp((unsigned short)(h.w >> 16)));
+#pragma unroll
+                    for (int s = 0; s < SQ; ++s) {
+                        if (s < qc) {
+                            const float4 qa = qs4[s * d4 + 2 * j], qb = qs4[s * d4 + 2 * j + 1];
+                            float e;
+                            e = __fsub_rn(qa.x, v0.x); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qa.y, v0.y); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qa.z, v0.z); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qa.w, v0.w); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qb.x, v1.x); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qb.y, v1.y); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qb.z, v1.z); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            e = __fsub_rn(qb.w, v1.w); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                        }
+                    }
+                }
+            } else
+#endif
             if (vec) {
 #ifdef PT_HALF
                 const uint2* x4 = (const uint2*)(points + p * d);  // 4 halves per load
