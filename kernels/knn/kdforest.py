@@ -188,11 +188,12 @@ class KDForest:
         4 entries reached recall@4 0.951 at 1,919,823 queries/s (the forest alone: 256 leaves,
         0.955 at 530k; CAGRA in the same run 1,499,533 at 0.961), and 64 leaves plus 8 rounds
         of 4 entries 0.981 at 765,087 (CAGRA 607,076 at 0.987). The graph took 7.2 s to build
-        there and 140 MiB (int32). On one H100 (2026-12-06, a search's fixed cost per call cut
-        since): 2,428,433 queries/s at 0.951 and 822,860 at 0.981 (1.53x / 1.40x CAGRA), in
-        batches of 10k queries 1.16x / 1.21x. On two CPU cores (200k rows, 4 trees of 32) one round was
-        2.6x the forest alone at recall 0.9 and 0.95, its build 72 s against the trees' 8.6 s.
-        A stored index keeps each shard's graph over its leaf-ordered rows (``index build
+        there and 140 MiB (int32). On one H100 (2026-12-06, degree 64, the beam descent and the
+        walk's wide row loads since): 2,446,493 queries/s at 0.951 (against CAGRA's fastest
+        there, degree 32: 1.53x on an H200 the same day) and, on float16 rows, 1,225,151 at
+        0.981 (1.43x CAGRA degree 64, batches of 10k 1.21x). On two CPU cores (200k rows, 4
+        trees of 32) one round was 2.6x the forest alone at recall 0.9 and 0.95, its build 72 s
+        against the trees' 8.6 s. A stored index keeps each shard's graph over its leaf-ordered rows (``index build
         --graph``, :meth:`graph_in_leaf_order`). The answer stays canonical: every distance is the
         brute force's for that pair, and an unlimited budget (the exact forest) is not
         expanded. ``None``: no graph.
