@@ -234,7 +234,9 @@ def test_bench_tools_graph_rows(tmp_path):
         bench_tools._scan_dtypes("float32,int8")
     for bad, match in ((dict(graph=300), "--graph must"), (dict(graph=8, graph_expands=[0]), "--graph-expand"),
                        (dict(graph=8, graph_rounds=[-1]), "--graph-rounds"), (dict(graph=8, graph_rounds=[]), "rounds"),
-                       (dict(graph=8, graph_leaves=[0]), "--graph-leaves")):
+                       (dict(graph=8, graph_leaves=[0]), "--graph-leaves"),
+                       (dict(cagra_degree=[32, 0]), "--cagra-degree"), (dict(cagra_degree=[]), "--cagra-degree"),
+                       (dict(itopk=[32, -1]), "--itopk")):
         with pytest.raises(InputError, match=match):  # before anything is measured
             bench_tools.run(100, 10, 4, 2, device="cpu", out=tmp_path / "bad.json", **bad)
 

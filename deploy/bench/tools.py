@@ -432,6 +432,11 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
             raise InputError(f"--graph-leaves must be positive leaf counts, got {list(graph_leaves)}")
     if radius is not None and (not real or not radius > 0):
         raise InputError(f"--radius needs --real and a positive support radius in metres, got {radius!r}")
+    degrees = [int(cagra_degree)] if np.isscalar(cagra_degree) else [int(g) for g in cagra_degree]
+    if not degrees or any(not 1 <= g <= 1024 for g in degrees):
+        raise InputError(f"--cagra-degree must be graph degrees from 1 to 1024, got {degrees}")
+    if any(int(it) < 1 for it in itopk):
+        raise InputError(f"--itopk must be positive list sizes, got {list(itopk)}")
     dev = resolve_device(device)
     threads = int(threads or os.cpu_count() or 1)
     method = method or "banns"  # batched rounds on both devices (kdtree.query_kdtree)
