@@ -353,6 +353,11 @@ def test_gpu_walk_row_loads_of_every_width(rng, half, d):
     for vec in ((1, 2, 4) if half else (1, 2)):
         got = _graph_gpu.walk(Xd, Qd, G, keys, 4, 3, vec=vec)
         np.testing.assert_array_equal(got.get(), want.get(), err_msg=f"vec {vec}")
+    # rows that start one value past an aligned address (a view into a larger buffer): one value a lane
+    flat = cp.zeros(Xd.size + 1, Xd.dtype)
+    flat[1:] = Xd.ravel()
+    shifted = flat[1:].reshape(Xd.shape)
+    np.testing.assert_array_equal(_graph_gpu.walk(shifted, Qd, G, keys, 4, 3, vec=2).get(), want.get())
     dist, ids = unpack(want)
     live = ids >= 0
     again = _graph_gpu.pair_keys(Xd, Qd, cp.where(live, ids, -1))

@@ -340,8 +340,8 @@ def walk(X, Q, G, keys, e: int, rounds: int, exclude=None, vec: int | None = Non
         return out
     X, half = _rows(X)
     vec = int(WALK_VEC[half] if vec is None else vec)
-    if vec not in ((1, 2, 4) if half else (1, 2)) or d % vec:
-        vec = 1
+    if vec not in ((1, 2, 4) if half else (1, 2)) or d % vec or X.data.ptr % _word_bytes(half, vec):
+        vec = 1  # a row length the width does not divide, or rows not aligned to its words
     per = _walk_bytes(kk, e, _word_bytes(half, vec))
     wpb = max(1, min(WALK_WARPS, WALK_SHARED // per))
     ex = None if exclude is None else cp.ascontiguousarray(exclude, dtype=cp.int64)
