@@ -155,10 +155,11 @@ def _faiss_curves(faiss, rep, X, Q, k, ed, cdev, *, nlist, nprobes, hnsw_m, ef_c
     return curves
 
 
-def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degree, itopk, repeat, base, batches=(),
+def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degrees, itopk, repeat, base, batches=(),
                     batch_curves=None):
     """FAISS on the GPU (``faiss-gpu``, with cuVS where it was built with it): GpuIndexFlatL2
-    (exhaustive), GpuIndexIVFFlat over ``nprobes`` and GpuIndexCagra over ``itopk``. The queries
+    (exhaustive), GpuIndexIVFFlat over ``nprobes`` and GpuIndexCagra over ``itopk`` (an index at
+    each of ``cagra_degrees``). The queries
     stay on the device when PyTorch is there to hand them over (``faiss.contrib.torch_utils``,
     DLPack from CuPy), as the forest's do; otherwise they go from the host (noted). Rows, and
     ``{tool: [(q/s, recall, setting)]}``."""
@@ -202,8 +203,7 @@ def _faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, *, nlist, nprobes, cagra_degre
                   lambda: faiss.GpuIndexFlatL2(res, d),
                   lambda nl: faiss.GpuIndexIVFFlat(res, d, nl, faiss.METRIC_L2, faiss.GpuIndexIVFFlatConfig()),
                   nlist, nprobes, sync)
-    degrees = [int(cagra_degree)] if np.isscalar(cagra_degree) else [int(g) for g in cagra_degree]
-    for degree in (degrees if itopk and hasattr(faiss, "GpuIndexCagra") else ()):
+    for degree in (cagra_degrees if itopk and hasattr(faiss, "GpuIndexCagra") else ()):
         held = _device_in_use()
         t0 = time.perf_counter()
         cfg = faiss.GpuIndexCagraConfig()
@@ -523,7 +523,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
         rep.note("FLANN rows skipped: no --flann-baseline program (build deploy/baselines/flann_knn_bench.cpp)")
     if dev == "gpu":
         curves.update(_faiss_gpu_rows(rep, X, Q, k, ed, gdev, sync, nlist=nlist, nprobes=list(gpu_nprobes),
-                                      cagra_degree=cagra_degree, itopk=list(itopk), repeat=repeat, base=base,
+                                      cagra_degrees=degrees, itopk=list(itopk), repeat=repeat, base=base,
                                       batches=batches, batch_curves=by_batch))
     if nprobes or ef_search:
         curves.update(_faiss_rows(rep, Xh, Qh, k, ed, threads, cdev, nlist=nlist, nprobes=list(nprobes),

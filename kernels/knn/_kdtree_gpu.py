@@ -140,7 +140,7 @@ def _module(kp: int, half: bool = False, hcap: int = HCAP):
 
 
 @functools.lru_cache(maxsize=None)
-def _module_on(kp: int, half: bool, hcap: int, device: int, half_load: int = 16):
+def _module_on(kp: int, half: bool, hcap: int, device: int, half_load: int):
     import cupy as cp
 
     opts = ("--std=c++14",) + (("-DPT_HALF",) if half else ()) + (("-DSTREAM_HALF16",) if half_load == 16 else ())

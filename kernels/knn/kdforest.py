@@ -161,8 +161,9 @@ class KDForest:
         How a descent bounds the far children it queues: their box distance, or an O(1) bound
         from the popped box or from its queue key; ``"beam"`` takes a budget that fits one
         round (at most ``leaves_per_round`` and 128 leaves) level by level, as many of the
-        closest boxes kept at each level as the budget has leaves, a GPU warp a query, and descends ``"incremental"``-ly
-        otherwise (:func:`scanforest.kernels.knn.kdtree.query_kdtree`). ``"auto"``:
+        closest boxes kept at each level as the budget has leaves, a GPU warp a query, and
+        descends ``"incremental"``-ly otherwise
+        (:func:`scanforest.kernels.knn.kdtree.query_kdtree`). ``"auto"``:
         :data:`DEVICE_DEFAULTS` (``"beam"`` on the GPU, ``"incremental"`` on the CPU, where the
         beam's wider expansion costs more than the queue it saves). Both devices answer alike
         for the same value.
@@ -193,8 +194,8 @@ class KDForest:
         there, degree 32: 1.53x on an H200 the same day) and, on float16 rows, 1,225,151 at
         0.981 (1.43x CAGRA degree 64, batches of 10k 1.21x). On two CPU cores (200k rows, 4
         trees of 32) one round was 2.6x the forest alone at recall 0.9 and 0.95, its build 72 s
-        against the trees' 8.6 s. A stored index keeps each shard's graph over its leaf-ordered rows (``index build
-        --graph``, :meth:`graph_in_leaf_order`). The answer stays canonical: every distance is the
+        against the trees' 8.6 s. A stored index keeps each shard's graph over its leaf-ordered
+        rows (``index build --graph``, :meth:`graph_in_leaf_order`). The answer stays canonical: every distance is the
         brute force's for that pair, and an unlimited budget (the exact forest) is not
         expanded. ``None``: no graph.
     graph_expand : int, default 4

@@ -410,8 +410,8 @@ def query_kdtree(tree: KDTree, queries, k: int, *, method: str = "anns", backtra
         round (``2 <= backtracks <= min(leaves_per_round, 128)``, at most 128 trees) takes its
         leaves level by level instead of from a queue: at each level every box kept becomes
         its near child (its key) and its far child (the incremental bound), and the B boxes of the
-        smallest (key, node) stay (B the budget), until all are leaves; a GPU
-        warp a query where the queue takes a thread a query and a chain of dependent pops. A
+        smallest (key, node) stay (B the budget), until all are leaves; a GPU warp a query
+        where the queue takes a thread a query and a chain of dependent pops. A
         box's key is that of the leaf its near children lead to, so the beam keeps the
         ancestors of the B leaves of the smallest keys, as the queue takes them, up to the few
         ulps by which ``PATH_SAFE`` can set a far child's bound below its parent's key and ties

@@ -661,6 +661,22 @@ extern "C" __global__ void banns_leaf_plain(const int* __restrict__ blk_leaf,
 // block's query r merges into is its pair's own slot top + slot_of[f + r] * k (empty at the start,
 // one writer), and only keys below the query's current k-th key in `qtop` become candidates;
 // banns_merge_slots then merges a query's slots into its list.
+// one step of a canonical distance over 4 dimensions, in dimension order (canon_dist's rounding)
+__device__ __forceinline__ float acc4(float a, float4 q, float4 v) {
+    float e;
+    e = __fsub_rn(q.x, v.x); a = __fadd_rn(a, __fmul_rn(e, e));
+    e = __fsub_rn(q.y, v.y); a = __fadd_rn(a, __fmul_rn(e, e));
+    e = __fsub_rn(q.z, v.z); a = __fadd_rn(a, __fmul_rn(e, e));
+    e = __fsub_rn(q.w, v.w); a = __fadd_rn(a, __fmul_rn(e, e));
+    return a;
+}
+#ifdef PT_HALF
+// four halves held in two 32-bit words (the first in the low bits), widened exactly
+__device__ __forceinline__ float4 half4(unsigned int a, unsigned int b) {
+    return make_float4(ldp((unsigned short)(a & 0xffffu)), ldp((unsigned short)(a >> 16)),
+                       ldp((unsigned short)(b & 0xffffu)), ldp((unsigned short)(b >> 16)));
+}
+#endif
 template <bool SLOTS>
 __device__ __forceinline__ void leaf_stream(const int* __restrict__ blk_leaf,
         const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
@@ -713,23 +729,12 @@ __device__ __forceinline__ void leaf_stream(const int* __restrict__ blk_leaf,
 #pragma unroll 2
                 for (int j = 0; j < d8; ++j) {
                     const uint4 h = __ldg(x8 + j);
-                    const float4 v0 = make_float4(ldp((unsigned short)(h.x & 0xffffu)), ldp((unsigned short)(h.x >> 16)),
-                                                  ldp((unsigned short)(h.y & 0xffffu)), ldp((unsigned short)(h.y >> 16)));
-                    const float4 v1 = make_float4(ldp((unsigned short)(h.z & 0xffffu)), ldp((unsigned short)(h.z >> 16)),
-                                                  ldp((unsigned short)(h.w & 0xffffu)), ldp((unsigned short)(h.w >> 16)));
+                    const float4 v0 = half4(h.x, h.y), v1 = half4(h.z, h.w);
 #pragma unroll
                     for (int s = 0; s < SQ; ++s) {
                         if (s < qc) {
                             const float4 qa = qs4[s * d4 + 2 * j], qb = qs4[s * d4 + 2 * j + 1];
-                            float e;
-                            e = __fsub_rn(qa.x, v0.x); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
-                            e = __fsub_rn(qa.y, v0.y); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
-                            e = __fsub_rn(qa.z, v0.z); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
-                            e = __fsub_rn(qa.w, v0.w); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
-                            e = __fsub_rn(qb.x, v1.x); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
-                            e = __fsub_rn(qb.y, v1.y); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
-                            e = __fsub_rn(qb.z, v1.z); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
-                            e = __fsub_rn(qb.w, v1.w); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
+                            acc[s] = acc4(acc4(acc[s], qa, v0), qb, v1);
                         }
                     }
                 }
@@ -746,21 +751,13 @@ __device__ __forceinline__ void leaf_stream(const int* __restrict__ blk_leaf,
                 for (int j = 0; j < d4; ++j) {
 #ifdef PT_HALF
                     uint2 h = __ldg(x4 + j);
-                    float4 v = make_float4(ldp((unsigned short)(h.x & 0xffffu)), ldp((unsigned short)(h.x >> 16)),
-                                           ldp((unsigned short)(h.y & 0xffffu)), ldp((unsigned short)(h.y >> 16)));
+                    float4 v = half4(h.x, h.y);
 #else
                     float4 v = __ldg(x4 + j);
 #endif
 #pragma unroll
                     for (int s = 0; s < SQ; ++s) {
-                        if (s < qc) {
-                            float4 qv = qs4[s * d4 + j];
-                            float e;
-                            e = __fsub_rn(qv.x, v.x); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
-                            e = __fsub_rn(qv.y, v.y); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
-                            e = __fsub_rn(qv.z, v.z); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
-                            e = __fsub_rn(qv.w, v.w); acc[s] = __fadd_rn(acc[s], __fmul_rn(e, e));
-                        }
+                        if (s < qc) acc[s] = acc4(acc[s], qs4[s * d4 + j], v);
                     }
                 }
             } else {
