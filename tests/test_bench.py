@@ -618,3 +618,27 @@ def test_bench_match_with_a_graph_on_drawn_shards():
     assert walked["recall@4, 1 workers"] > plain["recall@4, 1 workers"]
     with pytest.raises(InputError, match="--graph-rounds must be in 0..16"):
         bench_match.run(300, 10, 8, 4, [1], graph=8, graph_rounds=99, **kw)
+
+
+def test_bench_output_that_cannot_be_written_fails_before_the_run(tmp_path):
+    """``--out`` under a file, or a ``.json`` name that is a folder: one line naming it, exit 2,
+    before anything is measured (a bench of minutes used to end in a traceback); nothing is
+    left in a location that can be written."""
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    folder = tmp_path / "taken.json"
+    folder.mkdir()
+    for out in (blocker / "r.json", folder):
+        res = subprocess.run([sys.executable, "-m", "scanforest.deploy.cli", "bench", "tools", "--device", "cpu",
+                              "--n", "2000", "--m", "20", "--out", str(out)], capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 2, res.stdout + res.stderr
+        lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and str(out) in lines[0] and "cannot write" in lines[0], res.stderr
+        assert "scanforest bench tools" not in res.stdout  # nothing measured
+    ok = tmp_path / "fine"
+    BenchReport("x", out=ok)
+    assert ok.is_dir() and not any(ok.iterdir())

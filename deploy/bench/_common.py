@@ -61,12 +61,41 @@ def environment() -> dict[str, Any]:
     return env
 
 
+_UNCHECKED = object()
+
+
+def check_out(out) -> None:
+    """An :class:`~scanforest.kernels.errors.InputError` (one line) unless a bench's JSON can be
+    written at ``out`` (a ``.json`` file or a folder; None: :data:`DEFAULT_DIR`): its folder is
+    made and a file tried in it, so a read-only or misnamed location fails before the run, not
+    after it."""
+    import tempfile
+
+    from scanforest.kernels.errors import InputError
+
+    path = Path(out) if out else DEFAULT_DIR
+    folder = path.parent if path.suffix == ".json" else path
+    try:
+        if path.suffix == ".json" and path.is_dir():
+            raise IsADirectoryError(21, "a folder of that name exists")
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".bench-probe-"):
+            pass
+    except OSError as exc:
+        where = f"--out {path}" if out else f"{path} (the default --out, in the working folder)"
+        raise InputError(f"{where}: cannot write the bench's JSON there ({exc.strerror or exc})") from None
+
+
 class BenchReport:
     """Collect rows, print them as a table, write JSON to ``out`` (a file or a folder).
 
     ``echo=True`` also prints every row as it is added (long runs that may be cut off)."""
 
-    def __init__(self, name: str, params: dict[str, Any] | None = None, *, echo: bool = False):
+    def __init__(self, name: str, params: dict[str, Any] | None = None, *, echo: bool = False, out=_UNCHECKED):
+        """``out``: where :meth:`finish` will write (None: :data:`DEFAULT_DIR`), checked now, before
+        anything is measured (:func:`check_out`)."""
+        if out is not _UNCHECKED:
+            check_out(out)
         self.name = name
         self.params = dict(params or {})
         self.rows: list[BenchRow] = []

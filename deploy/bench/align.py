@@ -110,7 +110,7 @@ def run_bench(points, dims, models, batch, batch_points, sweep, device, out, cpu
     dev = resolve_device(device)
     params = dict(points=points, dims=dims, models=models, batch=batch, batch_points=batch_points,
                   sweep=sweep, device=dev, cpu=cpu, level=level, repeat=repeat)
-    rep = BenchReport("align", params)
+    rep = BenchReport("align", params, out=out)
     _add = rep.add
 
     def add(*a, **k):  # print every row as soon as it is measured (a killed run keeps them)

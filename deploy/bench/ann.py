@@ -65,7 +65,7 @@ def _run_bench(sizes, dims, queries, k, backtracks, leaf_size, dev, out, cpu_que
     params = dict(window_kernel=window_kernel, sizes=sizes, dims=dims, queries=queries, k=k, backtracks=backtracks, leaf_size=leaf_size,
                   device=dev, cpu_queries=cpu_queries, clusters=clusters, repeat=repeat,
                   real=str(real) if real else None, real_radius=real_radius, split=split)
-    rep = BenchReport("ann", params)
+    rep = BenchReport("ann", params, out=out)
     t_start = time.time()
     summary = _Summary()
     if dev == "gpu":

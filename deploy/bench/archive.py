@@ -103,7 +103,7 @@ def run(scans: int, points: int, models: int, workers: int | None, device: str, 
     if missing:
         raise InputError(f"{workdir}: stage(s) {missing} were not run on this workdir with this configuration "
                          f"({config}); run them first (--stages {','.join(missing)}) or run all stages")
-    rep = BenchReport("archive", {**config, "stages": todo}, echo=True)
+    rep = BenchReport("archive", {**config, "stages": todo}, echo=True, out=out)
     archive = workdir / "archive"
     t0 = time.perf_counter()
     write_archive(archive, n_models=models, n_scenes=scans, points_per_scene=points, points_per_model=12_000,
@@ -530,7 +530,7 @@ def run_gpu_scaling(gpus: list[int], scans: int, points: int, models: int, worke
                          f"(the GPUs this machine shows)")
     rep = BenchReport("archive-gpus", {"gpus": gpus, "scans_per_gpu": scans, "points": points, "models": models,
                                        "workers_per_gpu": workers_per_gpu, "pipeline": pipeline, "batch": batch},
-                      echo=True)
+                      echo=True, out=out)
     shared = workdir / "archive-all"
     t0 = time.perf_counter()
     write_archive(shared, n_models=models, n_scenes=scans * gpus[-1], points_per_scene=points,

@@ -198,7 +198,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         if fmt not in ("pcd", "laz", "mixed"):
             raise typer.BadParameter(f"--format must be pcd, laz or mixed, got {fmt!r}")
-        rep = BenchReport("ingest", {"scans": scans, "points": points, "format": fmt, "las_points": las_points})
+        rep = BenchReport("ingest", {"scans": scans, "points": points, "format": fmt, "las_points": las_points},
+                          out=out)
         src = workdir / {"pcd": "archive", "laz": "laz", "mixed": "mixed"}[fmt]
         src.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()

@@ -503,7 +503,8 @@ def run(n: int, m: int, d: int, k: int, workers: list[int], *, method: str, back
                                 **({"leaves_per_round": leaves_per_round} if leaves_per_round else {}),
                                 **({"store_dtype": store_dtype} if store_dtype != "float32" else {}),
                                 **({"reference": reference} if reference != "store" else {}),
-                                **({"queries": queries} if queries != "client" else {}), **gparams}, echo=True)
+                                **({"queries": queries} if queries != "client" else {}), **gparams}, echo=True,
+                      out=out)
     t0 = time.perf_counter()
     if dev == "gpu":
         import cupy as cp

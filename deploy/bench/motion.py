@@ -242,7 +242,7 @@ def run_bench(sizes, features: int = 156, batch: int = 8, repeat: int = 20, devi
     dev = resolve_device(device)
     rep = BenchReport("motion", dict(sizes=[f"{w}x{h}" for w, h in sizes], features=features,
                                      batch=batch, repeat=repeat, device=dev, cpu=cpu,
-                                     label_sweep=list(label_sweep), tracking=tracking))
+                                     label_sweep=list(label_sweep), tracking=tracking), out=out)
     _add = rep.add
 
     def add(*a, **k):  # print each row as it is measured

@@ -194,7 +194,7 @@ def bench_recognize(
                                     "method": method, "tutorial": TUTORIAL,
                                     "tutorial_library": TUTORIAL_LIB, "refine": refine,
                                     "archive": archive, "archive_points": archive_points,
-                                    "archive_start": archive_start, "batch": batch})
+                                    "archive_start": archive_start, "batch": batch}, out=out)
     if batch < 1:
         from scanforest.kernels.errors import InputError
 

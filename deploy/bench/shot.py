@@ -218,7 +218,7 @@ def bench_shot(
     pts = np.ascontiguousarray(read_cloud(scene).points, dtype=np.float32)
     rep = BenchReport("shot", {"scene": str(scene), "points": len(pts), "radius": radius,
                                "normal_k": normal_k, "synthetic": synthetic,
-                               "cpu_keypoints": cpu_keypoints, "repeat": repeat})
+                               "cpu_keypoints": cpu_keypoints, "repeat": repeat}, out=out)
     cpu_dev = describe_device("cpu")
     rng = np.random.default_rng(0)
 

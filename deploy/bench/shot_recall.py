@@ -72,7 +72,7 @@ def bench_shot_recall(
     mr = mesh_resolution(mpts)
     rep = BenchReport("shot-recall", {"model": str(model), "points": len(mpts), "scenes": scenes,
                                       "radius": radius, "keypoint_radius": keypoint_radius,
-                                      "normal_k": normal_k, "mesh_resolution": mr})
+                                      "normal_k": normal_k, "mesh_resolution": mr}, out=out)
     ddev = describe_device(dev)
     kp = to_numpy(keypoints(mpts, radius=keypoint_radius, device="cpu"))
     tol = 2.0 * mr

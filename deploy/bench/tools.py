@@ -456,7 +456,7 @@ def run(n: int, m: int, d: int, k: int, *, device: str = "auto", trees: int = 4,
                                               "budget": graph_budget, "leaves": list(graph_leaves),
                                               "scans": list(graph_scans)}}
                                    if graph else {})},
-                      echo=True)
+                      echo=True, out=out)
     if dev == "gpu":
         import cupy as cp
 
