@@ -702,7 +702,7 @@ def test_recognize_with_pcha_refinement(small_world, device):
         import cupy as cp
 
         pts = cp.asarray(pts)
-    dets = recognize(pts, lib, device=device, refine="pcha", **SMALL_REC)
+    dets = recognize(pts, lib, device=device, refine="pcha", backend="gpu", **SMALL_REC)  # PChA on the device
     ev = evaluate(dets, scene.ground_truth, max_translation=10 * scene.resolution)
     assert ev["tp"] == len(scene.ground_truth) and ev["fp"] == 0
     assert max(ev["rotation_errors"]) < 2.0
@@ -718,7 +718,7 @@ def test_recognize_gpu_agrees_with_cpu(small_world):
 
     _, lib, scene = small_world
     dc = recognize(scene.points, lib, device="cpu", **SMALL_REC)
-    dg = recognize(cp.asarray(scene.points), lib, device="gpu", **SMALL_REC)
+    dg = recognize(cp.asarray(scene.points), lib, device="gpu", backend="gpu", **SMALL_REC)
     eg = evaluate(dg, scene.ground_truth, max_translation=10 * scene.resolution)
     assert eg["tp"] == len(scene.ground_truth) and eg["fp"] == 0
     assert sorted(d.model_id for d in dg) == sorted(d.model_id for d in dc)
@@ -837,7 +837,7 @@ _DEFAULTS = dict(scene_ss=0.03, scene_voxel=None, polish_voxel=None, descr_rad=N
                  cg_size=0.01, cg_thresh=5, use_interpolation=True, match_k=1, max_dist2=0.25, ratio=None,
                  match_recall=None, ransac=True, verify=True, inlier_dist=None, min_inlier_fraction=0.5, min_inliers=10,
                  viewpoint=(0.0, 0.0, 0.0), icp=True, icp_iterations=30, refine_min_fraction=0.3, max_refine=32,
-                 refine="icp", max_detections=None, seed=0)
+                 refine="icp", max_detections=None, seed=0, backend="auto")
 
 
 def test_recognize_params_defaults_and_frozen():
@@ -965,7 +965,7 @@ def test_recognize_many_equals_recognize_one_scene_at_a_time(device):
     many = recognize_many(scenes, lib, device=device, **rp)
     assert len(many) == 3 and sum(len(x) for x in many) >= 2
     for pts, got in zip(scenes, many):
-        want = recognize(pts, lib, device=device, **rp)
+        want = recognize(pts, lib, device=device, backend="gpu", **rp)  # alone on the device, as the batch
         assert [d.model_id for d in got] == [d.model_id for d in want]
         for a, b in zip(got, want):
             np.testing.assert_allclose(a.pose, b.pose, atol=1e-9)
@@ -996,3 +996,32 @@ def test_group_list_reads_as_a_list_of_groups():
     both = Hypotheses.concat([h, Hypotheses(np.ones(1, np.int32), np.zeros((1, 4, 4)), np.ones(1, np.int32),
                                             [np.array([5])])])
     assert [x.tolist() for x in both.groups] == [[4, 1, 7], [], [2], [9, 3], [5]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
+def test_gpu_scene_grouped_verified_and_refined_on_the_host(small_world, backend):
+    """``backend="cpu"`` (and ``"auto"``, the default, on a small scene alone): a scene described
+    on the GPU is grouped, verified and refined on the host, with the detections of the GPU's own
+    phases; in a batch (``recognize_many``) too, where ``"auto"`` keeps it on the device."""
+    import cupy as cp
+    from scanforest import recognize_many
+
+    _, lib, scene = small_world
+    pts = cp.asarray(scene.points)
+    dg = recognize(pts, lib, device="gpu", backend="gpu", **SMALL_REC)
+    dh = recognize(pts, lib, device="gpu", backend=backend, **SMALL_REC)
+    assert dg.info["backend"] == "gpu" and dh.info["backend"] == "cpu" and dh.info["device"] == "gpu"
+    assert sorted(d.model_id for d in dh) == sorted(d.model_id for d in dg)
+    for a, b in zip(sorted(dg, key=lambda d: d.model_id), sorted(dh, key=lambda d: d.model_id)):
+        r, t = pose_errors(a.pose, b.pose)
+        assert r < 0.1 and t < 0.1 * scene.resolution
+    many = recognize_many([pts, pts], lib, device="gpu", backend=backend, **SMALL_REC)
+    assert [sorted(d.model_id for d in x) for x in many] == [sorted(d.model_id for d in dh)] * 2
+    # "auto" leaves a batch's scenes on the device (their grouping is one launch for all)
+    assert all(x.info["backend"] == {"cpu": "cpu", "auto": "gpu"}[backend] for x in many)
+
+
+def test_backend_is_checked():
+    with pytest.raises(InputError, match="backend must be"):
+        RecognizeParams(backend="tpu")

@@ -340,6 +340,10 @@ def _open3d_peer(rep, real, pcl_dir, voxels, n_archive, points, repeats, cpu, gp
             variants = {"": lambda dev, kw=kw: (TUTORIAL_LIB, kw)}
             if thinned:
                 variants[", thinned 15 mm"] = lambda dev, kw=thin_kw: (THINNED_REAL_LIB, kw)
+                # on the GPU also with grouping, verification and refinement on the device (the
+                # default, "auto", runs them on the host for this small thinned scene)
+                variants[", thinned 15 mm, device back end"] = (
+                    lambda dev, kw=thin_kw: (THINNED_REAL_LIB, dict(kw, backend="gpu")) if dev == "gpu" else None)
             _versus(rep, o3d, label, [model], ["milk"], None, [("scene", pts, [{"model_id": 0, "pose": pose}])],
                     variants, devs, vox, max(1, min(repeats, 3)), threads)
     if sizes:
@@ -379,7 +383,7 @@ def _summary(inst):
 
 def _versus(rep, o3d, tag, models, names, normals, scenes, variants, devs, voxels, reps, threads):
     """scanforest (each device, each of ``variants``: name suffix -> ``params(dev) -> (library
-    parameters, recognize parameters)``) and Open3D (each voxel size) on ``scenes`` [(label, points,
+    parameters, recognize parameters)``, or None where the variant is not the device's) and Open3D (each voxel size) on ``scenes`` [(label, points,
     ground truth)]: seconds per scene (median over ``reps`` warm runs of each scene, then over
     scenes), instances found, median pose errors; the ratio of each scanforest setting to Open3D's
     fastest successful setting; the instances Open3D finds and scanforest does not."""
@@ -418,6 +422,8 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, variants, devs, voxel
     # so that a change of load on the machine falls on both tools alike
     tools = {}  # name -> (device, kind, run(points) -> (detections, seconds), model side s)
     for dev, (vname, params) in ((d, v) for d in devs for v in variants.items()):
+        if params(dev) is None:  # a variant of the other device only
+            continue
         lib_p, rec_kw = params(dev)
         try:
             with numba_threads(threads if dev == "cpu" else 0):

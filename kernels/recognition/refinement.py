@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import to_numpy, xp_for
+from ..backend import is_cupy, to_numpy, xp_for
 from ._groups import take_groups
 from .grouping import Hypotheses
 from .icp import icp_point_to_plane_batch
@@ -26,11 +26,12 @@ from .icp import icp_point_to_plane_batch
 __all__ = ["polish_poses", "refine_hypotheses"]
 
 
-def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: int = 30, device: str = "cpu",
-                 viewpoint=None, voxel: float | None = None):
+def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: int = 30, viewpoint=None,
+                 voxel: float | None = None):
     """Point-to-point ICP of each pose's model (its verification points) against ``scene`` (the
-    full-resolution points, numpy or CuPy on ``device``): a list of float64 4x4 poses. Only the
-    scene points within ``2 dist`` of the model's bounding sphere at the start are searched; with
+    full-resolution points, numpy or CuPy): a list of float64 4x4 poses. Only the scene points
+    within ``2 dist`` of the model's bounding sphere at the start are searched (cut out where
+    ``scene`` is, then fitted on the host: a CuPy scene's crop is copied once); with
     ``viewpoint``, only the model points whose normal faces it at the start are fitted (as
     verification counts them: the far side of a full model would pair with the near side's edges);
     with ``voxel``, those scene points averaged into voxels of that edge first. A pose with fewer
@@ -38,8 +39,10 @@ def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: i
     from ._scene_index import _SceneIndex
     from .rigid import rigid_transform
 
-    xp = xp_for(device)
+    xp = xp_for("gpu" if is_cupy(scene) else "cpu")  # where the crops are cut: the scene's own device
     vo = library.verify_offsets
+    # each pose is fitted on the host: its crop is a few thousand points, where a fit on the
+    # device waits on the host at every one of its iterations
     out = []
     for T, mid in zip(poses, model_ids):
         T = np.array(T, np.float64)
@@ -54,20 +57,19 @@ def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: i
                 continue
         c = W.mean(axis=0)
         reach = float(np.sqrt(((W - c) ** 2).sum(axis=1).max())) + 2.0 * dist
-        crop = _ball(scene, c, reach, xp)
-        if voxel is not None and int(crop.shape[0]):
+        crop = to_numpy(_ball(scene, c, reach, xp))
+        if voxel is not None and len(crop):
             from ..descriptors.keypoints import thin
 
-            crop = thin(crop, float(voxel), device)
-        if len(V) < 3 or int(crop.shape[0]) < 3:
+            crop = thin(crop, float(voxel), "cpu")
+        if len(V) < 3 or len(crop) < 3:
             out.append(T)
             continue
-        idx = _SceneIndex(crop, None, dist, device)
-        host = to_numpy(crop).astype(np.float64)
+        idx = _SceneIndex(crop, None, dist, "cpu")
+        host = crop.astype(np.float64)
         for _ in range(int(iterations)):
             W = V @ T[:3, :3].T + T[:3, 3]
-            pair, _d2 = idx.nearest(xp.asarray(W.astype(np.float32)), dist)
-            pair = to_numpy(pair)
+            pair, _d2 = idx.nearest(W.astype(np.float32), dist)
             ok = pair >= 0
             if int(ok.sum()) < 3:
                 break
