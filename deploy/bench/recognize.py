@@ -383,10 +383,11 @@ def _summary(inst):
 
 def _versus(rep, o3d, tag, models, names, normals, scenes, variants, devs, voxels, reps, threads):
     """scanforest (each device, each of ``variants``: name suffix -> ``params(dev) -> (library
-    parameters, recognize parameters)``, or None where the variant is not the device's) and Open3D (each voxel size) on ``scenes`` [(label, points,
-    ground truth)]: seconds per scene (median over ``reps`` warm runs of each scene, then over
-    scenes), instances found, median pose errors; the ratio of each scanforest setting to Open3D's
-    fastest successful setting; the instances Open3D finds and scanforest does not."""
+    parameters, recognize parameters)``, or None where the variant is not the device's) and Open3D
+    (each voxel size) on ``scenes`` [(label, points, ground truth)]: seconds per scene (median over
+    ``reps`` warm runs of each scene, then over scenes), instances found, median pose errors; the
+    ratio of each scanforest setting to Open3D's fastest successful setting; the instances Open3D
+    finds and scanforest does not."""
     import os
 
     from scanforest.kernels.backend import describe_device

@@ -147,10 +147,11 @@ class RecognizeParams:
     (default): the host for a scene recognised alone whose described points number at most
     :data:`HOST_BACKEND_POINTS`, where each of these phases on the device is bound on launches and
     synchronisations, not on work (PCL's thinned scene on an H100 host: 15.6 against 17.9 ms a
-    scene, medians of 60 interleaved runs); the device otherwise, and for the scenes of a batch (:func:`recognize_many`, the
-    archive), whose grouping runs for all of them in one launch. The phases are the same
-    algorithms on either device (their results agree to float32 rounding, and RANSAC's where
-    its inliers are unambiguous); ``Detections.info["backend"]`` says where they ran."""
+    scene, medians of 60 interleaved runs); the device otherwise, and for the scenes of a batch
+    (:func:`recognize_many`, the archive), whose grouping runs for all of them in one launch. The
+    phases are the same algorithms on either device (their results agree to float32 rounding,
+    and RANSAC's where its inliers are unambiguous); ``Detections.info["backend"]`` says where
+    they ran."""
 
     def __post_init__(self):
         if self.method not in ("hough", "gc"):
