@@ -1025,3 +1025,27 @@ def test_gpu_scene_grouped_verified_and_refined_on_the_host(small_world, backend
 def test_backend_is_checked():
     with pytest.raises(InputError, match="backend must be"):
         RecognizeParams(backend="tpu")
+
+
+def test_where_a_gpu_scenes_last_phases_run():
+    """``backend``'s rule (the GPU itself is not needed to check where a scene would go): "auto"
+    sends a scene recognised alone with at most HOST_BACKEND_POINTS described points to the host,
+    keeps a larger one and every scene of a batch on the device; "gpu" and "cpu" force either; a
+    scene described on the CPU stays there."""
+    from scanforest.kernels.backend import Timer
+    from scanforest.kernels.recognition import pipeline as P
+
+    def matched(n, backend, dev="gpu"):
+        pts = np.zeros((n, 3), np.float32)
+        return P._Matched(pts, {"kp_coords": pts[:5]}, None, RecognizeParams(backend=backend), dev, Timer(False),
+                          None, 0.01, np.zeros(3), np.zeros(3))
+
+    small, large = P.HOST_BACKEND_POINTS, P.HOST_BACKEND_POINTS + 1
+    assert RecognizeParams().backend == "auto"
+    for n, backend, alone, want in ((small, "auto", True, "cpu"), (large, "auto", True, "gpu"),
+                                    (small, "auto", False, "gpu"), (large, "cpu", False, "cpu"),
+                                    (small, "gpu", True, "gpu")):
+        got = P._backend(matched(n, backend), alone=alone)
+        assert got.dev == want, (n, backend, alone)
+        assert got.described_on == ("gpu" if want == "cpu" else None)
+    assert P._backend(matched(small, "cpu", dev="cpu")).dev == "cpu"
