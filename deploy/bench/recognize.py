@@ -423,9 +423,10 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, variants, devs, voxel
     # so that a change of load on the machine falls on both tools alike
     tools = {}  # name -> (device, kind, run(points) -> (detections, seconds), model side s)
     for dev, (vname, params) in ((d, v) for d in devs for v in variants.items()):
-        if params(dev) is None:  # a variant of the other device only
+        chosen = params(dev)
+        if chosen is None:  # a variant of the other device only
             continue
-        lib_p, rec_kw = params(dev)
+        lib_p, rec_kw = chosen
         try:
             with numba_threads(threads if dev == "cpu" else 0):
                 t0 = time.perf_counter()

@@ -195,9 +195,9 @@ class KDForest:
         0.981 (1.43x CAGRA degree 64, batches of 10k 1.21x). On two CPU cores (200k rows, 4
         trees of 32) one round was 2.6x the forest alone at recall 0.9 and 0.95, its build 72 s
         against the trees' 8.6 s. A stored index keeps each shard's graph over its leaf-ordered
-        rows (``index build --graph``, :meth:`graph_in_leaf_order`). The answer stays canonical: every distance is the
-        brute force's for that pair, and an unlimited budget (the exact forest) is not
-        expanded. ``None``: no graph.
+        rows (``index build --graph``, :meth:`graph_in_leaf_order`). The answer stays canonical:
+        every distance is the brute force's for that pair, and an unlimited budget (the exact
+        forest) is not expanded. ``None``: no graph.
     graph_expand : int, default 4
         List entries whose graph neighbours are scored in each round (the list kept between
         rounds holds ``max(k, graph_expand * graph_rounds)`` entries).

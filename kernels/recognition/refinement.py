@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import is_cupy, to_numpy, xp_for
+from ..backend import array_module, to_numpy, xp_for
 from ._groups import take_groups
 from .grouping import Hypotheses
 from .icp import icp_point_to_plane_batch
@@ -39,7 +39,7 @@ def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: i
     from ._scene_index import _SceneIndex
     from .rigid import rigid_transform
 
-    xp = xp_for("gpu" if is_cupy(scene) else "cpu")  # where the crops are cut: the scene's own device
+    xp = array_module(scene)  # where the crops are cut: the scene's own device
     vo = library.verify_offsets
     # each pose is fitted on the host: its crop is a few thousand points, where a fit on the
     # device waits on the host at every one of its iterations

@@ -649,18 +649,6 @@ extern "C" __global__ void banns_leaf_plain(const int* __restrict__ blk_leaf,
     }
 }
 
-// Streaming leaf scan for the few queries a leaf gets per round (the common case: 1-2 at 65k
-// buffered queries over 10^5 leaves, where the tiled kernels above are bound on their own
-// per-block overhead, not on memory). One block of SP threads per (leaf, chunk of <= SQ
-// queries); the chunk's queries are staged whole in shared memory, thread t streams leaf point t
-// straight from global memory (float4 when d % 4 == 0) and keeps one running sum per query, in
-// dimension order (canon_dist's rounding, bit for bit). Only keys below a query's current k-th
-// key become candidates; thread r then merges query r's candidates (one writer per list).
-//
-// With `slot_of` (the batched rounds, several leaves of a query scanned at once), the list a
-// block's query r merges into is its pair's own slot top + slot_of[f + r] * k (empty at the start,
-// one writer), and only keys below the query's current k-th key in `qtop` become candidates;
-// banns_merge_slots then merges a query's slots into its list.
 // one step of a canonical distance over 4 dimensions, in dimension order (canon_dist's rounding)
 __device__ __forceinline__ float acc4(float a, float4 q, float4 v) {
     float e;
@@ -677,6 +665,20 @@ __device__ __forceinline__ float4 half4(unsigned int a, unsigned int b) {
                        ldp((unsigned short)(b & 0xffffu)), ldp((unsigned short)(b >> 16)));
 }
 #endif
+
+// Streaming leaf scan for the few queries a leaf gets per round (the common case: 1-2 at 65k
+// buffered queries over 10^5 leaves, where the tiled kernels above are bound on their own
+// per-block overhead, not on memory). One block of SP threads per (leaf, chunk of <= SQ
+// queries); the chunk's queries are staged whole in shared memory, thread t streams leaf point t
+// straight from global memory (float4 when d % 4 == 0; float16 rows 8 halves a load where d % 8
+// == 0 under STREAM_HALF16) and keeps one running sum per query, in
+// dimension order (canon_dist's rounding, bit for bit). Only keys below a query's current k-th
+// key become candidates; thread r then merges query r's candidates (one writer per list).
+//
+// With `slot_of` (the batched rounds, several leaves of a query scanned at once), the list a
+// block's query r merges into is its pair's own slot top + slot_of[f + r] * k (empty at the start,
+// one writer), and only keys below the query's current k-th key in `qtop` become candidates;
+// banns_merge_slots then merges a query's slots into its list.
 template <bool SLOTS>
 __device__ __forceinline__ void leaf_stream(const int* __restrict__ blk_leaf,
         const int* __restrict__ blk_first, const int* __restrict__ blk_cnt, const int* __restrict__ sorted_q,
