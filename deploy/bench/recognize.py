@@ -71,6 +71,9 @@ FAST_SPARSE_4CM = dict(FAST_SPARSE, scene_ss=0.04)
 O3D_VOXELS_REAL = (0.005, 0.0075, 0.01, 0.015, 0.02, 0.03)
 O3D_VOXELS_SYN = (0.0075, 0.01, 0.015, 0.02, 0.03)
 SUCCESS_ROT_DEG, SUCCESS_TRANS_M = 5.0, 0.01
+# the speed asked against Open3D's fastest successful setting (issue 41): on the same CPU, and one GPU
+# against Open3D on that host's cores
+SPEED_GOAL = {"cpu": 2.0, "gpu": 20.0}
 MOVE_DEG, MOVE_AXIS, MOVE_T = 30.0, (0.3, 1.0, 0.2), (0.6, -0.7, 0.55)  # translation scaled to 0.23 m
 MOVE_DIST = 0.23
 
@@ -515,11 +518,12 @@ def _versus(rep, o3d, tag, models, names, normals, scenes, variants, devs, voxel
                 scanforest_found=r[1], open3d_found=ob[1], instances=r[2], scanforest_rot_deg=r[3],
                 open3d_rot_deg=ob[3], scanforest_trans_mm=r[4] * 1000, open3d_trans_mm=ob[4] * 1000)
         sp = ob[0] / r[0] if r[0] else float("nan")
+        goal = SPEED_GOAL[tools[dev][1]]  # issue 41: 2x on the same CPU, 20x for one GPU against the host's cores
         rep.note(f"{tag}: {dev} ({dname}) {r[0]:.3f} s/scene, {r[1]}/{r[2]} found, rot {r[3]:.3f} deg, "
                  f"trans {r[4] * 1000:.3f} mm; Open3D ({how}) {ob[0]:.3f} s/scene, {ob[1]}/{ob[2]} found, rot "
                  f"{ob[3]:.3f} deg, trans {ob[4] * 1000:.3f} mm: scanforest {sp:.2f}x Open3D's speed"
-                 f" ({'meets' if sp >= 2 and r[1] >= ob[1] and (ob[1] == 0 or r[4] <= ob[4]) else 'misses'} the goal:"
-                 " success at least Open3D's, translation error no larger, >= 2x faster)")
+                 f" ({'meets' if sp >= goal and r[1] >= ob[1] and (ob[1] == 0 or r[4] <= ob[4]) else 'misses'}"
+                 f" the goal: success at least Open3D's, translation error no larger, >= {goal:g}x faster)")
         # instances some Open3D setting finds and scanforest does not
         miss = []
         for si, (label, _, gt) in enumerate(scenes):
