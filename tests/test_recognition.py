@@ -1029,23 +1029,28 @@ def test_backend_is_checked():
 
 def test_where_a_gpu_scenes_last_phases_run():
     """``backend``'s rule (the GPU itself is not needed to check where a scene would go): "auto"
-    sends a scene recognised alone with at most HOST_BACKEND_POINTS described points to the host,
-    keeps a larger one and every scene of a batch on the device; "gpu" and "cpu" force either; a
-    scene described on the CPU stays there."""
+    sends a scene recognised alone with at most HOST_BACKEND_POINTS described points and
+    HOST_BACKEND_CORRESPONDENCES correspondences to the host, keeps a larger one (in either) and
+    every scene of a batch on the device; "gpu" and "cpu" force either; a scene described on the
+    CPU stays there."""
     from scanforest.kernels.backend import Timer
     from scanforest.kernels.recognition import pipeline as P
+    from scanforest.kernels.recognition.correspondences import Correspondences
 
-    def matched(n, backend, dev="gpu"):
+    def matched(n, backend, dev="gpu", nc=P.HOST_BACKEND_CORRESPONDENCES):
         pts = np.zeros((n, 3), np.float32)
-        return P._Matched(pts, {"kp_coords": pts[:5]}, None, RecognizeParams(backend=backend), dev, Timer(False),
+        corr = Correspondences(*(np.zeros(nc, t) for t in (np.int64, np.int64, np.int32, np.int64, np.float32)))
+        return P._Matched(pts, {"kp_coords": pts[:5]}, corr, RecognizeParams(backend=backend), dev, Timer(False),
                           None, 0.01, np.zeros(3), np.zeros(3))
 
     small, large = P.HOST_BACKEND_POINTS, P.HOST_BACKEND_POINTS + 1
+    many = P.HOST_BACKEND_CORRESPONDENCES + 1
     assert RecognizeParams().backend == "auto"
-    for n, backend, alone, want in ((small, "auto", True, "cpu"), (large, "auto", True, "gpu"),
-                                    (small, "auto", False, "gpu"), (large, "cpu", False, "cpu"),
-                                    (small, "gpu", True, "gpu")):
-        got = P._backend(matched(n, backend), alone=alone)
-        assert got.dev == want, (n, backend, alone)
+    for n, nc, backend, alone, want in ((small, 0, "auto", True, "cpu"), (large, 0, "auto", True, "gpu"),
+                                        (small, many - 1, "auto", True, "cpu"), (small, many, "auto", True, "gpu"),
+                                        (small, 0, "auto", False, "gpu"), (large, many, "cpu", False, "cpu"),
+                                        (small, 0, "gpu", True, "gpu")):
+        got = P._backend(matched(n, backend, nc=nc), alone=alone)
+        assert got.dev == want, (n, nc, backend, alone)
         assert got.described_on == ("gpu" if want == "cpu" else None)
     assert P._backend(matched(small, "cpu", dev="cpu")).dev == "cpu"

@@ -144,14 +144,15 @@ class RecognizeParams:
     """Where grouping, verification and refinement run when the scene is described on the GPU:
     ``"gpu"``; ``"cpu"``, the described scene, its normals and keypoints copied to the host once
     (the polish's crops of a thinned scene's own points are cut out on the device); ``"auto"``
-    (default): the host for a scene recognised alone whose described points number at most
-    :data:`HOST_BACKEND_POINTS`, where each of these phases on the device is bound on launches and
-    synchronisations, not on work (PCL's thinned scene on an H100 host: 15.6 against 17.9 ms a
-    scene, medians of 60 interleaved runs); the device otherwise, and for the scenes of a batch
-    (:func:`recognize_many`, the archive), whose grouping runs for all of them in one launch. The
-    phases are the same algorithms on either device (their results agree to float32 rounding,
-    and RANSAC's where its inliers are unambiguous); ``Detections.info["backend"]`` says where
-    they ran."""
+    (default): the host for a scene recognised alone with at most :data:`HOST_BACKEND_POINTS`
+    described points and :data:`HOST_BACKEND_CORRESPONDENCES` correspondences, where each of
+    these phases on the device is bound on launches and synchronisations, not on work (PCL's
+    thinned scene on an H100 host: 15.6 against 17.9 ms a scene, medians of 60 interleaved runs);
+    the device otherwise (more correspondences cost the host far more than the device), and for
+    the scenes of a batch (:func:`recognize_many`, the archive), whose grouping runs for all of
+    them in one launch. The phases are the same algorithms on either device (their results agree
+    to float32 rounding, and RANSAC's where its inliers are unambiguous);
+    ``Detections.info["backend"]`` says where they ran."""
 
     def __post_init__(self):
         if self.method not in ("hough", "gc"):
@@ -367,7 +368,12 @@ def _local(pts, origin, xp, radii: dict, box=None):
     the coordinates are checked against the radii in use
     (:func:`~scanforest.kernels.coordinates.check_spacing`)."""
     if box is None and int(pts.shape[0]):
-        box = (to_numpy(pts.min(axis=0)), to_numpy(pts.max(axis=0)))
+        if is_cupy(pts) and pts.dtype == np.float32:  # one kernel and one read (CuPy's min, max: 0.42 ms)
+            from ..neighbors.search_gpu import bounds
+
+            box = bounds(pts)
+        else:
+            box = (to_numpy(pts.min(axis=0)), to_numpy(pts.max(axis=0)))
     if origin is None:
         if int(pts.shape[0]):
             origin = choose_origin(*box)
@@ -560,8 +566,14 @@ class _Matched:
 
 
 #: ``backend="auto"``: a scene described on the GPU with at most this many points (after
-#: thinning), recognised alone, is grouped, verified and refined on the host
+#: thinning) and at most :data:`HOST_BACKEND_CORRESPONDENCES` correspondences, recognised alone,
+#: is grouped, verified and refined on the host
 HOST_BACKEND_POINTS = 50_000
+#: ... the host's grouping and verification grow with the correspondences and hypotheses, the
+#: device's barely: measured on an H100 host (16 cores), the host's three phases took 6.2 against
+#: 8.2 ms at 485 correspondences (PCL's thinned scene), 16.8 against 9.7 ms at 1,080 and 603
+#: against 26 ms at 13,502 (a synthetic scene of 20k points)
+HOST_BACKEND_CORRESPONDENCES = 600
 
 
 def _backend(m: _Matched, alone: bool = True) -> _Matched:
@@ -569,7 +581,8 @@ def _backend(m: _Matched, alone: bool = True) -> _Matched:
     scene of a batch stays on the device under ``"auto"``): a GPU scene moved to the host is
     copied once, every array of its description with it."""
     if m.dev != "gpu" or m.p.backend == "gpu" or (m.p.backend == "auto" and (
-            not alone or int(m.pts.shape[0]) > HOST_BACKEND_POINTS)):
+            not alone or int(m.pts.shape[0]) > HOST_BACKEND_POINTS
+            or len(m.corr) > HOST_BACKEND_CORRESPONDENCES)):
         return m
     d = {k: to_numpy(v) if is_cupy(v) else v for k, v in m.d.items()}
     # the scene's own points (``full``) stay on the device: the polish cuts its crops out there
