@@ -1054,3 +1054,47 @@ def test_where_a_gpu_scenes_last_phases_run():
         assert got.dev == want, (n, nc, backend, alone)
         assert got.described_on == ("gpu" if want == "cpu" else None)
     assert P._backend(matched(small, "cpu", dev="cpu")).dev == "cpu"
+
+
+def test_polish_fit_is_the_numpy_loop_and_finds_the_pose():
+    """The polish's numba loop (_polish_cpu.polish_fit) against its reference written with numpy
+    here: the same pairs (float32 nearest strictly within the radius, by brute force), the same
+    Umeyama steps (rigid_transform), the same stop; and the pose a model was moved by."""
+    from scanforest.kernels.neighbors.search import cpu_grid
+    from scanforest.kernels.recognition._polish_cpu import polish_fit
+    from scanforest.kernels.recognition.rigid import rigid_transform
+
+    rng = np.random.default_rng(7)
+    u, v = rng.random((2, 4000))
+    crop = np.stack([u * 0.2, v * 0.2, 0.03 * np.sin(9 * u) * np.cos(7 * v)], 1).astype(np.float32)
+    truth = np.eye(4)
+    truth[:3, :3] = Rotation.from_euler("xyz", [0.6, -0.4, 0.9], degrees=True).as_matrix()
+    truth[:3, 3] = [0.002, -0.001, 0.0015]
+    model = crop[::7].astype(np.float64)  # the model in its own frame: truth maps it onto the crop
+    V = (model - truth[:3, 3]) @ truth[:3, :3]
+    r = 0.01
+    r2 = np.float32(r * r)
+
+    def reference(T):
+        for _ in range(30):
+            W = V @ T[:3, :3].T + T[:3, 3]
+            q = W.astype(np.float32)
+            d = q[:, None, :] - crop[None, :, :]
+            d2 = (d[..., 0] * d[..., 0] + d[..., 1] * d[..., 1]) + d[..., 2] * d[..., 2]
+            j = d2.argmin(axis=1)
+            ok = d2[np.arange(len(q)), j] < r2
+            if ok.sum() < 3:
+                break
+            step = rigid_transform(W[ok], crop[j[ok]].astype(np.float64))
+            T = step @ T
+            if np.abs(step[:3, 3]).max() < 1e-9 and np.abs(step[:3, :3] - np.eye(3)).max() < 1e-9:
+                break
+        return T
+
+    P, order, cs, origin, inv_h, dims = cpu_grid(crop, r, slot="test-polish")
+    T0 = np.eye(4)
+    got = polish_fit(np.ascontiguousarray(V), T0, P, order, cs, origin, inv_h, dims, crop.astype(np.float64), r2, 30)
+    want = reference(T0.copy())
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    np.testing.assert_allclose(got, truth, atol=1e-9)
+    assert not np.allclose(T0, truth, atol=1e-4)  # the fit had somewhere to go

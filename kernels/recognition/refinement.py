@@ -36,8 +36,8 @@ def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: i
     verification counts them: the far side of a full model would pair with the near side's edges);
     with ``voxel``, those scene points averaged into voxels of that edge first. A pose with fewer
     than 3 pairs is returned as given."""
+    from ._polish_cpu import polish_fit
     from ._scene_index import _SceneIndex
-    from .rigid import rigid_transform
 
     xp = array_module(scene)  # where the crops are cut: the scene's own device
     vo = library.verify_offsets
@@ -65,19 +65,9 @@ def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: i
         if len(V) < 3 or len(crop) < 3:
             out.append(T)
             continue
-        idx = _SceneIndex(crop, None, dist, "cpu")
-        host = crop.astype(np.float64)
-        for _ in range(int(iterations)):
-            W = V @ T[:3, :3].T + T[:3, 3]
-            pair, _d2 = idx.nearest(W.astype(np.float32), dist)
-            ok = pair >= 0
-            if int(ok.sum()) < 3:
-                break
-            step = rigid_transform(W[ok], host[pair[ok]])
-            T = step @ T
-            if np.abs(step[:3, 3]).max() < 1e-9 and np.abs(step[:3, :3] - np.eye(3)).max() < 1e-9:
-                break
-        out.append(T)
+        P, order, cs, origin, inv_h, dims = _SceneIndex(crop, None, dist, "cpu").cells()
+        out.append(polish_fit(np.ascontiguousarray(V), T, P, order, cs, origin, inv_h, dims,
+                              crop.astype(np.float64), np.float32(dist * dist), int(iterations)))
     return out
 
 
