@@ -36,8 +36,8 @@ def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: i
     verification counts them: the far side of a full model would pair with the near side's edges);
     with ``voxel``, those scene points averaged into voxels of that edge first. A pose with fewer
     than 3 pairs is returned as given."""
+    from ..neighbors.search import cpu_grid
     from ._polish_cpu import polish_fit
-    from ._scene_index import _SceneIndex
 
     xp = array_module(scene)  # where the crops are cut: the scene's own device
     vo = library.verify_offsets
@@ -65,7 +65,7 @@ def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: i
         if len(V) < 3 or len(crop) < 3:
             out.append(T)
             continue
-        P, order, cs, origin, inv_h, dims = _SceneIndex(crop, None, dist, "cpu").cells()
+        P, order, cs, origin, inv_h, dims = cpu_grid(np.ascontiguousarray(crop, np.float32), dist, slot="polish")
         out.append(polish_fit(np.ascontiguousarray(V), T, P, order, cs, origin, inv_h, dims,
                               crop.astype(np.float64), np.float32(dist * dist), int(iterations)))
     return out
