@@ -84,6 +84,10 @@ def summarize(recs: list[dict]) -> dict[str, Any]:
         out["recompute_reasons"] = reasons
         # each recomputed scene and why (the first RECOMPUTED_LISTED; the run record has them all)
         out["recomputed_scenes"] = per_scene
+    boxed = [str(r.get("scan_id")) for r in done if r.get("box_origin")]
+    if boxed:  # georeferenced scenes without a file offset (ingest chose their origin from the box)
+        out["box_origin_scenes"] = boxed[:RECOMPUTED_LISTED]
+        out["box_origin"] = len(boxed)
     phases: dict[str, float] = {}  # seconds per recognition phase, summed over the recognised scenes
     for r in recs:
         for k, v in (r.get("timings") or {}).items():

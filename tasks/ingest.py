@@ -230,7 +230,7 @@ def _scan_attrs(source: Source, digest: str, meta: dict[str, Any], n_points: int
         "n_source_points": meta.get("n_source_points", int(n_points)),
         "units": units,
         "bbox": {"min": bbox[0], "max": bbox[1]},
-        "origin": _origin(bbox, meta),
+        "origin": (origin := _origin(bbox, meta)),
         "ingested_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dtype": dtype,
         "ingest_run": run,
@@ -238,6 +238,8 @@ def _scan_attrs(source: Source, digest: str, meta: dict[str, Any], n_points: int
     for key in ("width", "height", "viewpoint", "organized", "pose", "pose_maps", "crs", "e57", "copc"):
         if key in meta:
             attrs[key] = meta[key]
+    if any(origin) and origin != [float(v) for v in meta.get("offsets") or ()]:
+        attrs["origin_from"] = "box"  # not the file's offset: the normals face its box's centre (recognize says so)
     return attrs
 
 

@@ -348,8 +348,11 @@ def _recognize_claimed(st: ScanStore, scan_id: str, library: str, params: dict[s
                     "detections": [d.as_dict() | {"model_name": d.model} for d in dets],
                     "timings": timings, "evaluation": evaluation, "device": dev,
                     "seconds": time.perf_counter() - t0, **({"run": run} if run else {})})
-    return {"scan_id": scan_id, "status": "recognized", "detections": n, "evaluation": evaluation,
-            "source": source, "reason": plan["reason"], "timings": timings, "seconds": time.perf_counter() - t0}
+    out = {"scan_id": scan_id, "status": "recognized", "detections": n, "evaluation": evaluation,
+           "source": source, "reason": plan["reason"], "timings": timings, "seconds": time.perf_counter() - t0}
+    if meta.get("origin_from") == "box" and not params.get("viewpoint"):
+        out["box_origin"] = True  # georeferenced without a file offset: normals face the box's centre
+    return out
 
 
 def in_file_frame(dets, origin):

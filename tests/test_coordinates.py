@@ -201,3 +201,27 @@ def test_coordinates_too_coarse_for_the_radii(prefect_api, tmp_path, tmp_path_fa
     ScanStore(store, create=True)
     assert ingest_file(store, Source(str(scans / "wide.npy"), "wide.npy"))["status"] == "ingested"
     one_line_error(sf("describe", store, env=env, cwd=tmp_path), "wide.npy", "float32 spacing")
+
+
+def test_recognize_says_when_a_georeferenced_scene_has_no_file_offset(prefect_api, geo, pcl_dir, tmp_path,
+                                                                      tmp_path_factory):
+    """A float64 NPY in UTM-sized coordinates holds no offset: ingest centres it on its bounding
+    box (rounded to 1 m), where its normals then face, not the scanner. ``scanforest recognize``
+    says so in one line naming the scene; the LAS scene beside it (origin at its header's offset)
+    is not named."""
+    from scanforest.tasks.ingest import Source, ingest_file
+    from scanforest.tasks.store import ScanStore
+
+    store = str(tmp_path / "geo.zarr")
+    ScanStore(store, create=True)
+    for path, sid in ((geo["folder"] / "scene_utm.npy", "scene_utm.npy"), (geo["las"], "scene_utm.las"),
+                      (pcl_dir / "milk.pcd", "milk.pcd")):
+        assert ingest_file(store, Source(str(path), sid))["status"] == "ingested"
+    st = ScanStore(store, mode="r")
+    assert st.attrs("scene_utm.npy").get("origin_from") == "box"
+    assert "origin_from" not in st.attrs("scene_utm.las") and "origin_from" not in st.attrs("milk.pcd")
+    env = fresh_env(tmp_path_factory, cold=False, api=prefect_api)
+    out = ok(sf("recognize", store, "--models", "milk.pcd", "--scenes", "scene_utm.npy", "--scenes",
+                "scene_utm.las", "-w", "1", env=env, cwd=tmp_path))
+    warned = [ln for ln in out.splitlines() if ln.startswith("warning: ")]
+    assert len(warned) == 1 and "1 scene " in warned[0] and "scene_utm.npy" in warned[0], out

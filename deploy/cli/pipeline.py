@@ -271,6 +271,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             scenes = [s for s in ScanStore(store, mode="r").scans() if not fnmatch.fnmatchcase(s, models)]
             res["exports"] = export_results(store, scenes, Path(export), render=False, library=library)
         print_summary(f"one pass over the scenes of {store}", res, as_json=as_json)
+        if not as_json and res.get("box_origin"):
+            n, first = res["box_origin"], res["box_origin_scenes"][0]
+            typer.echo(f"warning: {n} scene{'s' if n != 1 else ''} in georeferenced coordinates without a file "
+                       f"offset (first: {first}): computed about the bounding box's centre (rounded to 1 m), "
+                       "which their normals face instead of the scanner, so detections may be missed; "
+                       "a LAS/LAZ offset at the scanner, or coordinates relative to it, avoid this")
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
         if p.get("failed"):
@@ -336,5 +342,11 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                 typer.echo(f"recomputed: {sid}: {reason}")
             if res.get("recomputed", 0) > 10:
                 typer.echo(f"recomputed: ... and {res['recomputed'] - 10} more (`--json` or the run record)")
+        if not as_json and res.get("box_origin"):
+            n, first = res["box_origin"], res["box_origin_scenes"][0]
+            typer.echo(f"warning: {n} scene{'s' if n != 1 else ''} in georeferenced coordinates without a file "
+                       f"offset (first: {first}): computed about the bounding box's centre (rounded to 1 m), "
+                       "which their normals face instead of the scanner, so detections may be missed; "
+                       "a LAS/LAZ offset at the scanner, or coordinates relative to it, avoid this")
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
