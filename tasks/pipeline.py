@@ -437,7 +437,7 @@ def _recognize_chunk(ready: list[dict[str, Any]], ctx: OnePass) -> list:
 
 def _finish_scan(ctx: OnePass, res: dict[str, Any], dets, writer) -> dict[str, Any]:
     """The scan's recognize record, and its stages handed to the writer thread."""
-    from .recognize import _evaluate, in_file_frame
+    from .recognize import _evaluate, box_origin, in_file_frame
 
     sid, timings, lib, dev = res["scan_id"], res["timings"], ctx.lib, ctx.dev
     in_file_frame(dets, scan_origin(res["meta"]))
@@ -469,7 +469,7 @@ def _finish_scan(ctx: OnePass, res: dict[str, Any], dets, writer) -> dict[str, A
 
     return {"scan_id": sid, "status": "recognized", "detections": n, "evaluation": evaluation, "source": "stored",
             "described": res["described"], "matched": res["matched"], "timings": timings, "seconds": compute,
-            "write": writer.submit(write)}
+            "write": writer.submit(write), **({"box_origin": True} if box_origin(res["meta"], ctx.params) else {})}
 
 
 def _describe(a: dict[str, np.ndarray], dparams, dev: str, timings: dict, have: bool, meta: dict[str, Any],

@@ -350,9 +350,16 @@ def _recognize_claimed(st: ScanStore, scan_id: str, library: str, params: dict[s
                     "seconds": time.perf_counter() - t0, **({"run": run} if run else {})})
     out = {"scan_id": scan_id, "status": "recognized", "detections": n, "evaluation": evaluation,
            "source": source, "reason": plan["reason"], "timings": timings, "seconds": time.perf_counter() - t0}
-    if meta.get("origin_from") == "box" and not params.get("viewpoint"):
-        out["box_origin"] = True  # georeferenced without a file offset: normals face the box's centre
+    if box_origin(meta, params):
+        out["box_origin"] = True
     return out
+
+
+def box_origin(meta: dict, params: dict) -> bool:
+    """Whether a scan is georeferenced with no file offset (ingest chose its origin from its
+    bounding box: ``origin_from`` "box") and no viewpoint was given: its normals face the box's
+    centre, not the scanner, and the summary says so."""
+    return meta.get("origin_from") == "box" and not (params or {}).get("viewpoint")
 
 
 def in_file_frame(dets, origin):

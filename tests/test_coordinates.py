@@ -144,7 +144,8 @@ def _local(points):
 def test_archive_command_on_a_georeferenced_laz_folder(prefect_api, geo, pcl_dir, tmp_path, tmp_path_factory):
     """The README's survey archive as a user runs it: ``scanforest archive`` on a folder of the
     model and the scene as a LAZ file in UTM-sized coordinates (its origin the header's offset),
-    with a truncated LAZ beside them. The truncated file is quarantined with its reason, the
+    with a truncated LAZ beside them, and the scene again as a float64 NPY (no offset: the summary
+    warns). The truncated file is quarantined with its reason, the
     archive flow (ingest, library, index, one pass) gives the reference detection, stored and
     exported in the file's coordinates. (One command: CI's time; the recognize stage's own path
     on a georeferenced scene is the API tests' above.)"""
@@ -161,9 +162,13 @@ def test_archive_command_on_a_georeferenced_laz_folder(prefect_api, geo, pcl_dir
     las = laspy.read(geo["las"])
     las.write(src / "scenes" / "tile_utm.laz")  # the same records, LAZ-compressed
     (src / "scenes" / "cut.laz").write_bytes((src / "scenes" / "tile_utm.laz").read_bytes()[:5000])
+    (src / "scenes" / "scene_utm.npy").write_bytes(geo["folder"].joinpath("scene_utm.npy").read_bytes())
     store = str(tmp_path / "survey.zarr")
     out = ok(sf("archive", str(src), store, "-w", "1", "--export", str(tmp_path / "out"), env=env, cwd=tmp_path))
     assert "quarantined: " in out and "cut.laz" in out, out
+    # the NPY holds no offset: its origin is its box's centre, and the summary says so (the LAZ is not named)
+    warned = [ln for ln in out.splitlines() if ln.startswith("warning: ")]
+    assert len(warned) == 1 and "1 scene " in warned[0] and "scenes__scene_utm.npy" in warned[0], out
     st = ScanStore(store, mode="r")
     assert st.attrs("scenes__tile_utm.laz")["origin"] == OFFSET.tolist()
     det = st.attrs("scenes__tile_utm.laz")["stages"]["recognize"]["detections"]
@@ -172,8 +177,8 @@ def test_archive_command_on_a_georeferenced_laz_folder(prefect_api, geo, pcl_dir
     df = detections_table(store, ["scenes__tile_utm.laz"])  # what the CSV / Parquet exports hold
     assert np.abs(df[["pose_03", "pose_13", "pose_23"]].to_numpy()[0]
                   - (geo["want"][0].pose[:3, 3] + OFFSET)).max() < TRA_TOL
-    csv = (tmp_path / "out" / "detections.csv").read_text().splitlines()
-    assert len(csv) == 2 and f"{OFFSET[1]:.0f}"[:4] in csv[1], csv  # the export's translation: file coordinates
+    csv = [ln for ln in (tmp_path / "out" / "detections.csv").read_text().splitlines() if "tile_utm" in ln]
+    assert len(csv) == 1 and f"{OFFSET[1]:.0f}"[:4] in csv[0], csv  # the export's translation: file coordinates
 
 
 def test_coordinates_too_coarse_for_the_radii(prefect_api, tmp_path, tmp_path_factory):

@@ -42,6 +42,16 @@ def _pick(store: str, patterns: list[str], what: str) -> list[str]:
     return chosen
 
 
+def warn_box_origin(res: dict) -> None:
+    """One warning line when scenes were georeferenced with no file offset (``box_origin``)."""
+    n = res.get("box_origin")
+    if n:
+        typer.echo(f"warning: {n} scene{'s' if n != 1 else ''} in georeferenced coordinates without a file "
+                   f"offset (first: {res['box_origin_scenes'][0]}): computed about the bounding box's centre "
+                   "(rounded to 1 m), which their normals face instead of the scanner, so detections may be "
+                   "missed; a LAS/LAZ offset at the scanner, or coordinates relative to it, avoid this")
+
+
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command()
     def describe(
@@ -259,7 +269,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             print_summary(f"ingest {source} -> {store}", out["ingest"], keys=INGEST_KEYS)
         res = {"library": out["library"].get("status"), **{k: p.get(k) for k in (
                    "scenes", "recognized", "skipped", "failed", "detections", "precision", "recall", "workers")},
-               "seconds": p.get("seconds"), "failures": p.get("failures")}
+               "seconds": p.get("seconds"), "failures": p.get("failures"),
+               **{k: p[k] for k in ("box_origin", "box_origin_scenes") if k in p}}
         if as_json:
             res["ingest"] = out["ingest"]
         if export:
@@ -271,12 +282,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             scenes = [s for s in ScanStore(store, mode="r").scans() if not fnmatch.fnmatchcase(s, models)]
             res["exports"] = export_results(store, scenes, Path(export), render=False, library=library)
         print_summary(f"one pass over the scenes of {store}", res, as_json=as_json)
-        if not as_json and res.get("box_origin"):
-            n, first = res["box_origin"], res["box_origin_scenes"][0]
-            typer.echo(f"warning: {n} scene{'s' if n != 1 else ''} in georeferenced coordinates without a file "
-                       f"offset (first: {first}): computed about the bounding box's centre (rounded to 1 m), "
-                       "which their normals face instead of the scanner, so detections may be missed; "
-                       "a LAS/LAZ offset at the scanner, or coordinates relative to it, avoid this")
+        if not as_json:
+            warn_box_origin(res)
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
         if p.get("failed"):
@@ -342,11 +349,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                 typer.echo(f"recomputed: {sid}: {reason}")
             if res.get("recomputed", 0) > 10:
                 typer.echo(f"recomputed: ... and {res['recomputed'] - 10} more (`--json` or the run record)")
-        if not as_json and res.get("box_origin"):
-            n, first = res["box_origin"], res["box_origin_scenes"][0]
-            typer.echo(f"warning: {n} scene{'s' if n != 1 else ''} in georeferenced coordinates without a file "
-                       f"offset (first: {first}): computed about the bounding box's centre (rounded to 1 m), "
-                       "which their normals face instead of the scanner, so detections may be missed; "
-                       "a LAS/LAZ offset at the scanner, or coordinates relative to it, avoid this")
+        if not as_json:
+            warn_box_origin(res)
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
