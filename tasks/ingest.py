@@ -76,7 +76,9 @@ def sidecar_for(path: str | os.PathLike) -> Path:
 
 
 def read_sidecar(path: str | os.PathLike) -> dict[str, Any] | None:
-    """The scan's ground-truth sidecar as a dict, or None when it has none.
+    """The scan's sidecar as a dict, or None when it has none: ground truth, and ``origin``, the
+    scanner's position in the file's coordinates for a georeferenced file that holds no offset
+    (the scan's local frame and the point its normals face; checked: 3 finite numbers).
 
     A scan whose name is near the file system's limit (255 bytes) has a sidecar name that no file
     can have (``.gt.json`` is longer than ``.pcd``): that means no sidecar, not an error. Raises
@@ -90,7 +92,19 @@ def read_sidecar(path: str | os.PathLike) -> dict[str, Any] | None:
         if exc.errno == errno.ENAMETOOLONG:
             return None
         raise
-    return json.loads(side.read_text())
+    got = json.loads(side.read_text())
+    if not isinstance(got, dict):
+        raise ValueError(f"it holds a JSON {type(got).__name__}, not an object")
+    if "origin" in got:  # the scanner's position (or any point near the scan), the file's coordinates
+        o = got["origin"]
+        try:
+            o = [float(v) for v in o]
+        except (TypeError, ValueError):
+            o = None
+        if o is None or len(o) != 3 or not all(np.isfinite(o)):
+            raise ValueError(f"its origin must be 3 finite numbers (x, y, z in the file's coordinates), got {got['origin']!r}")
+        got["origin"] = o
+    return got
 
 
 def ingest_file(store_path: str, source: Source, *, units: str = "m", run: str | None = None,
@@ -171,6 +185,14 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
         return done("ingested" if run and a.get("ingest_run") == run else "skipped", points=int(a.get("n_points", 0)),
                     group=store.group_summary(source.scan_id))
 
+    try:
+        sidecar = read_sidecar(source.path) or {}
+    except (OSError, ValueError) as exc:
+        reason = f"sidecar {sidecar_for(source.path).name} cannot be used: {exc}"
+        store.quarantine(source.path, reason, digest, key=source.scan_id)
+        return done("quarantined", reason=reason)
+    if "origin" in sidecar:  # a scanner's position given (or changed) after the file was ingested: ingested again
+        expect["origin"] = sidecar["origin"]
     if store.is_current(source.scan_id, digest, **expect):  # the common re-ingest case, without waiting for a claim
         return current()
     with store.claim(source.scan_id):
@@ -182,25 +204,18 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
         except ScanReadError as exc:
             store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
             return done("quarantined", reason=exc.reason)
-        try:
-            sidecar = read_sidecar(source.path) or {}
-        except (OSError, ValueError) as exc:
-            side = sidecar_for(source.path).name
-            store.quarantine(source.path, f"ground-truth sidecar {side} is unreadable: {exc}", digest,
-                             key=source.scan_id)
-            return done("quarantined", reason=f"bad sidecar {side}")
         if scan is None:
             n = len(cloud)
             store.write_scan(source.scan_id, stored_arrays(cloud.arrays()),
-                             {**_scan_attrs(source, digest, cloud.meta, n, cloud.bbox, str(cloud.points.dtype),
-                                            units, run), **sidecar})
+                             _with_sidecar(_scan_attrs(source, digest, cloud.meta, n, cloud.bbox,
+                                                       str(cloud.points.dtype), units, run), sidecar))
         else:
             try:
                 store.write_scan_blocks(
                     source.scan_id, (stored_arrays(b) if isinstance(b, dict) else b for b in scan.blocks),
                     scan.n_points, scan.columns,
-                    lambda: {**_scan_attrs(source, digest, scan.meta, scan.n_kept, scan.bbox,
-                                           str(np.dtype(scan.columns["points"][0])), units, run), **sidecar},
+                    lambda: _with_sidecar(_scan_attrs(source, digest, scan.meta, scan.n_kept, scan.bbox,
+                                                      str(np.dtype(scan.columns["points"][0])), units, run), sidecar),
                     at_most=not scan.exact, optional=scan.optional)
             except ScanReadError as exc:  # found midway: the scan's group stays incomplete (invisible)
                 store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
@@ -241,6 +256,14 @@ def _scan_attrs(source: Source, digest: str, meta: dict[str, Any], n_points: int
     if any(origin) and origin != [float(v) for v in meta.get("offsets") or ()]:
         attrs["origin_from"] = "box"  # not the file's offset: the normals face its box's centre (recognize says so)
     return attrs
+
+
+def _with_sidecar(attrs: dict[str, Any], sidecar: dict[str, Any]) -> dict[str, Any]:
+    """A scan's attributes with its sidecar's on top; a sidecar's ``origin`` (the scanner's
+    position) replaces the one chosen from the bounding box, which is then no longer marked."""
+    if "origin" in sidecar:
+        attrs.pop("origin_from", None)
+    return {**attrs, **sidecar}
 
 
 def _many_points(path: str) -> bool:

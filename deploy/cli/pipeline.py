@@ -49,7 +49,8 @@ def warn_box_origin(res: dict) -> None:
         typer.echo(f"warning: {n} scene{'s' if n != 1 else ''} in georeferenced coordinates without a file "
                    f"offset (first: {res['box_origin_scenes'][0]}): computed about the bounding box's centre "
                    "(rounded to 1 m), which their normals face instead of the scanner, so detections may be "
-                   "missed; a LAS/LAZ offset at the scanner, or coordinates relative to it, avoid this")
+                   "missed; give the scanner's position as \"origin\" in the scan's sidecar (NAME.gt.json "
+                   "beside the file) and ingest it again")
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
