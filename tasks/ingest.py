@@ -260,9 +260,9 @@ def _scan_attrs(source: Source, digest: str, meta: dict[str, Any], n_points: int
 
 def _with_sidecar(attrs: dict[str, Any], sidecar: dict[str, Any]) -> dict[str, Any]:
     """A scan's attributes with its sidecar's on top; a sidecar's ``origin`` (the scanner's
-    position) replaces the one chosen from the bounding box, which is then no longer marked."""
+    position) replaces the one chosen from the file (``origin_from``: "sidecar")."""
     if "origin" in sidecar:
-        attrs.pop("origin_from", None)
+        attrs["origin_from"] = "sidecar"
     return {**attrs, **sidecar}
 
 

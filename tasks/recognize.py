@@ -355,11 +355,21 @@ def _recognize_claimed(st: ScanStore, scan_id: str, library: str, params: dict[s
     return out
 
 
+#: formats whose files can hold an offset (the LAS header's): elsewhere an origin was chosen
+#: from the bounding box or given by a sidecar
+OFFSET_FORMATS = frozenset({"las", "laz", "copc"})
+
+
 def box_origin(meta: dict, params: dict) -> bool:
     """Whether a scan is georeferenced with no file offset (ingest chose its origin from its
     bounding box: ``origin_from`` "box") and no viewpoint was given: its normals face the box's
-    centre, not the scanner, and the summary says so."""
-    return meta.get("origin_from") == "box" and not (params or {}).get("viewpoint")
+    centre, not the scanner, and the summary says so. A scan ingested before ``origin_from``
+    existed counts when its format holds no offset and its origin is not 0."""
+    if (params or {}).get("viewpoint"):
+        return False
+    if "origin_from" in meta:
+        return meta["origin_from"] == "box"
+    return meta.get("format") not in OFFSET_FORMATS and any(float(v) for v in meta.get("origin") or ())
 
 
 def in_file_frame(dets, origin):

@@ -240,7 +240,7 @@ def test_recognize_says_when_a_georeferenced_scene_has_no_file_offset(prefect_ap
     st = ScanStore(store, mode="r")
     assert st.attrs("scene_utm.npy").get("origin_from") == "box"
     assert "origin_from" not in st.attrs("scene_utm.las") and "origin_from" not in st.attrs("milk.pcd")
-    assert "origin_from" not in st.attrs("station.npy") and st.attrs("station.npy")["origin"] == OFFSET.tolist()
+    assert st.attrs("station.npy")["origin_from"] == "sidecar" and st.attrs("station.npy")["origin"] == OFFSET.tolist()
     assert [q["reason"] for q in st.quarantined()] == [bad["reason"]]  # the store keeps it
     env = fresh_env(tmp_path_factory, cold=False, api=prefect_api)
     out = ok(sf("recognize", store, "--models", "milk.pcd", "--scenes", "scene_utm.npy", "--scenes",
@@ -249,3 +249,19 @@ def test_recognize_says_when_a_georeferenced_scene_has_no_file_offset(prefect_ap
     assert len(warned) == 1 and "1 scene " in warned[0] and "scene_utm.npy" in warned[0], out
     st = ScanStore(store, mode="r")
     _same(st.attrs("station.npy")["stages"]["recognize"]["detections"], geo["want"])
+
+
+def test_which_scans_are_said_to_have_a_box_origin():
+    """The warning's rule on a scan's attributes: marked by ingest ("box" yes, "sidecar" no); a
+    scan of a store ingested before the mark, by its format (only LAS-family files hold an
+    offset) and its origin; never when a viewpoint is given."""
+    from scanforest.tasks.recognize import box_origin
+
+    utm = OFFSET.tolist()
+    assert box_origin({"format": "npy", "origin": utm, "origin_from": "box"}, {})
+    assert not box_origin({"format": "npy", "origin": utm, "origin_from": "sidecar"}, {})
+    assert not box_origin({"format": "npy", "origin": utm, "origin_from": "box"}, {"viewpoint": [0.0, 0.0, 1.0]})
+    assert box_origin({"format": "xyz", "origin": utm}, {})  # before the mark: no offset in an XYZ file
+    assert not box_origin({"format": "laz", "origin": utm}, {})  # its header's offset, most likely
+    assert not box_origin({"format": "pcd", "origin": [0.0, 0.0, 0.0]}, {})
+    assert not box_origin({"format": "pcd"}, {})  # before origins existed
