@@ -13,6 +13,7 @@ import errno
 import fcntl
 import glob as _glob
 import json
+import math
 import os
 import re
 import shutil
@@ -97,14 +98,19 @@ def read_sidecar(path: str | os.PathLike) -> dict[str, Any] | None:
         raise ValueError(f"it holds a JSON {type(got).__name__}, not an object")
     if "origin" in got:  # the scanner's position (or any point near the scan), the file's coordinates
         o = got["origin"]
-        try:
-            o = [float(v) for v in o]
-        except (TypeError, ValueError):
-            o = None
-        if o is None or len(o) != 3 or not all(np.isfinite(o)):
-            raise ValueError(f"its origin must be 3 finite numbers (x, y, z in the file's coordinates), got {got['origin']!r}")
-        got["origin"] = o
+        if not (isinstance(o, list) and len(o) == 3 and all(_finite_number(v) for v in o)):
+            got_ = repr(o) if len(repr(o)) <= 80 else repr(o)[:77] + "..."
+            raise ValueError(f"its origin must be 3 finite numbers (x, y, z in the file's coordinates), got {got_}")
+        got["origin"] = [float(v) for v in o]
     return got
+
+
+def _finite_number(v) -> bool:
+    """Whether a JSON value is a finite number (not a bool, a string, or an int past float's range)."""
+    try:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 def ingest_file(store_path: str, source: Source, *, units: str = "m", run: str | None = None,
