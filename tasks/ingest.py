@@ -210,25 +210,31 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
         except ScanReadError as exc:
             store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
             return done("quarantined", reason=exc.reason)
+        made: dict[str, Any] = {}  # the scan's attributes, as written
+
+        def attrs_of(meta, n_points, bbox, dtype) -> dict[str, Any]:
+            made.update(_with_sidecar(_scan_attrs(source, digest, meta, n_points, bbox, dtype, units, run), sidecar))
+            return made
+
         if scan is None:
             n = len(cloud)
             store.write_scan(source.scan_id, stored_arrays(cloud.arrays()),
-                             _with_sidecar(_scan_attrs(source, digest, cloud.meta, n, cloud.bbox,
-                                                       str(cloud.points.dtype), units, run), sidecar))
+                             attrs_of(cloud.meta, n, cloud.bbox, str(cloud.points.dtype)))
         else:
             try:
                 store.write_scan_blocks(
                     source.scan_id, (stored_arrays(b) if isinstance(b, dict) else b for b in scan.blocks),
                     scan.n_points, scan.columns,
-                    lambda: _with_sidecar(_scan_attrs(source, digest, scan.meta, scan.n_kept, scan.bbox,
-                                                      str(np.dtype(scan.columns["points"][0])), units, run), sidecar),
+                    lambda: attrs_of(scan.meta, scan.n_kept, scan.bbox, str(np.dtype(scan.columns["points"][0]))),
                     at_most=not scan.exact, optional=scan.optional)
             except ScanReadError as exc:  # found midway: the scan's group stays incomplete (invisible)
                 store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
                 return done("quarantined", reason=exc.reason)
             n = scan.n_kept
         store.release(source.scan_id)
-    return done("ingested", points=n, group=store.group_summary(source.scan_id))
+    # georeferenced with no file offset: its origin is its box's centre (said now, and by recognize)
+    box = {"box_origin": True} if made.get("origin_from") == "box" else {}
+    return done("ingested", points=n, group=store.group_summary(source.scan_id), **box)
 
 
 def stored_arrays(arrays: dict[str, Any]) -> dict[str, Any]:
@@ -321,7 +327,8 @@ def _ingest_parts(store: ScanStore, source: Source, *, units: str, run: str | No
              for part in parts]
     bad = [r for r in scans if r["status"] == "quarantined"]
     out = {**rec, "points": sum(r["points"] for r in scans if r["status"] != "quarantined"),
-           "scans": [{k: r[k] for k in ("scan_id", "status", "points", "reason") if k in r} for r in scans]}
+           "scans": [{k: r[k] for k in ("scan_id", "status", "points", "reason", "box_origin") if k in r}
+                     for r in scans]}
     if bad:
         out.update(status="quarantined", reason=f"{len(bad)} of its {len(scans)} scans unreadable, "
                                                 f"{bad[0]['scan_id']}: {bad[0]['reason']}")

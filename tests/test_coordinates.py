@@ -211,38 +211,39 @@ def test_coordinates_too_coarse_for_the_radii(prefect_api, tmp_path, tmp_path_fa
 def test_recognize_says_when_a_georeferenced_scene_has_no_file_offset(prefect_api, geo, pcl_dir, tmp_path,
                                                                       tmp_path_factory):
     """A float64 NPY in UTM-sized coordinates holds no offset: ingest centres it on its bounding
-    box (rounded to 1 m), where its normals then face, not the scanner. ``scanforest recognize``
-    says so in one line naming the scene; the LAS scene beside it (origin at its header's offset)
-    is not named. The same NPY with the scanner's position as ``origin`` in its sidecar is not
-    named either and gives the LAS scene's detection; a sidecar origin that is not 3 numbers
-    quarantines its scan with the reason."""
-    from scanforest.tasks.ingest import Source, ingest_file
+    box (rounded to 1 m), where its normals then face, not the scanner. ``scanforest ingest`` and
+    ``scanforest recognize`` say so in one line naming the scan; the LAS scene beside it (origin
+    at its header's offset) is not named. The same NPY with the scanner's position as ``origin``
+    in its sidecar, written after a first ingest, is ingested again about it, not named, and
+    gives the LAS scene's detection; a sidecar origin that is not 3 numbers quarantines its scan
+    with the reason."""
     from scanforest.tasks.store import ScanStore
 
-    store = str(tmp_path / "geo.zarr")
-    ScanStore(store, create=True)
     scans = tmp_path / "scans"
     scans.mkdir()
-    for name in ("station.npy", "bad.npy"):
+    for name in ("scene_utm.npy", "station.npy", "bad.npy"):
         (scans / name).write_bytes((geo["folder"] / "scene_utm.npy").read_bytes())
-    for path, sid in ((geo["folder"] / "scene_utm.npy", "scene_utm.npy"), (geo["las"], "scene_utm.las"),
-                      (pcl_dir / "milk.pcd", "milk.pcd"), (scans / "station.npy", "station.npy")):
-        assert ingest_file(store, Source(str(path), sid))["status"] == "ingested"
-    assert ScanStore(store, mode="r").attrs("station.npy").get("origin_from") == "box"
+    (scans / "scene_utm.las").write_bytes(geo["las"].read_bytes())
+    (scans / "milk.pcd").write_bytes((pcl_dir / "milk.pcd").read_bytes())
+    store = str(tmp_path / "geo.zarr")
+    env = fresh_env(tmp_path_factory, cold=False, api=prefect_api)
+    out = ok(sf("ingest", str(scans), store, "-w", "1", env=env, cwd=tmp_path))
+    warned = [ln for ln in out.splitlines() if ln.startswith("warning: ")]
+    assert len(warned) == 1 and "3 scans " in warned[0] and "(first: bad.npy)" in warned[0], out
+    st = ScanStore(store, mode="r")
+    assert [st.attrs(s).get("origin_from") for s in ("scene_utm.npy", "station.npy")] == ["box", "box"]
+    assert "origin_from" not in st.attrs("scene_utm.las") and "origin_from" not in st.attrs("milk.pcd")
     # the scanner's position given afterwards: the unchanged file is ingested again about it
     (scans / "station.gt.json").write_text(json.dumps({"origin": OFFSET.tolist()}))
     (scans / "bad.gt.json").write_text(json.dumps({"origin": [1.0, "x"]}))
-    assert ingest_file(store, Source(str(scans / "station.npy"), "station.npy"))["status"] == "ingested"
-    assert ingest_file(store, Source(str(scans / "station.npy"), "station.npy"))["status"] == "skipped"
-    bad = ingest_file(store, Source(str(scans / "bad.npy"), "bad.npy"))
-    assert bad["status"] == "quarantined" and "bad.gt.json" in bad["reason"], bad
-    assert "origin must be 3 finite numbers" in bad["reason"], bad
+    out = ok(sf("ingest", str(scans), store, "-w", "1", "--json", env=env, cwd=tmp_path))
+    summary = json.loads(out[out.index("{"):])
+    assert (summary["ingested"], summary["skipped"], summary["quarantined"]) == (1, 3, 1), summary
+    assert "box_origin" not in summary, summary
+    reason = summary["quarantine_reasons"][0]["reason"]
+    assert "bad.gt.json" in reason and "origin must be 3 finite numbers" in reason, reason
     st = ScanStore(store, mode="r")
-    assert st.attrs("scene_utm.npy").get("origin_from") == "box"
-    assert "origin_from" not in st.attrs("scene_utm.las") and "origin_from" not in st.attrs("milk.pcd")
     assert st.attrs("station.npy")["origin_from"] == "sidecar" and st.attrs("station.npy")["origin"] == OFFSET.tolist()
-    assert [q["reason"] for q in st.quarantined()] == [bad["reason"]]  # the store keeps it
-    env = fresh_env(tmp_path_factory, cold=False, api=prefect_api)
     out = ok(sf("recognize", store, "--models", "milk.pcd", "--scenes", "scene_utm.npy", "--scenes",
                 "scene_utm.las", "--scenes", "station.npy", "-w", "1", env=env, cwd=tmp_path))
     warned = [ln for ln in out.splitlines() if ln.startswith("warning: ")]

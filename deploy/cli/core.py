@@ -82,6 +82,16 @@ def print_summary(title: str, summary: dict, *, as_json: bool = False, keys: tup
 INGEST_KEYS = ("files", "ingested", "skipped", "quarantined", "ignored", "points", "bytes", "seconds", "workers")
 
 
+def warn_box_origin(n: int | None, ids: list[str] | None, noun: str) -> None:
+    """One warning line when ``n`` scans (``ids``: the first) are georeferenced with no file
+    offset: ingest chose their origin from their bounding box (``box_origin``)."""
+    if n:
+        typer.echo(f"warning: {n} {noun}{'s' if n != 1 else ''} in georeferenced coordinates without a file offset "
+                   f"(first: {ids[0]}): computed about the bounding box's centre (rounded to 1 m), which the "
+                   "normals face instead of the scanner, so detections may be missed; give the scanner's "
+                   "position as \"origin\" in the scan's sidecar (NAME.gt.json beside the file) and ingest it again")
+
+
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command()
     def ingest(
@@ -113,6 +123,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         summary = run_ingest(source, store, scheduler=scheduler, workers=workers, units=units, progress=not as_json,
                              copc=copc)
         print_summary(f"ingest {source} -> {store}", summary, as_json=as_json, keys=INGEST_KEYS)
+        if not as_json:
+            warn_box_origin(summary.get("box_origin"), summary.get("box_origin_scans"), "scan")
 
     @app.command()
     def info(store: str = typer.Argument(..., help="The Zarr scan store."),

@@ -15,6 +15,7 @@ from .core import (
     WorkersOpt,
     choose_device,
     print_summary,
+    warn_box_origin,
 )
 
 
@@ -40,17 +41,6 @@ def _pick(store: str, patterns: list[str], what: str) -> list[str]:
 
         raise InputError(f"{store}: no scan id matches {what} {' '.join(patterns)}")
     return chosen
-
-
-def warn_box_origin(res: dict) -> None:
-    """One warning line when scenes were georeferenced with no file offset (``box_origin``)."""
-    n = res.get("box_origin")
-    if n:
-        typer.echo(f"warning: {n} scene{'s' if n != 1 else ''} in georeferenced coordinates without a file "
-                   f"offset (first: {res['box_origin_scenes'][0]}): computed about the bounding box's centre "
-                   "(rounded to 1 m), which their normals face instead of the scanner, so detections may be "
-                   "missed; give the scanner's position as \"origin\" in the scan's sidecar (NAME.gt.json "
-                   "beside the file) and ingest it again")
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -284,7 +274,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             res["exports"] = export_results(store, scenes, Path(export), render=False, library=library)
         print_summary(f"one pass over the scenes of {store}", res, as_json=as_json)
         if not as_json:
-            warn_box_origin(res)
+            warn_box_origin(res.get("box_origin"), res.get("box_origin_scenes"), "scene")
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
         if p.get("failed"):
@@ -351,6 +341,6 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             if res.get("recomputed", 0) > 10:
                 typer.echo(f"recomputed: ... and {res['recomputed'] - 10} more (`--json` or the run record)")
         if not as_json:
-            warn_box_origin(res)
+            warn_box_origin(res.get("box_origin"), res.get("box_origin_scenes"), "scene")
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
