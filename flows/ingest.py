@@ -23,7 +23,7 @@ from .cluster import check_scheduler, dask_client, n_workers
 from .inputs import absolute_path, check_ingest
 from .prefect_api import ensure_prefect_api, quiet_prefect_logs
 from .prefect_tasks import ingest_scan
-from .records import RUN_HOOKS, record_run
+from .records import RUN_HOOKS, box_origin, record_run
 from .worker_setup import INGEST_PRELOAD
 
 
@@ -111,16 +111,9 @@ def summarize(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
         "task_seconds": float(sum(r.get("seconds", 0.0) for r in records)),
         "quarantine_reasons": [{"source": r["source"], "reason": r["reason"]}
                                for r in records if r["status"] == "quarantined"],
-        **_box_origin(records),
+        **box_origin(records),
     }
 
-
-def _box_origin(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The scans ingested now in georeferenced coordinates without a file offset (their origin
-    chosen from the bounding box): ``box_origin`` (how many) and ``box_origin_scans`` (the first
-    few ids); nothing when there are none."""
-    ids = [s["scan_id"] for r in records for s in (r.get("scans") or [r]) if s.get("box_origin")]
-    return {"box_origin": len(ids), "box_origin_scans": ids[:10]} if ids else {}
 
 
 def run_ingest(source: str, store: str, *, scheduler: str | None = None, workers: int | None = None,

@@ -18,7 +18,7 @@ from .cluster import check_scheduler, dask_client, n_workers
 from .inputs import absolute_path, check_recognize
 from .prefect_api import ensure_prefect_api
 from .prefect_tasks import recognize_batch_task
-from .records import RUN_HOOKS, count_redone, failures, record_run
+from .records import RUN_HOOKS, box_origin, count_redone, failures, record_run
 
 
 @flow(name="scanforest-recognize", task_runner=ThreadPoolTaskRunner(max_workers=TASKS_IN_FLIGHT), **RUN_HOOKS)
@@ -84,10 +84,7 @@ def summarize(recs: list[dict]) -> dict[str, Any]:
         out["recompute_reasons"] = reasons
         # each recomputed scene and why (the first RECOMPUTED_LISTED; the run record has them all)
         out["recomputed_scenes"] = per_scene
-    boxed = [str(r.get("scan_id")) for r in done if r.get("box_origin")]
-    if boxed:  # georeferenced scenes without a file offset (ingest chose their origin from the box)
-        out["box_origin_scenes"] = boxed[:RECOMPUTED_LISTED]
-        out["box_origin"] = len(boxed)
+    out.update(box_origin(done, RECOMPUTED_LISTED))  # georeferenced scenes without a file offset
     phases: dict[str, float] = {}  # seconds per recognition phase, summed over the recognised scenes
     for r in recs:
         for k, v in (r.get("timings") or {}).items():

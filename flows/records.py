@@ -56,6 +56,15 @@ def failures(records: list[dict]) -> list[dict]:
             for r in records if r.get("status") == "failed"]
 
 
+def box_origin(records: list[dict], listed: int = 100) -> dict:
+    """The scans of a stage's records (an E57 file's under its ``scans``) flagged ``box_origin``:
+    georeferenced with no file offset, their origin chosen from the bounding box. ``box_origin``
+    (how many) and ``box_origin_scans`` (the first ``listed`` ids) for the summary; nothing when
+    there are none."""
+    ids = [str(s.get("scan_id")) for r in records for s in (r.get("scans") or [r]) if s.get("box_origin")]
+    return {"box_origin": len(ids), "box_origin_scans": ids[:listed]} if ids else {}
+
+
 def _started_at(summary: dict) -> float:
     import time
 

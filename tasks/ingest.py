@@ -213,7 +213,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
         made: dict[str, Any] = {}  # the scan's attributes, as written
 
         def attrs_of(meta, n_points, bbox, dtype) -> dict[str, Any]:
-            made.update(_with_sidecar(_scan_attrs(source, digest, meta, n_points, bbox, dtype, units, run), sidecar))
+            made.update(_scan_attrs(source, digest, meta, n_points, bbox, dtype, units, run, sidecar))
             return made
 
         if scan is None:
@@ -245,9 +245,12 @@ def stored_arrays(arrays: dict[str, Any]) -> dict[str, Any]:
 
 
 def _scan_attrs(source: Source, digest: str, meta: dict[str, Any], n_points: int,
-                bbox: tuple[list[float], list[float]], dtype: str, units: str, run: str | None) -> dict[str, Any]:
+                bbox: tuple[list[float], list[float]], dtype: str, units: str, run: str | None,
+                sidecar: dict[str, Any]) -> dict[str, Any]:
     """A scan's attributes from its reader's ``meta`` and the figures of all its points (the
-    whole-file and the block-wise path alike; the sidecar's come on top)."""
+    whole-file and the block-wise path alike), the ``sidecar``'s on top; ``origin_from`` says
+    where an origin other than 0 or the file's offset came from: the sidecar (the scanner's
+    position), or the bounding box (the normals then face its centre: the commands say so)."""
     attrs: dict[str, Any] = {
         "source": source.path,
         "sha256": digest,
@@ -265,16 +268,10 @@ def _scan_attrs(source: Source, digest: str, meta: dict[str, Any], n_points: int
     for key in ("width", "height", "viewpoint", "organized", "pose", "pose_maps", "crs", "e57", "copc"):
         if key in meta:
             attrs[key] = meta[key]
-    if any(origin) and origin != [float(v) for v in meta.get("offsets") or ()]:
-        attrs["origin_from"] = "box"  # not the file's offset: the normals face its box's centre (recognize says so)
-    return attrs
-
-
-def _with_sidecar(attrs: dict[str, Any], sidecar: dict[str, Any]) -> dict[str, Any]:
-    """A scan's attributes with its sidecar's on top; a sidecar's ``origin`` (the scanner's
-    position) replaces the one chosen from the file (``origin_from``: "sidecar")."""
     if "origin" in sidecar:
         attrs["origin_from"] = "sidecar"
+    elif any(origin) and origin != [float(v) for v in meta.get("offsets") or ()]:
+        attrs["origin_from"] = "box"
     return {**attrs, **sidecar}
 
 

@@ -82,12 +82,13 @@ def print_summary(title: str, summary: dict, *, as_json: bool = False, keys: tup
 INGEST_KEYS = ("files", "ingested", "skipped", "quarantined", "ignored", "points", "bytes", "seconds", "workers")
 
 
-def warn_box_origin(n: int | None, ids: list[str] | None, noun: str) -> None:
-    """One warning line when ``n`` scans (``ids``: the first) are georeferenced with no file
-    offset: ingest chose their origin from their bounding box (``box_origin``)."""
+def warn_box_origin(summary: dict, noun: str) -> None:
+    """One warning line when a summary counts scans georeferenced with no file offset (ingest
+    chose their origin from their bounding box: ``box_origin``, ``box_origin_scans``)."""
+    n = summary.get("box_origin")
     if n:
         typer.echo(f"warning: {n} {noun}{'s' if n != 1 else ''} in georeferenced coordinates without a file offset "
-                   f"(first: {ids[0]}): computed about the bounding box's centre (rounded to 1 m), which the "
+                   f"(first: {summary['box_origin_scans'][0]}): computed about the bounding box's centre (rounded to 1 m), which the "
                    "normals face instead of the scanner, so detections may be missed; give the scanner's "
                    "position as \"origin\" in the scan's sidecar (NAME.gt.json beside the file) and ingest it again")
 
@@ -124,7 +125,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                              copc=copc)
         print_summary(f"ingest {source} -> {store}", summary, as_json=as_json, keys=INGEST_KEYS)
         if not as_json:
-            warn_box_origin(summary.get("box_origin"), summary.get("box_origin_scans"), "scan")
+            warn_box_origin(summary, "scan")
 
     @app.command()
     def info(store: str = typer.Argument(..., help="The Zarr scan store."),

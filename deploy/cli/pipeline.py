@@ -261,7 +261,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         res = {"library": out["library"].get("status"), **{k: p.get(k) for k in (
                    "scenes", "recognized", "skipped", "failed", "detections", "precision", "recall", "workers")},
                "seconds": p.get("seconds"), "failures": p.get("failures"),
-               **{k: p[k] for k in ("box_origin", "box_origin_scenes") if k in p}}
+               **{k: p[k] for k in ("box_origin", "box_origin_scans") if k in p}}
         if as_json:
             res["ingest"] = out["ingest"]
         if export:
@@ -274,7 +274,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             res["exports"] = export_results(store, scenes, Path(export), render=False, library=library)
         print_summary(f"one pass over the scenes of {store}", res, as_json=as_json)
         if not as_json:
-            warn_box_origin(res.get("box_origin"), res.get("box_origin_scenes"), "scene")
+            warn_box_origin(res, "scene")
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
         if p.get("failed"):
@@ -341,6 +341,6 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             if res.get("recomputed", 0) > 10:
                 typer.echo(f"recomputed: ... and {res['recomputed'] - 10} more (`--json` or the run record)")
         if not as_json:
-            warn_box_origin(res.get("box_origin"), res.get("box_origin_scenes"), "scene")
+            warn_box_origin(res, "scene")
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..geom_cpu import centroid3, scatter3
 from ..neighbors.search_cpu import grid_nearest
 
 
@@ -33,53 +34,34 @@ def polish_fit(V, T0, P, order, cs, origin, inv_h, dims, host, r2, iterations):
     m = V.shape[0]
     T = T0.copy()
     W = np.empty((m, 3))
-    src = np.empty(m, np.int64)
-    dst = np.empty(m, np.int64)
-    H = np.empty((3, 3))
     near = np.empty(m, np.int64)
+    A = np.empty((m, 3))  # the pairs, gathered: moved model points and their crop points
+    B = np.empty((m, 3))
+    H = np.empty((3, 3))
     for _ in range(iterations):
         _pair(V, T, P, order, cs, origin, inv_h, dims, r2, W, near)  # on every core
         n = 0
         for i in range(m):
             if near[i] >= 0:
-                src[n] = i
-                dst[n] = near[i]
+                A[n] = W[i]
+                B[n] = host[near[i]]
                 n += 1
         if n < 3:
             break
-        cs0 = np.zeros(3)
-        cd0 = np.zeros(3)
-        for j in range(n):
-            for k in range(3):
-                cs0[k] += W[src[j], k]
-                cd0[k] += host[dst[j], k]
-        for k in range(3):
-            cs0[k] /= n
-            cd0[k] /= n
-        H[:] = 0.0
-        for j in range(n):
-            for a in range(3):
-                sa = W[src[j], a] - cs0[a]
-                for b in range(3):
-                    H[a, b] += sa * (host[dst[j], b] - cd0[b])
+        ca0, ca1, ca2 = centroid3(A, n)
+        cb0, cb1, cb2 = centroid3(B, n)
+        scatter3(A, ca0, ca1, ca2, B, cb0, cb1, cb2, None, n, H)  # the cross-covariance
         U, _s, Vt = np.linalg.svd(H)
         Vm = Vt.T.copy()
         if np.linalg.det(U) * np.linalg.det(Vm) < 0:
-            for a in range(3):
-                Vm[a, 2] = -Vm[a, 2]
+            Vm[:, 2] = -Vm[:, 2]
         R = Vm @ U.T
         step = np.eye(4)
         step[:3, :3] = R
-        for a in range(3):
-            step[a, 3] = cd0[a] - (R[a, 0] * cs0[0] + R[a, 1] * cs0[1] + R[a, 2] * cs0[2])
+        step[0, 3] = cb0 - (R[0, 0] * ca0 + R[0, 1] * ca1 + R[0, 2] * ca2)
+        step[1, 3] = cb1 - (R[1, 0] * ca0 + R[1, 1] * ca1 + R[1, 2] * ca2)
+        step[2, 3] = cb2 - (R[2, 0] * ca0 + R[2, 1] * ca1 + R[2, 2] * ca2)
         T = step @ T
-        small = True
-        for a in range(3):
-            if abs(step[a, 3]) >= 1e-9:
-                small = False
-            for b in range(3):
-                if abs(step[a, b] - (1.0 if a == b else 0.0)) >= 1e-9:
-                    small = False
-        if small:
+        if np.abs(step[:3, 3]).max() < 1e-9 and np.abs(step[:3, :3] - np.eye(3)).max() < 1e-9:
             break
     return T
