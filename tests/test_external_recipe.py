@@ -4,7 +4,9 @@ mid-match in the second run; the stored matches must be identical.
 
 The whole recipe is five scanforest commands and a Prefect server on a 2-core machine: about
 60 s there while other tests run (CI's `-n 2`), too long for CI's budget, so it runs only with
-SF_SLOW_RECIPE=1. Its input checks (exit 2, one line) are quick and always run."""
+SF_SLOW_RECIPE=1. Its input checks (exit 2, one line) and its last step, the comparison of the
+two runs' stores (`deploy/recipes/compare_matches.py`, on stores written here), are quick and
+always run."""
 from __future__ import annotations
 
 import os
@@ -13,9 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "deploy" / "recipes" / "external-cluster.sh"
+COMPARE = SCRIPT.with_name("compare_matches.py")
 BIN = Path(sys.executable).parent
 
 
@@ -56,6 +60,70 @@ def test_recipe_refuses_ucx_without_ucxx_and_a_foreign_folder(tmp_path):
     r = _run([str(tmp_path / "mine")], _env(), tmp_path)
     assert r.returncode == 2 and "not empty" in r.stderr, r.stderr
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def _matched_stores(tmp_path):
+    """A store with a model scan under the index "default" and two query scans, and its copies A
+    and B as the recipe's two runs leave them (each query scan's match stage written)."""
+    import shutil
+
+    from scanforest.tasks.store import ScanStore
+
+    rng = np.random.default_rng(5)
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    for sid in ("models__m", "scene_0", "scene_1"):
+        st.write_scan(sid, {"points": rng.random((50, 3), dtype=np.float32)}, {"source": sid})
+    g = st.catalog.new_index("default")
+    g.attrs.update({"scans": ["models__m"], "complete": True})
+    paths = {}
+    for name in ("a", "b"):
+        paths[name] = str(tmp_path / f"{name}.zarr")
+        shutil.copytree(st.path, paths[name])
+        run = ScanStore(paths[name])
+        for i, sid in enumerate(("scene_0", "scene_1")):
+            ids = np.arange(40, dtype=np.int64).reshape(10, 4) + i
+            dist = np.linspace(0, 1, 40, dtype=np.float32).reshape(10, 4)
+            run.write_stage(sid, "match", {"match_ids": ids, "match_dist": dist},
+                            {"index": "default", "content_hash": "h", "k": 4, "queries": 10})
+    (tmp_path / "match-a.json").write_text('{"matched": 2, "k": 4, "shards": 1, "workers": 2}')
+    (tmp_path / "match-b.json").write_text('{"matched": 2, "k": 4, "shards": 1, "workers": 2}')
+    return st.path, paths
+
+
+def _compare(store, paths, work, n_scans="2"):
+    args = [store, paths["a"], paths["b"], str(work), "tcp://127.0.0.1:9", "w1", "123", n_scans, "cpu", "tcp",
+            "1", "1.0", "2.0", "0.5", "1"]
+    return subprocess.run([sys.executable, str(COMPARE), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_the_recipes_comparison_passes_equal_runs_and_names_what_differs(tmp_path):
+    """The recipe's last step as the recipe runs it (a script beside it, the store's API of today):
+    equal stores PASS; a flipped bit of one query's match_dist, a missing stage or a query scan too
+    few are each a FAIL naming the scan and what differs, exit 1."""
+    import importlib.util
+
+    from scanforest.tasks.store import ScanStore
+
+    store, paths = _matched_stores(tmp_path)
+    r = _compare(store, paths, tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("PASS: 2 scans matched (20 descriptors, k=4, 1 shards on 2 cpu workers over tcp)"), r.stdout
+    assert "the cluster could not be asked afterwards" in r.stdout  # no scheduler at that address
+    assert _compare(store, paths, tmp_path, n_scans="3").returncode == 1
+
+    spec = importlib.util.spec_from_file_location("compare_matches", COMPARE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    b = ScanStore(paths["b"])
+    dist = b.read("scene_1", "match_dist").copy()
+    dist.view(np.uint32)[3, 2] ^= 1  # one bit of one row
+    b.write_stage("scene_1", "match", {"match_ids": b.read("scene_1", "match_ids"), "match_dist": dist},
+                  {"index": "default", "content_hash": "h", "k": 4, "queries": 10})
+    queries, bad, rows = mod.differences(store, paths["a"], paths["b"])
+    assert queries == ["scene_0", "scene_1"] and rows == 20
+    assert bad == [("scene_1", "match_dist: 1 of 10 rows differ")]
+    r = _compare(store, paths, tmp_path)
+    assert r.returncode == 1 and "FAIL" in r.stdout and "scene_1: match_dist: 1 of 10 rows differ" in r.stdout, r.stdout
 
 
 @pytest.mark.slow

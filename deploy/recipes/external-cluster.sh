@@ -61,6 +61,7 @@ if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
   exit 0
 fi
 
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # compare_matches.py lies beside this script
 die() { echo "external-cluster: $*" >&2; exit 2; }  # bad input: one line, exit 2
 say() { echo "== $*"; }
 now() { date +%s.%N; }
@@ -385,74 +386,5 @@ lost=$(grep -h "lose already computed task" "$LOGS/scheduler.log" | head -n 1 | 
 say "killed $VICTIM (pid $victim_pid) at +$(secs "$T_B0" "$k_time") s of run B, when $k_done of $SCANS scans had matches written"
 
 # ------------------------------------------------------------------------------ 5. compare
-"$PY" - "$STORE" "$A" "$B" "$WORK" "$ADDR" "$VICTIM" "$victim_pid" "$SCANS" "$KIND" "$PROTOCOL" "$NANNY" \
-  "$(secs "$T_A0" "$T_A1")" "$(secs "$T_B0" "$T_B1")" "$(secs "$T_B0" "$k_time")" "$k_done" <<'EOF'
-import json, os, sys
-
-import numpy as np
-
-from scanforest.tasks import index as idx
-from scanforest.tasks.store import ScanStore
-
-(store, a_path, b_path, work, addr, victim, victim_pid, n_scans, kind, protocol, nanny,
- sec_a, sec_b, sec_kill, n_done) = sys.argv[1:]
-a, b = ScanStore(a_path, mode="r"), ScanStore(b_path, mode="r")
-reference = set(idx.index_attrs(store, "default").get("scans", []))
-queries = [s for s in ScanStore(store, mode="r").scans() if s not in reference]
-runs = {name: json.load(open(os.path.join(work, f"match-{name}.json"))) for name in ("a", "b")}
-
-bad, rows = [], 0
-for sid in queries:
-    why = []
-    for name, st in (("A", a), ("B", b)):
-        if not st.has_stage(sid, "match"):
-            why.append(f"no match stored by run {name}")
-    if not why:
-        ra, rb = a.stage(sid, "match"), b.stage(sid, "match")
-        for key in ("index", "content_hash", "k", "queries"):
-            if ra.get(key) != rb.get(key):
-                why.append(f"record {key}: {ra.get(key)!r} != {rb.get(key)!r}")
-        for arr in ("match_ids", "match_dist"):
-            x, y = a.read(sid, arr), b.read(sid, arr)
-            if x.dtype != y.dtype or x.shape != y.shape:
-                why.append(f"{arr}: {x.dtype}{x.shape} != {y.dtype}{y.shape}")
-            elif x.tobytes() != y.tobytes():  # bit for bit (NaN and -0.0 included)
-                n = int((x.view(np.uint8).reshape(len(x), -1) != y.view(np.uint8).reshape(len(y), -1)).any(axis=1).sum())
-                why.append(f"{arr}: {n} of {len(x)} rows differ")
-        rows += int(ra.get("queries", 0))
-    if why:
-        bad.append((sid, "; ".join(why)))
-
-after = ""
-try:  # the cluster after run B: the Nanny's fresh worker, or one worker fewer without a Nanny
-    from distributed import Client
-
-    with Client(addr, timeout="10s") as c:
-        ws = c.scheduler_info(n_workers=-1)["workers"]
-        names = {w["name"]: ad for ad, w in ws.items()}
-        pids = c.run(os.getpid)
-        if victim in names:
-            after = f"; {victim} came back as pid {pids.get(names[victim], '?')} ({len(ws)} workers now)"
-        else:
-            after = f"; {victim} stayed gone ({len(ws)} worker{'s' if len(ws) != 1 else ''} left)"
-except Exception as exc:  # the verdict does not depend on it
-    after = f"; the cluster could not be asked afterwards ({type(exc).__name__})"
-
-for name in ("a", "b"):
-    r = runs[name]
-    if r.get("matched") != len(queries):
-        bad.append((f"run {name.upper()}", f"summary says {r.get('matched')} of {len(queries)} scans matched"))
-
-if bad or len(queries) != int(n_scans):
-    print(f"FAIL: the two runs' stored matches differ ({len(bad)} of {len(queries)} query scans):")
-    for sid, why in bad:
-        print(f"  {sid}: {why}")
-    if len(queries) != int(n_scans):
-        print(f"  the store holds {len(queries)} query scans, not the {n_scans} scenes written")
-    sys.exit(1)
-print(f"PASS: {len(queries)} scans matched ({rows:,} descriptors, k={runs['a'].get('k')}, "
-      f"{runs['a'].get('shards')} shards on {runs['a'].get('workers')} {kind} workers over {protocol}) "
-      f"with identical stored matches: run A undisturbed {sec_a} s, run B {sec_b} s with worker {victim} "
-      f"(pid {victim_pid}{', under its Nanny' if nanny == '1' else ', no Nanny'}) SIGKILLed at +{sec_kill} s, "
-      f"when {n_done} of {n_scans} scans had matches written{after}")
-EOF
+"$PY" "$HERE/compare_matches.py" "$STORE" "$A" "$B" "$WORK" "$ADDR" "$VICTIM" "$victim_pid" "$SCANS" "$KIND" \
+  "$PROTOCOL" "$NANNY" "$(secs "$T_A0" "$T_A1")" "$(secs "$T_B0" "$T_B1")" "$(secs "$T_B0" "$k_time")" "$k_done"
