@@ -2,11 +2,13 @@
 
 The public API is small and is what the CLI, the Prefect flows and users all call::
 
+    import numpy as np
     import scanforest as sf
     cloud = sf.read("scene.pcd")                       # PointCloud (points, normals, colour, ...)
-    n = sf.normals(cloud.points, radius=0.01)          # (N, 3) normals + curvature
+    n, curv = sf.normals(cloud.points, radius=0.01)    # (N, 3) normals, (N,) curvature
     kp = sf.keypoints(cloud.points, radius=0.03)       # uniform-sampling keypoint indices
     desc, frames = sf.shot(cloud.points, n, kp, 0.02)  # SHOT352 + local reference frames
+    desc = desc[np.isfinite(desc).all(axis=1)]         # NaN rows: keypoints without neighbours (PCL's rule)
     index = sf.KDForest(method="banns").fit(model_desc)
     dist, ids = index.query(desc, k=4)
     lib = sf.ModelLibrary.build([model_points], names=["milk"])

@@ -332,6 +332,38 @@ def test_count_lists_of_the_bench_options_refuse_what_is_not_a_count():
             parse_counts(bad)
 
 
+@pytest.mark.parametrize("args,words", [
+    (["tools", "--real", "{tmp}/no-such-folder", "--device", "cpu"], ["no-such-folder", "no such folder"]),
+    (["ann", "--real", "{tmp}/empty", "--sizes", "", "--device", "cpu"], ["empty", "no .pcd/.ply clouds"]),
+    (["shot", "--pcl-baseline", "{tmp}/no-such-program"], ["--pcl-baseline", "no such program"]),
+    (["tools", "--flann-baseline", "{tmp}/empty", "--device", "cpu"], ["--flann-baseline", "no such program"]),
+    (["recognize", "--pcl-baseline", "{tmp}/not-executable"], ["--pcl-baseline", "not executable"]),
+    (["match", "--workers", "0", "--device", "cpu"], ["--workers", "'0'"]),
+], ids=["real-missing", "real-empty", "pcl-baseline", "flann-baseline-folder", "pcl-baseline-mode", "workers-0"])
+def test_bench_inputs_the_user_names_are_checked_in_one_line(tmp_path, monkeypatch, capsys, args, words):
+    """A folder, a baseline program or a worker count given to a bench that cannot be used: one
+    ``error:`` line naming the option or the path, exit 2, before anything is measured (they were a
+    traceback, a note after the run, or a line about ``memory_bytes``)."""
+    import sys
+
+    from scanforest.deploy.cli import main
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "not-executable").write_text("#!/bin/sh\n")
+    monkeypatch.chdir(tmp_path)
+    argv = ["scanforest", "bench", *[a.format(tmp=tmp_path) for a in args], "--out", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exc:
+        main()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert not any((tmp_path / "out").glob("*.json"))  # nothing measured
+
+
 def test_gpu_busy_is_sampled_for_the_visible_cards_only(monkeypatch):
     """nvidia-smi lists every card of the host: a run on GPUs 1 and 3 reports those two."""
     import subprocess

@@ -2,8 +2,9 @@
 10), run as a user runs them: the installed command in a subprocess.
 
 A stage with nothing to do answers from the store before Prefect's API or a Dask cluster starts:
-it is run with ``--scheduler`` and ``PREFECT_API_URL`` pointing at ports where nothing listens (a
-run that reached for either would end with exit 2), and once with the defaults in a fresh Prefect
+it is run with ``--scheduler`` at a port that accepts connections but never answers (a client
+there would wait out its timeout) and ``PREFECT_API_URL`` at a port where nothing listens (a run
+that reached for it would end with exit 2), and once with the defaults in a fresh Prefect
 home, where the local API would leave its log. It prints the summary shape a real run prints, and
 the store counts it instead of keeping a run record per no-op. ``report STORE`` writes beside the
 store, never into the current folder. The demo's own run (the archive flow, its default folder,
@@ -16,21 +17,32 @@ from __future__ import annotations
 
 import json
 import resource
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _userpath import fresh_env, ok, sf
+from _userpath import fresh_env, ok, one_line_error, sf
 
 DESCRIBE = ("--keypoint-radius", "0.2", "--shot-radius", "0.2")
-#: addresses where nothing listens: a command that reaches for a cluster or an API fails on them
-NO_CLUSTER = ("--scheduler", "tcp://127.0.0.1:9")
+#: where nothing listens: a command that reaches for a cluster or an API there fails
+NOWHERE = "tcp://127.0.0.1:9"
 #: loose bounds on the no-op command (about 1 s of CPU and of wall time on an idle 2-core machine; a
 #: run that starts the API and a cluster spends 6-8 s and well over 5 s of CPU in its processes):
 #: CPU time is the check that holds on a loaded machine, wall time only catches a hang
 CPU_SECONDS, WALL_SECONDS = 4.0, 15.0
+
+
+@pytest.fixture(scope="module")
+def silent_scheduler():
+    """``--scheduler`` at a socket that accepts connections and never answers: the option's check
+    (a TCP connection) passes, a Dask client would wait out its connect timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield ("--scheduler", f"tcp://127.0.0.1:{s.getsockname()[1]}")
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +92,16 @@ def _runs(store: Path) -> tuple[int, dict]:
     return len(st.runs()), dict(st.root["runs"].attrs.get("noop_runs") or {})
 
 
-def _noop(args: tuple[str, ...], env: dict, cwd: Path, tmp_path: Path, flow: str, store: Path, real: dict) -> None:
+def _noop(args: tuple[str, ...], env: dict, cwd: Path, tmp_path: Path, flow: str, store: Path, real: dict,
+          no_cluster: tuple[str, str]) -> None:
     """``args`` with nothing to do: exit 0 with the real run's summary keys and zero work, with no
-    cluster (unreachable ``--scheduler``) and no Prefect API (an unreachable ``PREFECT_API_URL``;
+    cluster (a ``--scheduler`` that never answers) and no Prefect API (an unreachable ``PREFECT_API_URL``;
     then the defaults in a fresh Prefect home: no local API log), fast; counted in the store, not
     recorded as a run."""
     n_runs, before = _runs(store)
     away = {**env, "PREFECT_API_URL": "http://127.0.0.1:9/api"}
     t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    res = json.loads(ok(sf(*args, *NO_CLUSTER, "--json", env=away, cwd=cwd, timeout=120)))
+    res = json.loads(ok(sf(*args, *no_cluster, "--json", env=away, cwd=cwd, timeout=120)))
     wall, r1 = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)  # the command and every process it waited for
     assert set(res) == set(real), (sorted(res), sorted(real))  # the summary a real run prints
@@ -105,14 +118,24 @@ def _noop(args: tuple[str, ...], env: dict, cwd: Path, tmp_path: Path, flow: str
     assert after[flow]["summary"][{"describe": "skipped", "match": "scans"}[flow]] == real["scans"]
 
 
-def test_describe_with_nothing_to_do_answers_before_any_cluster_or_api(done, env, tmp_path):
+def test_describe_with_nothing_to_do_answers_before_any_cluster_or_api(done, env, tmp_path, silent_scheduler):
     _noop(("describe", str(done["store"]), *DESCRIBE), env, done["work"], tmp_path, "describe", done["store"],
-          done["describe"])
+          done["describe"], silent_scheduler)
 
 
-def test_match_with_nothing_to_do_answers_before_any_cluster_or_api(done, env, tmp_path):
+def test_match_with_nothing_to_do_answers_before_any_cluster_or_api(done, env, tmp_path, silent_scheduler):
     _noop(("match", str(done["store"]), "--name", "i"), env, done["work"], tmp_path, "match", done["store"],
-          done["match"])
+          done["match"], silent_scheduler)
+
+
+@pytest.mark.parametrize("cmd", ["describe", "match"])
+def test_nothing_to_do_still_refuses_a_bad_device_or_an_unreachable_scheduler(done, env, cmd):
+    """A mistyped --device or a --scheduler nobody listens at is said in one line, exit 2, also when
+    the store has nothing for the command to do (deploy/README.md's errors section)."""
+    args = ("describe", str(done["store"]), *DESCRIBE) if cmd == "describe" else ("match", str(done["store"]), "--name", "i")
+    one_line_error(sf(*args, "--device", "quantum", env=env, cwd=done["work"], timeout=120), "--device", "quantum")
+    one_line_error(sf(*args, "--scheduler", NOWHERE, env=env, cwd=done["work"], timeout=120),
+                   "cannot reach the Dask scheduler", NOWHERE)
 
 
 def test_a_flow_that_found_nothing_to_do_is_counted_not_recorded(done, monkeypatch):

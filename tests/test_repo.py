@@ -37,3 +37,27 @@ def test_cli_help_for_every_command():
     for cmd in ("ingest", "info", "demo", "bench"):
         assert cmd in res.stdout
         assert runner.invoke(app, [cmd, "--help"]).exit_code == 0
+
+
+def test_the_package_docstrings_example_runs(tmp_path, monkeypatch):
+    """``help(scanforest)``'s example, run as written on a synthetic scene written as scene.pcd (its
+    other inputs given): it once passed sf.normals' (normals, curvature) pair on to sf.shot."""
+    import numpy as np
+
+    import scanforest as sf
+    from scanforest.kernels import synthetic
+    from scanforest.tasks.readers import write_cloud
+
+    block = sf.__doc__.split("::\n", 1)[1].split("\n\n", 1)[0]
+    code = "\n".join(line[4:] for line in block.splitlines() if line.strip())
+    assert "sf.shot(" in code and "sf.recognize(" in code, code
+    monkeypatch.chdir(tmp_path)
+    model = synthetic.model_library(1, 2_000, seed=0)[0]
+    scene = synthetic.make_scene([model], n_instances=1, n_points=6_000, seed=1)
+    write_cloud("scene.pcd", scene.points.astype(np.float32))
+    rng = np.random.default_rng(0)
+    ns = {"model_desc": rng.random((500, 352), dtype=np.float32), "scene_points": scene.points,
+          "model_points": model.points, "observed": model.points[:500], "reference": model.points[:500] + 0.001}
+    exec(compile(code, "scanforest.__doc__", "exec"), ns)
+    assert ns["ids"].shape == (len(ns["desc"]), 4) and len(ns["desc"]) > 0
+    assert ns["result"].status == "converged"

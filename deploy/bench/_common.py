@@ -86,6 +86,22 @@ def check_out(out) -> None:
         raise InputError(f"{where}: cannot write the bench's JSON there ({exc.strerror or exc})") from None
 
 
+def check_program(path, flag: str) -> None:
+    """A baseline program the user named (``--pcl-baseline``, ``--flann-baseline``) that is not an
+    executable file: one line, before anything is measured (it was a note after the run)."""
+    if path is None or str(path) == "":
+        return
+    import os
+
+    from scanforest.kernels.errors import InputError
+
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{flag} {p}: no such program (build it from its source in deploy/baselines/)")
+    if not os.access(p, os.X_OK):
+        raise InputError(f"{flag} {p}: not executable (chmod +x it)")
+
+
 class BenchReport:
     """Collect rows, print them as a table, write JSON to ``out`` (a file or a folder).
 

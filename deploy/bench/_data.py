@@ -109,9 +109,13 @@ def pcl_shot_dataset(folder, *, device="auto", radius_factor: float = 10.0, norm
     xp = np
     if dev == "gpu":
         import cupy as xp
+    from scanforest.kernels.errors import InputError
+
+    if not Path(folder).is_dir():
+        raise InputError(f"{folder}: no such folder (--real names a folder of .pcd/.ply clouds)")
     files = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in (".pcd", ".ply"))
     if not files:
-        raise FileNotFoundError(f"no .pcd/.ply clouds in {folder}")
+        raise InputError(f"{folder}: no .pcd/.ply clouds in it (--real names a folder of them)")
     parts, rows = [], []
     for f in files:
         pts = xp.asarray(sf.read(f).points.astype(np.float32))

@@ -704,7 +704,7 @@ def register(app, bench) -> None:
         """Distributed matching: queries/s on 1..W workers, efficiency, bytes moved, vs brute force."""
         from ._common import parse_counts
 
-        run(n, m, d, k, [int(w) for w in workers.split(",")], method=method,
+        run(n, m, d, k, _worker_counts(workers), method=method,
             backtracks=[int(b) or None for b in backtracks.split(",")],
             leaf_size=leaf_size, device=device, block=block or None, out=out, clusters=clusters,
             shards=shards or None, rows_per_worker=rows_per_worker or None,
@@ -714,3 +714,14 @@ def register(app, bench) -> None:
             faiss_nprobes=parse_counts(faiss_nprobe), faiss_nlist=faiss_nlist, graph=graph,
             graph_budget=graph_budget, graph_expand=graph_expand, graph_rounds=graph_rounds)
 
+
+def _worker_counts(text: str) -> list[int]:
+    """``--workers`` as a list of counts, each at least 1 (one line naming the option otherwise)."""
+    from scanforest.kernels.errors import InputError
+
+    from ._common import parse_counts
+
+    counts = parse_counts(text)
+    if not counts or min(counts) < 1:
+        raise InputError(f"--workers must list worker counts of at least 1 (e.g. 1,2,4), got {text!r}")
+    return counts

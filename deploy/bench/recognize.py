@@ -191,8 +191,9 @@ def bench_recognize(
     from scanforest.kernels.backend import describe_device, gpu_available
     from scanforest.kernels.recognition import ModelLibrary, pose_errors
 
-    from ._common import BenchReport, numba_threads
+    from ._common import BenchReport, check_program, numba_threads
 
+    check_program(pcl_baseline, "--pcl-baseline")
     rep = BenchReport("recognize", {"real": real, "synthetic": synthetic, "repeats": repeats,
                                     "method": method, "tutorial": TUTORIAL,
                                     "tutorial_library": TUTORIAL_LIB, "refine": refine,

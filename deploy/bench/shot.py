@@ -209,8 +209,9 @@ def bench_shot(
     from scanforest.kernels.backend import describe_device, gpu_available, pinned_empty
     from scanforest.tasks.readers import read_cloud
 
-    from ._common import BenchReport
+    from ._common import BenchReport, check_program
 
+    check_program(pcl_baseline, "--pcl-baseline")
     if scene is None:
         from ._data import pcl_data_dir
 

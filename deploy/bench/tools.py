@@ -638,6 +638,9 @@ def register(app, bench) -> None:
         IVF-Flat and CAGRA), one data set."""
         from scanforest.kernels.backend import resolve_device
 
+        from ._common import check_program
+
+        check_program(flann_baseline, "--flann-baseline")
         dflt = DEFAULTS[resolve_device(device)]
         n_rows = parse_counts(n)[0] if n.strip() else dflt["n"] if real else DEFAULTS["cpu"]["n"]
         leaves, given = parse_counts(leaf_size), parse_counts(budgets)

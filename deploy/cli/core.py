@@ -9,17 +9,36 @@ from typing import Optional
 
 import typer
 
-from scanforest.flows.cluster import check_workers
+from scanforest.flows.cluster import check_scheduler, check_workers
 
 from ._store import existing_store, new_store, output_folder
 
-SchedulerOpt = typer.Option(None, "--scheduler", help="Address of an existing Dask scheduler "
+
+def _scheduler(address: Optional[str]) -> Optional[str]:
+    """--scheduler checked as it is parsed: an unreachable one is said in one line, also by a
+    command that turns out to have nothing to do."""
+    check_scheduler(address)
+    return address
+
+
+def _device(device: str) -> str:
+    """--device checked as it is parsed (a mistyped name is refused even when there is nothing to do;
+    whether a GPU is usable is asked when one is needed)."""
+    from scanforest.kernels.backend import DEVICES
+    from scanforest.kernels.errors import InputError
+
+    if str(device).lower() not in DEVICES:
+        raise InputError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    return device
+
+
+SchedulerOpt = typer.Option(None, "--scheduler", callback=_scheduler, help="Address of an existing Dask scheduler "
                             "(tcp://host:8786); default: a local cluster started for this command.")
 WorkersOpt = typer.Option(None, "--workers", "-w", callback=check_workers,
                           help="Local Dask workers (default: one per core, at most 8; on a GPU host 8 per GPU).")
 #: STORE of the commands that write into an existing store, checked as it is parsed (see ``_store``)
 StoreArg = typer.Argument(..., callback=existing_store, help="The Zarr scan store.")
-DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | gpu: auto uses the GPU when one is visible.")
+DeviceOpt = typer.Option("auto", "--device", callback=_device, help="auto | cpu | gpu: auto uses the GPU when one is visible.")
 
 
 def choose_device(device: str) -> str:

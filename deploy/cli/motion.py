@@ -122,7 +122,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                    f"{res['skipped']} already done, methods {', '.join(res['methods'])}"
                    + (f", mean coverage {cov:.3f}" if cov is not None else "")
                    + f", {res['seconds']:.1f} s on {res['workers']} workers"
-                   + (f"; PNGs in {pd}" if pd else ""))
+                   + (f"; PNGs in {pd}" if pd and res["written"] else ""))  # none written: none there
 
     @command("pair")
     def motion_pair(

@@ -212,7 +212,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         if not as_json:
             for r in res.get("results", []):
                 if r.get("status") != "failed":
-                    typer.echo(f"{r.get('observed', '?')} -> {r.get('reference', '?')}: {r.get('status')}"
+                    typer.echo(f"{r.get('scan_id', '?')} -> {r.get('reference', '?')}: {r.get('status')}"
                                + (f", {r['iterations']} iterations" if "iterations" in r else ""))
 
     @app.command("archive")
