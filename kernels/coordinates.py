@@ -22,7 +22,7 @@ import numpy as np
 
 from .errors import InputError
 
-__all__ = ["LOCAL_LIMIT", "SPACING_FRACTION", "ZERO", "check_spacing", "choose_origin", "is_zero",
+__all__ = ["LOCAL_LIMIT", "SPACING_FRACTION", "ZERO", "check_spacing", "choose_origin", "is_zero", "localize",
            "pose_to_global", "spacing", "to_local"]
 
 #: coordinates below this magnitude (m) keep origin 0: float32 spacing there is <= 2^-14 m
@@ -61,6 +61,46 @@ def to_local(points, origin, xp=np):
         return xp.ascontiguousarray(points, dtype=xp.float32)
     o = xp.asarray(np.asarray(origin, np.float64).reshape(1, 3))
     return xp.ascontiguousarray(xp.asarray(points, dtype=xp.float64) - o, dtype=xp.float32)
+
+
+def localize(*arrays):
+    """The kernels' own local frame for float64 input (``normals``, ``keypoints``, ``shot``):
+    ``(arrays, origin)``. When any of ``arrays`` (None skipped) is a float64 (N, 3) array whose
+    coordinates reach :data:`LOCAL_LIMIT`, all of them are shifted by :func:`choose_origin` of
+    their common bounding box, in float64, before the kernels cast them to float32 (which spaces
+    coordinates of 10^6 m 0.06 m apart: normals, keypoints and SHOT of such clouds were NaN or
+    noise); ``origin`` is then that shift (the caller moves anything else in the same frame,
+    e.g. a viewpoint), else None and the arrays are returned as given. Results that do not
+    depend on where the cloud lies (normals, descriptors, indices) need no shift back. float32
+    input is taken as given: its precision was lost before the call."""
+    arrays = tuple(_as_array(a) for a in arrays)
+    wide = [a for a in arrays if a is not None and getattr(a, "dtype", None) == np.float64
+            and getattr(a, "ndim", 0) == 2 and a.shape[0] and a.shape[1] == 3]
+    if not wide:
+        return arrays, None
+    from .backend import array_module, to_numpy
+
+    lo = np.min([to_numpy(a.min(axis=0)) for a in wide], axis=0)
+    hi = np.max([to_numpy(a.max(axis=0)) for a in wide], axis=0)
+    if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+        return arrays, None  # NaN / inf rows: the kernels' own checks name them
+    origin = choose_origin(lo, hi)
+    if is_zero(origin):
+        return arrays, None
+    shifted = tuple(None if a is None or getattr(a, "ndim", 0) != 2 or a.shape[-1] != 3
+                    else to_local(a, origin, array_module(a)) for a in arrays)
+    return shifted, origin
+
+
+def _as_array(a):
+    """A list or tuple of coordinates as a float64 array (as the kernels' checks would read it);
+    anything else, or what numpy cannot read as numbers, as given (the checks then name it)."""
+    if isinstance(a, (list, tuple)):
+        try:
+            return np.asarray(a, np.float64)
+        except (TypeError, ValueError):
+            return a
+    return a
 
 
 def pose_to_global(pose, origin) -> np.ndarray:

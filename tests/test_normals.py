@@ -97,6 +97,43 @@ def test_normals_bad_inputs():
         normals(pts, k=11, device="cpu")
     with pytest.raises(InputError, match="viewpoint"):
         normals(pts, k=3, viewpoint=(0, 0), device="cpu")
+    with pytest.raises(InputError, match="viewpoint"):
+        normals(pts, k=3, viewpoint="origin", device="cpu")
+    for k in (1, 2):  # fewer than 3 neighbours: every normal NaN, said instead
+        with pytest.raises(InputError, match="k must be >= 3"):
+            normals(pts, k=k, device="cpu")
+    for k in (True, 2.5, "10"):
+        with pytest.raises(InputError, match="k must be an integer"):
+            normals(pts, k=k, device="cpu")
+
+
+def test_far_float64_clouds_are_computed_about_their_box(pcl_dir):
+    """PCL's milk carton moved 10^4 and 10^6 m away, in float64: its normals (the viewpoint moved
+    with it) and its SHOT at the same keypoints are those of the cloud where it was, to float32
+    noise (cast to float32 there first they were NaN: 0.06 m spacing at 10^6 m); keypoints are a
+    uniform sampling of the same cloud (the voxel grid is anchored in the local frame)."""
+    from scanforest.kernels.descriptors.shot import shot
+    from scanforest.tasks.readers import read_cloud
+
+    P = read_cloud(pcl_dir / "milk.pcd").points
+    P = P[np.isfinite(P).all(1)][:4000].astype(np.float64)
+    n0, _ = normals(P, radius=0.01, device="cpu")
+    kp = keypoints(P, radius=0.01, device="cpu")
+    d0, _ = shot(P, n0, kp, 0.02, device="cpu")
+    for off in (1e4, 1e6):
+        Q = P + off
+        n1, _ = normals(Q, radius=0.01, viewpoint=(off, off, off), device="cpu")
+        ok = np.isfinite(n0).all(1)
+        assert np.isfinite(n1).all(1).tolist() == ok.tolist()
+        assert np.abs(n1[ok] - n0[ok]).max() < 1e-4, off
+        d1, _ = shot(Q, n1, kp, 0.02, device="cpu")
+        assert np.abs(d1 - d0).max() < 1e-3, off
+        k1 = keypoints(Q, radius=0.01, device="cpu")
+        assert abs(len(k1) - len(kp)) <= 0.05 * len(kp), (len(k1), len(kp))
+    with pytest.raises(InputError, match="too small for coordinates up to"):  # float32 far away: said
+        keypoints((P + 1e6).astype(np.float32), radius=0.01, device="cpu")
+    with pytest.raises(InputError, match="too small"):  # voxel indices past float32's integers
+        keypoints(P, radius=1e-20, device="cpu")
 
 
 def ref_uniform_sampling(pts, r):

@@ -1001,17 +1001,22 @@ def test_group_list_reads_as_a_list_of_groups():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cpu", "auto"])
 def test_gpu_scene_grouped_verified_and_refined_on_the_host(small_world, backend):
-    """``backend="cpu"`` (and ``"auto"``, the default, on a small scene alone): a scene described
-    on the GPU is grouped, verified and refined on the host, with the detections of the GPU's own
-    phases; in a batch (``recognize_many``) too, where ``"auto"`` keeps it on the device."""
+    """``backend="cpu"`` (and ``"auto"``, the default, where its rule sends the scene: at most
+    HOST_BACKEND_POINTS described points and HOST_BACKEND_CORRESPONDENCES correspondences): a scene
+    described on the GPU is grouped, verified and refined on the host, with the detections of the
+    GPU's own phases; in a batch (``recognize_many``) too, where ``"auto"`` keeps it on the device."""
     import cupy as cp
     from scanforest import recognize_many
+    from scanforest.kernels.recognition import pipeline as P
 
     _, lib, scene = small_world
     pts = cp.asarray(scene.points)
     dg = recognize(pts, lib, device="gpu", backend="gpu", **SMALL_REC)
     dh = recognize(pts, lib, device="gpu", backend=backend, **SMALL_REC)
-    assert dg.info["backend"] == "gpu" and dh.info["backend"] == "cpu" and dh.info["device"] == "gpu"
+    host = backend == "cpu" or (dh.info["scene_points"] <= P.HOST_BACKEND_POINTS
+                                and dh.info["correspondences"] <= P.HOST_BACKEND_CORRESPONDENCES)
+    assert dg.info["backend"] == "gpu" and dh.info["backend"] == ("cpu" if host else "gpu")
+    assert dh.info["device"] == "gpu"
     assert sorted(d.model_id for d in dh) == sorted(d.model_id for d in dg)
     for a, b in zip(sorted(dg, key=lambda d: d.model_id), sorted(dh, key=lambda d: d.model_id)):
         r, t = pose_errors(a.pose, b.pose)

@@ -369,3 +369,25 @@ def test_write_arrays_stores_what_zarrs_own_create_stores(tmp_path):
         assert fast.metadata.to_dict() == own.metadata.to_dict(), name
         np.testing.assert_array_equal(fast[...], arr)
         assert fast.nchunks_initialized == own.nchunks_initialized == fast.nchunks
+
+
+def test_write_scan_refuses_ids_and_arrays_that_are_not_a_scan(tmp_path):
+    """An empty id named the scans group itself (writing it removed every scan), ``a/b`` a scan
+    inside another; points that are not (N, 3), per-point arrays of another length and attributes
+    JSON cannot hold: each an InputError naming it, the store's scans untouched."""
+    from scanforest.tasks.store import ScanStore
+
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    P = np.random.default_rng(0).random((50, 3), dtype=np.float32)
+    st.write_scan("s1", {"points": P}, {"n_points": 50})
+    for bad in ("", "a/b", ".", "..", None):
+        with pytest.raises(InputError, match="cannot name a scan"):
+            st.write_scan(bad, {"points": P[:10]}, {})
+    with pytest.raises(InputError, match=r"points must be an \(N, 3\) array"):
+        st.write_scan("s2", {"points": P[:, :2]}, {})
+    with pytest.raises(InputError, match="normals has 20 rows for 50 points"):
+        st.write_scan("s2", {"points": P, "normals": P[:20]}, {})
+    with pytest.raises(InputError, match=r"attrs\['when'\] is a object"):
+        st.write_scan("s2", {"points": P}, {"when": object()})
+    assert st.scans() == ["s1"] and np.array_equal(st.read("s1"), P)
+    assert ScanStore(tmp_path / "s.zarr").verify() == []

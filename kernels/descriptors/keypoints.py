@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import validation
 from ..backend import resolve_device, to_device, xp_for
+from ..coordinates import localize
 from ..errors import InputError
 
 __all__ = ["keypoints", "voxel_grid", "voxel_ranks"]
@@ -48,6 +49,7 @@ def keypoints(points, *, radius: float | None = None, indices=None, coords=None,
     if sum(given) > 1:
         raise InputError("give at most one of radius=, indices=, coords=")
     dev = resolve_device(device, points)
+    (points, coords), _ = localize(points, coords)  # float64 far from 0: computed about its box
     pts = validation.points(to_device(points, dev), "points", allow_empty=True)
     xp = xp_for(dev)
     n = pts.shape[0]
@@ -80,18 +82,40 @@ def keypoints(points, *, radius: float | None = None, indices=None, coords=None,
 
 
 
+#: voxel indices are float32 products (as PCL's): exact integers below 2^24
+_MAX_VOXEL_INDEX = float(1 << 24)
+
+
+def _check_voxels(corners, r: float, inv) -> None:
+    """Refuse a leaf ``r`` whose voxel indices (float32 products, as PCL's) would not be exact
+    integers at these coordinates (``corners``: the box's two corners, float32) or whose voxel
+    count overflows the int64 keys: a tiny radius gave a handful of keypoints and a cast warning."""
+    far = float(np.abs(corners).max()) * float(inv)
+    if not far < _MAX_VOXEL_INDEX:
+        raise InputError(f"radius {r:g} is too small for coordinates up to {float(np.abs(corners).max()):g}: "
+                         f"voxel indices reach {far:.3g}, float32 holds them exactly up to 2^24 (radius at least "
+                         f"{float(np.abs(corners).max()) / _MAX_VOXEL_INDEX:.3g}, or float64 points, "
+                         "which are computed about their own box)")
+    n = np.prod([float(v) + 1.0 for v in np.floor(corners[1] * inv) - np.floor(corners[0] * inv)])
+    if not n < 2.0 ** 62:
+        raise InputError(f"radius {r:g} makes {n:.3g} voxels over this cloud's box: too many to key (at most 2^62)")
+
+
 def _uniform_sampling(pts, r, xp):
     f32 = xp.float32
     inv = np.float32(np.float32(1.0) / np.float32(r))
-    ijk = xp.floor(pts * inv).astype(xp.int64)  # float32 product, as PCL
     if xp is np:
-        lo = ijk.min(axis=0)
-        dims = ijk.max(axis=0) - lo + 1
-    else:  # the corners' voxels (the float32 product and floor are monotone): no column reductions
+        box = (pts.min(axis=0), pts.max(axis=0))
+    else:  # one kernel and one read
         from ..neighbors.search_gpu import bounds
 
-        c = np.floor(np.stack([v.astype(np.float32) for v in bounds(pts)]) * inv).astype(np.int64)
-        lo, dims = xp.asarray(c[0]), [int(v) for v in c[1] - c[0] + 1]
+        box = bounds(pts)
+    corners = np.stack([np.asarray(v, np.float32) for v in box])
+    _check_voxels(corners, r, inv)
+    ijk = xp.floor(pts * inv).astype(xp.int64)  # float32 product, as PCL
+    # the corners' voxels (the float32 product and floor are monotone): no reductions of ijk
+    c = np.floor(corners * inv).astype(np.int64)
+    lo, dims = xp.asarray(c[0]), [int(v) for v in c[1] - c[0] + 1]
     rel = ijk - lo
     key = rel[:, 0] + dims[0] * (rel[:, 1] + dims[1] * rel[:, 2])
     centre = (ijk.astype(f32) + f32(0.5)) * f32(r)

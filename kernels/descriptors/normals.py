@@ -20,6 +20,7 @@ from numba import njit, prange
 
 from .. import validation
 from ..backend import resolve_device, to_device, to_numpy
+from ..coordinates import localize
 from ..errors import InputError
 from ..geom_cpu import centroid3, cov_eig3
 
@@ -53,17 +54,25 @@ def normals(points, *, k: int | None = None, radius: float | None = None,
     if (k is None) == (radius is None):
         raise InputError("give exactly one of k= or radius= for the normal neighbourhood")
     dev = resolve_device(device, points, *([] if surface is None else [surface]))
+    (points, surface), shift = localize(points, surface)  # float64 far from 0: computed about its box
     pts = validation.points(to_device(points, dev), "points", allow_empty=True)
     surf = pts if surface is None else validation.points(to_device(surface, dev), "surface")
     if surf.shape[0] == 0:
         raise InputError("points is empty (0 points)")
-    vp = np.asarray(to_numpy(viewpoint), dtype=np.float64).reshape(-1)
+    try:
+        vp = np.asarray(to_numpy(viewpoint), dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        vp = np.zeros(0)
     if vp.shape != (3,) or not np.isfinite(vp).all():
         raise InputError(f"viewpoint must be 3 finite numbers, got {viewpoint!r}")
+    if shift is not None:
+        vp = vp - shift
     if k is not None:
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+            raise InputError(f"k must be an integer, got {k!r}")
         k = int(k)
-        if k < 1:
-            raise InputError(f"k must be >= 1, got {k}")
+        if k < 3:
+            raise InputError(f"k must be >= 3 (a plane needs 3 points; fewer give only NaN normals), got {k}")
         if k > surf.shape[0]:
             raise InputError(f"k={k} is larger than the number of surface points ({surf.shape[0]})")
     else:

@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import validation
 from ..backend import resolve_device, to_device, xp_for
+from ..coordinates import localize
 from ..errors import InputError
 from ._shot_common import median_count
 
@@ -69,6 +70,13 @@ def shot(points, normals, keypoints, radius, *, surface=None, surface_normals=No
     r = validation.positive(radius, "radius")
     arrays = [a for a in (points, normals, keypoints, surface, surface_normals) if a is not None]
     dev = resolve_device(device, *arrays)
+    if not hasattr(keypoints, "ndim"):  # a list: indices, or coordinates
+        keypoints = np.asarray(keypoints)
+        if keypoints.size == 0:
+            keypoints = keypoints.astype(np.int64).reshape(0)  # no keypoints, not "float indices"
+    kp_xyz = keypoints.ndim == 2  # coordinates (shifted with the cloud), not indices
+    (points, surface, kp_shifted), _ = localize(points, surface, keypoints if kp_xyz else None)
+    keypoints = kp_shifted if kp_xyz else keypoints  # float64 far from 0: computed about its box
     pts = validation.points(to_device(points, dev), "points")
     xp = xp_for(dev)
     if surface is None:

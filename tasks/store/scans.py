@@ -187,6 +187,32 @@ def _plain_name(name: str) -> bool:
     return bool(name) and name not in (".", "..") and "/" not in name and os.sep not in name
 
 
+#: a cloud's per-point arrays (:class:`~scanforest.tasks.readers.PointCloud`'s): one row a point
+PER_POINT = ("normals", "colors", "intensity", "pixel_index")
+
+
+def _cloud_rows(scan_id: str, arrays: dict[str, np.ndarray]) -> int:
+    """The points of a scan about to be written: ``points`` must be (N, 3) and each per-point
+    array (:data:`PER_POINT`) N rows long (a reader of the stored cloud takes them row by row)."""
+    pts = arrays["points"]
+    if pts.ndim != 2 or pts.shape[1] != 3:
+        raise InputError(f"scan {scan_id!r}: points must be an (N, 3) array, got shape {pts.shape}")
+    for name in PER_POINT:
+        if name in arrays and len(arrays[name]) != len(pts):
+            raise InputError(f"scan {scan_id!r}: {name} has {len(arrays[name])} rows for {len(pts)} points")
+    return len(pts)
+
+
+def _new_scan_id(scan_id) -> str:
+    """``scan_id`` of a scan about to be written, refused unless it is one node of the store: an
+    empty id named the ``scans`` group itself (writing it replaced every scan), ``a/b`` a scan
+    inside another, ``..`` a node outside."""
+    if not isinstance(scan_id, str) or not _plain_name(scan_id):
+        raise InputError(f"scan id {scan_id!r} cannot name a scan: give a non-empty name without '/' "
+                         "that is not '.' or '..'")
+    return scan_id
+
+
 def _summary(path: str, store: str, name: str) -> tuple[bool, float | None] | None:
     """(complete, local extent) of the scan group whose ``zarr.json`` is ``path``; None when it
     is not a group."""
@@ -447,9 +473,11 @@ class ScanStore(Claims, Integrity):
         after the written group has been read back against that record.
         """
         self._writable()
+        _new_scan_id(scan_id)
         if "points" not in arrays:
             raise InputError("write_scan needs a 'points' array")
         arrays = {name: np.asarray(arr) for name, arr in arrays.items()}
+        _cloud_rows(scan_id, arrays)
         promised = {name: _spec(arr) for name, arr in arrays.items()}
         with self._writing(), self.claim(scan_id):
             scans = self.root.require_group("scans")
@@ -486,6 +514,7 @@ class ScanStore(Claims, Integrity):
         group incomplete: invisible, and replaced by the next ingest.
         """
         self._writable()
+        _new_scan_id(scan_id)
         if "points" not in columns:
             raise InputError("write_scan_blocks needs a 'points' column")
         n_points = int(n_points)
@@ -753,18 +782,22 @@ def _spec(arr: np.ndarray) -> dict[str, Any]:
     return {"shape": list(arr.shape), "dtype": str(arr.dtype)}
 
 
-def _jsonable(obj: Any) -> Any:
+def _jsonable(obj: Any, where: str = "attrs") -> Any:
+    """``obj`` as JSON can hold it (arrays and numpy scalars as lists and numbers, paths as
+    strings); anything else is an :class:`InputError` naming where it is."""
     if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
+        return {str(k): _jsonable(v, f"{where}[{k!r}]") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
+        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, np.ndarray):
         return obj.tolist()
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, Path):
         return str(obj)
-    return obj
+    if obj is None or isinstance(obj, (str, bool, int, float)):
+        return obj
+    raise InputError(f"{where} is a {type(obj).__name__}, which a scan's attributes (JSON) cannot hold")
 
 
 def scan_origin(attrs: dict[str, Any]) -> np.ndarray:
