@@ -17,6 +17,7 @@ blocks split between the replicas, per-shard top-P merged by a tree reduction in
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 
@@ -439,10 +440,22 @@ def match(queries, index, k: int, client=None, **kwargs):
     :class:`~scanforest.kernels.knn.sharded.ShardedIndex` (searched in this process), or a
     ``(store_path, index_name)`` pair of a persisted index, searched on ``client``'s cluster
     with shards resident on its workers (a local cluster is started when ``client`` is None).
+    ``kwargs``: the search's options for an index object (``recall=``, ``backtracks=``, ...: its
+    ``query``'s), the :class:`DistributedIndex`'s for a stored one (``device=``, ``method=``,
+    ``replicas=``); one the index does not take is an :class:`InputError` (it was dropped).
     Returns ``(dist2 (M, k) float32, ids (M, k) int64)``.
     """
-    if isinstance(index, tuple):
-        store_path, name = index
+    import inspect
+
+    from scanforest.kernels.errors import InputError
+
+    if isinstance(index, (tuple, list)):
+        if len(index) != 2 or not all(isinstance(x, (str, os.PathLike)) for x in index):
+            raise InputError(f"a stored index is given as (store_path, index_name), got {index!r}")
+        bad = sorted(set(kwargs) - {"device", "method", "replicas"})
+        if bad:
+            raise InputError(f"match of a stored index takes device=, method=, replicas=; not {', '.join(bad)}")
+        store_path, name = (str(x) for x in index)
         if client is None:
             with dask_client(None) as c:
                 di = DistributedIndex(c, store_path, name, **kwargs)
@@ -452,4 +465,13 @@ def match(queries, index, k: int, client=None, **kwargs):
             return di.query(queries, k)
         finally:
             di.close()
-    return index.query(queries, k)
+    if not callable(getattr(index, "query", None)):
+        raise InputError(f"index must be a fitted KDForest or ShardedIndex, or a (store_path, index_name) pair; "
+                         f"got {type(index).__name__}")
+    params = inspect.signature(index.query).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        bad = sorted(set(kwargs) - set(params))
+        if bad:
+            raise InputError(f"{type(index).__name__}.query takes no {', '.join(bad)} "
+                             f"(its options: {', '.join(n for n in params if n not in ('self', 'Q', 'k'))})")
+    return index.query(queries, k, **kwargs)

@@ -117,18 +117,27 @@ def spacing(max_abs: float) -> float:
     return float(np.spacing(np.float32(abs(max_abs))))
 
 
-def check_spacing(max_abs: float, radii: dict, what: str) -> None:
+def check_spacing(max_abs: float, radii: dict, what: str, span=None) -> None:
     """Refuse coordinates (``max_abs``: their largest magnitude in the frame a stage computes
     in) whose float32 spacing exceeds :data:`SPACING_FRACTION` of the smallest of ``radii``
     (name -> length; None values are skipped): :class:`InputError`, one line naming ``what``
-    and the numbers."""
+    and the numbers. ``span`` (a float, or a function giving it, called only then): half the
+    largest side of the points' box; where the box itself would be fine about its own centre,
+    the line says the coordinates lie far from their origin (give one near them) instead of
+    asking to split the scan."""
     given = {k: float(v) for k, v in radii.items() if v is not None}
     if not given or not np.isfinite(max_abs):
         return
     name = min(given, key=given.get)
     step = spacing(max_abs)
     if step > SPACING_FRACTION * given[name]:
+        half = span() if callable(span) else span
+        if half is not None and spacing(half) <= SPACING_FRACTION * given[name]:
+            advice = (f"the points lie far from the origin they are computed about (their box is {2 * half:.3g} m "
+                      f"across): give them an origin near them (recognize's origin=, a sidecar origin, a LAS offset) "
+                      f"or float64 coordinates")
+        else:
+            advice = "the scan is too large in extent for these radii (split it into tiles)"
         raise InputError(f"{what}: coordinates up to {max_abs:.6g} m from the local origin have float32 spacing "
                          f"{step:.3g} m, more than 1/{round(1 / SPACING_FRACTION)} of the smallest radius "
-                         f"({name} {given[name]:g} m); the scan is too large in extent for these radii "
-                         f"(split it into tiles)")
+                         f"({name} {given[name]:g} m); {advice}")

@@ -33,7 +33,8 @@ def points(a, name: str, *, dims=3, allow_empty: bool = False, finite: bool = Tr
     finite : bool
         Reject rows with NaN or inf (the message counts them and names the first).
     dtype : numpy dtype or None
-        Cast to this dtype (``None`` keeps the input's floating dtype).
+        Cast to this dtype (``None`` keeps a float32 or float64 input's dtype; float16 becomes
+        float32, integers float64).
     keep_half : bool
         A float16 input stays float16 (the GPU brute force reads half rows as they are).
     rows : int, optional
@@ -71,7 +72,8 @@ def points(a, name: str, *, dims=3, allow_empty: bool = False, finite: bool = Tr
     elif dtype is not None:
         a = xp.ascontiguousarray(a, dtype=dtype)
     else:
-        a = xp.ascontiguousarray(a, dtype=a.dtype if a.dtype.kind == "f" else xp.float64)
+        keep = a.dtype.kind == "f" and a.dtype.itemsize >= 4  # float16 (no kernel reads it): float32
+        a = xp.ascontiguousarray(a, dtype=a.dtype if keep else xp.float32 if a.dtype.kind == "f" else xp.float64)
     if finite and n:
         bad = nonfinite_rows(a, xp)
         if bool(bad.any()):

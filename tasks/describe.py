@@ -107,7 +107,8 @@ def describe_cloud(points, params: DescribeParams, *, origin=None, name: str = "
     if int(pts.shape[0]):
         check_spacing(float(xp.abs(pts).max()), {"normal_radius": params.normal_radius,
                                                  "keypoint_radius": params.keypoint_radius,
-                                                 "shot_radius": params.shot_radius}, name)
+                                                 "shot_radius": params.shot_radius}, name,
+                      span=lambda: float((pts.max(axis=0) - pts.min(axis=0)).max()) / 2)
     timer = Timer(dev == "gpu")
     d = describe(pts, normal_k=params.normal_k, normal_radius=params.normal_radius,
                  keypoint_radius=params.keypoint_radius, descr_rad=params.shot_radius,

@@ -160,6 +160,10 @@ def read_cloud(path: str | os.PathLike, data: bytes | None = None, *, format: st
     ScanReadError
         The file is missing, empty, truncated, inconsistent, unknown, or has no finite point.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        from scanforest.kernels.errors import InputError
+
+        raise InputError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
     fmt = format or detect_format(path)
     if fmt in MULTI_SCAN_FORMATS:  # read from the file, block by block, never as bytes in memory
         try:

@@ -133,7 +133,7 @@ def build_library(store_path: str, model_scans: list[str], *, name: str = "defau
         pts.append(local_points(cloud.points, cloud.meta))
         if len(pts[-1]):
             check_spacing(float(np.abs(pts[-1]).max()), {k: params.get(k) for k in ("model_ss", "descr_rad", "rf_rad")},
-                          f"model scan {s}")
+                          f"model scan {s}", span=lambda p=pts[-1]: float((p.max(axis=0) - p.min(axis=0)).max()) / 2)
         nrm.append(cloud.normals)
     lib = ModelLibrary.build(pts, names=list(model_scans),
                              models_normals=nrm if all(n is not None for n in nrm) else None,

@@ -61,10 +61,12 @@ _FIELDS = frozenset(f.name for f in dataclasses.fields(PChAParams))
 def resolve_params(params: PChAParams | None, overrides: dict, caller: str) -> PChAParams:
     """``params`` (default :class:`PChAParams()`) with the keyword ``overrides`` of ``caller``
     applied; a keyword that is not a parameter is a TypeError, as for any function."""
+    if isinstance(params, dict):  # the same fields as a dict: taken as keywords
+        params, overrides = None, {**params, **overrides}
     if params is None:
         params = PChAParams()
     elif not isinstance(params, PChAParams):
-        raise TypeError(f"{caller}() params must be a PChAParams, got {type(params).__name__}")
+        raise TypeError(f"{caller}() params must be a PChAParams or a dict of its fields, got {type(params).__name__}")
     for name in overrides:
         if name not in _FIELDS:
             raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")

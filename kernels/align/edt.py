@@ -200,8 +200,8 @@ def grid_spec(reference_n: np.ndarray, *, resolution: int | None = None, padding
     resolution = int(resolution)
     if resolution < 4:
         raise InputError(f"resolution must be >= 4 cells, got {resolution}")
-    if padding < 0:
-        raise InputError(f"padding must be >= 0, got {padding}")
+    if not (float(padding) >= 0 and np.isfinite(float(padding))):
+        raise InputError(f"padding must be a finite number >= 0, got {padding}")
     cap = _DEFAULT_MAX_BYTES if max_bytes is None else int(max_bytes)
     avail = available_bytes(device)
     while True:

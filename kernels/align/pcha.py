@@ -470,11 +470,20 @@ def _init_matrix(init, m, observed, grid):
     if not np.all(np.isfinite(a)):
         raise InputError("init contains NaN or inf")
     if a.shape == (d + 1, d + 1):
+        if abs(np.linalg.det(a[:d, :d])) < 1e-12 * max(1.0, float(np.abs(a[:d, :d]).max()) ** d):
+            raise InputError(f"init's {d}x{d} linear part is singular (determinant ~0): not a transform of model "
+                             f"{m.name!r}")
         return a
     if a.shape == (m.n_params,):
         return T.to_matrix(m, a)
     raise InputError(f"init must be a ({d + 1}, {d + 1}) matrix or {m.n_params} parameters of "
                      f"model {m.name!r}, got shape {a.shape}")
+
+
+def _number(name: str, v, *, positive: bool) -> None:
+    ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+    if not ok or not np.isfinite(float(v)) or (float(v) <= 0 if positive else float(v) < 0):
+        raise InputError(f"{name} must be a {'positive' if positive else 'non-negative'} finite number, got {v!r}")
 
 
 def _validate(p: PChAParams):
@@ -484,10 +493,17 @@ def _validate(p: PChAParams):
         raise InputError(f"outside must be one of {OUTSIDE}, got {p.outside!r}")
     if p.scaling not in ("consistent", "paper"):
         raise InputError(f"scaling must be 'consistent' or 'paper', got {p.scaling!r}")
-    if int(p.max_iter) < 1:
-        raise InputError(f"max_iter must be >= 1, got {p.max_iter}")
-    if p.huber_delta is not None and not (p.huber_delta > 0):
-        raise InputError(f"huber_delta must be > 0, got {p.huber_delta}")
+    if isinstance(p.max_iter, (bool, np.bool_)) or not isinstance(p.max_iter, (int, np.integer)) or p.max_iter < 1:
+        raise InputError(f"max_iter must be an integer >= 1, got {p.max_iter!r}")
+    # the solver's numbers (a negative damping ran and reported convergence at twice the error)
+    _number("xtol", p.xtol, positive=False)
+    _number("ftol", p.ftol, positive=False)
+    _number("lambda0", p.lambda0, positive=True)
+    if p.huber_delta is not None:
+        _number("huber_delta", p.huber_delta, positive=True)
+    if p.resolution is not None and (isinstance(p.resolution, (bool, np.bool_))
+                                     or not isinstance(p.resolution, (int, np.integer)) or p.resolution < 2):
+        raise InputError(f"resolution must be an integer >= 2 (cells along the longest side), got {p.resolution!r}")
     if p.form not in ("fused", "two_kernel"):
         raise InputError(f"form must be 'fused' or 'two_kernel', got {p.form!r}")
     if p.hessian not in ("reduced", "full"):

@@ -148,9 +148,10 @@ def cpu_grid(pts: np.ndarray, r: float, *, slot: str = "g"):
     _, lo, hi = finite_bounds(pts)  # (the points are finite)
     ext = np.maximum(hi - lo, 0.0)
     h = float(r) * 1.001
-    while True:
-        dims = np.floor(ext / h).astype(np.int64) + 1
-        if int(np.prod(dims)) <= max(8 * n, 1 << 16):
+    while True:  # counted in float64: a tiny r's cell counts overflowed int64 (negative dims)
+        dims_f = np.floor(np.asarray(ext, np.float64) / h) + 1.0
+        if float(np.prod(dims_f)) <= max(8 * n, 1 << 16):
+            dims = dims_f.astype(np.int64)
             break
         h *= 1.25
     origin = lo.astype(np.float32)

@@ -277,6 +277,9 @@ class ModelLibrary:
         names = [f"model_{i:03d}" for i in range(m)] if names is None else [str(n) for n in names]
         if len(names) != m:
             raise InputError(f"{len(names)} names for {m} models")
+        if len(set(names)) != m:
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise InputError(f"model names must differ (a detection names its model): {', '.join(map(repr, dup))} repeated")
         if models_normals is not None and len(models_normals) != m:
             raise InputError(f"{len(models_normals)} normal arrays for {m} models")
         for name, val in (("model_ss", model_ss), ("descr_rad", descr_rad), ("rf_rad", rf_rad)):
@@ -297,6 +300,9 @@ class ModelLibrary:
             P = np.asarray(to_numpy(P))
             if P.ndim != 2 or P.shape[1] != 3:
                 raise InputError(f"model {names[i]!r} must have shape (N, 3), got {P.shape}")
+            if models_normals is not None and np.shape(to_numpy(models_normals[i])) != P.shape:
+                raise InputError(f"model {names[i]!r}: its normals have shape {np.shape(to_numpy(models_normals[i]))}, "
+                                 f"its points {P.shape}")
             keep = np.isfinite(P).all(axis=1)
             P = np.ascontiguousarray(P[keep], np.float32)
             near = full = None  # full: the model's own points where it is thinned

@@ -372,18 +372,40 @@ def _local(pts, origin, xp, radii: dict, box=None):
     if origin is None:
         if int(pts.shape[0]):
             origin = choose_origin(*box)
+            if is_zero(origin) and _too_coarse(box, radii):  # below LOCAL_LIMIT, yet too far for these radii
+                origin = np.round((np.asarray(box[0], np.float64) + np.asarray(box[1], np.float64)) / 2.0) + 0.0
         else:
             origin = np.zeros(3)
         if not is_zero(origin):  # said, not silent: the viewpoint is relative to this origin
             warnings.warn(f"scene_points are far from 0: computed about the origin {origin.tolist()} chosen from "
                           "their bounding box, and `viewpoint` is relative to it; pass origin= (the file's "
                           "offset or the scanner's position) to choose it", UserWarning, stacklevel=4)
-    origin = np.asarray(origin, np.float64).reshape(3)
+    given = origin
+    try:
+        origin = np.asarray(origin, np.float64).reshape(3)
+    except (TypeError, ValueError):
+        origin = np.full(1, np.nan)
+    if origin.shape != (3,) or not np.isfinite(origin).all():
+        raise InputError(f"origin must be 3 finite numbers (a point in the scene's coordinates), got {given!r}")
     local = to_local(pts, origin, xp)
     if int(local.shape[0]):  # the largest magnitude in the local frame, from the box's corners
         far = np.abs(np.stack([np.asarray(b, np.float64) for b in box]) - origin).astype(np.float32)
-        check_spacing(float(far.max()), radii, "scene_points")
+        half = float((np.asarray(box[1], np.float64) - np.asarray(box[0], np.float64)).max()) / 2
+        check_spacing(float(far.max()), radii, "scene_points", span=half)
     return local, origin
+
+
+def _too_coarse(box, radii: dict) -> bool:
+    """Whether coordinates with bounding box ``box`` fail the spacing check about 0 but pass it
+    about their own centre (a scene a few hundred metres out, below LOCAL_LIMIT)."""
+    from ..coordinates import SPACING_FRACTION, spacing
+
+    given = [float(v) for v in radii.values() if v is not None]
+    if not given:
+        return False
+    lo, hi = np.asarray(box[0], np.float64), np.asarray(box[1], np.float64)
+    limit = SPACING_FRACTION * min(given)
+    return spacing(float(np.abs(np.stack([lo, hi])).max())) > limit >= spacing(float((hi - lo).max()) / 2)
 
 
 def recognize_described(scene_points, library: ModelLibrary, params: RecognizeParams | None = None, *,
@@ -443,9 +465,19 @@ def _prepare_described(scene_points, library, params, *, normals, keypoints, des
     pts, origin = _local(pts, origin, xp, {"rf_rad": rf_rad if p.method == "hough" else None,
                                            "cg_size": p.cg_size, "inlier_dist": inlier_dist})
     nrm = points(to_device(normals, dev), "normals", finite=False, rows=int(pts.shape[0]))
-    kp = xp.asarray(to_device(keypoints, dev), dtype=xp.int64).reshape(-1)
+    kp = to_device(keypoints, dev)
+    if kp.ndim != 1 or (kp.size and kp.dtype.kind not in "iu"):
+        raise InputError(f"keypoints must be a 1-D array of point indices, got shape {tuple(kp.shape)} dtype {kp.dtype}")
+    kp = kp.astype(xp.int64)
     if int(kp.shape[0]) and (int(kp.min()) < 0 or int(kp.max()) >= int(pts.shape[0])):
         raise InputError(f"keypoints must index the {int(pts.shape[0])} scene points")
+    nk = int(kp.shape[0])
+    if descriptors is not None and correspondences is None:  # one descriptor a keypoint, the library's width
+        descriptors = points(to_device(descriptors, dev), "descriptors", dims=library.descriptors.shape[1],
+                             finite=False, allow_empty=True, rows=nk)
+    if rf is not None and tuple(getattr(rf, "shape", np.shape(rf))) != (nk, 3, 3):
+        raise InputError(f"rf must be the keypoints' frames, shape ({nk}, 3, 3), got "
+                         f"{tuple(getattr(rf, 'shape', np.shape(rf)))}")
     vp = np.asarray(p.viewpoint, np.float64).reshape(3)
     d = {"normals": nrm, "keypoints": kp, "kp_coords": pts[kp]}
     if p.method == "hough":

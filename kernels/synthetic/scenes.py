@@ -191,6 +191,10 @@ def make_scene(models: list[Model], *, n_instances: int = 3, n_points: int = 100
     """
     if not 1_000 <= n_points <= 100_000_000:
         raise InputError(f"n_points must be within 10^3..10^8, got {n_points}")
+    if not len(models):
+        raise InputError("models is empty: a scene places library models (synthetic.model_library)")
+    if model_ids is None and (isinstance(n_instances, bool) or int(n_instances) != n_instances or n_instances < 0):
+        raise InputError(f"n_instances must be an integer >= 0, got {n_instances!r}")
     rng = np.random.default_rng(seed)
     res = float(np.mean([m.resolution for m in models]))
     if model_ids is None:
