@@ -90,6 +90,20 @@ class PointCloud:
     meta: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, np.ndarray] = field(default_factory=dict)
 
+    def __post_init__(self):
+        """The shapes, checked (not the values: a reader drops non-finite rows as it reads):
+        ``points`` (N, 3) and every per-point array N rows long."""
+        from scanforest.kernels.errors import InputError
+
+        self.points = np.asarray(self.points)
+        if self.points.ndim != 2 or self.points.shape[1] != 3:
+            raise InputError(f"PointCloud points must be an (N, 3) array, got shape {self.points.shape}")
+        n = self.points.shape[0]
+        for name in ("normals", "colors", "intensity", "pixel_index"):
+            v = getattr(self, name)
+            if v is not None and len(v) != n:
+                raise InputError(f"PointCloud {name} has {len(v)} rows for {n} points")
+
     def __len__(self) -> int:
         return int(self.points.shape[0])
 

@@ -107,6 +107,8 @@ def test_library_models_and_their_normals_must_agree():
         sf.ModelLibrary.build(pts, models_normals=[models[0].normals, models[1].normals[:10]])
     with pytest.raises(InputError, match="model names must differ"):
         sf.ModelLibrary.build(pts, ["a", "a"])
+    with pytest.raises(InputError, match="no keypoint of any model has a descriptor"):
+        sf.ModelLibrary.build(pts, descr_rad=1e-6)  # it built a library that matched nothing
 
 
 def test_align_refuses_solver_settings_that_cannot_work():
@@ -141,3 +143,15 @@ def test_small_inputs_said_not_crashed(rng):
     n, _ = sf.normals(P, k=10)
     d, _ = sf.shot(P, n, np.arange(10), 1e-9)  # no neighbour within 1 nm: NaN rows (PCL's), not a crash
     assert d.shape == (10, 352) and np.isnan(d).all()
+
+
+def test_a_point_cloud_holds_one_row_a_point():
+    """PointCloud took (N, 2) points and normals of another length, and the store kept them."""
+    from scanforest.tasks.readers import PointCloud
+
+    P = np.zeros((10, 3), np.float32)
+    with pytest.raises(InputError, match=r"points must be an \(N, 3\) array"):
+        PointCloud(P[:, :2])
+    with pytest.raises(InputError, match="normals has 5 rows for 10 points"):
+        PointCloud(P, normals=P[:5])
+    assert len(PointCloud(P, intensity=np.ones(10, np.float32))) == 10

@@ -866,7 +866,8 @@ def test_recognize_params_defaults_and_frozen():
     (dict(method="gc", cg_thresh=-1), "cg_thresh"), (dict(max_detections=0), "max_detections"),
     (dict(seed=1.5), "seed"), (dict(match_recall=1.0), "match_recall"), (dict(match_recall="0.9"), "match_recall"),
     (dict(scene_voxel=0.0), "scene_voxel"), (dict(scene_voxel=float("inf")), "scene_voxel"),
-    (dict(polish_voxel=-1.0), "polish_voxel"),
+    (dict(polish_voxel=-1.0), "polish_voxel"), (dict(normal_k=2), "normal_k must be >= 3"),
+    (dict(match_k=1000), "match_k must be at most 256"), (dict(method="gc", cg_thresh=2), "cg_thresh"),
 ])
 def test_recognize_params_refuse_bad_values(bad, word):
     with pytest.raises(InputError, match=word) as err:

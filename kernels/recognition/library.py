@@ -375,6 +375,10 @@ class ModelLibrary:
             return o
 
         cat = {k: np.concatenate(v) if v else v for k, v in parts.items()}
+        if len(cat["descriptors"]) and not np.isfinite(cat["descriptors"]).all(axis=1).any():
+            raise InputError(f"no keypoint of any model has a descriptor at descr_rad={descr_rad:g} (no neighbours "
+                             f"within it; the models' resolution is about {float(np.median(res)):.3g}): the library "
+                             f"could match nothing")
         params = {"model_ss": float(model_ss), "descr_rad": float(descr_rad), "rf_rad": float(rf_rad),
                   "normal_k": int(normal_k), "normal_radius": normal_radius,
                   "verify_leaf": float(verify_leaf), "views": int(views),

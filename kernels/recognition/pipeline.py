@@ -168,6 +168,10 @@ class RecognizeParams:
                 positive(getattr(self, name), name)
         for name in ("normal_k", "match_k", "icp_iterations", "max_refine"):
             positive(getattr(self, name), name, integer=True)
+        if self.normal_k < 3:  # a plane needs 3 points: fewer gave NaN normals and "points is empty"
+            raise InputError(f"normal_k must be >= 3, got {self.normal_k}")
+        if self.match_k > 256:  # the matching's top-k kernels hold at most 256 a row
+            raise InputError(f"match_k must be at most 256, got {self.match_k}")
         if self.match_recall is not None:
             from ..knn.kdforest import check_recall
 
@@ -185,9 +189,9 @@ class RecognizeParams:
             v = getattr(self, name)
             if not (_is_real(v) and 0.0 <= v <= 1.0):
                 raise InputError(f"{name} must be a fraction in [0, 1], got {v!r}")
-        if not _is_real(self.cg_thresh) or (self.method == "gc" and self.cg_thresh < 0):
-            raise InputError(f"cg_thresh must be a finite number (>= 0 for method 'gc'), "
-                             f"got {self.cg_thresh!r}")
+        if not _is_real(self.cg_thresh) or (self.method == "gc" and self.cg_thresh < 3):
+            raise InputError(f"cg_thresh must be a finite number (>= 3 for method 'gc': a pose needs 3 "
+                             f"correspondences), got {self.cg_thresh!r}")
         if self.ratio is not None and not (_is_real(self.ratio) and 0.0 < self.ratio <= 1.0):
             raise InputError(f"ratio must lie in (0, 1], got {self.ratio!r}")
         try:
