@@ -155,3 +155,20 @@ def test_a_point_cloud_holds_one_row_a_point():
     with pytest.raises(InputError, match="normals has 5 rows for 10 points"):
         PointCloud(P, normals=P[:5])
     assert len(PointCloud(P, intensity=np.ones(10, np.float32))) == 10
+
+
+def test_batches_and_indexes_name_what_is_wrong(milk):
+    """recognize_many of one array took each point for a scene ('got shape (3,)'); a bad scene of a
+    batch is named by its place; ShardedIndex and KDForest say a bad parameter when they are made
+    or fitted, not at the first query."""
+    model, scene, lib = milk
+    with pytest.raises(InputError, match="scenes is one array"):
+        sf.recognize_many(scene, lib, device="cpu")
+    with pytest.raises(InputError, match=r"^scenes\[1\]: "):
+        sf.recognize_many([scene, np.zeros((0, 3))], lib, device="cpu")
+    with pytest.raises(InputError, match="unknown parameter 'foo'"):
+        sf.ShardedIndex(shards=2, foo=1)
+    with pytest.raises(InputError, match="shards must be an integer"):
+        sf.ShardedIndex(shards=2.5)
+    with pytest.raises(InputError, match="leaves_per_round"):
+        sf.KDForest(leaves_per_round=0).fit(np.random.default_rng(0).random((100, 8), dtype=np.float32))

@@ -328,6 +328,9 @@ class KDForest:
         _check_scan_dtype(self.scan_dtype)
         check_split(self.split)
         resolve_descent(self.descent)
+        lpr = self.leaves_per_round
+        if lpr is not None and (isinstance(lpr, (bool, np.bool_)) or not isinstance(lpr, (int, np.integer)) or lpr < 1):
+            raise InputError(f"leaves_per_round must be an integer >= 1 or None, got {lpr!r}")
         leaf_size, max_depth, rand_f, seed = _check_build_params(1 if self.leaf_size is None else self.leaf_size,
                                                                  self.max_depth, self.random_dims, self.seed)
         return (None if self.leaf_size is None else leaf_size), max_depth, rand_f, seed

@@ -306,11 +306,20 @@ def recognize_many(scenes, library: ModelLibrary, params: RecognizeParams | None
     scene is described and matched alone, then they are grouped together
     (:func:`recognize_described_many`: the archive's batches). Each result's ``grouping`` time
     is its share of the batch's, and ``total`` the sum of its phases."""
+    if getattr(scenes, "ndim", None) == 2:  # list() would make each point a "scene" of shape (3,)
+        raise InputError(f"scenes is one array of shape {tuple(scenes.shape)}: give a list of scenes "
+                         f"([points, ...]), or recognize() for one")
     scenes = list(scenes)
     if not scenes:
         return []
     dev, p = _setup(scenes[0], library, params, overrides, device)
-    return _recognize_batch([_prepare(s, None, library, p, dev) for s in scenes], library)
+    prepared = []
+    for i, s in enumerate(scenes):
+        try:
+            prepared.append(_prepare(s, None, library, p, dev))
+        except InputError as exc:  # which scene of the batch
+            raise InputError(f"scenes[{i}]: {exc}") from None
+    return _recognize_batch(prepared, library)
 
 
 def _prepare(scene_points, scene_normals, library, p: RecognizeParams, dev: str, origin=None) -> "_Matched":
