@@ -162,6 +162,8 @@ def test_batches_and_indexes_name_what_is_wrong(milk):
     batch is named by its place; ShardedIndex and KDForest say a bad parameter when they are made
     or fitted, not at the first query."""
     model, scene, lib = milk
+    with pytest.raises(InputError, match=r"normal_k=10 is larger than the number of points \(5\)"):
+        sf.recognize(scene[:5], lib, device="cpu")  # it said k=10, a name the user never gave
     with pytest.raises(InputError, match="scenes is one array"):
         sf.recognize_many(scene, lib, device="cpu")
     with pytest.raises(InputError, match=r"^scenes\[1\]: "):

@@ -75,6 +75,8 @@ def describe(points, *, normals=None, normal_k: int = 10, normal_radius: float |
         if normal_radius:
             nrm, _ = _normals(pts, radius=normal_radius, viewpoint=viewpoint, device=dev)
         else:
+            if int(normal_k) > int(pts.shape[0]):  # said with the parameter's name (normals says k=)
+                raise InputError(f"normal_k={normal_k} is larger than the number of points ({int(pts.shape[0])})")
             nrm, _ = _normals(pts, k=normal_k, viewpoint=viewpoint, device=dev)
     else:
         nrm = to_device(normals, dev).astype(np.float32)
