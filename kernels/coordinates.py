@@ -37,15 +37,18 @@ def is_zero(origin) -> bool:
     return origin is None or not np.any(np.asarray(origin, np.float64))
 
 
-def choose_origin(lo, hi, offset=None) -> np.ndarray:
+def choose_origin(lo, hi, offset=None, radii: dict | None = None) -> np.ndarray:
     """The origin (float64, (3,)) of coordinates with bounding box ``lo``..``hi`` (float64).
 
-    ``[0, 0, 0]`` where every coordinate is below :data:`LOCAL_LIMIT` in magnitude; else
-    ``offset`` (the file's own, e.g. LAS header offsets) where it is within
-    :data:`LOCAL_LIMIT` of the whole box; else the box's centre rounded to 1 m."""
+    ``[0, 0, 0]`` where every coordinate is below :data:`LOCAL_LIMIT` in magnitude (with
+    ``radii``, name -> length, when they also pass :func:`check_spacing` there, or would not about
+    the box's centre either: a scene a few hundred metres out is moved); else ``offset`` (the
+    file's own, e.g. LAS header offsets) where it is within :data:`LOCAL_LIMIT` of the whole box;
+    else the box's centre rounded to 1 m."""
     lo = np.asarray(lo, np.float64).reshape(3)
     hi = np.asarray(hi, np.float64).reshape(3)
-    if max(np.abs(lo).max(), np.abs(hi).max()) < LOCAL_LIMIT:
+    far = max(np.abs(lo).max(), np.abs(hi).max())
+    if far < LOCAL_LIMIT and (radii is None or _fits(far, radii) or not _fits((hi - lo).max() / 2.0, radii)):
         return np.zeros(3)
     if offset is not None:
         off = np.asarray(offset, np.float64).reshape(3)
@@ -117,6 +120,13 @@ def spacing(max_abs: float) -> float:
     return float(np.spacing(np.float32(abs(max_abs))))
 
 
+def _fits(max_abs: float, radii: dict) -> bool:
+    """Whether float32 spacing at ``max_abs`` is within :data:`SPACING_FRACTION` of the smallest
+    of ``radii`` (None values skipped; no radius: it fits)."""
+    given = [float(v) for v in radii.values() if v is not None]
+    return not given or spacing(max_abs) <= SPACING_FRACTION * min(given)
+
+
 def check_spacing(max_abs: float, radii: dict, what: str, span=None) -> None:
     """Refuse coordinates (``max_abs``: their largest magnitude in the frame a stage computes
     in) whose float32 spacing exceeds :data:`SPACING_FRACTION` of the smallest of ``radii``
@@ -132,7 +142,7 @@ def check_spacing(max_abs: float, radii: dict, what: str, span=None) -> None:
     step = spacing(max_abs)
     if step > SPACING_FRACTION * given[name]:
         half = span() if callable(span) else span
-        if half is not None and spacing(half) <= SPACING_FRACTION * given[name]:
+        if half is not None and _fits(half, given):
             advice = (f"the points lie far from the origin they are computed about (their box is {2 * half:.3g} m "
                       f"across): give them an origin near them (recognize's origin=, a sidecar origin, a LAS offset) "
                       f"or float64 coordinates")

@@ -14,7 +14,7 @@ import numpy as np
 from .backend import array_module, to_numpy
 from .errors import InputError
 
-__all__ = ["points", "positive", "nonfinite_rows"]
+__all__ = ["integer", "points", "positive", "nonfinite_rows"]
 
 
 def points(a, name: str, *, dims=3, allow_empty: bool = False, finite: bool = True,
@@ -101,6 +101,18 @@ def nonfinite_rows(a, xp=None, nbytes: int = 1 << 28):
         elif blk.dtype.kind == "f":
             out[s:s + step] = ~xp.isfinite(blk).all(axis=1)
     return out
+
+
+def integer(x, name: str, *, minimum: int = 1, none: bool = False):
+    """``x`` as an int of at least ``minimum`` (None passes with ``none``); a bool, a float or a
+    string is an InputError, not read as a count."""
+    if x is None and none:
+        return None
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise InputError(f"{name} must be an integer >= {minimum}{' or None' if none else ''}, got {x!r}")
+    if x < minimum:
+        raise InputError(f"{name} must be >= {minimum} (an integer{' or None' if none else ''}), got {x!r}")
+    return int(x)
 
 
 def positive(x, name: str, *, finite: bool = True, integer: bool = False):

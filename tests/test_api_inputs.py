@@ -121,7 +121,7 @@ def test_align_refuses_solver_settings_that_cannot_work():
     for kw, words in ((dict(lambda0=-1), "lambda0 must be a positive"), (dict(lambda0=float("nan")), "lambda0"),
                       (dict(xtol=-1), "xtol must be a non-negative"), (dict(ftol=float("nan")), "ftol"),
                       (dict(max_iter=2.5), "max_iter must be an integer"), (dict(max_iter=True), "max_iter"),
-                      (dict(resolution=1), "resolution must be an integer >= 2"),
+                      (dict(resolution=1), "resolution must be >= 2"),
                       (dict(init=np.zeros((4, 4))), "singular")):
         with pytest.raises(InputError, match=words):
             sf.align(O, R, **kw)

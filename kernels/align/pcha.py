@@ -493,17 +493,14 @@ def _validate(p: PChAParams):
         raise InputError(f"outside must be one of {OUTSIDE}, got {p.outside!r}")
     if p.scaling not in ("consistent", "paper"):
         raise InputError(f"scaling must be 'consistent' or 'paper', got {p.scaling!r}")
-    if isinstance(p.max_iter, (bool, np.bool_)) or not isinstance(p.max_iter, (int, np.integer)) or p.max_iter < 1:
-        raise InputError(f"max_iter must be an integer >= 1, got {p.max_iter!r}")
+    validation.integer(p.max_iter, "max_iter")
     # the solver's numbers (a negative damping ran and reported convergence at twice the error)
     _number("xtol", p.xtol, positive=False)
     _number("ftol", p.ftol, positive=False)
     _number("lambda0", p.lambda0, positive=True)
     if p.huber_delta is not None:
         _number("huber_delta", p.huber_delta, positive=True)
-    if p.resolution is not None and (isinstance(p.resolution, (bool, np.bool_))
-                                     or not isinstance(p.resolution, (int, np.integer)) or p.resolution < 2):
-        raise InputError(f"resolution must be an integer >= 2 (cells along the longest side), got {p.resolution!r}")
+    validation.integer(p.resolution, "resolution", minimum=2, none=True)  # cells along the longest side
     if p.form not in ("fused", "two_kernel"):
         raise InputError(f"form must be 'fused' or 'two_kernel', got {p.form!r}")
     if p.hessian not in ("reduced", "full"):

@@ -68,11 +68,7 @@ def normals(points, *, k: int | None = None, radius: float | None = None,
     if shift is not None:
         vp = vp - shift
     if k is not None:
-        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
-            raise InputError(f"k must be an integer, got {k!r}")
-        k = int(k)
-        if k < 3:
-            raise InputError(f"k must be >= 3 (a plane needs 3 points; fewer give only NaN normals), got {k}")
+        k = validation.integer(k, "k", minimum=3)  # a plane needs 3 points: fewer give only NaN normals
         if k > surf.shape[0]:
             raise InputError(f"k={k} is larger than the number of surface points ({surf.shape[0]})")
     else:

@@ -549,8 +549,9 @@ def _checked_ids(ids, n: int, xp, conv):
         raise InputError(f"ids must be ({n},) integers (one per base row), got {tuple(ids.shape)} {ids.dtype}")
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= 2 ** 32):
         raise InputError("ids must lie in [0, 2**32)")
-    if ids.size and int(xp.unique(ids).size) != int(ids.size):  # ties are broken by id: one id a row
-        raise InputError(f"ids must be distinct (one per base row): {int(ids.size) - int(xp.unique(ids).size)} repeated")
+    repeated = int(ids.size) - int(xp.unique(ids).size) if ids.size else 0  # ties are broken by id: one a row
+    if repeated:
+        raise InputError(f"ids must be distinct (one per base row): {repeated} repeated")
     return xp.ascontiguousarray(ids, dtype=xp.int64)
 
 

@@ -7,6 +7,7 @@ import numpy as np
 
 from ..backend import is_cupy, resolve_device
 from ..errors import InputError
+from ..validation import integer
 from .bruteforce import MAX_K, ExactSearch, check_k, check_points
 from .kdtree import (_bound_limit, _check_budget, _check_build_params, _check_n_trees, _query_checked, build_kdforest,
                      check_split, check_bounds, heap_capacity, resolve_descent)
@@ -328,9 +329,7 @@ class KDForest:
         _check_scan_dtype(self.scan_dtype)
         check_split(self.split)
         resolve_descent(self.descent)
-        lpr = self.leaves_per_round
-        if lpr is not None and (isinstance(lpr, (bool, np.bool_)) or not isinstance(lpr, (int, np.integer)) or lpr < 1):
-            raise InputError(f"leaves_per_round must be an integer >= 1 or None, got {lpr!r}")
+        integer(self.leaves_per_round, "leaves_per_round", none=True)
         leaf_size, max_depth, rand_f, seed = _check_build_params(1 if self.leaf_size is None else self.leaf_size,
                                                                  self.max_depth, self.random_dims, self.seed)
         return (None if self.leaf_size is None else leaf_size), max_depth, rand_f, seed

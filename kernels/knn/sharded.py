@@ -84,8 +84,9 @@ class ShardedIndex:
     def __init__(self, *, shards: int = 1, **forest_params):
         from .kdforest import KDForest
 
-        if isinstance(shards, (bool, np.bool_)) or not isinstance(shards, (int, np.integer)) or shards < 1:
-            raise InputError(f"shards must be an integer >= 1, got {shards!r}")
+        from ..validation import integer
+
+        integer(shards, "shards")
         KDForest().set_params(**forest_params)  # an unknown forest parameter, said now (it was at fit)
         self.shards = shards
         self.forest_params = forest_params

@@ -384,9 +384,7 @@ def _local(pts, origin, xp, radii: dict, box=None):
         box = (to_numpy(pts.min(axis=0)), to_numpy(pts.max(axis=0)))
     if origin is None:
         if int(pts.shape[0]):
-            origin = choose_origin(*box)
-            if is_zero(origin) and _too_coarse(box, radii):  # below LOCAL_LIMIT, yet too far for these radii
-                origin = np.round((np.asarray(box[0], np.float64) + np.asarray(box[1], np.float64)) / 2.0) + 0.0
+            origin = choose_origin(*box, radii=radii)  # a scene too far for its radii is moved
         else:
             origin = np.zeros(3)
         if not is_zero(origin):  # said, not silent: the viewpoint is relative to this origin
@@ -406,19 +404,6 @@ def _local(pts, origin, xp, radii: dict, box=None):
         half = float((np.asarray(box[1], np.float64) - np.asarray(box[0], np.float64)).max()) / 2
         check_spacing(float(far.max()), radii, "scene_points", span=half)
     return local, origin
-
-
-def _too_coarse(box, radii: dict) -> bool:
-    """Whether coordinates with bounding box ``box`` fail the spacing check about 0 but pass it
-    about their own centre (a scene a few hundred metres out, below LOCAL_LIMIT)."""
-    from ..coordinates import SPACING_FRACTION, spacing
-
-    given = [float(v) for v in radii.values() if v is not None]
-    if not given:
-        return False
-    lo, hi = np.asarray(box[0], np.float64), np.asarray(box[1], np.float64)
-    limit = SPACING_FRACTION * min(given)
-    return spacing(float(np.abs(np.stack([lo, hi])).max())) > limit >= spacing(float((hi - lo).max()) / 2)
 
 
 def recognize_described(scene_points, library: ModelLibrary, params: RecognizeParams | None = None, *,
