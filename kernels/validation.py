@@ -111,7 +111,7 @@ def integer(x, name: str, *, minimum: int = 1, none: bool = False):
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
         raise InputError(f"{name} must be an integer >= {minimum}{' or None' if none else ''}, got {x!r}")
     if x < minimum:
-        raise InputError(f"{name} must be >= {minimum} (an integer{' or None' if none else ''}), got {x!r}")
+        raise InputError(f"{name} must be >= {minimum} (an integer >= {minimum}{' or None' if none else ''}), got {x!r}")
     return int(x)
 
 
