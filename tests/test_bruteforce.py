@@ -104,6 +104,8 @@ def test_recall_counts_ties():
     assert recall(np.full((2, 3), np.inf), exact) == 0.0
     with pytest.raises(InputError):
         recall(found, exact, k=4)
+    with pytest.raises(InputError, match="no rows"):  # not a NaN recall
+        recall(np.zeros((0, 3)), np.zeros((0, 3)))
 
 
 @pytest.mark.gpu

@@ -833,7 +833,7 @@ def test_recognize_without_verification_returns_every_hypothesis(small_world):
 
 # --------------------------------------------------------------------------- parameters
 #: recognize()'s keyword defaults before they moved onto RecognizeParams
-_DEFAULTS = dict(scene_ss=0.03, scene_voxel=None, polish_voxel=None, descr_rad=None, rf_rad=None, normal_k=10, normal_radius=None, method="hough",
+_DEFAULTS = dict(scene_ss=0.03, scene_voxel=None, polish_voxel=None, polish_stages=3, descr_rad=None, rf_rad=None, normal_k=10, normal_radius=None, method="hough",
                  cg_size=0.01, cg_thresh=5, use_interpolation=True, match_k=1, max_dist2=0.25, ratio=None,
                  match_recall=None, ransac=True, verify=True, inlier_dist=None, min_inlier_fraction=0.5, min_inliers=10,
                  viewpoint=(0.0, 0.0, 0.0), icp=True, icp_iterations=30, refine_min_fraction=0.3, max_refine=32,
@@ -866,7 +866,7 @@ def test_recognize_params_defaults_and_frozen():
     (dict(method="gc", cg_thresh=-1), "cg_thresh"), (dict(max_detections=0), "max_detections"),
     (dict(seed=1.5), "seed"), (dict(match_recall=1.0), "match_recall"), (dict(match_recall="0.9"), "match_recall"),
     (dict(scene_voxel=0.0), "scene_voxel"), (dict(scene_voxel=float("inf")), "scene_voxel"),
-    (dict(polish_voxel=-1.0), "polish_voxel"), (dict(normal_k=2), "normal_k must be >= 3"),
+    (dict(polish_voxel=-1.0), "polish_voxel"), (dict(polish_stages=0), "polish_stages"), (dict(polish_stages=2.0), "polish_stages"), (dict(normal_k=2), "normal_k must be >= 3"),
     (dict(match_k=1000), "match_k must be at most 256"), (dict(method="gc", cg_thresh=2), "cg_thresh"),
 ])
 def test_recognize_params_refuse_bad_values(bad, word):
@@ -1104,3 +1104,65 @@ def test_polish_fit_is_the_numpy_loop_and_finds_the_pose():
     np.testing.assert_allclose(got, want, atol=1e-12)
     np.testing.assert_allclose(got, truth, atol=1e-9)
     assert not np.allclose(T0, truth, atol=1e-4)  # the fit had somewhere to go
+
+
+def _polish_world():
+    """A synthetic scene, its library and each instance's pose moved a few mm and about 1 degree."""
+    models = S.model_library(3, 8000, seed=5)
+    lib = ModelLibrary.build([m.points for m in models], [m.name for m in models],
+                             models_normals=[m.normals for m in models], model_ss=0.01, device="cpu")
+    sc = S.make_scene(models, n_instances=3, n_points=120_000, noise=0.2, clutter=3, seed=8)
+    rng = np.random.default_rng(2)
+    truth = [np.asarray(g["pose"], np.float64) for g in sc.ground_truth]
+    mids = [int(g["model_id"]) for g in sc.ground_truth]
+    starts = []
+    for T in truth:
+        D = np.eye(4)  # a turn about the model's own origin, then a shift
+        D[:3, :3] = Rotation.from_rotvec(np.radians(1.0) * rng.normal(size=3) / np.sqrt(3)).as_matrix()
+        T0 = T @ D
+        T0[:3, 3] += rng.uniform(-0.002, 0.002, 3)
+        starts.append(T0)
+    return lib, np.ascontiguousarray(sc.points, np.float32), starts, mids, truth
+
+
+def test_polish_stages_halve_the_pairs_distance():
+    """polish_poses with stages=3 goes on from the one-stage fit with pairs within dist / 2, then
+    dist / 4 (the same crops and model points): near the chained one-stage polishes (which cut
+    their crops again about the moved poses) and nearer the true poses than one stage on these
+    noisy scenes."""
+    from scanforest.kernels.recognition.refinement import polish_poses
+
+    lib, scene, starts, mids, truth = _polish_world()
+    kw = dict(iterations=30, viewpoint=np.zeros(3), voxel=0.003)
+    three = polish_poses(starts, mids, lib, scene, dist=0.005, stages=3, **kw)
+    one = polish_poses(starts, mids, lib, scene, dist=0.005, **kw)
+    chain = polish_poses(polish_poses(one, mids, lib, scene, dist=0.0025, **kw), mids, lib, scene, dist=0.00125, **kw)
+    for a, b, c in zip(three, chain, one):
+        assert pose_errors(a, b)[1] < 5e-5 < pose_errors(a, c)[1]
+    err = lambda poses: np.median([pose_errors(P, t)[1] for P, t in zip(poses, truth)])  # noqa: E731
+    assert err(three) < err(one) < err(starts), (err(three), err(one), err(starts))
+    with pytest.raises(InputError, match="stages"):
+        polish_poses(starts, mids, lib, scene, dist=0.005, stages=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("voxel, stages", [(None, 1), (0.003, 1), (0.003, 3)])
+def test_polish_on_the_device_is_the_host_polish(voxel, stages):
+    """polish_poses on a CuPy scene (every pose at once: one cut of the crops, one launch an
+    iteration) gives the host loop's poses (a numpy scene, one crop and one fit a pose), with and
+    without the voxel averaging, in stages, from poses a few mm and about 1 degree off: the same
+    fit to 10 um."""
+    import cupy as cp
+
+    from scanforest.kernels.recognition.refinement import polish_poses
+
+    lib, scene, starts, mids, truth = _polish_world()
+    kw = dict(dist=0.005, iterations=30, viewpoint=np.zeros(3), voxel=voxel, stages=stages)
+    host = polish_poses(starts, mids, lib, scene, **kw)
+    dev = polish_poses(starts, mids, lib, cp.asarray(scene), **kw)
+    moved = 0
+    for h, d, s0, t in zip(host, dev, starts, truth):
+        r, tr = pose_errors(d, h)
+        assert r < 1e-3 and tr < 1e-5, (r, tr)
+        moved += pose_errors(h, s0)[1] > 1e-4  # the fit went somewhere
+    assert moved == len(truth)

@@ -874,6 +874,8 @@ def recall(dist_found, dist_exact, k: int | None = None) -> float:
     if f.ndim != 2 or e.ndim != 2 or f.shape[0] != e.shape[0]:
         raise InputError(f"dist_found {f.shape} and dist_exact {e.shape} must be (M, k) arrays with "
                          "the same number of rows")
+    if f.shape[0] == 0:  # the mean of nothing would be a NaN "recall"
+        raise InputError("dist_found and dist_exact have no rows (no queries): recall is undefined")
     k = min(f.shape[1], e.shape[1]) if k is None else int(k)
     if not 1 <= k <= min(f.shape[1], e.shape[1]):
         raise InputError(f"k={k} must be within 1..{min(f.shape[1], e.shape[1])}")

@@ -226,16 +226,8 @@ def gc_sets_batch(S, M, offsets, gc_size: float, gc_threshold: int):
 # ---------------------------------------------------------------------------------------------
 # RANSAC rigid fits of many groups at once
 # ---------------------------------------------------------------------------------------------
-_RANSAC_SRC = r"""
-#define FULL 0xffffffffu
-
-__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
+#: Horn's rotation from a 3x3 cross-covariance (CUDA), shared with the polish (._polish_gpu)
+HORN = r"""
 // Horn (1987): the rotation maximising sum d'^T R s' from the 3x3 cross-covariance H
 // (H[a][b] = sum s'_a d'_b): top eigenvector of a symmetric 4x4 by cyclic Jacobi sweeps.
 __device__ void horn(const double* H, double* R) {
@@ -269,7 +261,19 @@ __device__ void horn(const double* H, double* R) {
     R[3] = 2.0 * (x * y + w * z); R[4] = w * w - x * x + y * y - z * z; R[5] = 2.0 * (y * z - w * x);
     R[6] = 2.0 * (x * z - w * y); R[7] = 2.0 * (y * z + w * x); R[8] = w * w - x * x - y * y + z * z;
 }
+"""
 
+_RANSAC_SRC = r"""
+#define FULL 0xffffffffu
+
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+""" + HORN + r"""
 __device__ __forceinline__ double wsum(double v) {
     for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
     return v;

@@ -12,7 +12,8 @@ Levenberg-Marquardt on a distance transform of the scene around the candidates, 
 accepted pose, found on voxel centroids, is fitted by point-to-point ICP to the scene's own points
 around it (the model's verification points, its own points ``verify_leaf`` apart, paired with
 their nearest scene point within ``inlier_dist``; least-squares rigid fits (SVD, Umeyama) until
-the step is below 1e-9 m and rad).
+the step is below 1e-9 m and rad): on the host one pose at a time (:mod:`._polish_cpu`), on the
+device every pose in lockstep (:mod:`._polish_gpu`).
 """
 from __future__ import annotations
 
@@ -27,59 +28,73 @@ __all__ = ["polish_poses", "refine_hypotheses"]
 
 
 def polish_poses(poses, model_ids, library, scene, *, dist: float, iterations: int = 30, viewpoint=None,
-                 voxel: float | None = None):
+                 voxel: float | None = None, stages: int = 1):
     """Point-to-point ICP of each pose's model (its verification points) against ``scene`` (the
     full-resolution points, numpy or CuPy): a list of float64 4x4 poses. Only the scene points
-    within ``2 dist`` of the model's bounding sphere at the start are searched (cut out where
-    ``scene`` is, then fitted on the host: a CuPy scene's crop is copied once); with
+    within ``2 dist`` of the model's bounding sphere at the start are searched; with
     ``viewpoint``, only the model points whose normal faces it at the start are fitted (as
     verification counts them: the far side of a full model would pair with the near side's edges);
-    with ``voxel``, those scene points averaged into voxels of that edge first. A pose with fewer
-    than 3 pairs is returned as given."""
-    from ..neighbors.search import cpu_grid
-    from ._polish_cpu import polish_fit
+    with ``voxel``, those scene points averaged into voxels of that edge first. With ``stages``
+    > 1 the fit goes on, coarse to fine, with pairs within ``dist / 2``, ``dist / 4``, ... (each
+    stage to its stop, at most ``iterations``). A pose with fewer than 3 pairs is returned as
+    given (a later stage with fewer than 3 pairs keeps the pose of the stage before). A CuPy scene's poses are fitted together on the device
+    (:mod:`._polish_gpu`: one cut of every crop, two launches an iteration), a numpy scene's one by
+    one on the host."""
+    from ..validation import integer
 
+    stages = integer(stages, "stages")
     xp = array_module(scene)  # where the crops are cut: the scene's own device
     vo = library.verify_offsets
-    # each pose is fitted on the host: its crop is a few thousand points, where a fit on the
-    # device waits on the host at every one of its iterations
-    out = []
-    for T, mid in zip(poses, model_ids):
-        T = np.array(T, np.float64)
+    out = [np.array(T, np.float64) for T in poses]
+    todo = []  # (index, model points, centre, reach) of the poses with points to fit
+    for i, (T, mid) in enumerate(zip(out, model_ids)):
         V = np.asarray(library.verify_points[vo[mid]:vo[mid + 1]], np.float64)
         W = V @ T[:3, :3].T + T[:3, 3]
         if viewpoint is not None:
             N = np.asarray(library.verify_normals[vo[mid]:vo[mid + 1]], np.float64) @ T[:3, :3].T
             seen = np.einsum("ij,ij->i", N, np.asarray(viewpoint, np.float64) - W) > 0
             V, W = V[seen], W[seen]
-            if len(V) < 3:
-                out.append(T)
-                continue
+        if len(V) < 3:
+            continue
         c = W.mean(axis=0)
-        reach = float(np.sqrt(((W - c) ** 2).sum(axis=1).max())) + 2.0 * dist
-        crop = to_numpy(_ball(scene, c, reach, xp))
+        todo.append((i, np.ascontiguousarray(V), c, float(np.sqrt(((W - c) ** 2).sum(axis=1).max())) + 2.0 * dist))
+    if not todo:
+        return out
+    if xp is not np:  # every pose at once on the device (._polish_gpu)
+        from ._polish_gpu import crops, polish_batch
+
+        centres = np.stack([t[2] for t in todo])
+        reach = [t[3] for t in todo]
+        fitted = polish_batch([t[1] for t in todo], np.stack([out[t[0]] for t in todo]), centres, reach,
+                              crops(scene, centres, reach, voxel), dist, iterations, stages)
+        for (i, *_), T in zip(todo, fitted):
+            out[i] = T
+        return out
+    from ..neighbors.search import cpu_grid
+    from ._polish_cpu import polish_fit
+
+    for i, V, c, reach in todo:  # on the host: one crop and one fit a pose
+        crop = _ball(scene, c, reach)
         if voxel is not None and len(crop):
             from ..descriptors.keypoints import thin
 
             crop = thin(crop, float(voxel), "cpu")
-        if len(V) < 3 or len(crop) < 3:
-            out.append(T)
+        if len(crop) < 3:
             continue
         P, order, cs, origin, inv_h, dims = cpu_grid(np.ascontiguousarray(crop, np.float32), dist, slot="polish")
-        out.append(polish_fit(np.ascontiguousarray(V), T, P, order, cs, origin, inv_h, dims,
-                              crop.astype(np.float64), np.float32(dist * dist), int(iterations)))
+        host = crop.astype(np.float64)
+        for k in range(int(stages)):  # the cells hold every pair within dist, and so within dist / 2^k
+            d = dist / 2.0 ** k
+            out[i] = polish_fit(V, out[i], P, order, cs, origin, inv_h, dims, host, np.float32(d * d),
+                                int(iterations))
     return out
 
 
-def _ball(scene, c, r: float, xp):
-    """The scene points within ``r`` of ``c`` (float32 distances)."""
-    if xp is np:
-        from ..geom_cpu import ball_indices
+def _ball(scene, c, r: float):
+    """The points of a numpy scene within ``r`` of ``c`` (float32 distances)."""
+    from ..geom_cpu import ball_indices
 
-        return scene[ball_indices(scene, c.astype(np.float32), np.float32(r * r))]
-    cc = xp.asarray(c.astype(np.float32))
-    d = scene - cc
-    return scene[(d * d).sum(axis=1) < np.float32(r * r)]
+    return scene[ball_indices(scene, c.astype(np.float32), np.float32(r * r))]
 
 
 def refine_hypotheses(hyps: Hypotheses, first_scores, library, sidx, *, method: str = "icp",
