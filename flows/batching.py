@@ -106,6 +106,8 @@ def map_batches(task, items: list, *, item_param: str, common: dict, label: str,
     :data:`MIN_TASK_RUNS`), which hands them to Dask as its parts: their count, or with ``taper``
     their sizes (:func:`~scanforest.flows.prefect_tasks.in_parts`). The cluster balances the same
     Dask tasks, and Prefect records fewer task runs."""
+    if not len(items):  # nothing to run (an ingest whose only source was a corrupt archive)
+        return []
     batches = split_batches(list(items), batch, workers, taper=taper)
     if parts_param is None:
         units = [({**common, item_param: b}, len(b)) for b in batches]

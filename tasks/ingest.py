@@ -227,7 +227,8 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
                     scan.n_points, scan.columns,
                     lambda: attrs_of(scan.meta, scan.n_kept, scan.bbox, str(np.dtype(scan.columns["points"][0]))),
                     at_most=not scan.exact, optional=scan.optional)
-            except ScanReadError as exc:  # found midway: the scan's group stays incomplete (invisible)
+            except ScanReadError as exc:  # found midway: its partial arrays removed, the file quarantined
+                store.discard_incomplete(source.scan_id)
                 store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
                 return done("quarantined", reason=exc.reason)
             n = scan.n_kept
@@ -530,8 +531,9 @@ def _collect(pairs, staging: Path, ignored: list[dict[str, str]], *, archives: b
             problems += probs
         elif _suffix(path).lower() == ".txt" and not _looks_like_points(real):
             ignored.append({"source": path, "reason": "a .txt file that is not rows of point coordinates"})
-        else:
-            items.append(_source(real, rel, *legacy_rel))
+        else:  # read through the link where its target's name gives no format (git-annex, DVC)
+            same = _suffix(real).lower() == _suffix(path).lower()
+            items.append(_source(real if same else path, rel, *legacy_rel))
     return items, problems
 
 
@@ -612,6 +614,9 @@ def _expand_archive(path: Path, staging: Path, ignored: list[dict[str, str]],
             dest.mkdir(parents=True, exist_ok=True)
             try:
                 for member, fin in _members(path):
+                    if isinstance(fin, str):  # a member that is not a file: said, not extracted
+                        ignored.append({"source": f"{path}::{member}", "reason": fin})
+                        continue
                     if not _safe_member(member):
                         problems.append({"source": f"{path}::{member}", "reason": "unsafe archive member path"})
                         continue
@@ -635,7 +640,11 @@ def _expand_archive(path: Path, staging: Path, ignored: list[dict[str, str]],
 
 
 def _members(path: Path):
-    """(name, open binary stream) of every regular file in a zip or tar archive, streaming."""
+    """(name, open binary stream) of every file in a zip or tar archive, streaming; a tar's hard
+    link gives its target's bytes, and its other members that are not files (symbolic links,
+    devices, FIFOs) come as (name, why it is passed over). A tar that ends without its
+    end-of-archive block (cut off at a member's header: ``tarfile`` takes that for the end) is a
+    ``tarfile.ReadError`` after its members so far."""
     if path.name.lower().endswith(".zip"):
         with zipfile.ZipFile(path) as zf:
             for info in zf.infolist():
@@ -643,9 +652,20 @@ def _members(path: Path):
                     yield info.filename, zf.open(info)
     else:
         with tarfile.open(path, "r:*") as tf:
+            n = 0
             for member in tf:
-                if member.isfile():
+                n += 1
+                if member.isfile() or member.islnk():
                     yield member.name, tf.extractfile(member)
+                elif member.issym():
+                    yield member.name, f"a symbolic link in an archive (to {member.linkname}): not followed"
+                elif not member.isdir():
+                    yield member.name, "not a file (a device or FIFO in the archive)"
+            tf.fileobj.seek(tf.offset)
+            end = tf.fileobj.read(tarfile.BLOCKSIZE)
+            if len(end) < tarfile.BLOCKSIZE or end.count(0) != tarfile.BLOCKSIZE:
+                raise tarfile.ReadError(f"the archive ends without its end-of-archive block after {n} "
+                                        "members: cut off")
 
 
 def _safe_member(name: str) -> bool:

@@ -463,9 +463,17 @@ _XYZ_NAMES = {
 }
 
 
+def _suffix_of(path) -> str:
+    return os.path.splitext(os.fspath(path))[1].lower()
+
+
 def _read_xyz(path, data: bytes) -> PointCloud:
-    text = data.decode("utf-8", "replace")
+    text = data.decode("utf-8-sig", "replace")  # a byte-order mark (Excel's CSV) is not a column name
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith(("#", "//"))]
+    pts_file = _suffix_of(path) == ".pts"
+    declared = None
+    if len(lines) > 1 and re.fullmatch(r"\s*\d+\s*", lines[0]) and len(lines[1].replace(",", " ").split()) >= 3:
+        declared, lines = int(lines[0]), lines[1:]  # Leica PTS: the point count first
     if not lines:
         return PointCloud(np.zeros((0, 3)))
     delim = "," if "," in lines[0] else (";" if ";" in lines[0] else None)
@@ -488,12 +496,19 @@ def _read_xyz(path, data: bytes) -> PointCloud:
     if names is None:
         names = ["x", "y", "z"]
         rest = table[:, 3:]
-        if rest.shape[1] >= 3:
-            norms = np.linalg.norm(rest[:, :3], axis=1)
-            if np.allclose(norms[np.isfinite(norms)], 1.0, atol=1e-2):
-                names += ["nx", "ny", "nz"]
-            elif np.all((rest[:, :3] >= 0) & (rest[:, :3] <= 255) & (rest[:, :3] == np.rint(rest[:, :3]))):
-                names += ["r", "g", "b"]
+
+        def u8(a):  # colour channels: whole numbers 0-255
+            return bool(np.all((a >= 0) & (a <= 255) & (a == np.rint(a))))
+
+        norms = np.linalg.norm(rest[:, :3], axis=1) if rest.shape[1] >= 3 else None
+        if norms is not None and np.allclose(norms[np.isfinite(norms)], 1.0, atol=1e-2):
+            names += ["nx", "ny", "nz"]
+        elif rest.shape[1] == 4 and u8(rest[:, 1:]) and (pts_file or not u8(rest[:, :1])):
+            names += ["i", "r", "g", "b"]  # x y z intensity r g b (Leica PTS)
+        elif rest.shape[1] >= 3 and u8(rest[:, :3]):
+            names += ["r", "g", "b"]
+        elif rest.shape[1] == 1 and pts_file:
+            names += ["i"]  # x y z intensity (PTS without colour)
         names += [f"c{i}" for i in range(len(names), ncol)]
     if len(names) != ncol:
         raise ScanReadError(path, f"header names {len(names)} columns but rows have {ncol}")
@@ -507,7 +522,13 @@ def _read_xyz(path, data: bytes) -> PointCloud:
         cloud.colors = _to_uint8(table[:, [col["r"], col["g"], col["b"]]].astype(np.int64))
     if "i" in col:
         cloud.intensity = table[:, col["i"]].astype(np.float32)
+    known = {"x", "y", "z", "nx", "ny", "nz", "r", "g", "b", "i"}
+    for i, n in enumerate(names):  # the other columns kept, by their header name or place
+        if n not in known and re.fullmatch(r"[a-z0-9_]+", n):
+            cloud.extra[n] = table[:, i]
     cloud.meta.update(encoding="text", columns=names)
+    if declared is not None:
+        cloud.meta["declared_points"] = declared
     return cloud
 
 
@@ -529,14 +550,16 @@ def _read_npy(path, data: bytes) -> PointCloud:
         return cloud
     if arr.ndim != 2 or arr.shape[1] < 3:
         raise ScanReadError(path, f"NPY array must be (N, 3) or (N, >=3), got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.number):
-        raise ScanReadError(path, f"NPY array has non-numeric dtype {arr.dtype}")
+    if not np.issubdtype(arr.dtype, np.number) or np.issubdtype(arr.dtype, np.complexfloating):
+        raise ScanReadError(path, f"NPY array has non-real dtype {arr.dtype} (points are real numbers)")
     pts = arr[:, :3]
     if pts.dtype not in (np.float32, np.float64):
         pts = pts.astype(np.float64)
     cloud = PointCloud(pts)
     if arr.shape[1] >= 6:
         cloud.normals = arr[:, 3:6].astype(np.float32)
+    for i in range(6 if arr.shape[1] >= 6 else 3, arr.shape[1]):  # the other columns kept, by place
+        cloud.extra[f"c{i}"] = arr[:, i]
     return cloud
 
 

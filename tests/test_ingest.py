@@ -95,6 +95,64 @@ def test_truncated_archive_is_quarantined(tmp_path, archive):
     assert problems and "corrupt or truncated archive" in problems[0]["reason"]
 
 
+def test_tar_cut_at_a_member_header_hard_links_and_symlinks(tmp_path, archive):
+    """A tar cut where a member's header begins read as a shorter, complete archive: its members
+    so far are listed and the archive is a problem ("cut off"), as a cut inside a member's data
+    is. A hard-linked member is a file (it was dropped), a symbolic link is said and passed over."""
+    root, made = archive
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in made["models"]:
+        (src / p.name).write_bytes(p.read_bytes())
+    first = made["models"][0].name
+    os.link(src / first, src / "hard_copy.pcd")
+    os.symlink(first, src / "soft_copy.pcd")
+    arc = tmp_path / "t.tar"
+    with tarfile.open(arc, "w") as tf:
+        for p in sorted(src.iterdir()):
+            tf.add(p, p.name)
+    srcs, problems = discover(arc, tmp_path / "staging", ignored=(ignored := []))
+    names = sorted(Path(s.path).name for s in srcs)
+    assert "hard_copy.pcd" in names and "soft_copy.pcd" not in names and problems == []
+    assert read_cloud(next(s.path for s in srcs if s.path.endswith("hard_copy.pcd"))).points.shape[0] > 0
+    assert any("soft_copy.pcd" in i["source"] and "symbolic link" in i["reason"] for i in ignored)
+    with tarfile.open(arc) as tf:  # the offset of the second member's header
+        second = tf.getmembers()[1].offset
+    (tmp_path / "cut.tar").write_bytes(arc.read_bytes()[:second])
+    srcs, problems = discover(tmp_path / "cut.tar", tmp_path / "staging2")
+    assert len(srcs) == 1 and len(problems) == 1, (srcs, problems)
+    assert "corrupt or truncated archive" in problems[0]["reason"] and "cut off" in problems[0]["reason"]
+
+
+def test_an_ingest_whose_only_source_is_a_corrupt_zip_quarantines_it(tmp_path, archive):
+    """The flow with no scan to map (the archive itself the only problem) ran one empty batch and
+    crashed (AttributeError in the flow, exit 1): the archive is quarantined, nothing else."""
+    root, made = archive
+    arc = tmp_path / "z.zip"
+    with zipfile.ZipFile(arc, "w") as zf:
+        for p in made["models"]:
+            zf.write(p, p.name)
+    (tmp_path / "cut.zip").write_bytes(arc.read_bytes()[:-50])
+    summary = run_ingest(str(tmp_path / "cut.zip"), str(tmp_path / "s.zarr"), workers=1, progress=False)
+    assert summary["ingested"] == 0 and summary["quarantined"] == 1
+    assert "corrupt or truncated archive" in summary["quarantine_reasons"][0]["reason"]
+
+
+def test_a_linked_file_is_read_by_the_link_name(tmp_path, archive):
+    """git-annex and DVC keep scans as links to content-named blobs: the format comes from the
+    link's name (it came from the target's and was "unknown format"); the scan reads the same."""
+    root, made = archive
+    blobs, work = tmp_path / "objects", tmp_path / "work"
+    blobs.mkdir()
+    work.mkdir()
+    (blobs / "SHA256E-s123--deadbeef").write_bytes(made["models"][0].read_bytes())
+    os.symlink(blobs / "SHA256E-s123--deadbeef", work / "scan.pcd")
+    srcs, problems = discover(work, tmp_path / "staging")
+    assert problems == [] and [s.scan_id for s in srcs] == ["scan.pcd"]
+    got = read_cloud(srcs[0].path).points
+    assert np.array_equal(got, read_cloud(made["models"][0]).points)
+
+
 def test_glob_source(tmp_path, archive):
     root, made = archive
     items, _ = discover(str(root / "scenes" / "*.pcd"), tmp_path / "st")

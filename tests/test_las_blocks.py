@@ -126,7 +126,12 @@ def test_truncated_laz_found_midway_is_quarantined(tmp_path, rng, small_budget):
     data = (tmp_path / "big.laz").read_bytes()
     (tmp_path / "cut.laz").write_bytes(data[: len(data) * 2 // 3])
     rec = _ingest(tmp_path / "s.zarr", tmp_path / "cut.laz")
-    assert rec["status"] == "quarantined" and "cut.laz" not in ScanStore(tmp_path / "s.zarr").scans()
+    st = ScanStore(tmp_path / "s.zarr")
+    assert rec["status"] == "quarantined" and "cut.laz" not in st.scans()
+    # no orphan: the partial arrays written before the cut are removed (check found an
+    # "interrupted write" right after a clean ingest, and a rerun left it)
+    assert st.scans(include_incomplete=True) == [] and st.verify() == []
+    assert not (tmp_path / "s.zarr" / "scans" / "cut.laz").exists()
 
 
 def test_write_scan_blocks_keeps_the_promise(tmp_path):

@@ -246,3 +246,38 @@ def test_nan_holes_are_dropped_with_pixel_index(tmp_path):
     c = read_cloud(_pcd(tmp_path, "org.pcd", body.encode()))
     np.testing.assert_array_equal(c.points, [[1, 1, 1], [2, 2, 2]])
     np.testing.assert_array_equal(c.pixel_index, [0, 2])
+
+
+def test_text_columns_as_scanners_write_them(tmp_path):
+    """Leica PTS (the point count first; x y z intensity r g b) gave the intensity as red and lost
+    blue, or was refused for its count line; Excel's CSV (a byte-order mark) had "no x/y/z
+    columns"; columns the reader does not know were dropped: they are kept, named by the header
+    or by their place."""
+    rows = "7.4050 -4.2637 2.0630 200 197 148 128\n1 2 3 10 20 30 40\n"
+    (tmp_path / "a.pts").write_text("2\n" + rows)
+    (tmp_path / "b.pts").write_text(rows)
+    for name in ("a.pts", "b.pts"):
+        c = read_cloud(tmp_path / name)
+        assert c.points.tolist() == [[7.405, -4.2637, 2.063], [1, 2, 3]]
+        assert c.colors.tolist() == [[197, 148, 128], [20, 30, 40]] and c.intensity.tolist() == [200, 10]
+    assert read_cloud(tmp_path / "a.pts").meta["declared_points"] == 2
+    (tmp_path / "c.xyz").write_text("7 -4 2 -1200 197 148 128\n1 2 3 -10 20 30 40\n")  # intensity not 0-255
+    c = read_cloud(tmp_path / "c.xyz")
+    assert c.intensity.tolist() == [-1200, -10] and c.colors.tolist() == [[197, 148, 128], [20, 30, 40]]
+    (tmp_path / "d.csv").write_bytes("x,y,z,return\n1,2,3,1\n4,5,6,2\n".encode("utf-8-sig"))
+    c = read_cloud(tmp_path / "d.csv")
+    assert c.points.tolist() == [[1, 2, 3], [4, 5, 6]] and c.extra["return"].tolist() == [1, 2]
+    (tmp_path / "e.xyz").write_text("1 2 3 0.5\n4 5 6 0.7\n")
+    assert read_cloud(tmp_path / "e.xyz").extra["c3"].tolist() == [0.5, 0.7]
+    (tmp_path / "f.pts").write_text("1 2 3 -7\n4 5 6 9\n")  # PTS without colour: x y z intensity
+    assert read_cloud(tmp_path / "f.pts").intensity.tolist() == [-7, 9]
+
+
+def test_npy_extra_columns_kept_and_complex_refused(tmp_path):
+    a = np.arange(20, dtype=np.float64).reshape(5, 4)
+    np.save(tmp_path / "a.npy", a)
+    c = read_cloud(tmp_path / "a.npy")
+    assert np.array_equal(c.points, a[:, :3]) and np.array_equal(c.extra["c3"], a[:, 3])
+    np.save(tmp_path / "z.npy", np.ones((4, 3)) + 1j)  # the imaginary part was thrown away
+    with pytest.raises(ScanReadError, match="non-real dtype complex128"):
+        read_cloud(tmp_path / "z.npy")

@@ -694,6 +694,22 @@ class ScanStore(Claims, Integrity):
         return stage_matches(rec, **params)
 
     # ------------------------------------------------------------------ quarantine
+    def discard_incomplete(self, scan_id: str) -> bool:
+        """Remove the scan's group if it is incomplete (a block-wise write that stopped midway on
+        a file found truncated): the store keeps no orphan arrays, and ``check`` finds none.
+        A complete scan is never touched. Returns whether a group was removed. The caller holds
+        the scan's claim (:meth:`claim`)."""
+        self._writable()
+        if not self._node_file("scans", scan_id):
+            return False
+        g = self._group("scans")
+        grp = g[scan_id] if g is not None and scan_id in g else None
+        if grp is None or not hasattr(grp, "groups") or grp.attrs.get("complete", False):
+            return False
+        with self._writing():
+            del g[scan_id]
+        return True
+
     def quarantine(self, source: str, reason: str, sha256: str | None = None, *, key: str | None = None) -> str:
         """Record a rejected file under ``key`` (default: an id made from the source's name).
 
