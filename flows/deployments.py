@@ -101,7 +101,10 @@ def runner_deployments(names: list[str] | None = None, *, parameters: dict[str, 
     served deployment left without a required parameter, is an :class:`InputError` (its runs
     would all fail). Only a deployment served without a schedule may leave its per-run
     parameters (a model list, scan pairs) to each ``scanforest run``. ``cron`` replaces the
-    table's schedule of every served deployment."""
+    table's schedule of every served deployment that has one, and schedules the ones named in
+    ``names`` too (an on-demand deployment served with every other took a schedule, and with it
+    a demand for its per-run parameters: the documented example was refused); an invalid cron
+    string is an :class:`InputError` here, not a validation traceback from Prefect."""
     from prefect.deployments.runner import EntrypointType
 
     specs = [get(n) for n in dict.fromkeys(names or DEPLOYMENTS)]
@@ -111,7 +114,9 @@ def runner_deployments(names: list[str] | None = None, *, parameters: dict[str, 
     if unused:
         raise InputError(f"no served deployment ({', '.join(s.name for s in specs)}) takes --param "
                          f"{', '.join(unused)}")
-    crons = {s.name: (cron or s.cron) if schedules else None for s in specs}
+    if cron is not None:
+        _check_cron(cron)
+    crons = {s.name: (cron if cron and (names or s.cron) else s.cron) if schedules else None for s in specs}
     missing = [m for m in (_missing(s, parameters, per_run=crons[s.name] is None) for s in specs) if m]
     if missing:
         raise InputError(f"{'; '.join(missing)} (give them with --param KEY=VALUE, "
@@ -121,6 +126,18 @@ def runner_deployments(names: list[str] | None = None, *, parameters: dict[str, 
         cron=crons[spec.name],
         parameters={**spec.parameters, **{k: v for k, v in parameters.items() if k in spec.accepts()}},
         entrypoint_type=EntrypointType.MODULE_PATH, tags=["scanforest", spec.name]) for spec in specs]
+
+
+def _check_cron(cron: str) -> None:
+    """One line for a schedule Prefect would refuse (its CronSchedule's own validation)."""
+    from prefect.client.schemas.schedules import CronSchedule
+
+    try:
+        CronSchedule(cron=cron)
+    except Exception as exc:  # pydantic's ValidationError: the first message, without its frame
+        errors = getattr(exc, "errors", None)
+        why = errors()[0].get("msg", str(exc)) if callable(errors) and errors() else str(exc).splitlines()[0]
+        raise InputError(f"--cron {cron!r} is not a cron schedule: {why}") from None
 
 
 def api_url() -> str:

@@ -573,6 +573,15 @@ def test_bench_recognize_without_open3d_says_so(tmp_path, monkeypatch):
     assert any("Open3D not importable" in n and "scanforest[bench]" in n for n in rec["notes"])
     assert "Open3D not importable" in res.output and "Traceback" not in res.output
     assert not any("Open3D" in r["figure"] for r in rec["rows"])
+    # asked for by name (--open3d), its absence is an error before any run (it was a note, exit 0)
+    from typer.testing import CliRunner
+
+    from scanforest.deploy.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "recognize", "--no-real", "--open3d", "--open3d-archive", "1"])
+    from scanforest.kernels.errors import InputError
+
+    assert isinstance(res.exception, InputError) and "--open3d: Open3D does not import here" in str(res.exception)
 
 
 def test_rss_growth_tells_a_warm_up_from_a_leak():

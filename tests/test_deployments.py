@@ -73,6 +73,23 @@ def test_params_go_only_to_the_flows_that_take_them():
         runner_deployments(["archive"], schedules=False)
 
 
+def test_cron_replaces_the_schedules_and_a_bad_one_is_one_line():
+    """serve's documented `--cron '*/5 * * * *'` with every deployment was refused (it scheduled
+    the on-demand ones, whose per-run parameters then were missing); an invalid cron string was a
+    65-line pydantic traceback, exit 1."""
+    deps = {d.name: d for d in runner_deployments(parameters={"store": "/s.zarr", "source": "/in"},
+                                                  cron="*/5 * * * *")}
+    assert [s.schedule.cron for s in deps["ingest"].schedules] == ["*/5 * * * *"]
+    assert deps["recognize"].schedules == [] and deps["align"].schedules == []
+    only = runner_deployments(["recognize"], parameters={"store": "/s.zarr", "models": ["m"]}, cron="0 * * * *")
+    assert [s.schedule.cron for s in only[0].schedules] == ["0 * * * *"]  # named: scheduled
+    for bad in ("not a cron", "61 * * * *"):
+        with pytest.raises(InputError, match="is not a cron schedule"):
+            runner_deployments(["ingest"], parameters={"store": "/s.zarr", "source": "/in"}, cron=bad)
+    r = _cli("serve", "--only", "ingest", "--param", "store=/tmp/x.zarr", "--param", "source=/tmp", "--cron", "61 * * * *")
+    _one_line_error(r, "is not a cron schedule")
+
+
 def test_committed_prefect_yaml_is_generated_from_the_table():
     committed = (REPO / "deploy" / "prefect.yaml").read_text()
     assert committed == prefect_yaml(), "regenerate: scanforest deployments --yaml > deploy/prefect.yaml"

@@ -130,10 +130,15 @@ def test_match_with_nothing_to_do_answers_before_any_cluster_or_api(done, env, t
 
 @pytest.mark.parametrize("cmd", ["describe", "match"])
 def test_nothing_to_do_still_refuses_a_bad_device_or_an_unreachable_scheduler(done, env, cmd):
-    """A mistyped --device or a --scheduler nobody listens at is said in one line, exit 2, also when
-    the store has nothing for the command to do (deploy/README.md's errors section)."""
+    """A mistyped --device, ``--device gpu`` without a usable GPU, or a --scheduler nobody listens at
+    is said in one line, exit 2, also when the store has nothing for the command to do
+    (deploy/README.md's errors section)."""
     args = ("describe", str(done["store"]), *DESCRIBE) if cmd == "describe" else ("match", str(done["store"]), "--name", "i")
     one_line_error(sf(*args, "--device", "quantum", env=env, cwd=done["work"], timeout=120), "--device", "quantum")
+    from scanforest.kernels.backend import gpu_available
+
+    if not gpu_available():  # gpu by name where none is usable: as with work to do (it answered 0)
+        one_line_error(sf(*args, "--device", "gpu", env=env, cwd=done["work"], timeout=120), "no CUDA GPU is usable")
     one_line_error(sf(*args, "--scheduler", NOWHERE, env=env, cwd=done["work"], timeout=120),
                    "cannot reach the Dask scheduler", NOWHERE)
 

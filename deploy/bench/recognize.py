@@ -196,6 +196,14 @@ def bench_recognize(
     from ._common import BenchReport, check_program, numba_threads
 
     check_program(pcl_baseline, "--pcl-baseline")
+    if open3d:  # asked for by name: its absence is an error before any run, not a note after it
+        from scanforest.kernels.errors import InputError
+
+        from ._open3d import load
+
+        if load(threads)[0] is None:
+            raise InputError("--open3d: Open3D does not import here; install it with "
+                             "`pip install 'scanforest[bench]'` (open3d-cpu), or leave --open3d out")
     rep = BenchReport("recognize", {"real": real, "synthetic": synthetic, "repeats": repeats,
                                     "method": method, "tutorial": TUTORIAL,
                                     "tutorial_library": TUTORIAL_LIB, "refine": refine,

@@ -22,13 +22,18 @@ def _scheduler(address: Optional[str]) -> Optional[str]:
 
 
 def _device(device: str) -> str:
-    """--device checked as it is parsed (a mistyped name is refused even when there is nothing to do;
-    whether a GPU is usable is asked when one is needed)."""
+    """--device checked as it is parsed, also when there is nothing to do: a mistyped name, and
+    ``gpu`` asked for by name where no GPU is usable (the same command failed with work to do and
+    answered 0 without); ``auto`` asks nothing here."""
     from scanforest.kernels.backend import DEVICES
     from scanforest.kernels.errors import InputError
 
     if str(device).lower() not in DEVICES:
         raise InputError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if str(device).lower() == "gpu":
+        from scanforest.kernels.backend import resolve_device
+
+        resolve_device("gpu")  # the one-line reason where CuPy or a device is missing
     return device
 
 
