@@ -90,6 +90,21 @@ def test_cron_replaces_the_schedules_and_a_bad_one_is_one_line():
     _one_line_error(r, "is not a cron schedule")
 
 
+def test_serve_checks_the_runs_inputs_before_it_serves(tmp_path):
+    """serve registered and served deployments whose every run then failed (a store in a folder
+    that does not exist, an ingest source that does not exist, a scheduler nobody listens at):
+    one line, exit 2, before anything is registered."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _one_line_error(_cli("serve", "--only", "describe", "--param", f"store={tmp_path}/no/such/dir/s.zarr"),
+                    "its folder", "does not exist")
+    _one_line_error(_cli("serve", "--only", "ingest", "--param", f"store={tmp_path}/s.zarr",
+                         "--param", f"source={tmp_path}/nothing"), "ingest source", "does not exist")
+    _one_line_error(_cli("serve", "--only", "describe", "--param", f"store={tmp_path}/s.zarr",
+                         "--param", f"scheduler=tcp://127.0.0.1:{port}"), "cannot reach the Dask scheduler")
+
+
 def test_committed_prefect_yaml_is_generated_from_the_table():
     committed = (REPO / "deploy" / "prefect.yaml").read_text()
     assert committed == prefect_yaml(), "regenerate: scanforest deployments --yaml > deploy/prefect.yaml"

@@ -22,6 +22,29 @@ def _parse_params(items: list[str] | None) -> dict:
     return out
 
 
+def _check_served(params: dict) -> None:
+    """The served runs' own inputs checked where they will run, before anything is registered: an
+    ingest source that does not exist, a store whose folder does not exist, a scheduler nobody
+    listens at (each run failed on them, one after another, while serve went on)."""
+    from pathlib import Path
+
+    from scanforest.kernels.errors import InputError
+
+    source, store, sched = params.get("source"), params.get("store"), params.get("scheduler")
+    if isinstance(source, str):
+        from scanforest.tasks.ingest import check_source
+
+        check_source(source, allow_empty=True)  # a drop folder may be empty between deliveries
+    if isinstance(store, str) and "://" not in store:
+        parent = Path(store).expanduser().absolute().parent
+        if not Path(store).expanduser().exists() and not parent.is_dir():
+            raise InputError(f"--param store={store}: its folder {parent} does not exist")
+    if sched:
+        from scanforest.flows.cluster import check_scheduler
+
+        check_scheduler(str(sched))
+
+
 def report_path(store: str) -> str:
     """Where ``report STORE`` writes without ``-o``: beside the store (``scans.zarr`` ->
     ``scans-report.html``), never into the current folder; where the store's folder cannot be
@@ -61,7 +84,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from scanforest.flows.deployments import api_url, runner_deployments
 
         # parameters are checked before anything is registered: a wrong one fails here, not every run
-        deps = runner_deployments(only, parameters=_parse_params(param), schedules=not no_schedules, cron=cron)
+        params = _parse_params(param)
+        deps = runner_deployments(only, parameters=params, schedules=not no_schedules, cron=cron)
+        _check_served(params)
         if os.environ.get("PREFECT_API_URL"):
             api_url()
         else:
