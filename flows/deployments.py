@@ -134,9 +134,8 @@ def _check_cron(cron: str) -> None:
 
     try:
         CronSchedule(cron=cron)
-    except Exception as exc:  # pydantic's ValidationError: the first message, without its frame
-        errors = getattr(exc, "errors", None)
-        why = errors()[0].get("msg", str(exc)) if callable(errors) and errors() else str(exc).splitlines()[0]
+    except ValueError as exc:  # pydantic's ValidationError: its first message, not its frames
+        why = exc.errors()[0]["msg"] if hasattr(exc, "errors") else str(exc).splitlines()[0]
         raise InputError(f"--cron {cron!r} is not a cron schedule: {why}") from None
 
 

@@ -463,14 +463,10 @@ _XYZ_NAMES = {
 }
 
 
-def _suffix_of(path) -> str:
-    return os.path.splitext(os.fspath(path))[1].lower()
-
-
 def _read_xyz(path, data: bytes) -> PointCloud:
     text = data.decode("utf-8-sig", "replace")  # a byte-order mark (Excel's CSV) is not a column name
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith(("#", "//"))]
-    pts_file = _suffix_of(path) == ".pts"
+    pts_file = Path(path).suffix.lower() == ".pts"
     declared = None
     if len(lines) > 1 and re.fullmatch(r"\s*\d+\s*", lines[0]) and len(lines[1].replace(",", " ").split()) >= 3:
         declared, lines = int(lines[0]), lines[1:]  # Leica PTS: the point count first
@@ -522,7 +518,7 @@ def _read_xyz(path, data: bytes) -> PointCloud:
         cloud.colors = _to_uint8(table[:, [col["r"], col["g"], col["b"]]].astype(np.int64))
     if "i" in col:
         cloud.intensity = table[:, col["i"]].astype(np.float32)
-    known = {"x", "y", "z", "nx", "ny", "nz", "r", "g", "b", "i"}
+    known = set(_XYZ_NAMES.values())
     for i, n in enumerate(names):  # the other columns kept, by their header name or place
         if n not in known and re.fullmatch(r"[a-z0-9_]+", n):
             cloud.extra[n] = table[:, i]

@@ -26,19 +26,16 @@ def _check_served(params: dict) -> None:
     """The served runs' own inputs checked where they will run, before anything is registered: an
     ingest source that does not exist, a store whose folder does not exist, a scheduler nobody
     listens at (each run failed on them, one after another, while serve went on)."""
-    from pathlib import Path
-
-    from scanforest.kernels.errors import InputError
-
     source, store, sched = params.get("source"), params.get("store"), params.get("scheduler")
     if isinstance(source, str):
         from scanforest.tasks.ingest import check_source
 
         check_source(source, allow_empty=True)  # a drop folder may be empty between deliveries
-    if isinstance(store, str) and "://" not in store:
-        parent = Path(store).expanduser().absolute().parent
-        if not Path(store).expanduser().exists() and not parent.is_dir():
-            raise InputError(f"--param store={store}: its folder {parent} does not exist")
+    if isinstance(store, str) and "://" not in store:  # the commands' own check (ingest creates it)
+        from scanforest.flows.inputs import absolute_path
+        from scanforest.tasks.preflight import check_store_location
+
+        check_store_location(absolute_path(store), create=True)
     if sched:
         from scanforest.flows.cluster import check_scheduler
 
