@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,9 +180,34 @@ def check_run(spec: DeploymentSpec, parameters: dict[str, Any]) -> None:
         polled = dep.last_polled.isoformat(timespec="seconds") if dep.last_polled else "never"
         raise InputError(f"no process serves deployment {spec.full_name} (last polled {polled}): "
                          f"start `scanforest serve --only {spec.name}` or a worker of its work pool")
+    if dep.paused:
+        _check_still_polled(spec, dep)
     missing = _missing(spec, {**dep.parameters, **parameters})
     if missing:
         raise InputError(f"{missing} (give --param KEY=VALUE)")
+
+
+def _check_still_polled(spec: DeploymentSpec, dep) -> None:
+    """A stopped ``serve`` pauses its deployments, and Prefect marks them not ready only a minute
+    later: a paused deployment is served only while something still polls it, so wait one polling
+    interval (serve's or a worker's, the longer) for its ``last_polled`` to move."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    wait = max(settings.runner.poll_frequency, settings.worker.query_seconds) * 1.5 + 2
+    first = dep.last_polled
+    deadline = time.monotonic() + wait
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, wait / 10))
+            last = client.read_deployment(dep.id).last_polled
+            if last is not None and (first is None or last > first):
+                return
+    polled = first.isoformat(timespec="seconds") if first else "never"
+    raise InputError(f"no process serves deployment {spec.full_name}: it is paused and nothing polled it in "
+                     f"{wait:.0f} s (last polled {polled}; a stopped `scanforest serve` pauses its deployments): "
+                     f"start `scanforest serve --only {spec.name}` or a worker of its work pool")
 
 
 #: the head of ``deploy/prefect.yaml``: how to deploy it, the work pool and the Dask scheduler

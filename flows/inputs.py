@@ -82,7 +82,7 @@ def resolve_scan_names(st, names: list[str] | None) -> list[str] | None:
         if sources is None:
             sources = st.sources(have)
         key = nfc(rel)
-        hits = sorted(sid for sid, src in sources.items() if nfc(src) == key or nfc(src).endswith("/" + key))
+        hits = sorted(sid for sid, src in sources.items() if nfc(src) == key or nfc(src).endswith(("/" + key, "::" + key)))
         files = {sources[h] for h in hits}
         if len(files) > 1:
             raise InputError(f"{st.path}: {name!r} is the name of {len(files)} scanned files (scans "

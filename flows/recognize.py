@@ -96,7 +96,9 @@ def summarize(recs: list[dict]) -> dict[str, Any]:
         tp, fp, fn = (sum(e[k] for e in evs) for k in ("tp", "fp", "fn"))
         rot = [x for e in evs for x in e["rotation_errors"]]
         tra = [x / e["resolution"] for e in evs for x in e["translation_errors"]]
-        out.update(tp=tp, fp=fp, fn=fn, precision=tp / max(1, tp + fp), recall=tp / max(1, tp + fn),
+        # precision of no detections and recall of no true instances are undefined (None), not 0
+        out.update(tp=tp, fp=fp, fn=fn, precision=tp / (tp + fp) if tp + fp else None,
+                   recall=tp / (tp + fn) if tp + fn else None,
                    rotation_error_deg_median=float(np.median(rot)) if rot else None,
                    rotation_error_deg_max=float(np.max(rot)) if rot else None,
                    translation_error_res_median=float(np.median(tra)) if tra else None)

@@ -267,6 +267,11 @@ def _num(v: Any) -> str:
     return str(v)
 
 
+def _share(part: int, whole: int) -> str:
+    """A precision or recall: "n/a" of nothing (no detections, no true instances)."""
+    return f"{part / whole:.3f}" if whole else "n/a"
+
+
 def _duration(seconds: Any) -> str:
     """Seconds as a readable duration: ``0.25 s``, ``4.0 s``, ``42 s``, ``1 min 40 s``, ``2 h 03 min``."""
     try:
@@ -572,7 +577,7 @@ def write_report(store_path: str, out: str | Path, *, bench_dir: str | Path = "b
         if checked:
             tp_, fp_, fn_ = (sum(s[k] for s in checked) for k in ("correct", "false", "missed"))
             line += (f" Against ground truth ({len(checked):,} scenes): {tp_:,} correct, {fp_:,} false, {fn_:,} missed;"
-                     f" precision {tp_ / max(1, tp_ + fp_):.3f}, recall {tp_ / max(1, tp_ + fn_):.3f}.")
+                     f" precision {_share(tp_, tp_ + fp_)}, recall {_share(tp_, tp_ + fn_)}.")
         if len(rows) > MAX_DETECTION_ROWS:
             line += f" Table: the first {MAX_DETECTION_ROWS:,} (all of them: scanforest recognize --export)."
         parts.append(f'<img alt="detections" src="{_detections_plot(scenes)}"><p>{esc(line)}</p>' + table(

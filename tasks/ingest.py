@@ -49,6 +49,13 @@ class Source:
     path: str
     scan_id: str
     legacy_id: str | None = None
+    #: what stores and messages name it by where ``path`` is a copy that goes away: an archive
+    #: member's ``ARCHIVE::MEMBER`` (``path`` is its extracted file in the staging folder)
+    origin: str | None = None
+
+    @property
+    def named(self) -> str:
+        return self.origin or self.path
 
 
 def is_archive(path: str | os.PathLike) -> bool:
@@ -162,7 +169,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
         source = replace(source, scan_id=_stored_id(store, source))
         if is_multi_scan(source.path):
             return _ingest_parts(store, source, units=units, run=run, t0=t0)
-    rec: dict[str, Any] = {"source": source.path, "scan_id": source.scan_id, "points": 0, "bytes": 0}
+    rec: dict[str, Any] = {"source": source.named, "scan_id": source.scan_id, "points": 0, "bytes": 0}
 
     def done(status: str, **fields) -> dict[str, Any]:
         return {**rec, "status": status, **fields, "seconds": time.perf_counter() - t0}
@@ -172,7 +179,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
         try:
             expect["copc"] = copc_settings(**(copc or {}))
         except InputError as exc:
-            raise InputError(f"{source.path}: {exc}") from exc
+            raise InputError(f"{source.named}: {exc}") from exc
     blockwise = part is not None or bool(expect) or _many_points(source.path)
     data = None
     if digest is None:
@@ -183,7 +190,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
                 data = Path(source.path).read_bytes()
                 digest, rec["bytes"] = sha256_bytes(data), len(data)
         except OSError as exc:
-            store.quarantine(source.path, f"cannot read file: {exc.strerror or exc}", key=source.scan_id)
+            store.quarantine(source.named, f"cannot read file: {exc.strerror or exc}", key=source.scan_id)
             return done("quarantined", reason=f"cannot read file: {exc}")
 
     def current() -> dict[str, Any]:
@@ -195,7 +202,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
         sidecar = read_sidecar(source.path) or {}
     except (OSError, ValueError) as exc:
         reason = f"sidecar {sidecar_for(source.path).name} cannot be used: {exc}"
-        store.quarantine(source.path, reason, digest, key=source.scan_id)
+        store.quarantine(source.named, reason, digest, key=source.scan_id)
         return done("quarantined", reason=reason)
     if "origin" in sidecar:  # a scanner's position given (or changed) after the file was ingested: ingested again
         expect["origin"] = sidecar["origin"]
@@ -208,7 +215,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
             scan = open_blocks(source.path, copc=expect.get("copc"), part=part) if blockwise else None
             cloud = read_cloud(source.path, data, part=part) if scan is None else None
         except ScanReadError as exc:
-            store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
+            store.quarantine(source.named, exc.reason, digest, key=source.scan_id)
             return done("quarantined", reason=exc.reason)
         made: dict[str, Any] = {}  # the scan's attributes, as written
 
@@ -229,7 +236,7 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
                     at_most=not scan.exact, optional=scan.optional)
             except ScanReadError as exc:  # found midway: its partial arrays removed, the file quarantined
                 store.discard_incomplete(source.scan_id)
-                store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
+                store.quarantine(source.named, exc.reason, digest, key=source.scan_id)
                 return done("quarantined", reason=exc.reason)
             n = scan.n_kept
         store.release(source.scan_id)
@@ -253,7 +260,7 @@ def _scan_attrs(source: Source, digest: str, meta: dict[str, Any], n_points: int
     where an origin other than 0 or the file's offset came from: the sidecar (the scanner's
     position), or the bounding box (the normals then face its centre: the commands say so)."""
     attrs: dict[str, Any] = {
-        "source": source.path,
+        "source": source.named,
         "sha256": digest,
         "format": meta.get("format"),
         "encoding": meta.get("encoding"),
@@ -308,17 +315,17 @@ def _ingest_parts(store: ScanStore, source: Source, *, units: str, run: str | No
     scans are stored all the same, the unreadable ones quarantined under their own ids, a file
     that cannot be opened under its own), else ``ingested`` when this run wrote a scan of it,
     else ``skipped``."""
-    rec: dict[str, Any] = {"source": source.path, "scan_id": source.scan_id, "points": 0, "bytes": 0}
+    rec: dict[str, Any] = {"source": source.named, "scan_id": source.scan_id, "points": 0, "bytes": 0}
     try:
         digest = sha256_file(source.path)
         rec["bytes"] = os.path.getsize(source.path)
         parts = scan_parts(source.path)
     except OSError as exc:
-        store.quarantine(source.path, f"cannot read file: {exc.strerror or exc}", key=source.scan_id)
+        store.quarantine(source.named, f"cannot read file: {exc.strerror or exc}", key=source.scan_id)
         return {**rec, "status": "quarantined", "reason": f"cannot read file: {exc}",
                 "seconds": time.perf_counter() - t0}
     except ScanReadError as exc:
-        store.quarantine(source.path, exc.reason, digest, key=source.scan_id)
+        store.quarantine(source.named, exc.reason, digest, key=source.scan_id)
         return {**rec, "status": "quarantined", "reason": exc.reason, "seconds": time.perf_counter() - t0}
     scans = [_ingest_one(store, replace(source, scan_id=part_scan_id(source.scan_id, part), legacy_id=None),
                          units=units, run=run, t0=time.perf_counter(), part=part, digest=digest)
@@ -341,7 +348,7 @@ def _stored_id(store: ScanStore, source: Source) -> str:
     ``scan_id`` (see :func:`ingest_file`)."""
     if source.legacy_id:
         try:
-            if store.attrs(source.legacy_id).get("source") == source.path:
+            if store.attrs(source.legacy_id).get("source") in (source.path, source.named):
                 return source.legacy_id
         except (InputError, KeyError, OSError):  # no complete scan of that id, or one being replaced now
             pass
@@ -635,7 +642,20 @@ def _expand_archive(path: Path, staging: Path, ignored: list[dict[str, str]],
                                  "reason": f"corrupt or truncated archive: {type(exc).__name__}: {exc}"})
     regular: set[str] = set()
     pairs = ((full, f"{name or stem}/{rel}", f"{stem}/{rel}") for full, rel in _walk(dest, regular))
+    seen = len(ignored)
     items, probs = _collect(pairs, staging, ignored, archives=False, regular=regular)
+    # named by the archive and the member, not by the staging copy (removed after a clean ingest)
+    real_dest = os.path.realpath(dest)
+
+    def member_of(p: str) -> str:
+        for root in (str(dest), real_dest):
+            if p.startswith(root + os.sep):
+                return f"{path}::{os.path.relpath(p, root).replace(os.sep, '/')}"
+        return p
+
+    items = [replace(s, origin=member_of(s.path)) for s in items]
+    for item in probs + ignored[seen:]:
+        item["source"] = member_of(item["source"])
     return items, problems + probs
 
 

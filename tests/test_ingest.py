@@ -82,6 +82,13 @@ def test_archives_and_globs(tmp_path, archive, kind):
                           "batch__scenes__scene_0002.pcd"]
     assert "ground_truth" in st.attrs("batch__scenes__scene_0001.pcd")
     assert not Path(str(store) + ".staging").exists()  # staging removed after a clean ingest
+    # each scan names the archive and its member (it named the removed staging copy)
+    assert st.attrs("batch__scenes__scene_0001.pcd")["source"] == f"{arc}::scenes/scene_0001.pcd"
+    from scanforest.flows.inputs import resolve_scan_names
+    assert resolve_scan_names(st, ["scenes/scene_0002.pcd"]) == ["batch__scenes__scene_0002.pcd"]
+    assert resolve_scan_names(st, ["scene_0002.pcd"]) == ["batch__scenes__scene_0002.pcd"]
+    # a rerun skips every member (the same scans, not new ones)
+    assert run_ingest(str(arc), str(store), workers=1, progress=False)["skipped"] == 3
 
 
 def test_truncated_archive_is_quarantined(tmp_path, archive):

@@ -73,7 +73,7 @@ def prefect_server(tmp_path_factory):
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_API_URL=api,
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false",
                PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", PREFECT_RUNNER_POLL_FREQUENCY="3", PREFECT_WORKER_QUERY_SECONDS="3")
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                              "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -143,6 +143,9 @@ def test_cron_schedule_fires_on_a_real_server(tmp_path, prefect_server):
         _wait(scheduled_run, 150, "a scheduled run to complete", [serve])
     finally:
         _stop(serve)
+    # a stopped serve pauses its deployment, still READY for a minute: `run` says nothing serves it
+    # (it waited its whole --timeout)
+    _one_line_error(cli("run", "ingest", "--timeout", "240"), "no process serves", "paused")
     # the hand-triggered run is not the scheduled one, and both did their work in the store
     assert _api(api + f"/flow_runs/{manual['flow_run_id']}")["auto_scheduled"] is False
     assert ScanStore(store, mode="r").scans() == ["a0.npy", "a1.npy", "a2.npy", "b0.npy"]

@@ -106,3 +106,22 @@ def test_summary_sums_the_phase_timings_of_recognised_scenes():
     assert s["recognized"] == 2 and s["skipped"] == 1 and s["detections"] == 6
     assert s["phase_seconds"] == {"grouping": 2.0, "icp": 0.25, "total": 2.0}
     assert "phase_seconds" not in summarize([{"status": "skipped", "detections": 0}])
+
+
+def test_precision_of_no_detections_is_undefined_not_zero():
+    """Scenes with ground truth and no detection: precision is undefined (None, "n/a" in the
+    table), recall 0; with detections and no true instance the recall is undefined."""
+    from scanforest.deploy.cli.core import _cell
+    from scanforest.flows.recognize import summarize
+
+    def ev(tp, fp, fn):
+        return {"status": "recognized", "evaluation": {"tp": tp, "fp": fp, "fn": fn, "rotation_errors": [],
+                                                       "translation_errors": [], "resolution": 1.0}}
+
+    s = summarize([ev(0, 0, 3), ev(0, 0, 1)])
+    assert s["tp"] == 0 and s["fn"] == 4 and s["precision"] is None and s["recall"] == 0.0
+    assert _cell("precision", s["precision"]) == "n/a"
+    s = summarize([ev(0, 2, 0)])
+    assert s["precision"] == 0.0 and s["recall"] is None
+    s = summarize([ev(3, 1, 1)])
+    assert s["precision"] == 0.75 and s["recall"] == 0.75

@@ -432,9 +432,9 @@ def _archive_rows(rep: BenchReport, done: dict, scans: int, devname: str, total:
         rep.add("archive, sum of the stages' walls (start-ups and builds not included): scans/s", scans / walls,
                 "scans/s", devname, stages_wall=walls, total_wall=None)
     rec = done[order[-1]]
-    if rec.get("precision") is not None:
-        rep.add("recognize precision", rec["precision"], "", devname)
-        rep.add("recognize recall", rec["recall"], "", devname)
+    for key in ("precision", "recall"):  # None where undefined (no detections, no true instances)
+        if rec.get(key) is not None:
+            rep.add(f"recognize {key}", rec[key], "", devname)
 
 
 def _link_archive(src: Path, dst: Path, scenes: int) -> None:

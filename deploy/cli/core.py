@@ -66,6 +66,8 @@ JsonOpt = typer.Option(False, "--json", help="Print the result as JSON (for mach
 
 def _cell(key: str, value) -> str:
     """A figure as a person reads it: thousands separated, 3-4 significant digits, units."""
+    if key in ("precision", "recall") and value is None:
+        return "n/a"
     if isinstance(value, bool) or value is None:
         return str(value)
     if key == "bytes" and isinstance(value, (int, float)):
@@ -77,6 +79,12 @@ def _cell(key: str, value) -> str:
     if isinstance(value, float):
         return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
     return str(value)
+
+
+def _ratio(x) -> str:
+    """A precision or recall as read: two decimals, "n/a" where it is undefined (no detections,
+    no true instances)."""
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 def print_summary(title: str, summary: dict, *, as_json: bool = False, keys: tuple[str, ...] | None = None) -> None:
@@ -267,8 +275,8 @@ def _demo_report(store: Path, out: dict, made: dict, broken: Path, seconds: floa
     typer.echo(f"one pass over {p['scenes']} scenes (describe + match + recognize each, as the archive flow runs "
                f"them): {p['described']} described, {p['matched']} matched, {p['recognized']} recognised, "
                f"{p['skipped']} already done, in {p['scenes_seconds']:.1f} s on {p['workers']} workers")
-    pr = (f"precision {p['precision']:.2f}, recall {p['recall']:.2f} against the ground truth"
-          if p.get("precision") is not None else "no ground truth")
+    pr = (f"precision {_ratio(p['precision'])}, recall {_ratio(p['recall'])} against the ground truth"
+          if "tp" in p else "no ground truth")
     typer.echo(f"recognize: {p['scenes']} scenes, {p.get('detections', 0)} detections of {n_models} models "
                f"in {p['scenes_seconds']:.1f} s on {p['workers']} workers; {pr}")
     typer.echo(f"recognize: {p['from_stored']} scenes from their stored description and matches, "
@@ -297,8 +305,11 @@ def _demo_report(store: Path, out: dict, made: dict, broken: Path, seconds: floa
         missing = [s for s in scene_ids if not st.has_stage(s, stage)]
         if missing:
             problems.append(f"{len(missing)} scenes lack the {stage} stage ({', '.join(missing[:3])})")
-    if p.get("precision") is None:
+    if "tp" not in p:
         problems.append("no precision/recall: the scenes' ground truth is missing")
+    elif p["precision"] is None or p["recall"] is None:
+        problems.append(f"precision {_ratio(p['precision'])}, recall {_ratio(p['recall'])}: no detections "
+                        "or no ground-truth instances")
     if problems:
         for line in problems:
             typer.secho(f"demo: {line}", fg=typer.colors.RED, err=True)
