@@ -56,6 +56,33 @@ def recognize_flow(store: str, models: list[str], scenes: list[str] | None = Non
     return summary
 
 
+def no_detections_note(summary: dict[str, Any], params: dict[str, Any] | None) -> str | None:
+    """Where recognised scenes gave no detection at all, the stage that lost them, in one line
+    (a silent 0 sent users looking everywhere): no correspondence (the descriptors of the scenes
+    and of the library do not match: another scale or unit, or radii unfit for the data), no
+    hypothesis (no group of ``cg_thresh`` consistent correspondences), or hypotheses that all
+    fail verification. None when there are detections or nothing was recognised."""
+    from scanforest.kernels.recognition import RecognizeParams
+
+    f = summary.get("funnel")
+    n = summary.get("recognized", 0)
+    if not f or not n or summary.get("detections"):
+        return None
+    p = RecognizeParams().replace(**(params or {}))
+    scenes = f"{n} scene{'s' if n != 1 else ''}"
+    if not f["correspondences"]:
+        return (f"no detections in {scenes}: none of their {f['keypoints']:,} keypoints matched a library "
+                "descriptor; are the scenes in the models' unit and scale, and the radii (--descr-rad, "
+                "--scene-ss) fit for them?")
+    if not f["hypotheses"]:
+        return (f"no detections in {scenes}: {f['correspondences']:,} correspondences formed no group of "
+                f"{p.cg_thresh:g} consistent ones (--cg-size {p.cg_size:g}, --cg-thresh {p.cg_thresh:g})")
+    best = f.get("best_score")
+    return (f"no detections in {scenes}: {f['hypotheses']:,} hypotheses, none verified (the best explains "
+            f"{'?' if best is None else f'{best:.2f}'} of a model's visible points; min_inlier_fraction "
+            f"{p.min_inlier_fraction:g})")
+
+
 #: recomputed scenes a summary names one by one, with the reason (the run's records name them all)
 RECOMPUTED_LISTED = 100
 
@@ -85,6 +112,12 @@ def summarize(recs: list[dict]) -> dict[str, Any]:
         # each recomputed scene and why (the first RECOMPUTED_LISTED; the run record has them all)
         out["recomputed_scenes"] = per_scene
     out.update(box_origin(done, RECOMPUTED_LISTED))  # georeferenced scenes without a file offset
+    funnels = [r["funnel"] for r in done if r.get("funnel")]
+    if funnels:  # how far the recognised scenes got, summed (best_score: the best of all)
+        out["funnel"] = {k: int(sum(f[k] for f in funnels))
+                         for k in ("keypoints", "correspondences", "hypotheses", "detections")}
+        scores = [f["best_score"] for f in funnels if f.get("best_score") is not None]
+        out["funnel"]["best_score"] = max(scores) if scores else None
     phases: dict[str, float] = {}  # seconds per recognition phase, summed over the recognised scenes
     for r in recs:
         for k, v in (r.get("timings") or {}).items():

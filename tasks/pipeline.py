@@ -437,7 +437,7 @@ def _recognize_chunk(ready: list[dict[str, Any]], ctx: OnePass) -> list:
 
 def _finish_scan(ctx: OnePass, res: dict[str, Any], dets, writer) -> dict[str, Any]:
     """The scan's recognize record, and its stages handed to the writer thread."""
-    from .recognize import _evaluate, box_origin, in_file_frame
+    from .recognize import _evaluate, box_origin, funnel, in_file_frame
 
     sid, timings, lib, dev = res["scan_id"], res["timings"], ctx.lib, ctx.dev
     in_file_frame(dets, scan_origin(res["meta"]))
@@ -468,7 +468,8 @@ def _finish_scan(ctx: OnePass, res: dict[str, Any], dets, writer) -> dict[str, A
         return time.perf_counter() - t
 
     return {"scan_id": sid, "status": "recognized", "detections": n, "evaluation": evaluation, "source": "stored",
-            "described": res["described"], "matched": res["matched"], "timings": timings, "seconds": compute,
+            "described": res["described"], "matched": res["matched"], "timings": timings, "funnel": funnel(dets),
+            "seconds": compute,
             "write": writer.submit(write), **({"box_origin": True} if box_origin(res["meta"], ctx.params) else {})}
 
 

@@ -349,10 +349,22 @@ def _recognize_claimed(st: ScanStore, scan_id: str, library: str, params: dict[s
                     "timings": timings, "evaluation": evaluation, "device": dev,
                     "seconds": time.perf_counter() - t0, **({"run": run} if run else {})})
     out = {"scan_id": scan_id, "status": "recognized", "detections": n, "evaluation": evaluation,
-           "source": source, "reason": plan["reason"], "timings": timings, "seconds": time.perf_counter() - t0}
+           "source": source, "reason": plan["reason"], "timings": timings, "funnel": funnel(dets),
+           "seconds": time.perf_counter() - t0}
     if box_origin(meta, params):
         out["box_origin"] = True
     return out
+
+
+def funnel(dets) -> dict[str, Any]:
+    """How far a scene's recognition got: its keypoints, their correspondences with the library,
+    the hypotheses grouped from them, the best first verification score among those (the share
+    of a model's visible points that a hypothesis explains), and the detections."""
+    info = getattr(dets, "info", None) or {}
+    scores = [s for s in info.get("hypothesis_scores") or () if s == s]
+    return {"keypoints": int(info.get("scene_keypoints", 0)), "correspondences": int(info.get("correspondences", 0)),
+            "hypotheses": int(info.get("hypotheses", 0)), "best_score": max(scores) if scores else None,
+            "detections": len(dets)}
 
 
 #: formats whose files can hold an offset (the LAS header's): elsewhere an origin was chosen

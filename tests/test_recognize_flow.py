@@ -125,3 +125,25 @@ def test_precision_of_no_detections_is_undefined_not_zero():
     assert s["precision"] == 0.0 and s["recall"] is None
     s = summarize([ev(3, 1, 1)])
     assert s["precision"] == 0.75 and s["recall"] == 0.75
+
+
+def test_no_detections_say_which_stage_lost_them():
+    """Recognised scenes with no detection at all: the summary sums each scene's funnel and one
+    note names the stage that lost them (no correspondence, no hypothesis, none verified)."""
+    from scanforest.flows.recognize import no_detections_note, summarize
+
+    def rec(kp, corr, hyp, best, det=0):
+        return {"status": "recognized", "detections": det, "funnel": {
+            "keypoints": kp, "correspondences": corr, "hypotheses": hyp, "best_score": best, "detections": det}}
+
+    s = summarize([rec(100, 0, 0, None), rec(50, 0, 0, None)])
+    assert s["funnel"] == {"keypoints": 150, "correspondences": 0, "hypotheses": 0, "detections": 0,
+                           "best_score": None}
+    assert "none of their 150 keypoints matched" in no_detections_note(s, {})
+    s = summarize([rec(100, 40, 0, None), rec(50, 2, 0, None)])
+    assert "42 correspondences formed no group of 4" in no_detections_note(s, {"cg_thresh": 4, "method": "gc"})
+    s = summarize([rec(100, 40, 3, 0.31), rec(50, 20, 1, 0.12)])
+    note = no_detections_note(s, {"min_inlier_fraction": 0.7})
+    assert "4 hypotheses, none verified" in note and "0.31" in note and "0.7" in note
+    assert no_detections_note(summarize([rec(100, 40, 3, 0.9, det=1)]), {}) is None
+    assert no_detections_note(summarize([{"status": "skipped", "detections": 0}]), {}) is None

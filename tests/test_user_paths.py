@@ -117,6 +117,9 @@ def test_pcl_clouds_through_every_stage_and_the_report(user_env, tmp_path, pcl_d
     rows = rows[np.isfinite(rows).all(axis=1)][:50]
     d, i, st = shard.query(rows, 4, return_stats=True)
     assert (i[:, 0] >= 0).all() and (d[:, 0] == 0).all() and st["graph_rounds"] == 2, st  # each row finds itself
+    # no detection at all: one note names the stage that lost them (a bare 0 sent users looking everywhere)
+    out = _ok(sf("recognize", store, "-s", scene, "--cg-thresh", "500", env=user_env, cwd=tmp_path))
+    assert "note: no detections in 1 scene: " in out and "no group of 500 consistent ones" in out, out
 
 
 def _render_in_chromium(html: Path, tmp_path: Path) -> None:

@@ -125,6 +125,15 @@ def warn_box_origin(summary: dict, noun: str) -> None:
                    "position as \"origin\" in the scan's sidecar (NAME.gt.json beside the file) and ingest it again")
 
 
+def note_no_detections(summary: dict, params: dict | None) -> None:
+    """One line where recognised scenes gave no detection: the stage that lost them."""
+    from scanforest.flows.recognize import no_detections_note
+
+    line = no_detections_note(summary, params)
+    if line:
+        typer.echo(f"note: {line}")
+
+
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command()
     def ingest(

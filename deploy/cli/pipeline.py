@@ -14,6 +14,7 @@ from .core import (
     StoreArg,
     WorkersOpt,
     choose_device,
+    note_no_detections,
     print_summary,
     warn_box_origin,
 )
@@ -275,6 +276,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         print_summary(f"one pass over the scenes of {store}", res, as_json=as_json)
         if not as_json:
             warn_box_origin(res, "scene")
+            note_no_detections(p, params)
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
         if p.get("failed"):
@@ -333,6 +335,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                       keys=("scenes", "recognized", "skipped", "failed", "detections", "from_stored", "recomputed",
                             "precision", "recall", "seconds", "workers"))
         if not as_json:
+            note_no_detections(res, params)
             for reason, n in res.get("recompute_reasons", {}).items():
                 typer.echo(f"described and matched again ({n} scene{'s' if n != 1 else ''}): {reason}")
             listed = res.get("recomputed_scenes", {})
