@@ -93,12 +93,15 @@ def resolve_scan_names(st, names: list[str] | None) -> list[str] | None:
 
 
 def check_index_build(store: str, reference: list[str] | None, shards, params: dict | None, dtype: str, *,
-                      library: str | None = None) -> ScanStore:
-    """User errors of an index build, found before any cluster starts: the reference is either
-    scans (``reference``) or a stored model library (``library``), not both."""
+                      library: str | None = None, name: str = "default") -> ScanStore:
+    """User errors of an index build, found before any cluster starts: the index's ``name`` is
+    one node of the store, and the reference is either scans (``reference``) or a stored model
+    library (``library``), not both."""
     from scanforest.kernels.errors import InputError
     from scanforest.kernels.knn.kdforest import METHODS as KDFOREST_METHODS
+    from scanforest.tasks.store.catalog import check_name
 
+    check_name("index", name)
     st = open_store(store)
     if library is not None:
         if reference:

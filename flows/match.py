@@ -38,7 +38,7 @@ def index_build_flow(store: str, reference: list[str] | None = None, name: str =
     with :func:`scanforest.kernels.knn.sharded.plan_shards` (an index that cannot fit is refused
     before anything is written)."""
     store = absolute_path(store)
-    st = check_index_build(store, reference, shards, params, dtype, library=library)
+    st = check_index_build(store, reference, shards, params, dtype, library=library, name=name)
     source = None
     if library is not None:
         ref, ref_scan, ref_row, scans, source = idx.collect_library_reference(st, library)
@@ -188,7 +188,7 @@ def run_index_build(store, reference=None, **kw):
     store = absolute_path(store)
     reference = None if reference is None else list(reference)
     check_index_build(store, reference, kw.get("shards", 1), kw.get("params"), kw.get("dtype", "float32"),
-                      library=kw.get("library"))
+                      library=kw.get("library"), name=kw.get("name", "default"))
     ensure_prefect_api()
     return index_build_flow(store=store, reference=reference, **kw)
 

@@ -54,11 +54,16 @@ class _LocalAPI:
         import subprocess
         import sys
 
+        # its own session: a Ctrl-C at the terminal goes to the command, not to its API (which
+        # died with it, and the flow's crash handling then called the dead API for minutes); it
+        # stops with the command (stop(), at exit) or, killed, when its parent is gone
+        # (create_local_app's watch)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", "--factory", "scanforest.flows.prefect_api:create_local_app",
                  "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
-                env=self._env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+                env={**self._env, _PARENT_ENV: str(os.getpid())}, stdout=out, stderr=out,
+                stdin=subprocess.DEVNULL, start_new_session=True)
 
     def wait_ready(self, timeout: float = 90.0, attempts: int = 3) -> str:
         """Block until the API answers its health check (the first start migrates its database).
@@ -345,11 +350,33 @@ def _marker_path() -> str:
     return os.path.join(str(get_current_settings().home), MIGRATED_MARKER)
 
 
+#: the pid of the command a temporary local API serves (its parent): the API exits when it is gone
+_PARENT_ENV = "SCANFOREST_API_PARENT"
+
+
+def _exit_with_parent(parent: int, every: float = 1.0) -> None:
+    """Exit this process (the temporary API, in a session of its own) once ``parent`` is no
+    longer its parent: the command was killed without its exit handlers stopping it."""
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="sf-parent-watch", daemon=True).start()
+
+
 def create_local_app():
     """Prefect's ``create_app()`` for the temporary local API, without the migration check where
-    the marker says this Prefect made it (see the section above)."""
+    the marker says this Prefect made it (see the section above); it exits when the command that
+    started it is gone."""
     import prefect.context
 
+    parent = os.environ.get(_PARENT_ENV, "")
+    if parent.isdigit():
+        _exit_with_parent(int(parent))
     key = None
     with contextlib.suppress(Exception):
         key = _database_key()

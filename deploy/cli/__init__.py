@@ -58,13 +58,45 @@ FLOW_COMMANDS = {"ingest", "describe", "index", "match", "recognize", "align-sto
 CHECK_FIRST = {"describe", "match"}
 
 
+#: seconds a command gets, after a Ctrl-C, to stop on its own (its run marked crashed, its local
+#: cluster and API closed) before it exits anyway
+INTERRUPT_GRACE = 6.0
+
+
+def _stop_on_interrupt() -> None:
+    """Ctrl-C stops the command: the first one raises KeyboardInterrupt in it and exits after
+    :data:`INTERRUPT_GRACE` seconds at the latest, a second one at once (exit 130 either way).
+    Without this, a Ctrl-C also killed the local cluster's workers, and the flow's threads waited
+    for their results for good. What is written stays; the run is marked interrupted (in Prefect
+    by the command's watchdog, in the store by the next run) and a rerun resumes."""
+    import os
+    import signal
+    import threading
+
+    def handler(signum, frame):
+        if getattr(handler, "fired", False):
+            os._exit(130)
+        handler.fired = True
+        sys.stderr.write("interrupted: stopping (what is written stays, a rerun resumes; Ctrl-C again quits "
+                         "at once)\n")
+        timer = threading.Timer(INTERRUPT_GRACE, os._exit, args=(130,))
+        timer.daemon = True
+        timer.start()
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, handler)
+
+
 def main() -> None:
     """Console entry point: user errors print one clear line and exit 2, not a traceback; so does
-    a write that fails during a run because of where it writes (a full disk: ``_store``)."""
+    a write that fails during a run because of where it writes (a full disk: ``_store``). Ctrl-C
+    stops the command within seconds, exit 130 (:func:`_stop_on_interrupt`)."""
     from scanforest.kernels.errors import ScanforestError
 
     from ._store import write_failure
 
+    _stop_on_interrupt()
     args = sys.argv[1:]
     if args and args[0] in FLOW_COMMANDS - CHECK_FIRST and not {"--help", "-h"} & set(args):
         from scanforest.flows.prefect_api import start_prefect_api
@@ -72,6 +104,8 @@ def main() -> None:
         start_prefect_api()
     try:
         app()
+    except KeyboardInterrupt:
+        sys.exit(130)
     except ScanforestError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(2)

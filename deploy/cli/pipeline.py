@@ -133,7 +133,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                   "random_dims": random_dims, "seed": seed, **({} if recall is None else {"recall": recall}),
                   **({} if graph is None else {"graph_degree": graph, "graph_budget": graph_budget,
                                                "graph_expand": graph_expand, "graph_rounds": graph_rounds})}
-        check_index_build(store, chosen, shards, params, dtype, library=library)
+        check_index_build(store, chosen, shards, params, dtype, library=library, name=name)
         from scanforest.flows.match import run_index_build
 
         res = run_index_build(store, chosen, name=name, params=params, device=choose_device(device),

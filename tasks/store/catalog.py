@@ -14,6 +14,7 @@ a worker loads from them (a library, an index's shards) by the store's path and 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections import OrderedDict
 from typing import Any, Callable, Protocol
@@ -31,7 +32,24 @@ class OpenedStore(Protocol):
     path: str
     root: Any
 
+def plain_name(name) -> bool:
+    """Whether ``name`` can be one node of the store (no path separator, not ``.`` or ``..``)."""
+    return isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name \
+        and os.sep not in name
+
+
+def check_name(kind: str, name) -> str:
+    """``name`` of a library, an index or a sequence, refused unless it is one node of the store:
+    an empty name named the ``libraries`` (``indexes``) group itself, and writing it removed every
+    library (index) of the store; ``a/b`` nests one inside another, ``..`` leaves the store."""
+    if not plain_name(name):
+        raise InputError(f"{kind} name {name!r} cannot name {'an' if kind[0] in 'aeiou' else 'a'} {kind} of the "
+                         "store: give a non-empty name without '/' that is not '.' or '..'")
+    return name
+
+
 LIBRARIES = "libraries"
+_KIND_NOUN = {"libraries": "library", "indexes": "index", "sequences": "sequence", "runs": "run"}
 INDEXES = "indexes"
 SEQUENCES = "sequences"
 RUNS = "runs"
@@ -53,6 +71,7 @@ class Catalog:
 
     def _member(self, kind: str, name: str, *, complete: bool = True):
         """The group ``kind/name`` (only when complete, by default), or None."""
+        check_name(_KIND_NOUN[kind], name)
         g = self._kind(kind)
         if g is None or name not in g:
             return None
@@ -67,6 +86,7 @@ class Catalog:
 
     def _new(self, kind: str, name: str):
         """A fresh group ``kind/name`` (an existing one of that name removed), not yet complete."""
+        check_name(_KIND_NOUN[kind], name)
         g = self.store.root.require_group(kind)
         if name in g:
             del g[name]

@@ -30,7 +30,7 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError
 
-from .catalog import Catalog
+from .catalog import Catalog, plain_name as _plain_name
 from .integrity import Integrity, _array_problems, _check_written, _raise_unwritten, _scan_problems, _spec_problem
 from .locks import LOCKS, Claims, file_lock
 
@@ -180,11 +180,6 @@ def _read_root_meta(path: Path) -> dict | None:
 #: unchanged, for the :data:`_SUMMARY_STORES` stores listed last
 _SUMMARIES: dict[str, dict[str, tuple[tuple[int, int, int], tuple[bool, float | None] | None]]] = {}
 _SUMMARY_STORES = 4
-
-
-def _plain_name(name: str) -> bool:
-    """Whether ``name`` can be one node of the store (no path separator, not ``.`` or ``..``)."""
-    return bool(name) and name not in (".", "..") and "/" not in name and os.sep not in name
 
 
 #: a cloud's per-point arrays (:class:`~scanforest.tasks.readers.PointCloud`'s): one row a point
