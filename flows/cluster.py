@@ -26,13 +26,27 @@ from .prefect_api import quiet_prefect_logs
 from .worker_setup import worker_plugin
 
 
-def check_workers(workers: int | None) -> int | None:
-    """A worker count below 1 is a user error, said in one line (the commands' ``--workers``
-    callback; None is the default count)."""
-    if workers is not None and int(workers) < 1:
-        from scanforest.kernels.errors import InputError
+#: local workers a core at most: more only divide the same cores, and each holds its own memory
+#: (``--workers 1000`` on 2 cores ran the machine out of memory and left 206 workers behind)
+MAX_WORKERS_PER_CORE = 4
 
+
+def check_workers(workers: int | None) -> int | None:
+    """A worker count below 1, or above :data:`MAX_WORKERS_PER_CORE` a core of this machine (at
+    least 8), is a user error, said in one line (the commands' ``--workers`` callback; None is the
+    default count)."""
+    if workers is None:
+        return workers
+    from scanforest.kernels.errors import InputError
+
+    if int(workers) < 1:
         raise InputError(f"--workers must be at least 1, got {workers}")
+    cores = os.cpu_count() or 1
+    most = max(8, MAX_WORKERS_PER_CORE * cores)
+    if int(workers) > most:
+        raise InputError(f"--workers {workers}: a local cluster of more than {MAX_WORKERS_PER_CORE} workers a core "
+                         f"only divides this machine's {cores} cores (and each worker holds its own memory): give "
+                         f"at most {most}")
     return workers
 
 

@@ -83,3 +83,20 @@ def check_output_folder(folder: str) -> None:
         raise InputError(f"cannot create {folder}: {there} is not a folder")
     _probe(there, f"cannot write in {folder}" if there == folder else
            f"cannot create {folder}: cannot write in {there}")
+
+
+def check_output_file(path: str, option: str) -> str:
+    """The file a command writes at the end (``report -o``, ``align -o``), checked before any
+    work: a user error in one line when it is a folder, when it lies inside a scan store (writing
+    ``STORE/zarr.json`` made the store unreadable), or when its folder cannot be made or written
+    (:func:`check_output_folder`). Returns the path, absolute."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise InputError(f"{option} {path} is a folder: give a file name")
+    there = os.path.dirname(path)
+    while there and there != os.path.dirname(there):
+        if os.path.isfile(os.path.join(there, "zarr.json")):
+            raise InputError(f"{option} {path} lies inside the scan store {there}: write it elsewhere")
+        there = os.path.dirname(there)
+    check_output_folder(os.path.dirname(path))
+    return path

@@ -138,6 +138,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             raise InputError(f"--model {model!r} is not a model; choose one of "
                              f"{', '.join(sorted(names))}")
         dev = resolve_device(device)
+        if out:  # a folder, a path inside a store or one that cannot be written: said before the work
+            from scanforest.tasks.preflight import check_output_file
+
+            check_output_file(out, "-o")
         M0 = init if init in INITS else load_init(init)  # before reading clouds: fail fast
         obs = load_points(observed)
         ref = load_points(reference)
@@ -147,6 +151,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         full = dict(res.to_dict(), observed=observed, reference=reference,
                     init=M0 if init in INITS else np.asarray(M0).tolist(), total_seconds=seconds)
         if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(full, indent=2))
         if as_json:
             typer.echo(json.dumps(full, indent=2))

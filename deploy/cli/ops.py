@@ -116,7 +116,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     ):
         """Write an HTML report: runs, throughput over time, benchmark curves, detections, failures."""
         from scanforest.flows.report import write_report
+        from scanforest.tasks.preflight import check_output_file
 
+        if out is not None:  # a folder or a path inside a store (its zarr.json!) is refused before the work
+            out = check_output_file(out, "--out")
         typer.echo(f"wrote {write_report(store, out or report_path(store), bench_dir=bench_dir)}")
 
     @app.command("run")

@@ -20,6 +20,21 @@ from .core import (
 )
 
 
+def _check_export(export: str | None) -> None:
+    """``--export`` names a folder that can be made and written: said before the work (an
+    existing file there was a traceback after the recognition)."""
+    if export:
+        import os
+
+        from scanforest.kernels.errors import InputError
+        from scanforest.tasks.preflight import check_output_folder
+
+        try:
+            check_output_folder(os.path.abspath(export))
+        except InputError as exc:
+            raise InputError(f"--export: {exc}") from None
+
+
 #: the recognition options of ``recognize`` and ``archive`` (PCL tutorial values)
 SceneSsOpt = typer.Option(0.03, help="Scene keypoint sampling (0.03).")
 MethodOpt = typer.Option("hough", help="hough | gc.")
@@ -249,6 +264,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                           if v is not None}
         params = {"scene_ss": scene_ss, "method": method, "cg_size": cg_size, "cg_thresh": cg_thresh}
         check_recognize_params(library_params, params)  # before Prefect's API or any ingest starts
+        _check_export(export)
         from scanforest.flows.archive import run_archive
         from scanforest.flows.recognize import export_results
 
@@ -325,6 +341,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         if library_params.get("voxel") is not None:  # the scenes thinned as the library's models are
             params["scene_voxel"] = library_params["voxel"]
         check_recognize(store, model_ids, scene_ids, library_params, params)
+        _check_export(export)
         from scanforest.flows.recognize import run_recognize
 
         dev = choose_device(device)
