@@ -226,9 +226,13 @@ def check_align(store: str, pairs: list[list[str]]) -> ScanStore:
 
     st = open_store(store)
     have = set(st.scans())
-    bad = [p for p in pairs if len(p) != 2 or p[0] not in have or p[1] not in have]
-    if bad:
-        raise InputError(f"align pairs must name two scans of the store; not found: {bad[:5]}")
+    for p in pairs:  # the first bad pair, and what is wrong with it
+        if len(p) != 2:
+            raise InputError(f"an align pair names two scans (OBSERVED:REFERENCE), got {':'.join(map(str, p))!r}")
+        missing = [s for s in p if s not in have]
+        if missing:
+            raise InputError(f"{st.path}: no scan {missing[0]!r} (align pair {p[0]}:{p[1]}; "
+                             f"scanforest info {st.path} --scans lists them)")
     return st
 
 

@@ -263,3 +263,13 @@ def test_archive_written_by_several_processes_is_the_same(tmp_path, archive):
     for a, b in zip(made["scenes"], par["scenes"]):
         assert a.read_bytes() == b.read_bytes()
         assert a.with_name(a.stem + ".gt.json").read_text() == b.with_name(b.stem + ".gt.json").read_text()
+
+
+def test_the_ignored_files_note_is_said_once(capsys):
+    """Ingest's note of the files it passed over goes to stderr as one line; the summary table
+    repeated it as a row (the same note twice)."""
+    from scanforest.deploy.cli.core import print_summary
+
+    print_summary("ingest", {"files": 2, "ignored": 1, "ignored_note": "ignored 1 file(s) (not a scan format): a.doc"})
+    out = capsys.readouterr().out
+    assert "a.doc" not in out and "ignored" in out

@@ -391,3 +391,24 @@ def test_write_scan_refuses_ids_and_arrays_that_are_not_a_scan(tmp_path):
         st.write_scan("s2", {"points": P}, {"when": object()})
     assert st.scans() == ["s1"] and np.array_equal(st.read("s1"), P)
     assert ScanStore(tmp_path / "s.zarr").verify() == []
+
+
+def test_library_and_index_names_are_one_node_of_the_store(tmp_path):
+    """An empty name was the libraries' (indexes') group itself: making it removed every other
+    one; ``a/b`` nested one in another and ``..`` left the store. Each is refused, nothing lost."""
+    import pytest as _pytest
+
+    from scanforest.kernels.errors import InputError
+    from scanforest.tasks.store import ScanStore
+
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    st.catalog.new_library("kept").attrs.update({"complete": True})
+    st.catalog.new_index("kept").attrs.update({"complete": True})
+    for bad in ("", ".", "..", "a/b", "../x"):
+        with _pytest.raises(InputError, match="cannot name a library"):
+            st.catalog.new_library(bad)
+        with _pytest.raises(InputError, match="cannot name an index"):
+            st.catalog.new_index(bad)
+        with _pytest.raises(InputError, match="cannot name a library"):
+            st.catalog.find_library(bad)
+    assert st.catalog.libraries() == ["kept"] and st.catalog.indexes() == ["kept"]

@@ -64,17 +64,14 @@ def _tree(path: Path) -> set[str]:
     (("archive", "{store}", "{store}.new", "--method", "ransac"), ("--method",)),  # before anything is ingested
     # an empty name was the libraries' (indexes') group itself: building it removed every other one
     (("library", "build", "{store}", "-m", "s0.pcd", "--name", ""), ("library name ''",)),
-    (("index", "build", "{store}", "-r", "s0.pcd", "--name", ""), ("index name ''",)),
     (("index", "build", "{store}", "-r", "s0.pcd", "--name", "../x"), ("index name '../x'",)),
-    (("recognize", "{store}", "-m", "s0.pcd", "--library", "a/b"), ("library name 'a/b'",)),
     # outputs refused before the work (a traceback after it; -o STORE/zarr.json made the store unreadable)
     (("report", "{store}", "-o", "{store}/zarr.json"), ("--out", "inside the scan store")),
     (("recognize", "{store}", "-m", "s0.pcd", "--export", "{store}/zarr.json"), ("--export", "not a folder")),
 ], ids=["shot-radius", "normal-k", "scan", "k", "queries", "index", "reference", "shards", "recall-and-budget",
         "recall-range", "graph-degree", "cg-size", "models", "voxel", "voxel-views", "workers", "workers-many",
         "archive-method",
-        "library-empty-name", "index-empty-name", "index-name-up", "library-nested-name", "report-into-store",
-        "export-to-a-file"])
+        "library-empty-name", "index-name-up", "report-into-store", "export-to-a-file"])
 def test_bad_parameters_fail_in_one_line_at_once(small_store, user_env, tmp_path, args, needles):
     """A deterministic user error is never retried and prints one line: no traceback, no 12-18 s
     of retries, nothing written into the store."""

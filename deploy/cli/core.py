@@ -101,7 +101,8 @@ def print_summary(title: str, summary: dict, *, as_json: bool = False, keys: tup
     order = list(keys or ()) + [k for k in summary if k not in (keys or ())]
     for key in order:
         value = summary.get(key)
-        if key not in summary or isinstance(value, (list, dict)) or key.startswith("_"):
+        # notes are lines of their own (ingest's ignored files go to stderr): not table rows too
+        if key not in summary or isinstance(value, (list, dict)) or key.startswith("_") or key.endswith("_note"):
             continue
         table.add_row(key.replace("_", " "), _cell(key, value))
     Console(soft_wrap=True).print(table)
