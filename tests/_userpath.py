@@ -51,9 +51,10 @@ def sf(*args: str, env: dict, cwd: Path, timeout: float = 600) -> subprocess.Com
     return subprocess.run([SCANFOREST, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
-def ok(proc: subprocess.CompletedProcess) -> str:
-    """The command succeeded with no traceback anywhere in its output; its stdout."""
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+def ok(proc: subprocess.CompletedProcess, code: int = 0) -> str:
+    """The command succeeded (exit ``code``: 1 for a batch with failed scans) with no traceback
+    anywhere in its output; its stdout."""
+    assert proc.returncode == code, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
     return proc.stdout
 

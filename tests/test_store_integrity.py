@@ -135,6 +135,52 @@ def test_read_many_equals_read_and_names_a_missing_array(tmp_path, rng):
     assert not stage_matches(st.stage("a", "match"), k=2) and not stage_matches(None)
 
 
+def _chunk_files(array_dir):
+    return sorted(p for p in (array_dir / "c").rglob("*") if p.is_file())
+
+
+def test_a_chunk_cut_short_or_altered_is_found_read_as_one_error_and_repaired(tmp_path, rng):
+    """A chunk file cut short (a full disk, a copy stopped) or with one byte altered (the
+    store's arrays carry zstd's checksum) is still a chunk file: ``verify`` reads every chunk
+    and finds it (``read=False`` does not, as before), a read of it is one error naming the
+    scan, the array and the repair, and ``repair`` removes the scan or drops the stage."""
+    from scanforest.tasks.store import StoreReadError
+
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    pts = {s: rng.normal(size=(3000, 3)).astype(np.float32) for s in "abc"}
+    for s, p in pts.items():
+        st.write_scan(s, {"points": p, "intensity": rng.random(len(p)).astype(np.float32)}, {"n_points": len(p)})
+    st.write_stage("b", "describe", {"kp_index": np.arange(50), "kp_shot": rng.random((50, 352)).astype(np.float32)},
+                   {"k": 1})
+    assert st.verify() == []
+    cut = _chunk_files(tmp_path / "s.zarr" / "scans" / "a" / "points")[0]
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    flip = _chunk_files(tmp_path / "s.zarr" / "scans" / "b" / "kp_shot")[0]
+    data = bytearray(flip.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flip.write_bytes(bytes(data))
+
+    assert st.verify(read=False) == []  # the files are all there
+    found = {p["scan_id"]: p for p in st.verify()}
+    assert set(found) == {"a", "b"} and found["a"]["problem"] == "damaged" and found["b"]["problem"] == "stage"
+    assert "'points' rows 0-2999 do not read back" in found["a"]["detail"]
+    assert "'kp_shot'" in found["b"]["detail"]
+    for read in (lambda: st.read("a"), lambda: st.read_many("a", ["intensity", "points"]), lambda: st.read_cloud("a"),
+                 lambda: st.read_many("b", ["kp_index", "kp_shot"])):
+        with pytest.raises(StoreReadError) as err:
+            read()
+        msg = str(err.value)
+        assert "cannot be read" in msg and "scanforest check" in msg and "--repair" in msg and len(msg.splitlines()) == 1
+        assert ("'a', array 'points'" in msg) or ("'b', array 'kp_shot'" in msg), msg
+    assert isinstance(err.value, InputError)  # a user error: a scan's one-line failure, not retried
+    np.testing.assert_array_equal(st.read("c"), pts["c"])
+
+    done = {p["scan_id"]: p["action"] for p in st.repair()}
+    assert set(done) == {"a", "b"} and "removed" in done["a"] and "dropped" in done["b"]
+    assert st.verify() == [] and st.scans() == ["b", "c"] and not st.has_stage("b", "describe")
+    np.testing.assert_array_equal(st.read("b"), pts["b"])
+
+
 def test_incomplete_and_leftover_groups_are_found(tmp_path, rng):
     st = ScanStore(tmp_path / "s.zarr", create=True)
     st.write_scan("ok", {"points": np.ones((4, 3), np.float32)}, {"n_points": 4})

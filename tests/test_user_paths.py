@@ -146,8 +146,9 @@ def _render_in_chromium(html: Path, tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ user errors: one line, exit 2
 def test_a_scan_that_cannot_be_described_fails_alone(user_env, tmp_path):
-    """One bad scan (2 points) in a batch: recorded as failed with its id and reason, the others
-    are described, the command says so and exits 0; the run record and the report show it."""
+    """One bad scan (2 points) and one whose stored chunk was cut short (a full disk, a copy
+    stopped) in a batch: each recorded as failed with its id and one-line reason, the others
+    are described, the command says so and exits 1; the run record and the report show it."""
     from scanforest.tasks.readers import write_cloud
 
     src = tmp_path / "scans"
@@ -158,16 +159,20 @@ def test_a_scan_that_cannot_be_described_fails_alone(user_env, tmp_path):
     write_cloud(src / "tiny.pcd", rng.random((2, 3)).astype(np.float32))
     store = tmp_path / "s.zarr"
     _ok(sf("ingest", str(src), str(store), "--workers", "1", env=user_env, cwd=tmp_path))
+    chunk = store / "scans" / "ok2.pcd" / "points" / "c" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:100])
     out = _ok(sf("describe", str(store), "--keypoint-radius", "0.2", "--shot-radius", "0.2",
-                 env=user_env, cwd=tmp_path))
+                 env=user_env, cwd=tmp_path), code=1)
     assert re.search(r"failed: tiny\.pcd: .+", out), out
-    assert re.search(r"described\s*│\s*3", out), out
+    assert re.search(r"failed: ok2\.pcd: .*array 'points' cannot be read .*scanforest check .* --repair", out), out
+    assert re.search(r"described\s*│\s*2", out), out
     from scanforest.tasks.store import ScanStore
 
     st = ScanStore(store, mode="r")
     assert st.has_stage("ok0.pcd", "describe") and not st.has_stage("tiny.pcd", "describe")
     run = [r for r in st.runs() if r["flow"] == "describe"][-1]
     assert run["status"] == "completed"
-    assert [r["scan_id"] for r in run["records"] if r["status"] == "failed"] == ["tiny.pcd"]
+    assert sorted(r["scan_id"] for r in run["records"] if r["status"] == "failed") == ["ok2.pcd", "tiny.pcd"]
+    assert not any("traceback" in r for r in run["records"])  # user errors, not crashes
     _ok(sf("report", str(store), "-o", str(tmp_path / "r.html"), env=user_env, cwd=tmp_path))
     assert "tiny.pcd" in (tmp_path / "r.html").read_text()

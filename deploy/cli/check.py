@@ -24,17 +24,21 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         store: str = typer.Argument(..., help="The Zarr scan store."),
         repair: bool = typer.Option(False, "--repair", help="Remove damaged scans and stages so the next "
                                     "ingest or stage rewrites them."),
+        quick: bool = typer.Option(False, "--quick", help="Check the metadata and that every chunk file "
+                                   "exists, without reading the chunks (a chunk cut short or altered "
+                                   "is then not found)."),
         json_out: bool = typer.Option(False, "--json", help="Print the problems (and repairs) as JSON."),
     ):
         """Check every scan against its attrs: leftover or incomplete groups, missing or short arrays,
-        stages recorded without their arrays, and ids that an older version gave several files.
-        Exit 0 when clean, 1 when problems remain."""
+        chunks that do not read back (cut short or altered on disk), stages recorded without their
+        arrays, and ids that an older version gave several files. Exit 0 when clean, 1 when
+        problems remain."""
         from scanforest.tasks.store import ScanStore
 
         st = ScanStore(store, mode="a" if repair else "r")
-        found = st.verify()
-        fixed = st.repair() if repair and found else []
-        remaining = st.verify() if repair else found
+        found = st.verify(read=not quick)
+        fixed = st.repair(read=not quick) if repair and found else []
+        remaining = st.verify(read=not quick) if repair else found
         if fixed:
             st.write_run(_run_id(), {"flow": "repair", "records": fixed})
         if json_out:

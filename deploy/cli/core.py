@@ -126,6 +126,13 @@ def warn_box_origin(summary: dict, noun: str) -> None:
                    "position as \"origin\" in the scan's sidecar (NAME.gt.json beside the file) and ingest it again")
 
 
+def exit_if_failed(summary: dict) -> None:
+    """Exit 1 when some scans (scenes, pairs) of a batch failed: the others were done and
+    recorded, the summary said which failed and why; a script or a scheduler sees it."""
+    if summary.get("failed"):
+        raise typer.Exit(1)
+
+
 def note_no_detections(summary: dict, params: dict | None) -> None:
     """One line where recognised scenes gave no detection: the stage that lost them."""
     from scanforest.flows.recognize import no_detections_note

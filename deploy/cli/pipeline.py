@@ -14,6 +14,7 @@ from .core import (
     StoreArg,
     WorkersOpt,
     choose_device,
+    exit_if_failed,
     note_no_detections,
     print_summary,
     warn_box_origin,
@@ -98,6 +99,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                    workers=workers, progress=not as_json)
         print_summary(f"describe {store}", summary, as_json=as_json,
                       keys=("scans", "described", "skipped", "failed", "keypoints", "seconds", "workers"))
+        exit_if_failed(summary)
 
     index_app = typer.Typer(help="Nearest-neighbour indexes over stored descriptors.", no_args_is_help=True)
     app.add_typer(index_app, name="index")
@@ -197,6 +199,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         title = f"library {library!r} (index {name!r})" if library is not None else f"index {name!r}"
         print_summary(f"match {store} against {title}", res, as_json=as_json,
                       keys=("scans", "matched", "queries", "k", "shards", "seconds", "workers"))
+        exit_if_failed(res)
 
     @app.command("align-store")
     def align_store(
@@ -230,6 +233,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                 if r.get("status") != "failed":
                     typer.echo(f"{r.get('scan_id', '?')} -> {r.get('reference', '?')}: {r.get('status')}"
                                + (f", {r['iterations']} iterations" if "iterations" in r else ""))
+        exit_if_failed(res)
 
     @app.command("archive")
     def archive_cmd(
@@ -295,8 +299,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             note_no_detections(p, params)
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
-        if p.get("failed"):
-            raise typer.Exit(1)
+        exit_if_failed(p)
 
     @app.command("recognize")
     def recognize_cmd(
@@ -364,3 +367,4 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             warn_box_origin(res, "scene")
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
+        exit_if_failed(res)

@@ -42,10 +42,10 @@ from __future__ import annotations
 from .catalog import Catalog
 from .locks import LOCKS, file_lock
 from .scans import (CHUNK_ROWS, ID_HASH_HEX, ID_HASH_MARK, LAYOUT_VERSION, MAX_ID_BYTES, WHERE_ERRNOS, ScanStore,
-                    StoreWriteError, _jsonable, iter_chunks, legacy_scan_id, local_points, scan_id_for,
+                    StoreReadError, StoreWriteError, _jsonable, iter_chunks, legacy_scan_id, local_points, scan_id_for,
                     scan_origin, sha256_bytes, sha256_file, stage_digest, stage_matches, utc_now)
 
 __all__ = ["CHUNK_ROWS", "ID_HASH_HEX", "ID_HASH_MARK", "LAYOUT_VERSION", "LOCKS", "MAX_ID_BYTES", "WHERE_ERRNOS",
-           "Catalog", "ScanStore", "StoreWriteError", "_jsonable", "file_lock", "iter_chunks",
+           "Catalog", "ScanStore", "StoreReadError", "StoreWriteError", "_jsonable", "file_lock", "iter_chunks",
            "legacy_scan_id", "local_points", "scan_id_for", "scan_origin", "sha256_bytes", "sha256_file",
            "stage_digest", "stage_matches", "utc_now"]

@@ -19,22 +19,25 @@ class Integrity:
     """The checks and repairs of a :class:`~scanforest.tasks.store.scans.ScanStore` (a mixin: it
     uses the store's ``path``, ``root``, claims, scans and runs)."""
 
-    def verify(self) -> list[dict[str, str]]:
+    def verify(self, *, read: bool = True) -> list[dict[str, str]]:
         """Scans that are not what their attrs say, one record each: ``scan_id``, ``problem``
         and ``detail``. Problems:
 
         ``leftover``    a folder under ``scans/`` without Zarr metadata (an interrupted delete)
         ``incomplete``  a group never flipped complete (a killed writer)
-        ``damaged``     complete, but a promised array is missing, has another shape or dtype, or
-                        lacks chunk files (``points`` must exist and match ``n_points``)
-        ``stage``       a stage is recorded whose arrays are missing or cut short
+        ``damaged``     complete, but a promised array is missing, has another shape or dtype,
+                        lacks chunk files, or (``read``) has a chunk that does not decode: cut
+                        short or altered (``points`` must exist and match ``n_points``)
+        ``stage``       a stage is recorded whose arrays are missing, cut short or do not decode
         ``collision``   several files were written as this one id (:meth:`collisions`)
 
-        A scan whose claim another process holds is being written and is not judged.
+        ``read=False`` checks the metadata and the chunk files' presence only (every chunk is
+        otherwise read and decoded, one chunk row at a time). A scan whose claim another process
+        holds is being written and is not judged.
         """
-        return self._damage() + self.collisions()
+        return self._damage(read=read) + self.collisions()
 
-    def _damage(self) -> list[dict[str, str]]:
+    def _damage(self, *, read: bool = False) -> list[dict[str, str]]:
         """:meth:`verify`'s problems of the scans' own groups (all but collisions)."""
         scans_dir = Path(self.path) / "scans"
         if not scans_dir.is_dir():
@@ -45,7 +48,7 @@ class Integrity:
                 continue
             with file_lock(self._lock_path("scans", entry.name), wait=False, create=False) as free:
                 if free:
-                    out += self._problems_of(entry.name)
+                    out += self._problems_of(entry.name, read=read)
         return out
 
     def collisions(self) -> list[dict[str, str]]:
@@ -82,7 +85,7 @@ class Integrity:
                                       "to give each file its own id"})
         return out
 
-    def _problems_of(self, scan_id: str) -> list[dict[str, str]]:
+    def _problems_of(self, scan_id: str, *, read: bool = False) -> list[dict[str, str]]:
         def rec(problem: str, detail: str) -> dict[str, str]:
             return {"scan_id": scan_id, "problem": problem, "detail": detail}
 
@@ -91,39 +94,40 @@ class Integrity:
         grp = self.root["scans"][scan_id]
         if not grp.attrs.get("complete", False):
             return [rec("incomplete", "never marked complete (an interrupted write)")]
-        damage = _scan_problems(grp)
+        damage = _scan_problems(grp, read=read)
         if damage:
             return [rec("damaged", "; ".join(damage))]
         return [rec("stage", f"stage {stage!r}: " + "; ".join(found))
-                for stage, found in _stage_problems(grp).items()]
+                for stage, found in _stage_problems(grp, read=read).items()]
 
-    def repair(self) -> list[dict[str, str]]:
+    def repair(self, *, read: bool = True) -> list[dict[str, str]]:
         """Fix what :meth:`verify` finds so that the next run rewrites it; returns what was done.
 
         A leftover, incomplete or damaged scan is removed (the next ingest writes it again from
         its source); a damaged stage loses its record and its arrays (the next run of that stage
         redoes it). Each fix happens under the scan's claim after checking again, so a scan
         that a writer is busy with is left alone. A collision stays: only an ingest fixes it.
+        ``read``: as :meth:`verify`'s.
         """
         self._writable()
         done = []
-        for sid in sorted({found["scan_id"] for found in self._damage()}):
+        for sid in sorted({found["scan_id"] for found in self._damage(read=read)}):
             with self.claim(sid, wait=False) as free:
-                probs = self._problems_of(sid) if free else []
+                probs = self._problems_of(sid, read=read) if free else []
                 if probs and probs[0]["problem"] == "stage":
-                    self._drop_damaged_stages(sid)
+                    self._drop_damaged_stages(sid, read=read)
                     done += [{**p, "action": "stage record and arrays dropped (run the stage again)"} for p in probs]
                 elif probs:
                     shutil.rmtree(Path(self.path) / "scans" / sid)
                     done.append({**probs[0], "action": "scan removed (ingest again to restore it)"})
         return done
 
-    def _drop_damaged_stages(self, scan_id: str) -> None:
+    def _drop_damaged_stages(self, scan_id: str, *, read: bool = False) -> None:
         grp = self.root["scans"][scan_id]
         stages = dict(grp.attrs.get("stages", {}))
         base = set(grp.attrs.get("arrays", {})) | {"points"}
         keys = set(grp.array_keys())
-        for stage in _stage_problems(grp):
+        for stage in _stage_problems(grp, read=read):
             rec = stages.pop(stage)
             for name in set(rec.get("arrays", {})) - base:
                 if name in keys:
@@ -137,8 +141,9 @@ def _run_order(run: dict[str, Any]) -> tuple[str, str]:
 
 
 
-def _array_problems(grp, promised: dict[str, Any]) -> list[str]:
-    """How the group's arrays differ from ``promised`` (``{name: {shape, dtype}}``)."""
+def _array_problems(grp, promised: dict[str, Any], *, read: bool = False) -> list[str]:
+    """How the group's arrays differ from ``promised`` (``{name: {shape, dtype}}``); ``read``:
+    and which of them has a chunk that does not decode (:func:`_unreadable`)."""
     keys = set(grp.array_keys())
     out = []
     for name, spec in promised.items():
@@ -147,9 +152,27 @@ def _array_problems(grp, promised: dict[str, Any]) -> list[str]:
             continue
         z = grp[name]
         problem = _spec_problem(name, spec, list(z.shape), str(z.dtype), z.nchunks, z.nchunks_initialized)
+        if problem is None and read:
+            problem = _unreadable(name, z)
         if problem:
             out.append(problem)
     return out
+
+
+def _unreadable(name: str, z) -> str | None:
+    """Whether every chunk of the array ``z`` decodes, read one row of chunks at a time (a scan
+    of any size in bounded memory): the first that does not, or None."""
+    rows = z.chunks[0] if z.ndim else 1
+    n = z.shape[0] if z.ndim else 1
+    for start in range(0, n, max(1, rows)):
+        try:
+            z[start:start + rows] if z.ndim else z[...]
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - what a damaged chunk raises depends on its codec
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return f"array {name!r} rows {start}-{min(n, start + rows) - 1} do not read back ({why})"
+    return None
 
 
 def _spec_problem(name: str, spec: dict[str, Any], shape: list, dtype: str, nchunks: int, have: int) -> str | None:
@@ -161,25 +184,26 @@ def _spec_problem(name: str, spec: dict[str, Any], shape: list, dtype: str, nchu
     return None
 
 
-def _scan_problems(grp) -> list[str]:
+def _scan_problems(grp, *, read: bool = False) -> list[str]:
     """A complete scan's damage. Scans written before the ``arrays`` record existed are checked
     for their ``points`` against ``n_points`` only."""
     a = grp.attrs
     promised = a.get("arrays")
     if promised is not None:
-        return _array_problems(grp, promised)
+        return _array_problems(grp, promised, read=read)
     if "points" not in set(grp.array_keys()):
         return ["array 'points' is missing"]
     rows = grp["points"].shape[0]
     if "n_points" in a and rows != a["n_points"]:
         return [f"array 'points' has {rows} rows, attrs say n_points = {a['n_points']}"]
-    return []
+    bad = _unreadable("points", grp["points"]) if read else None
+    return [bad] if bad else []
 
 
-def _stage_problems(grp) -> dict[str, list[str]]:
+def _stage_problems(grp, *, read: bool = False) -> dict[str, list[str]]:
     out = {}
     for stage, rec in grp.attrs.get("stages", {}).items():
-        found = _array_problems(grp, rec["arrays"]) if isinstance(rec, dict) and "arrays" in rec else []
+        found = _array_problems(grp, rec["arrays"], read=read) if isinstance(rec, dict) and "arrays" in rec else []
         if found:
             out[stage] = found
     return out
