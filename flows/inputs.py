@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from scanforest.tasks.options import check_option, check_options, flag
+
 if TYPE_CHECKING:
     from scanforest.tasks.store import ScanStore
 
@@ -120,16 +122,10 @@ def check_index_build(store: str, reference: list[str] | None, shards, params: d
     p = params or {}
     if p.get("method", "banns") not in KDFOREST_METHODS:
         raise InputError(f"--method must be one of {', '.join(KDFOREST_METHODS)}, got {p.get('method')!r}")
-    for key in ("leaf_size", "backtracks"):
-        if p.get(key) is not None and int(p[key]) < 1:
-            raise InputError(f"--{key.replace('_', '-')} must be at least 1, got {p[key]}")
-    if p.get("recall") is not None:
-        from scanforest.kernels.knn.kdforest import check_recall
-
-        check_recall(p["recall"])
-        if p.get("backtracks") is not None:
-            raise InputError(f"give --recall or --backtracks, not both (got --recall {p['recall']} and "
-                             f"--backtracks {p['backtracks']})")
+    check_options(p, names=("leaf_size", "backtracks", "recall", "random_dims", "seed"))
+    if p.get("recall") is not None and p.get("backtracks") is not None:
+        raise InputError(f"give --recall or --backtracks, not both (got --recall {p['recall']} and "
+                         f"--backtracks {p['backtracks']})")
     check_graph_options(p)
     if dtype not in ("float32", "float16"):
         raise InputError(f"--dtype must be float32 or float16, got {dtype!r}")
@@ -144,12 +140,7 @@ def check_graph_options(p: dict) -> None:
     if p.get("graph_degree") is not None:
         if p.get("method", "banns") == "exact":
             raise InputError("--graph needs a forest (--method banns or anns): an exact index searches every row")
-        for flag, key, lo, hi in (("--graph", "graph_degree", 1, 256), ("--graph-budget", "graph_budget", 1, None),
-                                  ("--graph-expand", "graph_expand", 1, 256), ("--graph-rounds", "graph_rounds", 0, 16)):
-            v = p.get(key)
-            if v is not None and not (lo <= int(v) and (hi is None or int(v) <= hi)):
-                raise InputError(f"{flag} must be " + (f"in {lo}..{hi}" if hi is not None else f"at least {lo}")
-                                 + f", got {v}")
+        check_options(p, names=("graph_degree", "graph_budget", "graph_expand", "graph_rounds"))
 
 
 def check_match(store: str, queries: list[str] | None, k: int, name: str) -> tuple[ScanStore, dict]:
@@ -157,9 +148,8 @@ def check_match(store: str, queries: list[str] | None, k: int, name: str) -> tup
     and the query scans (each must exist and be described)."""
     from scanforest.kernels.errors import InputError
 
+    check_option("-k", k)
     st = open_store(store)
-    if int(k) < 1:
-        raise InputError(f"-k must be at least 1, got {k}")
     attrs = st.catalog.index_attrs(name)
     if queries is not None:
         have = set(st.scans())
@@ -170,28 +160,40 @@ def check_match(store: str, queries: list[str] | None, k: int, name: str) -> tup
     return st, attrs
 
 
-#: recognition parameters that are lengths or thresholds: positive when given
-_POSITIVE = ("model_ss", "scene_ss", "rf_rad", "descr_rad", "cg_size", "cg_thresh", "voxel")
+#: the recognition and library parameters that are options of ``recognize``, ``archive`` and
+#: ``library build``, checked by their options' rules (:mod:`scanforest.tasks.options`)
+_OPTIONS = ("model_ss", "scene_ss", "rf_rad", "descr_rad", "cg_size", "cg_thresh", "voxel", "normal_k",
+            "normal_radius", "views")
 
 
 def check_recognize_params(library_params: dict | None, params: dict | None):
     """The recognition and library parameters' own user errors (no store needed: the archive
-    flow checks them before it ingests); the checked ``RecognizeParams``."""
+    flow checks them before it ingests), each named by its option; the checked ``RecognizeParams``."""
     from scanforest.kernels.errors import InputError
 
-    for key, v in {**(library_params or {}), **(params or {})}.items():
-        if key in _POSITIVE and v is not None and not float(v) > 0:
-            raise InputError(f"--{key.replace('_', '-')} must be positive, got {v}")
+    check_options(library_params, names=_OPTIONS)
+    check_options(params, names=_OPTIONS)
     from scanforest.tasks.library import check_voxel_views
 
     check_voxel_views(library_params)
-    method = (params or {}).get("method")
+    p = params or {}
+    method = p.get("method")
     if method is not None and method not in ("hough", "gc"):
         raise InputError(f"--method must be hough or gc, got {method!r}")
+    if method == "gc" and p.get("cg_thresh") is not None and float(p["cg_thresh"]) < 3:
+        raise InputError(f"--cg-thresh must be at least 3 with --method gc (a pose needs 3 correspondences), "
+                         f"got {p['cg_thresh']}")
     from scanforest.kernels.recognition import RecognizeParams
 
-    # the rest of what every worker's recognize() will check: names and values
-    return RecognizeParams().replace(**(params or {}))
+    # the rest of what every worker's recognize() will check: names and values, a parameter's
+    # message under its option's name (RecognizeParams says ``descr_rad must ...``)
+    try:
+        return RecognizeParams().replace(**p)
+    except InputError as exc:
+        name = str(exc).split(" ", 1)[0]
+        if name in p:
+            raise InputError(flag(name) + str(exc)[len(name):]) from None
+        raise
 
 
 def check_recognize(store: str, models: list[str], scenes: list[str] | None, library_params: dict | None,

@@ -73,7 +73,7 @@ def motion_flow(store: str, sequences: list[str] | None = None, source: str | No
     colour-wheel images; ``batch`` pairs per task (and per kernel launch).
     """
     t0 = time.perf_counter()
-    methods = check_motion(methods, tracker, source)
+    methods = check_motion(methods, tracker, source, params, batch)
     with dask_client(scheduler, n_workers=workers, device=device) as client:
         nw = n_workers(client)
         ingested = None
@@ -116,9 +116,15 @@ def motion_flow(store: str, sequences: list[str] | None = None, source: str | No
     return summary
 
 
-def check_motion(methods=None, tracker: str = "builtin", source: str | None = None) -> list[str]:
+def check_motion(methods=None, tracker: str = "builtin", source: str | None = None, params: dict | None = None,
+                 batch: int | None = None) -> list[str]:
     """The cheap checks of a motion run's arguments, before a Prefect API or a cluster starts (a
-    frame folder's frame headers here, the frames on the cluster). Returns the methods."""
+    frame folder's frame headers here, the frames on the cluster; ``params`` and ``batch`` by
+    their options' rules, :mod:`scanforest.tasks.options`). Returns the methods."""
+    from scanforest.tasks.options import check_option, check_options
+
+    check_options(params, names=("sigma_c", "sigma_x", "sigma_f", "tau", "max_labels"))
+    check_option("--batch", batch)
     methods = list(methods or METHODS)
     for m in methods:
         if m not in METHODS:
@@ -137,6 +143,7 @@ def check_motion(methods=None, tracker: str = "builtin", source: str | None = No
 
 def run_motion(store, **kw) -> dict[str, Any]:
     """Start a Prefect API if none is configured and run :func:`motion_flow`."""
-    check_motion(kw.get("methods"), kw.get("tracker", "builtin"), kw.get("source"))
+    check_motion(kw.get("methods"), kw.get("tracker", "builtin"), kw.get("source"), kw.get("params"),
+                 kw.get("batch"))
     ensure_prefect_api()
     return motion_flow(store=str(store), **kw)

@@ -10,6 +10,7 @@ from typing import Any
 
 from scanforest.kernels.errors import InputError
 
+from .options import check_options
 from .preflight import check_store_location
 from .recognize import library_current, library_index_name
 from .store import ScanStore
@@ -22,7 +23,8 @@ INDEX_DEFAULTS = {"method": "exact"}
 #: the index's search methods (``scanforest.kernels.knn.kdforest.METHODS``, not imported here)
 METHODS = ("banns", "anns", "exact")
 
-_POSITIVE = ("model_ss", "descr_rad", "rf_rad", "normal_radius", "voxel")
+#: the library's parameters, each an option of ``library build`` (:mod:`.options`: its rule)
+_OPTIONS = ("model_ss", "descr_rad", "rf_rad", "normal_k", "normal_radius", "views", "voxel")
 
 
 def index_params(given: dict | None) -> dict[str, Any]:
@@ -87,16 +89,10 @@ def check_library_build(store: str, models: list[str], params: dict | None, inde
         raise InputError(f"{store}: no model scan {missing[0]!r}"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     p = params or {}
-    for key in _POSITIVE:
-        if p.get(key) is not None and not float(p[key]) > 0:
-            raise InputError(f"--{key.replace('_', '-')} must be positive, got {p[key]}")
-    for key, least in (("normal_k", 1), ("views", 0)):
-        if p.get(key) is not None and int(p[key]) < least:
-            raise InputError(f"--{key.replace('_', '-')} must be at least {least}, got {p[key]}")
+    check_options(p, names=_OPTIONS)
     check_voxel_views(p)
     ip = index_params(index_params_)
     if ip.get("method") not in METHODS:
         raise InputError(f"--method must be one of {', '.join(METHODS)}, got {ip.get('method')!r}")
-    if ip.get("backtracks") is not None and int(ip["backtracks"]) < 1:
-        raise InputError(f"--backtracks must be at least 1, got {ip['backtracks']}")
+    check_options(ip, names=("backtracks",))
     return st

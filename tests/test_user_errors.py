@@ -59,6 +59,8 @@ def _tree(path: Path) -> set[str]:
     (("recognize", "{store}", "-m", "nomodel*"), ("nomodel*",)),
     (("recognize", "{store}", "-m", "s0.pcd", "--voxel", "-0.01"), ("--voxel", "positive")),
     (("library", "build", "{store}", "-m", "s0.pcd", "--voxel", "0.01", "--views", "4"), ("--voxel", "--views")),
+    # a bad number is refused as it is parsed (it failed on a worker as "k must be >= 3", a run recorded)
+    (("library", "build", "{store}", "-m", "s0.pcd", "--normal-k", "2"), ("--normal-k must be at least 3",)),
     (("describe", "{store}", "--workers", "0"), ("--workers",)),
     (("describe", "{store}", "--workers", "100000"), ("--workers 100000", "at most")),
     (("archive", "{store}", "{store}.new", "--method", "ransac"), ("--method",)),  # before anything is ingested
@@ -69,8 +71,8 @@ def _tree(path: Path) -> set[str]:
     (("report", "{store}", "-o", "{store}/zarr.json"), ("--out", "inside the scan store")),
     (("recognize", "{store}", "-m", "s0.pcd", "--export", "{store}/zarr.json"), ("--export", "not a folder")),
 ], ids=["shot-radius", "normal-k", "scan", "k", "queries", "index", "reference", "shards", "recall-and-budget",
-        "recall-range", "graph-degree", "cg-size", "models", "voxel", "voxel-views", "workers", "workers-many",
-        "archive-method",
+        "recall-range", "graph-degree", "cg-size", "models", "voxel", "voxel-views", "library-normal-k", "workers",
+        "workers-many", "archive-method",
         "library-empty-name", "index-name-up", "report-into-store", "export-to-a-file"])
 def test_bad_parameters_fail_in_one_line_at_once(small_store, user_env, tmp_path, args, needles):
     """A deterministic user error is never retried and prints one line: no traceback, no 12-18 s

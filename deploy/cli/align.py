@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import typer
 
+from .core import number
+
 
 def load_points(path: str) -> np.ndarray:
     """``(N, d)`` finite points from a ``.npy`` file or any scan file ``read_cloud`` reads.
@@ -113,10 +115,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                       "identity | a (d+1)x(d+1) matrix file (.npy or JSON)"),
         chain: bool = typer.Option(False, "--chain", help="coarse-to-fine chain of models"),
         loss: str = typer.Option("l2", "--loss", help="l2 | huber"),
-        huber_delta: float = typer.Option(None, "--huber-delta"),
+        huber_delta: float = typer.Option(None, "--huber-delta", callback=number),
         outside: str = typer.Option("clamp", "--outside", help="clamp | drop"),
-        max_iter: int = typer.Option(300, "--max-iter", help="LM iterations per model stage"),
-        resolution: int = typer.Option(None, "--resolution", help="DT cells along the largest side"),
+        max_iter: int = typer.Option(300, "--max-iter", callback=number, help="LM iterations per model stage"),
+        resolution: int = typer.Option(None, "--resolution", callback=number, help="DT cells along the largest side"),
         device: str = typer.Option("auto", "--device", help="auto | cpu | gpu"),
     ):
         """Align OBSERVED onto REFERENCE (parametric chamfer alignment): print a summary.

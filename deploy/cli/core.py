@@ -37,6 +37,16 @@ def _device(device: str) -> str:
     return device
 
 
+def number(param: typer.CallbackParam, value):
+    """The callback of every ``int`` and ``float`` option: its value checked by the option's rule
+    (:data:`scanforest.tasks.options.OPTIONS`) as it is parsed, so a bad one is one line naming the
+    option, exit 2, before any flow, cluster or Prefect API starts (an ``rf_rad`` or a ``k`` of a
+    worker's kernel, 5-9 s in, with a failed run recorded in the store)."""
+    from scanforest.tasks.options import check_option
+
+    return check_option(next((o for o in param.opts if o.startswith("--")), param.opts[0]), value)
+
+
 SchedulerOpt = typer.Option(None, "--scheduler", callback=_scheduler, help="Address of an existing Dask scheduler "
                             "(tcp://host:8786); default: a local cluster started for this command.")
 WorkersOpt = typer.Option(None, "--workers", "-w", callback=check_workers,
@@ -149,9 +159,11 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         store: str = typer.Argument(..., callback=new_store, help="The Zarr scan store (created if missing; "
                                     "its folder must exist)."),
         units: str = typer.Option("m", help="Length unit recorded for the scans."),
-        copc_level: Optional[int] = typer.Option(None, "--copc-level", help="COPC files: keep the octree's "
+        copc_level: Optional[int] = typer.Option(None, "--copc-level", callback=number,
+                                                 help="COPC files: keep the octree's "
                                                  "levels 0..L (a decimated cloud); default all."),
-        copc_resolution: Optional[float] = typer.Option(None, "--copc-resolution", help="COPC files: keep the "
+        copc_resolution: Optional[float] = typer.Option(None, "--copc-resolution", callback=number,
+                                                        help="COPC files: keep the "
                                                         "levels that give this point spacing (laspy's rule)."),
         bounds: Optional[str] = typer.Option(None, "--bounds", help="COPC files: keep the points in "
                                              "xmin,ymin,zmin,xmax,ymax,zmax."),
@@ -210,9 +222,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                                help="Folder for the synthetic archive and the store (default: "
                                                "$XDG_CACHE_HOME/scanforest/demo, i.e. ~/.cache/scanforest/demo; "
                                                "a rerun on the same folder resumes it)."),
-        scenes: int = typer.Option(6, help="Synthetic scenes."),
-        models: int = typer.Option(4, help="Library models."),
-        points: int = typer.Option(60_000, help="Points per scene."),
+        scenes: int = typer.Option(6, callback=number, help="Synthetic scenes."),
+        models: int = typer.Option(4, callback=number, help="Library models."),
+        points: int = typer.Option(60_000, callback=number, help="Points per scene."),
         device: str = DeviceOpt,
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,

@@ -5,7 +5,7 @@ from typing import Optional
 
 import typer
 
-from .core import DeviceOpt, JsonOpt, StoreArg, choose_device, print_summary
+from .core import DeviceOpt, JsonOpt, StoreArg, choose_device, number, print_summary
 
 LIBRARY_KEYS = ("library", "status", "library_status", "models", "reference_descriptors", "index", "index_status",
                 "method", "seconds")
@@ -22,19 +22,24 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         models: list[str] = typer.Option(..., "--models", "-m", help="Model scan ids or glob patterns (repeatable)."),
         name: str = typer.Option("default", "--name", "--library", help="Library name in the store "
                                  "(`match --library NAME` and `recognize --library NAME` use it)."),
-        model_ss: float = typer.Option(0.01, help="Model keypoint sampling (PCL tutorial 0.01)."),
-        descr_rad: float = typer.Option(0.02, help="SHOT radius (0.02); scenes are described with it."),
-        rf_rad: float = typer.Option(0.015, help="Hough reference-frame radius (0.015)."),
-        normal_k: Optional[int] = typer.Option(None, help="Model normals from the k nearest points "
+        model_ss: float = typer.Option(0.01, callback=number, help="Model keypoint sampling (PCL tutorial 0.01)."),
+        descr_rad: float = typer.Option(0.02, callback=number,
+                                        help="SHOT radius (0.02); scenes are described with it."),
+        rf_rad: float = typer.Option(0.015, callback=number, help="Hough reference-frame radius (0.015)."),
+        normal_k: Optional[int] = typer.Option(None, callback=number, help="Model normals from the k nearest points "
                                                "(default 10; used where a model scan has no normals)."),
-        normal_radius: Optional[float] = typer.Option(None, help="Model normals from a radius instead of k."),
-        views: Optional[int] = typer.Option(None, help="Describe each model through N rendered partial views "
+        normal_radius: Optional[float] = typer.Option(None, callback=number,
+                                                      help="Model normals from a radius instead of k."),
+        views: Optional[int] = typer.Option(None, callback=number,
+                                            help="Describe each model through N rendered partial views "
                                             "(for full 360-degree models; default: the model as it is)."),
-        voxel: Optional[float] = typer.Option(None, help="Thin each model to one point per voxel of this edge (m) "
+        voxel: Optional[float] = typer.Option(None, callback=number,
+                                              help="Thin each model to one point per voxel of this edge (m) "
                                               "before describing it; `recognize` then thins the scenes the same "
                                               "way (scale --model-ss, --descr-rad, --rf-rad with it)."),
         method: str = typer.Option("exact", help="Search of the library's index: exact | banns | anns."),
-        backtracks: Optional[int] = typer.Option(None, help="Leaf visits per query for banns/anns (None = exact)."),
+        backtracks: Optional[int] = typer.Option(None, callback=number,
+                                                 help="Leaf visits per query for banns/anns (None = exact)."),
         device: str = DeviceOpt,
         as_json: bool = JsonOpt,
     ):

@@ -28,6 +28,7 @@ import typer.core
 from scanforest.flows.cluster import check_workers
 
 from ._store import new_or_existing_store
+from .core import number
 
 #: the line the deprecated ``scanforest flow`` prints (on stderr) before it runs as ``motion``
 RENAMED = "`scanforest flow` is renamed `scanforest motion`; the old name goes in the next release"
@@ -89,13 +90,15 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         png_dir: str = typer.Option(None, "--png-dir", help="colour-wheel PNGs go to "
                                     "DIR/<seq>/<method>/<pair>.png (default: STORE.flow-png)"),
         png: bool = typer.Option(True, "--png/--no-png"),
-        sigma_c: float = typer.Option(None, "--sigma-c", help="colour sigma (levels; default 10)"),
-        sigma_x: float = typer.Option(None, "--sigma-x", help="position sigma (px; default 4 sigma_c)"),
-        sigma_f: float = typer.Option(None, "--sigma-f", help="flow sigma of the 7-D vote (px; default 1)"),
-        tau: float = typer.Option(None, "--tau", help="change-test threshold (levels; default 20)"),
+        sigma_c: float = typer.Option(None, "--sigma-c", callback=number, help="colour sigma (levels; default 10)"),
+        sigma_x: float = typer.Option(None, "--sigma-x", callback=number,
+                                      help="position sigma (px; default 4 sigma_c)"),
+        sigma_f: float = typer.Option(None, "--sigma-f", callback=number,
+                                      help="flow sigma of the 7-D vote (px; default 1)"),
+        tau: float = typer.Option(None, "--tau", callback=number, help="change-test threshold (levels; default 20)"),
         no_test: bool = typer.Option(False, "--no-test", help="switch the change test off"),
-        max_labels: int = typer.Option(None, "--max-labels"),
-        batch: int = typer.Option(None, "--batch", help="pairs per task and kernel launch"),
+        max_labels: int = typer.Option(None, "--max-labels", callback=number),
+        batch: int = typer.Option(None, "--batch", callback=number, help="pairs per task and kernel launch"),
         device: str = typer.Option("auto", "--device", help="auto | cpu | gpu"),
         scheduler: str = typer.Option(None, "--scheduler", help="existing Dask scheduler"),
         workers: int = typer.Option(None, "--workers", callback=check_workers),
@@ -134,10 +137,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         tracker: str = typer.Option("builtin", "--tracker", help="KLT without --tracks: builtin "
                                     "(on --device, GPU or CPU) | opencv (host reference)"),
         png: str = typer.Option(None, "--png", help="colour-wheel PNG of the flow"),
-        sigma_c: float = typer.Option(None, "--sigma-c"),
-        sigma_x: float = typer.Option(None, "--sigma-x"),
-        sigma_f: float = typer.Option(None, "--sigma-f"),
-        tau: float = typer.Option(None, "--tau"),
+        sigma_c: float = typer.Option(None, "--sigma-c", callback=number),
+        sigma_x: float = typer.Option(None, "--sigma-x", callback=number),
+        sigma_f: float = typer.Option(None, "--sigma-f", callback=number),
+        tau: float = typer.Option(None, "--tau", callback=number),
         no_test: bool = typer.Option(False, "--no-test"),
         device: str = typer.Option("auto", "--device"),
     ):

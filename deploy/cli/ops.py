@@ -6,6 +6,8 @@ from typing import Optional
 
 import typer
 
+from .core import number
+
 
 def _parse_params(items: list[str] | None) -> dict:
     from scanforest.kernels.errors import InputError
@@ -70,7 +72,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         no_schedules: bool = typer.Option(False, help="Serve for on-demand runs only (no cron schedules)."),
         cron: Optional[str] = typer.Option(None, help="Cron schedule (UTC) for every served deployment instead "
                                            "of its own, e.g. '*/5 * * * *'."),
-        limit: Optional[int] = typer.Option(None, help="Maximum concurrent flow runs."),
+        limit: Optional[int] = typer.Option(None, callback=number, help="Maximum concurrent flow runs."),
     ):
         """Serve the deployments from this process (Prefect's serve): schedules fire with no other
         infrastructure. Needs a Prefect API (PREFECT_API_URL) that outlives this process."""
@@ -127,7 +129,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         deployment: str = typer.Argument(..., help="Deployment name (ingest, describe, ...) or FLOW/NAME."),
         param: Optional[list[str]] = typer.Option(None, "--param", help="Parameter KEY=VALUE (JSON values)."),
         wait: bool = typer.Option(True, help="Wait for the run to finish and print its final state."),
-        timeout: float = typer.Option(3600, help="Seconds to wait."),
+        timeout: float = typer.Option(3600, callback=number, help="Seconds to wait."),
     ):
         """Trigger one run of a served deployment through the Prefect API.
 

@@ -16,6 +16,7 @@ from .core import (
     choose_device,
     exit_if_failed,
     note_no_detections,
+    number,
     print_summary,
     warn_box_origin,
 )
@@ -37,10 +38,10 @@ def _check_export(export: str | None) -> None:
 
 
 #: the recognition options of ``recognize`` and ``archive`` (PCL tutorial values)
-SceneSsOpt = typer.Option(0.03, help="Scene keypoint sampling (0.03).")
+SceneSsOpt = typer.Option(0.03, callback=number, help="Scene keypoint sampling (0.03).")
 MethodOpt = typer.Option("hough", help="hough | gc.")
-CgSizeOpt = typer.Option(0.01, help="Hough bin / GC consensus size (0.01).")
-CgThreshOpt = typer.Option(5, help="Hough / GC threshold (5).")
+CgSizeOpt = typer.Option(0.01, callback=number, help="Hough bin / GC consensus size (0.01).")
+CgThreshOpt = typer.Option(5, callback=number, help="Hough / GC threshold (5).")
 
 
 def _pick(store: str, patterns: list[str], what: str) -> list[str]:
@@ -66,10 +67,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         store: str = StoreArg,
         scan: Optional[list[str]] = typer.Option(None, "--scan",
                                                  help="Only these scans (repeatable): ids, or the files' own names."),
-        normal_k: int = typer.Option(10, help="Normals from the k nearest points (PCL tutorial: 10)."),
-        normal_radius: Optional[float] = typer.Option(None, help="Normals from a radius instead of k."),
-        keypoint_radius: Optional[float] = typer.Option(0.03, help="Uniform-sampling leaf size; 0 = every point."),
-        shot_radius: float = typer.Option(0.02, help="SHOT support radius (store units)."),
+        normal_k: int = typer.Option(10, callback=number, help="Normals from the k nearest points (PCL tutorial: 10)."),
+        normal_radius: Optional[float] = typer.Option(None, callback=number,
+                                                      help="Normals from a radius instead of k."),
+        keypoint_radius: Optional[float] = typer.Option(0.03, callback=number,
+                                                        help="Uniform-sampling leaf size; 0 = every point."),
+        shot_radius: float = typer.Option(0.02, callback=number, help="SHOT support radius (store units)."),
         approximate: bool = typer.Option(False, help="G-SHOT approximate mode (neighbour lists capped at the median)."),
         device: str = DeviceOpt,
         scheduler: Optional[str] = SchedulerOpt,
@@ -118,21 +121,27 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         shards: str = typer.Option("1", help="Shards (one per GPU worker), or 'auto': one per local GPU, "
                                    "checked against their memory before anything is written."),
         method: str = typer.Option("banns", help="banns | anns | exact."),
-        leaf_size: int = typer.Option(64, help="KD-tree leaf size."),
-        backtracks: Optional[int] = typer.Option(None, help="Leaf visits per query (None = exact search)."),
-        recall: Optional[float] = typer.Option(None, "--recall", help="Target recall@k in (0, 1) instead of "
+        leaf_size: int = typer.Option(64, callback=number, help="KD-tree leaf size."),
+        backtracks: Optional[int] = typer.Option(None, callback=number,
+                                                 help="Leaf visits per query (None = exact search)."),
+        recall: Optional[float] = typer.Option(None, "--recall", callback=number,
+                                               help="Target recall@k in (0, 1) instead of "
                                                "--backtracks: each shard calibrates its leaf budget on its own "
                                                "rows (per k, at its first search)."),
-        random_dims: Optional[int] = typer.Option(None, help="Randomized split among the F widest dimensions."),
-        seed: int = typer.Option(0),
-        graph: Optional[int] = typer.Option(None, "--graph", help="Also a neighbour graph of this many neighbours "
+        random_dims: Optional[int] = typer.Option(None, callback=number,
+                                                  help="Randomized split among the F widest dimensions."),
+        seed: int = typer.Option(0, callback=number),
+        graph: Optional[int] = typer.Option(None, "--graph", callback=number,
+                                            help="Also a neighbour graph of this many neighbours "
                                             "a row in every shard: a search with a budget walks it from the "
                                             "forest's answer (more found at the same budget; its build searches "
                                             "every row, ~10x the trees' time)."),
-        graph_budget: int = typer.Option(128, "--graph-budget", help="Leaves a row's graph search scans."),
-        graph_expand: int = typer.Option(4, "--graph-expand", help="List entries whose graph neighbours a round "
+        graph_budget: int = typer.Option(128, "--graph-budget", callback=number,
+                                         help="Leaves a row's graph search scans."),
+        graph_expand: int = typer.Option(4, "--graph-expand", callback=number,
+                                         help="List entries whose graph neighbours a round "
                                          "scores."),
-        graph_rounds: int = typer.Option(2, "--graph-rounds", help="Rounds of the walk."),
+        graph_rounds: int = typer.Option(2, "--graph-rounds", callback=number, help="Rounds of the walk."),
         dtype: str = typer.Option("float32", help="Stored rows: float32, or float16 (half the disk and host "
                                   "memory; searches are exact for the rounded rows)."),
         device: str = DeviceOpt,
@@ -162,7 +171,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         store: str = StoreArg,
         queries: Optional[list[str]] = typer.Option(None, "--queries", "-q",
                                                     help="Query scan ids or glob patterns (default: every described non-reference scan)."),
-        k: int = typer.Option(4, "-k", help="Neighbours per descriptor (P)."),
+        k: int = typer.Option(4, "-k", callback=number, help="Neighbours per descriptor (P)."),
         name: Optional[str] = typer.Option(None, help="Index name (default: 'default')."),
         library: Optional[str] = typer.Option(
             None, "--library", "-l", help="Match against the index over this model library (`scanforest library "
@@ -244,10 +253,11 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         models: str = typer.Option("models__*", "--models", "-m",
                                    help="Glob of the model scans' ids (a file models/milk.pcd is models__milk.pcd)."),
         library: str = typer.Option("default", help="Library name in the store."),
-        model_ss: Optional[float] = typer.Option(None, help="Model keypoint sampling (the PCL tutorial's 0.01)."),
+        model_ss: Optional[float] = typer.Option(None, callback=number,
+                                                 help="Model keypoint sampling (the PCL tutorial's 0.01)."),
         scene_ss: float = SceneSsOpt,
-        rf_rad: Optional[float] = typer.Option(None, help="Hough reference-frame radius (0.015)."),
-        descr_rad: Optional[float] = typer.Option(None, help="SHOT radius (0.02)."),
+        rf_rad: Optional[float] = typer.Option(None, callback=number, help="Hough reference-frame radius (0.015)."),
+        descr_rad: Optional[float] = typer.Option(None, callback=number, help="SHOT radius (0.02)."),
         method: str = MethodOpt,
         cg_size: float = CgSizeOpt,
         cg_thresh: float = CgThreshOpt,
@@ -310,12 +320,16 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         scenes: Optional[list[str]] = typer.Option(None, "--scenes", "-s",
                                                    help="Scene scan ids or patterns (default: every non-model scan)."),
         library: str = typer.Option("default", help="Library name in the store."),
-        model_ss: Optional[float] = typer.Option(None, help="Model keypoint sampling (default: the stored "
+        model_ss: Optional[float] = typer.Option(None, callback=number,
+                                                 help="Model keypoint sampling (default: the stored "
                                                  "library's, else the PCL tutorial's 0.01)."),
         scene_ss: float = SceneSsOpt,
-        rf_rad: Optional[float] = typer.Option(None, help="Hough reference-frame radius (the library's, else 0.015)."),
-        descr_rad: Optional[float] = typer.Option(None, help="SHOT radius (the library's, else 0.02)."),
-        voxel: Optional[float] = typer.Option(None, help="Thin models and scenes first to one point per voxel of "
+        rf_rad: Optional[float] = typer.Option(None, callback=number,
+                                               help="Hough reference-frame radius (the library's, else 0.015)."),
+        descr_rad: Optional[float] = typer.Option(None, callback=number,
+                                                  help="SHOT radius (the library's, else 0.02)."),
+        voxel: Optional[float] = typer.Option(None, callback=number,
+                                              help="Thin models and scenes first to one point per voxel of "
                                               "this edge (m), then polish each pose on the scene's own points; "
                                               "scale --scene-ss, --descr-rad, --cg-size with it (default: the "
                                               "stored library's; none)."),

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import typer
 
+from .core import number
+
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     app.command("shot")(shot_command)
@@ -20,12 +22,14 @@ def shot_command(
     file: Path = typer.Argument(..., help="Point cloud file (pcd/ply/las/xyz/npy)."),
     out: Path = typer.Option(..., "-o", "--out", help="Descriptors .npy (K, 352); frames and "
                              "keypoint indices go beside it as OUT.frames.npy / OUT.keypoints.npy."),
-    radius: float = typer.Option(0.02, help="SHOT support radius (m)."),
-    normal_radius: float = typer.Option(None, help="Normals from neighbours within this radius."),
-    normal_k: int = typer.Option(10, help="Normals from k nearest neighbours (when no --normal-radius)."),
-    keypoint_radius: float = typer.Option(None, help="Uniform-sampling leaf; all points when omitted."),
+    radius: float = typer.Option(0.02, callback=number, help="SHOT support radius (m)."),
+    normal_radius: float = typer.Option(None, callback=number, help="Normals from neighbours within this radius."),
+    normal_k: int = typer.Option(10, callback=number,
+                                 help="Normals from k nearest neighbours (when no --normal-radius)."),
+    keypoint_radius: float = typer.Option(None, callback=number,
+                                          help="Uniform-sampling leaf; all points when omitted."),
     approximate: bool = typer.Option(False, help="G-SHOT approximate mode (lists capped at the median)."),
-    max_neighbors: int = typer.Option(None, help="Cap for --approximate (default: median count)."),
+    max_neighbors: int = typer.Option(None, callback=number, help="Cap for --approximate (default: median count)."),
     device: str = typer.Option("auto", help="auto | cpu | gpu"),
 ) -> None:
     """Compute SHOT352 descriptors and local reference frames for one scan."""

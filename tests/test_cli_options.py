@@ -1,0 +1,130 @@
+"""The commands' numeric options, checked as they are parsed (``tasks.options``), in-process: every
+``int`` and ``float`` option of every command has a rule and its callback, a bad value is one
+line naming the option as the user types it (before any flow, cluster or Prefect API: the rules
+run while click parses the arguments), and the stages' own input checks name the options too.
+Before, ``--rf-rad inf``, ``--model-ss inf``, ``library build --normal-k 2``, ``--random-dims 0``
+and ``--seed -1`` failed on a Dask worker 5-15 s in, under the kernel's names (``rf_rad``, ``k``),
+with a failed run recorded in the store; ``archive --rf-rad inf`` ingested the whole source
+first. The commands as a user runs them: ``test_user_errors.py``."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import typer
+
+from scanforest.deploy.cli import app
+from scanforest.kernels.errors import InputError
+from scanforest.tasks.options import OPTIONS, check_option
+
+
+def _commands():
+    """``(name, click command)`` of every command but the benchmarks (and ``flow``, ``motion``'s
+    deprecated alias: the same functions)."""
+    def walk(cmd, path):
+        if hasattr(cmd, "commands"):
+            for name, sub in cmd.commands.items():
+                if name not in ("bench", "flow"):
+                    yield from walk(sub, path + [name])
+        else:
+            yield " ".join(path), cmd
+    return list(walk(typer.main.get_command(app), []))
+
+
+def _numeric(cmd):
+    return [p for p in cmd.params if p.type_descriptor.annotation in (int, float) and "--workers" not in p.opts]
+
+
+def _bad_values(rule) -> list[str]:
+    """Values the rule refuses, as typed."""
+    bad = []
+    if rule.minimum is not None:
+        bad.append(str(int(rule.minimum) - 1) if rule.integer else str(rule.minimum - 0.5))
+    if rule.maximum is not None:
+        bad.append(str(int(rule.maximum) + 1))
+    if rule.positive:
+        bad.append("0")
+    if rule.below is not None:
+        bad.append(str(rule.below))
+    if not rule.integer:
+        bad += ["inf", "nan"]
+    return bad
+
+
+def test_every_numeric_option_is_checked_as_it_is_parsed():
+    """Each ``int``/``float`` option of each command: its rule's bad values are refused while the
+    arguments are parsed (click's ``make_context`` runs the callbacks, not the command), in one
+    line starting with the option; its default passes."""
+    seen = 0
+    for name, cmd in _commands():
+        for param in _numeric(cmd):
+            flag = next((o for o in param.opts if o.startswith("--")), param.opts[0])
+            assert flag in OPTIONS, f"{name} {flag}: no rule in tasks.options.OPTIONS"
+            rule = OPTIONS[flag]
+            check_option(flag, param.default)  # the default is a good value
+            for bad in _bad_values(rule):
+                with pytest.raises(InputError) as err:
+                    cmd.make_context(name, [param.opts[0], bad])
+                assert str(err.value).startswith(f"{flag} must be "), (name, flag, bad, str(err.value))
+                seen += 1
+    assert seen > 80
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--normal-k", 2, "--normal-k must be at least 3 (a plane needs 3 neighbours), got 2"),
+    ("--normal-k", 2.5, "--normal-k must be an integer, got 2.5"),
+    ("--rf-rad", math.inf, "--rf-rad must be a positive finite number, got inf"),
+    ("--model-ss", "x", "--model-ss must be a positive finite number, got 'x'"),
+    ("--random-dims", 0, "--random-dims must be in 1..32, got 0"),
+    ("--keypoint-radius", -1.0, "--keypoint-radius must be a finite number >= 0 (0 = every point), got -1.0"),
+    ("--recall", 1.0, "--recall must be in (0, 1)"),
+    ("-k", 300, "-k must be in 1..256"),
+    ("--normal-k", True, "--normal-k must be an integer, got True"),
+])
+def test_a_bad_value_is_one_line_naming_the_option(flag, value, message):
+    with pytest.raises(InputError) as err:
+        check_option(flag, value)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_bounds_are_the_kernels():
+    from scanforest.kernels.knn.bruteforce import MAX_K
+    from scanforest.kernels.knn.kdtree import MAX_RANDOM_DIMS
+
+    assert OPTIONS["-k"].maximum == MAX_K and OPTIONS["--random-dims"].maximum == MAX_RANDOM_DIMS
+    assert check_option("--keypoint-radius", 0.0) == 0.0 and check_option("--rf-rad", None) is None
+
+
+@pytest.fixture
+def store(tmp_path):
+    from scanforest.tasks.store import ScanStore
+
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    st.write_scan("m.pcd", {"points": np.random.default_rng(0).random((50, 3)).astype(np.float32)}, {"sha256": "m"})
+    return str(tmp_path / "s.zarr")
+
+
+def test_the_stages_input_checks_name_the_options(store):
+    """A run started another way (a deployment's parameters) is checked by the same rules, before
+    any work, under the options' names."""
+    from scanforest.flows.inputs import check_index_build, check_match, check_recognize_params
+    from scanforest.flows.motion import check_motion
+    from scanforest.tasks.library import check_library_build
+
+    cases = [
+        (lambda: check_library_build(store, ["m.pcd"], {"normal_k": 2}, None), "--normal-k must be at least 3"),
+        (lambda: check_library_build(store, ["m.pcd"], {"rf_rad": math.inf}, None), "--rf-rad must be"),
+        (lambda: check_recognize_params({"model_ss": math.inf}, {}), "--model-ss must be"),
+        (lambda: check_recognize_params({}, {"method": "gc", "cg_thresh": 2}), "--cg-thresh must be at least 3"),
+        (lambda: check_recognize_params({}, {"descr_rad": -1.0}), "--descr-rad must be"),
+        (lambda: check_index_build(store, ["m.pcd"], 1, {"random_dims": 0}, "float32"), "--random-dims must be"),
+        (lambda: check_index_build(store, ["m.pcd"], 1, {"seed": -1}, "float32"), "--seed must be"),
+        (lambda: check_match(store, None, 0, "default"), "-k must be"),
+        (lambda: check_motion(params={"sigma_c": 0}), "--sigma-c must be"),
+        (lambda: check_motion(batch=0), "--batch must be"),
+    ]
+    for call, message in cases:
+        with pytest.raises(InputError) as err:
+            call()
+        assert str(err.value).startswith(message), str(err.value)
