@@ -128,3 +128,29 @@ def test_the_stages_input_checks_name_the_options(store):
         with pytest.raises(InputError) as err:
             call()
         assert str(err.value).startswith(message), str(err.value)
+
+
+def test_shot_outputs_share_one_name():
+    """``shot -o X.pcd`` wrote ``X.pcd.npy`` beside ``X.frames.npy``: the three files share OUT's
+    name without its ``.npy``."""
+    from scanforest.deploy.cli.shot import outputs
+
+    assert outputs("d/desc.npy") == ("d/desc.npy", "d/desc.frames.npy", "d/desc.keypoints.npy")
+    assert outputs("desc") == ("desc.npy", "desc.frames.npy", "desc.keypoints.npy")
+    assert outputs("X.pcd") == ("X.pcd.npy", "X.pcd.frames.npy", "X.pcd.keypoints.npy")
+
+
+def test_shot_keypoint_radius_zero_is_every_point(tmp_path):
+    """``shot --keypoint-radius 0`` describes every point, as ``describe``'s 0 does (it was
+    refused: "radius must be a positive finite number")."""
+    from typer.testing import CliRunner
+
+    pts = np.random.default_rng(1).random((60, 3)).astype(np.float32)
+    np.save(tmp_path / "c.npy", pts)
+    res = CliRunner().invoke(app, ["shot", str(tmp_path / "c.npy"), "-o", str(tmp_path / "X.pcd"),
+                                   "--keypoint-radius", "0", "--radius", "0.3", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["X.pcd.frames.npy", "X.pcd.keypoints.npy", "X.pcd.npy",
+                                                          "c.npy"]
+    assert np.load(tmp_path / "X.pcd.keypoints.npy").tolist() == list(range(60))
+    assert np.load(tmp_path / "X.pcd.npy").shape == (60, 352)

@@ -18,16 +18,28 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     app.command("shot")(shot_command)
 
 
+def outputs(out) -> tuple[str, str, str]:
+    """The files ``shot -o OUT`` writes: OUT's name without a trailing ``.npy`` (``desc.npy`` and
+    ``desc``: ``desc``; ``desc.pcd``: ``desc.pcd``), then ``.npy``, ``.frames.npy`` and
+    ``.keypoints.npy``. ``np.save`` adds ``.npy`` to a name without it, and the frames' name
+    dropped any other suffix: ``-o X.pcd`` wrote ``X.pcd.npy`` beside ``X.frames.npy``."""
+    base = str(out)[:-4] if str(out).lower().endswith(".npy") else str(out)
+    return f"{base}.npy", f"{base}.frames.npy", f"{base}.keypoints.npy"
+
+
 def shot_command(
     file: Path = typer.Argument(..., help="Point cloud file (pcd/ply/las/xyz/npy)."),
-    out: Path = typer.Option(..., "-o", "--out", help="Descriptors .npy (K, 352); frames and "
-                             "keypoint indices go beside it as OUT.frames.npy / OUT.keypoints.npy."),
+    out: Path = typer.Option(..., "-o", "--out", help="Descriptors OUT.npy (K, 352), NaN rows where a "
+                             "keypoint has no frame; the frames (K, 3, 3) and the keypoints' indices (K,) go "
+                             "beside it as OUT.frames.npy and OUT.keypoints.npy (OUT: the name given, without "
+                             "its .npy: -o desc.npy and -o desc write desc.npy, desc.frames.npy, "
+                             "desc.keypoints.npy)."),
     radius: float = typer.Option(0.02, callback=number, help="SHOT support radius (m)."),
     normal_radius: float = typer.Option(None, callback=number, help="Normals from neighbours within this radius."),
-    normal_k: int = typer.Option(10, callback=number,
-                                 help="Normals from k nearest neighbours (when no --normal-radius)."),
-    keypoint_radius: float = typer.Option(None, callback=number,
-                                          help="Uniform-sampling leaf; all points when omitted."),
+    normal_k: int = typer.Option(10, callback=number, help="Normals from k nearest neighbours (when no "
+                                 "--normal-radius)."),
+    keypoint_radius: float = typer.Option(None, callback=number, help="Uniform-sampling leaf; 0 or omitted: "
+                                          "every point (as describe's 0)."),
     approximate: bool = typer.Option(False, help="G-SHOT approximate mode (lists capped at the median)."),
     max_neighbors: int = typer.Option(None, callback=number, help="Cap for --approximate (default: median count)."),
     device: str = typer.Option("auto", help="auto | cpu | gpu"),
@@ -37,8 +49,11 @@ def shot_command(
     from scanforest.kernels.descriptors.keypoints import keypoints
     from scanforest.kernels.descriptors.normals import normals
     from scanforest.kernels.descriptors.shot import shot
+    from scanforest.tasks.preflight import check_output_file
     from scanforest.tasks.readers import read_cloud
 
+    desc_path, frames_path, kp_path = outputs(out)
+    check_output_file(desc_path, "-o")  # a folder, a path inside a store, one that cannot be written: before the work
     cloud = read_cloud(file)
     dev = resolve_device(device)
     pts = to_device(np.asarray(cloud.points, dtype=np.float32), dev)
@@ -47,17 +62,15 @@ def shot_command(
         nrm, _ = normals(pts, radius=normal_radius, device=dev)
     else:
         nrm, _ = normals(pts, k=normal_k, device=dev)
-    kp = keypoints(pts, radius=keypoint_radius, device=dev)
+    kp = keypoints(pts, radius=keypoint_radius or None, device=dev)
     desc, frames = shot(pts, nrm, kp, radius, approximate=approximate,
                         max_neighbors=max_neighbors, device=dev)
     desc, frames, kp = to_numpy(desc), to_numpy(frames), to_numpy(kp)
     dt = time.perf_counter() - t0
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    np.save(out, desc)
-    stem = out.with_suffix("")
-    np.save(f"{stem}.frames.npy", frames)
-    np.save(f"{stem}.keypoints.npy", kp)
+    Path(desc_path).parent.mkdir(parents=True, exist_ok=True)
+    np.save(desc_path, desc)
+    np.save(frames_path, frames)
+    np.save(kp_path, kp)
     valid = int(np.isfinite(desc[:, 0]).sum())
     typer.echo(f"{file}: {len(cloud.points)} points, {len(kp)} keypoints ({valid} valid) "
-               f"on {dev} in {dt:.3f} s -> {out}")
+               f"on {dev} in {dt:.3f} s -> {desc_path} (frames: {frames_path}, keypoints: {kp_path})")
