@@ -14,7 +14,7 @@ import numpy as np
 from .backend import array_module, to_numpy
 from .errors import InputError
 
-__all__ = ["integer", "points", "positive", "nonfinite_rows"]
+__all__ = ["integer", "points", "positive", "nonfinite_rows", "unit_normals"]
 
 
 def points(a, name: str, *, dims=3, allow_empty: bool = False, finite: bool = True,
@@ -101,6 +101,22 @@ def nonfinite_rows(a, xp=None, nbytes: int = 1 << 28):
         elif blk.dtype.kind == "f":
             out[s:s + step] = ~xp.isfinite(blk).all(axis=1)
     return out
+
+
+def unit_normals(n, name: str, tol: float = 1e-3):
+    """InputError unless every row of the (N, 3) ``n`` that is not NaN has length 1 within
+    ``tol`` (NaN rows mark points without a normal; an infinite or zero row is refused): a
+    descriptor's binning reads the normals as unit vectors, and longer or shorter ones changed
+    SHOT's histograms silently."""
+    xp = array_module(n)
+    if int(n.shape[0]) == 0:
+        return
+    n2 = (n * n).sum(axis=1)  # squared lengths, in the array's own float type
+    bad = ~xp.isnan(n2) & (xp.abs(n2 - 1) > 2 * tol)
+    if bool(bad.any()):
+        i = int(xp.flatnonzero(bad)[0])
+        raise InputError(f"{name} must be unit vectors: row {i} has length {math.sqrt(float(n2[i])):.4g} "
+                         f"(normalise them, n / |n|; NaN rows mark points without a normal)")
 
 
 def integer(x, name: str, *, minimum: int = 1, none: bool = False):

@@ -174,3 +174,34 @@ def test_batches_and_indexes_name_what_is_wrong(milk):
         sf.ShardedIndex(shards=2.5)
     with pytest.raises(InputError, match="leaves_per_round"):
         sf.KDForest(leaves_per_round=0).fit(np.random.default_rng(0).random((100, 8), dtype=np.float32))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_shot_reads_unit_normals_and_refuses_others(milk, device):
+    """Normals of another length changed SHOT's histograms silently (3x-long normals: descriptors
+    0.47 apart): they are refused, naming the row; NaN rows (no normal) still pass; a scene's
+    normals given to recognize are read the same way (a library's given normals only orient the
+    ones it estimates)."""
+    model = np.ascontiguousarray(milk[0], np.float32)
+    xp = np
+    if device == "gpu":
+        import cupy as xp
+
+    P = xp.asarray(model)
+    n, _ = sf.normals(P, k=10, device=device)
+    kp = xp.arange(0, len(model), 200)
+    want, _ = sf.shot(P, n, kp, 0.02, device=device)
+    n_nan = n.copy()
+    n_nan[5] = np.nan
+    sf.shot(P, n_nan, kp, 0.02, device=device)  # a point without a normal: skipped, not refused
+    long = n.copy()
+    long[7] *= 3.0
+    with pytest.raises(InputError, match="normals must be unit vectors: row 7 has length 3"):
+        sf.shot(P, long, kp, 0.02, device=device)
+    with pytest.raises(InputError, match="unit vectors: row 0 has length 0"):
+        sf.shot(P, xp.zeros_like(n), kp, 0.02, device=device)
+    with pytest.raises(InputError, match="unit vectors"):
+        sf.recognize(P, milk[2], scene_normals=n * 2, device=device)
+    got, _ = sf.shot(P, n / xp.linalg.norm(n, axis=1, keepdims=True), kp, 0.02, device=device)
+    host = (lambda a: a.get()) if device == "gpu" else np.asarray  # noqa: E731
+    np.testing.assert_allclose(host(got), host(want), atol=1e-5)

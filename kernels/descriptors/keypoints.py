@@ -180,7 +180,6 @@ def _voxel_keys(pts, inv, lo, dims, xp):
 
 def _voxel_grid_gpu(pts, inv):
     import cupy as cp
-    import cupyx
 
     from ..neighbors.search_gpu import bounds
 
@@ -193,7 +192,7 @@ def _voxel_grid_gpu(pts, inv):
     seg = cp.cumsum(first) - 1  # the voxel rank of each sorted point
     m = int(seg[-1]) + 1
     sums = cp.zeros((m, 3), cp.float64)
-    cupyx.scatter_add(sums, seg, pts[order].astype(cp.float64))
+    cp.add.at(sums, seg, pts[order].astype(cp.float64))
     cnt = cp.bincount(seg, minlength=m)
     return (sums / cnt[:, None]).astype(cp.float32)
 

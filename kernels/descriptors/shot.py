@@ -37,7 +37,7 @@ DESCRIPTOR_LENGTH = 352
 
 def shot(points, normals, keypoints, radius, *, surface=None, surface_normals=None,
          approximate: bool = False, max_neighbors: int | None = None, device: str = "auto",
-         _chunk: int | None = None):
+         _chunk: int | None = None, _unit_normals: bool = False):
     """SHOT352 descriptors and local reference frames at keypoints.
 
     Parameters
@@ -45,8 +45,9 @@ def shot(points, normals, keypoints, radius, *, surface=None, surface_normals=No
     points : (N, 3) array
         The input cloud (finite coordinates; numpy or CuPy).
     normals : (N, 3) array or None
-        Normals of ``points`` (NaN rows allowed: such neighbours are skipped). Used as the
-        surface normals when ``surface`` is omitted.
+        Unit normals of ``points`` (NaN rows allowed: such neighbours are skipped; rows of
+        another length are an InputError). Used as the surface normals when ``surface`` is
+        omitted.
     keypoints : (K,) int array or (K, 3) float array
         Indices into ``points`` or keypoint coordinates.
     radius : float
@@ -91,6 +92,8 @@ def shot(points, normals, keypoints, radius, *, surface=None, surface_normals=No
             raise InputError("surface_normals are required when surface is given")
         snrm = validation.points(to_device(surface_normals, dev), "surface_normals", finite=False,
                                  allow_empty=True, rows=surf.shape[0])
+    if not _unit_normals:  # (recognition's own normals are unit already: not read again)
+        validation.unit_normals(snrm, "normals" if surface is None else "surface_normals")
     kp = _keypoint_coords(to_device(keypoints, dev), pts, xp)
     if max_neighbors is not None and not approximate:
         raise InputError("max_neighbors only applies with approximate=True")

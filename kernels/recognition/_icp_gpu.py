@@ -32,7 +32,29 @@ CHUNK = 128          # source points per block of icp_accumulate (= its block si
 NSTAT = 29           # 21 upper-triangle entries of J^T J, 6 of -J^T e, the count, sum e^2
 CHECK_EVERY = 4      # iterations between looks at the active flags
 
-_SOURCE = GRID_NEAREST + r"""
+#: each block's per-thread terms summed into its row of a partials table (warp shuffles, then
+#: shared memory; a fixed order): the ICP's and the polish's (._polish_gpu) accumulations
+BLOCK_SUMS = r"""
+template <int NS>
+__device__ __forceinline__ void block_sums(const double* acc, double* __restrict__ partial, int blk) {
+    __shared__ double sh[(128 / 32) * NS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int k = 0; k < NS; ++k) {
+        double v = acc[k];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+        if (lane == 0) sh[warp * NS + k] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < NS) {
+        double v = 0.0;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) v += sh[w * NS + threadIdx.x];
+        partial[(long long)blk * NS + threadIdx.x] = v;
+    }
+}
+"""
+
+_SOURCE = GRID_NEAREST + BLOCK_SUMS + r"""
 #define NSTAT 29
 
 extern "C" __global__ void icp_accumulate(
@@ -88,20 +110,7 @@ extern "C" __global__ void icp_accumulate(
             acc[28] = e * e;
         }
     }
-    __shared__ double sh[(128 / 32) * NSTAT];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int k = 0; k < NSTAT; ++k) {
-        double v = acc[k];
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-        if (lane == 0) sh[warp * NSTAT + k] = v;
-    }
-    __syncthreads();
-    if (threadIdx.x < NSTAT) {
-        double v = 0.0;
-        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) v += sh[w * NSTAT + threadIdx.x];
-        partial[(long long)blk * NSTAT + threadIdx.x] = v;
-    }
+    block_sums<NSTAT>(acc, partial, blk);
 }
 
 // minimum-norm least squares of a symmetric 6x6 system (numpy.linalg.lstsq's cut-off)
@@ -230,6 +239,21 @@ def _module():
     return cp.RawModule(code=_SOURCE, options=("--std=c++17",))
 
 
+def blocks(n):
+    """The launch layout of per-problem point sets of sizes ``n`` (int64) in chunks of
+    :data:`CHUNK` (a chunk never spans two problems): each problem's first block and the end
+    (``prob_blk``, (B + 1,)), and each block's problem (int32), first and end point (int64)."""
+    B = len(n)
+    nblk = -(-n // CHUNK)                                     # ceil; 0 for an empty source
+    prob_blk = np.zeros(B + 1, np.int64)
+    prob_blk[1:] = np.cumsum(nblk)
+    starts = np.zeros(B, np.int64)                            # first point of each problem
+    starts[1:] = np.cumsum(n)[:-1]
+    within = np.arange(int(prob_blk[-1]), dtype=np.int64) - np.repeat(prob_blk[:-1], nblk)
+    return (prob_blk, np.repeat(np.arange(B, dtype=np.int32), nblk), np.repeat(starts, nblk) + within * CHUNK,
+            np.repeat(starts + n, nblk))
+
+
 def icp_batch(sources, source_normals, inits, index, r: float, max_iterations: int, tol: float,
               agree: float):
     """Run the device ICP loop. ``sources``: list of (n_b, 3) float64 host arrays; ``source_normals``:
@@ -242,16 +266,8 @@ def icp_batch(sources, source_normals, inits, index, r: float, max_iterations: i
         raise ValueError(f"correspondence distance {r} exceeds the grid cell {grid.h}")
     B = len(sources)
     n = np.array([len(s) for s in sources], np.int64)
-    nblk = -(-n // CHUNK)                                     # ceil; 0 for an empty source
-    prob_blk = np.zeros(B + 1, np.int64)
-    prob_blk[1:] = np.cumsum(nblk)
+    prob_blk, blk_prob, blk_start, blk_end = blocks(n)
     nb = int(prob_blk[-1])
-    starts = np.zeros(B, np.int64)                            # first point of each problem
-    starts[1:] = np.cumsum(n)[:-1]
-    blk_prob = np.repeat(np.arange(B, dtype=np.int32), nblk)
-    within = np.arange(nb, dtype=np.int64) - np.repeat(prob_blk[:-1], nblk)
-    blk_start = np.repeat(starts, nblk) + within * CHUNK
-    blk_end = np.repeat(starts + n, nblk)
     S = cp.asarray(np.ascontiguousarray(np.concatenate(sources), np.float64))
     has_sn = source_normals is not None
     SN = cp.asarray(np.ascontiguousarray(np.concatenate(source_normals), np.float64)) if has_sn else S

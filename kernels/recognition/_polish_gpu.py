@@ -31,13 +31,13 @@ import functools
 import numpy as np
 
 from ._grouping_gpu import HORN
+from ._icp_gpu import BLOCK_SUMS, CHUNK, blocks
 from ._verification_gpu import GRID_NEAREST, _grid_args
 
-CHUNK = 128      # model points per block of polish_accumulate (= its block size)
 NSTAT = 16       # the pair count, the sums of both points (3 + 3), the 3x3 sum of their products
 CHECK_EVERY = 4  # iterations between looks at the active flags
 
-_SOURCE = GRID_NEAREST + HORN + r"""
+_SOURCE = GRID_NEAREST + BLOCK_SUMS + HORN + r"""
 #define NSTAT 16
 
 extern "C" __global__ void ball_union(const float* __restrict__ S, long long n,
@@ -96,20 +96,7 @@ extern "C" __global__ void polish_accumulate(
             }
         }
     }
-    __shared__ double sh[(128 / 32) * NSTAT];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int k = 0; k < NSTAT; ++k) {
-        double v = acc[k];
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-        if (lane == 0) sh[warp * NSTAT + k] = v;
-    }
-    __syncthreads();
-    if (threadIdx.x < NSTAT) {
-        double v = 0.0;
-        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) v += sh[w * NSTAT + threadIdx.x];
-        partial[(long long)blk * NSTAT + threadIdx.x] = v;
-    }
+    block_sums<NSTAT>(acc, partial, blk);
 }
 
 // one thread per pose: its blocks' sums in block order, the Umeyama step (Horn's rotation of the
@@ -203,17 +190,9 @@ def polish_batch(sources, inits, centres, reach, crop, dist: float, iterations: 
     if B == 0 or int(crop.shape[0]) < 3:
         return T
     grid = build_grid(cp.ascontiguousarray(crop, cp.float32), dist)
-    n = np.array([len(s) for s in sources], np.int64)
-    nblk = -(-n // CHUNK)
-    prob_blk = np.zeros(B + 1, np.int64)
-    prob_blk[1:] = np.cumsum(nblk)
+    prob_blk, blk_prob, blk_start, blk_end = blocks(np.array([len(s) for s in sources], np.int64))
     nb = int(prob_blk[-1])
-    starts = np.zeros(B, np.int64)
-    starts[1:] = np.cumsum(n)[:-1]
-    within = np.arange(nb, dtype=np.int64) - np.repeat(prob_blk[:-1], nblk)
-    d_blk_prob = cp.asarray(np.repeat(np.arange(B, dtype=np.int32), nblk))
-    d_blk_start = cp.asarray(np.repeat(starts, nblk) + within * CHUNK)
-    d_blk_end = cp.asarray(np.repeat(starts + n, nblk))
+    d_blk_prob, d_blk_start, d_blk_end = cp.asarray(blk_prob), cp.asarray(blk_start), cp.asarray(blk_end)
     V = cp.asarray(np.ascontiguousarray(np.concatenate(sources), np.float64))
     c = np.ascontiguousarray(centres, np.float64).reshape(B, 3)
     d_c = cp.asarray(c)

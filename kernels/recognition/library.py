@@ -91,11 +91,12 @@ def describe(points, *, normals=None, normal_k: int = 10, normal_radius: float |
         pts, nrm = xp.ascontiguousarray(pts[sub]), xp.ascontiguousarray(nrm[sub])
     kp = _keypoints(pts, radius=keypoint_radius, device=dev)
     timer.lap("keypoints")
-    desc, frames = _shot(pts, nrm, kp, descr_rad, approximate=approximate, device=dev)
+    own = normals is None  # normals computed here are unit: given ones are checked (once)
+    desc, frames = _shot(pts, nrm, kp, descr_rad, approximate=approximate, device=dev, _unit_normals=own)
     if rf_rad is None or abs(rf_rad - descr_rad) < 1e-12:
         rf = frames
     else:
-        _, rf = _shot(pts, nrm, kp, rf_rad, approximate=approximate, device=dev)
+        _, rf = _shot(pts, nrm, kp, rf_rad, approximate=approximate, device=dev, _unit_normals=True)
     timer.lap("shot")
     kc = pts[kp]
     if sub is not None:
