@@ -153,41 +153,41 @@ def build_index(store_path: str, name: str, reference: np.ndarray, *, shards: in
     found = store.catalog.find_index(name)
     if found is not None and found.get("content_hash") == digest:
         return {"name": name, "status": "unchanged", "content_hash": digest, "n": int(reference.shape[0])}
-    g = store.catalog.new_index(name)
-    t0 = time.perf_counter()
-    rows = max(1, min(1 << 16, ranges[0][1] - ranges[0][0]))
-    z = g.create_array("reference", shape=reference.shape, dtype=dtype, chunks=(rows, reference.shape[1]),
-                       compressors=None)  # float descriptors barely compress; raw chunks load faster
-    for i, j in _row_blocks(z, 0, reference.shape[0]):  # block by block: no whole-array copies
-        z[i:j] = reference[i:j].astype(dtype, copy=False)
-    if ref_scan is not None:
-        store._write_array(g, "ref_scan", np.asarray(ref_scan, np.int32))
-        store._write_array(g, "ref_row", np.asarray(ref_row, np.int64))
-    build_s = []
-    if build_trees and params.get("method", "banns") != "exact":
-        from scanforest.kernels.backend import resolve_device
+    with store.catalog.new_index(name) as g:  # in place of the old one once whole
+        t0 = time.perf_counter()
+        rows = max(1, min(1 << 16, ranges[0][1] - ranges[0][0]))
+        z = g.create_array("reference", shape=reference.shape, dtype=dtype, chunks=(rows, reference.shape[1]),
+                           compressors=None)  # float descriptors barely compress; raw chunks load faster
+        for i, j in _row_blocks(z, 0, reference.shape[0]):  # block by block: no whole-array copies
+            z[i:j] = reference[i:j].astype(dtype, copy=False)
+        if ref_scan is not None:
+            store._write_array(g, "ref_scan", np.asarray(ref_scan, np.int32))
+            store._write_array(g, "ref_row", np.asarray(ref_row, np.int64))
+        build_s = []
+        if build_trees and params.get("method", "banns") != "exact":
+            from scanforest.kernels.backend import resolve_device
 
-        dev = resolve_device(device)
-        graph = params.get("graph_degree") is not None
-        for i, (a, b) in enumerate(ranges):
-            t = time.perf_counter()
-            # the trees only (no leaf-ordered copy): one copy of the shard's rows on the device; a
-            # graph is found by searching the rows, so its shard keeps them while it is built
-            forest = _fit_forest(_stored_rows(reference, a, b, dev), params, i, dev, keep_rows=graph)
-            grp = g.require_group(f"shard_{i}")
-            _write_tree(store, grp, forest.tree_)
-            if graph and getattr(forest, "graph_", None) is not None:
-                from scanforest.kernels.backend import to_numpy
+            dev = resolve_device(device)
+            graph = params.get("graph_degree") is not None
+            for i, (a, b) in enumerate(ranges):
+                t = time.perf_counter()
+                # the trees only (no leaf-ordered copy): one copy of the shard's rows on the device; a
+                # graph is found by searching the rows, so its shard keeps them while it is built
+                forest = _fit_forest(_stored_rows(reference, a, b, dev), params, i, dev, keep_rows=graph)
+                grp = g.require_group(f"shard_{i}")
+                _write_tree(store, grp, forest.tree_)
+                if graph and getattr(forest, "graph_", None) is not None:
+                    from scanforest.kernels.backend import to_numpy
 
-                store._write_array(grp, "graph", to_numpy(forest.graph_in_leaf_order()))
-                grp.attrs["graph"] = _jsonable({k: v for k, v in forest.graph_stats_.items() if k != "bytes"})
-            del forest
-            free_gpu_pool()  # a shard's rows and tree on the GPU: give them back before the next one
-            build_s.append(time.perf_counter() - t)
-    g.attrs.update({"params": _jsonable(params), "shards": [list(r) for r in ranges], "n": int(reference.shape[0]),
-                    "d": int(reference.shape[1]), "dtype": dtype, "content_hash": digest, "scans": list(scans or []),
-                    "build_seconds": build_s, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    **({"library": library} if library is not None else {}), "complete": True})
+                    store._write_array(grp, "graph", to_numpy(forest.graph_in_leaf_order()))
+                    grp.attrs["graph"] = _jsonable({k: v for k, v in forest.graph_stats_.items() if k != "bytes"})
+                del forest
+                free_gpu_pool()  # a shard's rows and tree on the GPU: give them back before the next one
+                build_s.append(time.perf_counter() - t)
+        g.attrs.update({"params": _jsonable(params), "shards": [list(r) for r in ranges], "n": int(reference.shape[0]),
+                        "d": int(reference.shape[1]), "dtype": dtype, "content_hash": digest, "scans": list(scans or []),
+                        "build_seconds": build_s, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        **({"library": library} if library is not None else {}), "complete": True})
     return {"name": name, "status": "built", "content_hash": digest, "n": int(reference.shape[0]),
             "shards": len(ranges), "seconds": time.perf_counter() - t0, "tree_seconds": build_s}
 

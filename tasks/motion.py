@@ -173,22 +173,22 @@ def write_sequence(store: str | ScanStore, seq_id: str, frames, *, tracks=None,
     if tracks is not None and len(tracks) != fr.shape[0] - 1:
         raise InputError(f"{fr.shape[0]} frames make {fr.shape[0] - 1} pairs but {len(tracks)} "
                          "track arrays were given")
-    g = st.catalog.new_sequence(seq_id)
-    t, h, w, c = fr.shape
-    g.attrs.update(_jsonable({**(attrs or {}), "n_frames": t, "height": h, "width": w,
-                              "channels": c, "dtype": str(fr.dtype), "ingested_at": _now(),
-                              "complete": False}))
-    z = g.create_array("frames", shape=fr.shape, dtype=fr.dtype, chunks=(1, h, w, c))
-    z[...] = fr
-    if tracks is not None:
-        tg = g.create_group("tracks")
-        for i, tr in enumerate(tracks):
-            a = np.asarray(tr, np.float32)
-            if a.ndim != 2 or a.shape[1] != 4:
-                raise InputError(f"tracks of pair {i} must be (M, 4), got {a.shape}")
-            tg.create_array(f"{i:06d}", shape=a.shape, dtype=np.float32,
-                            chunks=(max(1, a.shape[0]), 4))[...] = a
-    g.attrs["complete"] = True
+    with st.catalog.new_sequence(seq_id) as g:  # in place of the old one once whole
+        t, h, w, c = fr.shape
+        g.attrs.update(_jsonable({**(attrs or {}), "n_frames": t, "height": h, "width": w,
+                                  "channels": c, "dtype": str(fr.dtype), "ingested_at": _now(),
+                                  "complete": False}))
+        z = g.create_array("frames", shape=fr.shape, dtype=fr.dtype, chunks=(1, h, w, c))
+        z[...] = fr
+        if tracks is not None:
+            tg = g.create_group("tracks")
+            for i, tr in enumerate(tracks):
+                a = np.asarray(tr, np.float32)
+                if a.ndim != 2 or a.shape[1] != 4:
+                    raise InputError(f"tracks of pair {i} must be (M, 4), got {a.shape}")
+                tg.create_array(f"{i:06d}", shape=a.shape, dtype=np.float32,
+                                chunks=(max(1, a.shape[0]), 4))[...] = a
+        g.attrs["complete"] = True
     return {"seq_id": seq_id, "frames": t, "height": h, "width": w, "channels": c}
 
 

@@ -139,11 +139,11 @@ def build_library(store_path: str, model_scans: list[str], *, name: str = "defau
                              models_normals=nrm if all(n is not None for n in nrm) else None,
                              device=device, **params)
     arrays, attrs = lib.to_arrays()
-    g = st.catalog.new_library(name)
-    for k, a in arrays.items():
-        st._write_array(g, k, np.asarray(a))
-    g.attrs.update({**_jsonable(attrs), "model_scans": list(model_scans), "content_hash": digest,
-                    "build_params": _jsonable(params), "complete": True})
+    with st.catalog.new_library(name) as g:  # in place of the old one once whole
+        for k, a in arrays.items():
+            st._write_array(g, k, np.asarray(a))
+        g.attrs.update({**_jsonable(attrs), "model_scans": list(model_scans), "content_hash": digest,
+                        "build_params": _jsonable(params), "complete": True})
     _load_library_cached.cache_clear()
     return {"name": name, "status": "built", "content_hash": digest, "models": len(model_scans),
             "reference_descriptors": int(len(lib.descriptors)), "seconds": time.perf_counter() - t0}

@@ -448,9 +448,11 @@ def test_library_and_index_names_are_one_node_of_the_store(tmp_path):
     from scanforest.tasks.store import ScanStore
 
     st = ScanStore(tmp_path / "s.zarr", create=True)
-    st.catalog.new_library("kept").attrs.update({"complete": True})
-    st.catalog.new_index("kept").attrs.update({"complete": True})
-    for bad in ("", ".", "..", "a/b", "../x"):
+    with st.catalog.new_library("kept") as g:
+        g.attrs.update({"complete": True})
+    with st.catalog.new_index("kept") as g:
+        g.attrs.update({"complete": True})
+    for bad in ("", ".", "..", "a/b", "../x", ".kept.partial-1-x"):
         with _pytest.raises(InputError, match="cannot name a library"):
             st.catalog.new_library(bad)
         with _pytest.raises(InputError, match="cannot name an index"):
@@ -458,3 +460,29 @@ def test_library_and_index_names_are_one_node_of_the_store(tmp_path):
         with _pytest.raises(InputError, match="cannot name a library"):
             st.catalog.find_library(bad)
     assert st.catalog.libraries() == ["kept"] and st.catalog.indexes() == ["kept"]
+
+
+def test_a_failed_or_killed_rebuild_keeps_the_index_and_the_library_it_replaces(tmp_path, rng):
+    """A rebuild of an index (a library, a sequence) is written under a hidden name and takes the
+    old one's place only when whole: a build that fails (here the forest's own parameter check,
+    as a bad --random-dims did on the workers) or whose process is killed leaves the old one
+    complete and loadable (it used to be removed first: `match` then said "no complete index")."""
+    from scanforest.tasks.index import build_index, load_shard
+
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    rows = rng.random((500, 8)).astype(np.float32)
+    first = build_index(str(st.path), "default", rows, params={"n_trees": 2, "leaf_size": 16})
+    assert first["status"] == "built"
+    with pytest.raises(InputError, match="random_dims"):
+        build_index(str(st.path), "default", rows[:400], params={"n_trees": 2, "leaf_size": 16, "random_dims": 0})
+    kept = st.catalog.find_index("default")
+    assert kept is not None and kept["content_hash"] == first["content_hash"] and kept["n"] == 500
+    load_shard(str(st.path), "default", 0)  # still loads
+    folder = tmp_path / "s.zarr" / "indexes"
+    assert sorted(os.listdir(folder)) == ["default", "zarr.json"]  # the failed build's group is gone
+    # a writer killed mid-build (its process gone) left its hidden group: the next build removes it
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (folder / f".default.partial-{int(dead.stdout)}-0a1b2c3d").mkdir()
+    again = build_index(str(st.path), "default", rows[:400], params={"n_trees": 2, "leaf_size": 16})
+    assert again["status"] == "built" and st.catalog.find_index("default")["n"] == 400
+    assert sorted(os.listdir(folder)) == ["default", "zarr.json"] and st.catalog.indexes() == ["default"]

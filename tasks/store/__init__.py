@@ -26,7 +26,9 @@ Layout (``STORE`` is a directory on a POSIX file system)::
 
 The package: :mod:`.scans` (:class:`ScanStore`: the store opened once, its scans, stages,
 quarantine; scan ids), :mod:`.catalog` (``store.catalog``: libraries, indexes, sequences and
-runs), :mod:`.integrity` (``verify``/``repair``), :mod:`.locks` (claims).
+runs; each new library, index or sequence replaces the old one only when whole),
+:mod:`.integrity` (``verify``/``repair``), :mod:`.locks` (claims), :mod:`.errors` (a store that
+cannot be written, an array that does not read back).
 
 Writers of one scan exclude each other with a claim: an exclusive ``flock`` on
 ``.locks/scans/<scan_id>.lock``, held while the group is (re)created, written and flipped

@@ -13,9 +13,12 @@ a worker loads from them (a library, an index's shards) by the store's path and 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import shutil
 import threading
+import uuid
 from collections import OrderedDict
 from typing import Any, Callable, Protocol
 
@@ -33,19 +36,50 @@ class OpenedStore(Protocol):
     root: Any
 
 def plain_name(name) -> bool:
-    """Whether ``name`` can be one node of the store (no path separator, not ``.`` or ``..``)."""
-    return isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name \
+    """Whether ``name`` can be one node of the store (no path separator, no leading ``.``: the
+    store's own hidden entries, such as a library being written, start with one)."""
+    return isinstance(name, str) and bool(name) and not name.startswith(".") and "/" not in name \
         and os.sep not in name
 
 
 def check_name(kind: str, name) -> str:
     """``name`` of a library, an index or a sequence, refused unless it is one node of the store:
     an empty name named the ``libraries`` (``indexes``) group itself, and writing it removed every
-    library (index) of the store; ``a/b`` nests one inside another, ``..`` leaves the store."""
+    library (index) of the store; ``a/b`` nests one inside another, ``..`` leaves the store, and
+    a leading ``.`` is the store's own (:meth:`Catalog.replacing`'s groups being written)."""
     if not plain_name(name):
         raise InputError(f"{kind} name {name!r} cannot name {'an' if kind[0] in 'aeiou' else 'a'} {kind} of the "
-                         "store: give a non-empty name without '/' that is not '.' or '..'")
+                         "store: give a non-empty name without '/' that does not start with '.'")
     return name
+
+
+#: the hidden group a new library, index or sequence is written in (``.NAME.partial-PID-RANDOM``)
+PARTIAL = ".{name}.partial-"
+
+
+def _drop_dead_partials(folder: str, name: str) -> None:
+    """Remove the hidden groups of ``name`` that a writer on this host left when it was killed
+    (its process is gone), and the old groups a replacement did not get to remove."""
+    if not os.path.isdir(folder):
+        return
+    head = PARTIAL.format(name=name)
+    for entry in os.listdir(folder):
+        if entry.startswith(f".{name}.old-"):
+            shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+        elif entry.startswith(head):
+            pid = entry[len(head):].split("-")[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 LIBRARIES = "libraries"
@@ -82,17 +116,37 @@ class Catalog:
         g = self._kind(kind)
         if g is None:
             return []
-        return sorted(n for n, c in g.groups() if include_incomplete or c.attrs.get("complete", False))
+        return sorted(n for n, c in g.groups()
+                      if not n.startswith(".") and (include_incomplete or c.attrs.get("complete", False)))
 
     def _new(self, kind: str, name: str):
-        """A fresh group ``kind/name`` (an existing one of that name removed), not yet complete."""
+        """``with``: a new group for ``kind/name``, not yet complete, written under a hidden name
+        beside the one it replaces; when the block ends without an error it takes that one's
+        place (two renames: the old one is removed after), and an error (or a killed writer)
+        leaves the old one as it was. A build that failed (a bad parameter, a GPU out of memory,
+        Ctrl-C) used to remove the library or index it was replacing first. The name is checked
+        at once."""
         check_name(_KIND_NOUN[kind], name)
+        return self._replacing(kind, name)
+
+    @contextlib.contextmanager
+    def _replacing(self, kind: str, name: str):
         g = self.store.root.require_group(kind)
-        if name in g:
-            del g[name]
-        m = g.create_group(name)
+        folder = os.path.join(self.path, kind)
+        _drop_dead_partials(folder, name)
+        part = f"{PARTIAL.format(name=name)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        m = g.create_group(part)
         m.attrs.update({"complete": False})
-        return m
+        try:
+            yield m
+        except BaseException:
+            shutil.rmtree(os.path.join(folder, part), ignore_errors=True)
+            raise
+        final, old = os.path.join(folder, name), os.path.join(folder, f".{name}.old-{uuid.uuid4().hex[:8]}")
+        if os.path.exists(final):
+            os.rename(final, old)
+        os.rename(os.path.join(folder, part), final)
+        shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ libraries
     def libraries(self) -> list[str]:
@@ -121,8 +175,9 @@ class Catalog:
         return {k: g[k][...] for k in (g.array_keys() if names is None else names)}
 
     def new_library(self, name: str):
-        """A fresh, incomplete group for library ``name`` (the old one removed): its writer
-        fills it and sets ``complete`` last."""
+        """``with catalog.new_library(name) as g``: a fresh, incomplete group for library ``name``
+        (:meth:`_new`): its writer fills it and sets ``complete`` last; it replaces the old one
+        when the block ends."""
         return self._new(LIBRARIES, name)
 
     # ------------------------------------------------------------------ indexes
@@ -149,7 +204,8 @@ class Catalog:
         return g
 
     def new_index(self, name: str):
-        """A fresh, incomplete group for index ``name`` (the old one removed)."""
+        """``with catalog.new_index(name) as g``: a fresh, incomplete group for index ``name``,
+        in place of the old one when the block ends (:meth:`_new`)."""
         return self._new(INDEXES, name)
 
     def update_index(self, name: str, attrs: dict[str, Any]) -> None:
@@ -178,7 +234,8 @@ class Catalog:
         return g
 
     def new_sequence(self, seq_id: str):
-        """A fresh, incomplete group for sequence ``seq_id`` (the old one removed)."""
+        """``with catalog.new_sequence(seq_id) as g``: a fresh, incomplete group for sequence
+        ``seq_id``, in place of the old one when the block ends (:meth:`_new`)."""
         return self._new(SEQUENCES, seq_id)
 
     # ------------------------------------------------------------------ runs

@@ -1,7 +1,7 @@
 """The scans of the store (``STORE/scans/<scan_id>/``) and the store itself: :class:`ScanStore`
 opens or creates it, reads and writes scans and their stages, quarantine records and run
 manifests; scan ids (:func:`scan_id_for`), stage records (:func:`stage_matches`,
-:func:`stage_digest`) and the errors of a store that cannot be written (:class:`StoreWriteError`).
+:func:`stage_digest`); its errors are :mod:`.errors`' (:class:`StoreWriteError`, :class:`StoreReadError`).
 The layout is in the package's docstring (:mod:`scanforest.tasks.store`); the claims are
 :mod:`.locks`', the checks :mod:`.integrity`', the named things beside the scans (libraries,
 indexes, sequences, runs) :mod:`.catalog`'s.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import errno
 import functools
 import hashlib
 import json
@@ -31,6 +30,7 @@ import numpy as np
 from scanforest.kernels.errors import InputError
 
 from .catalog import Catalog, plain_name as _plain_name
+from .errors import WHERE_ERRNOS, StoreReadError, StoreWriteError, _decoded, _where_error  # noqa: F401 - re-exported
 from .integrity import Integrity, _array_problems, _check_written, _raise_unwritten, _scan_problems, _spec_problem
 from .locks import LOCKS, Claims, file_lock
 
@@ -124,74 +124,6 @@ def legacy_scan_id(relpath: str) -> str:
     ext = _SAFE.sub("_", Path(parts[-1]).suffix)[:16]
     tag = hashlib.sha1(posix.encode("utf-8", "surrogateescape")).hexdigest()[:12]
     return f"{sid[: MAX_ID_BYTES - len(tag) - len(ext) - 1]}-{tag}{ext}"
-
-
-#: errors of a write that say the store's location is unusable (a full disk, a used-up quota, a
-#: read-only mount), not that this scan or this run went wrong
-WHERE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
-
-
-class StoreWriteError(InputError):
-    """A write into the store failed because of where the store is: no space left, the quota used
-    up, or a read-only file system. A user error (:class:`InputError`): the flows do not retry it
-    (every retry fails the same way), a stage's unit of work does not record it as that scan's
-    failure (:func:`scanforest.tasks.units.isolated` lets it end the run), and the command line
-    prints it in one line, naming the store and the reason, exit 2."""
-
-    def __init__(self, path: str, reason: str):
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(f"cannot write to {self.path}: {reason}")
-
-    def __reduce__(self):  # pickled between Dask workers and the flow: rebuilt from its own fields
-        return type(self), (self.path, self.reason)
-
-
-class StoreReadError(InputError):
-    """An array of a scan that does not read back: a chunk file cut short or altered (its
-    decompression or its checksum fails: the store's arrays carry zstd's content checksum) or
-    unreadable. That scan's failure in a batch, not retried (a second read fails the same way);
-    the command line prints it in one line naming the scan, the array and the repair."""
-
-    def __init__(self, path: str, scan_id: str, array: str, reason: str):
-        self.path, self.scan_id, self.array, self.reason = str(path), scan_id, array, reason
-        super().__init__(f"{self.path}: scan {scan_id!r}, array {array!r} cannot be read ({reason}): "
-                         f"`scanforest check {self.path} --repair` removes what is damaged, and the next "
-                         "ingest or stage writes it again")
-
-    def __reduce__(self):  # pickled between Dask workers and the flow: rebuilt from its own fields
-        return type(self), (self.path, self.scan_id, self.array, self.reason)
-
-
-def _decoded(path: str, scan_id: str, name: str, read: Callable[[], Any]) -> Any:
-    """``read()`` of one stored array; a chunk that does not decode (zstd's error, a checksum
-    that does not match, a chunk of the wrong size, an I/O error) is a :class:`StoreReadError`."""
-    from scanforest.kernels.errors import ScanforestError
-
-    try:
-        return read()
-    except (ScanforestError, KeyError, MemoryError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - what a damaged chunk raises depends on its codec
-        raise StoreReadError(path, scan_id, name, f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
-
-
-def _where_error(exc: BaseException) -> OSError | None:
-    """The ENOSPC/EDQUOT/EROFS ``OSError`` behind ``exc`` (itself, its causes and contexts, the
-    members of an exception group), or None."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in WHERE_ERRNOS:
-            return e
-        todo += [e.__cause__, e.__context__, *(getattr(e, "exceptions", None) or ())]
-    return None
-
-
 
 
 def _read_root_meta(path: Path) -> dict | None:
