@@ -37,9 +37,9 @@ from .batching import TASKS_IN_FLIGHT, auto_batch, map_batches
 from .cluster import cluster_scope, cluster_with_api, dask_client, n_workers, warm_gpu_workers
 from .describe import describe_flow
 from .ingest import ingest_flow
-from .inputs import absolute_path, check_recognize, check_recognize_params
+from .inputs import absolute_path, check_archive_models, check_recognize, check_recognize_params
 from .match import index_build_flow, match_flow
-from .recognize import recognize_flow, summarize
+from .recognize import other_libraries, recognize_flow, replaced_note, summarize
 from .records import RUN_HOOKS, count_redone, record_run
 
 PIPELINES = ("one-pass", "staged")
@@ -84,6 +84,7 @@ def archive_flow(store: str, source: str | None = None, models: str = "models__*
         store = absolute_path(store)
         cluster = dict(scheduler=scheduler, workers=workers, progress=progress)
         if source is not None:
+            check_archive_models(source, store, models)  # before the store is made or anything ingested
             out["ingest"] = ingest_flow(source=source, store=store, **cluster)
         ids = ScanStore(store, mode="r").scans()
         model_ids = [s for s in ids if fnmatch.fnmatchcase(s, models)]
@@ -143,6 +144,7 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
     store = absolute_path(store)
     st = ScanStore(store, mode="r")
     params = dict(params or {})
+    replaced = other_libraries(st, list(scenes), library)
     with dask_client(scheduler, n_workers=workers, device=device) as client:
         nw = n_workers(client)
         since = utc_now()
@@ -169,6 +171,8 @@ def process_flow(store: str, scenes: list[str], library: str, index: str, k: int
                    device_memory_retries=sum(bool(r.get("device_memory_retry")) for r in recs),
                    # chunks after which a worker gave back its device cache beyond its share
                    gpu_cache_trims=sum(bool(r.get("gpu_cache_trim")) for r in recs))
+    if replaced:
+        summary["replaced_note"] = replaced_note(replaced, library)
     record_run(ScanStore(store), "process", {"library": library, "index": index, "k": int(k), "params": params,
                                              "device": device, "batch": nb}, summary, recs)
     return summary

@@ -174,6 +174,11 @@ def cluster_with_api(*, device: str = "auto", workers: int | None = None, schedu
         yield
 
 
+#: the local scheduler's HTTP server (health and metrics routes; no dashboard) on a free port:
+#: Dask's default, 8787, printed "Port 8787 is already in use" on stderr whenever two commands ran
+#: at once
+SCHEDULER_HTTP = {"dashboard_address": ":0"}
+
 #: configuration of the local cluster's workers (their nannies hand it to each worker process).
 #: Dask's statistical profiler samples every thread's stack 100 times a second for the dashboard,
 #: which local clusters do not serve: about 7% of the archive pass's worker CPU in a profile of
@@ -191,7 +196,8 @@ def _local_cluster(n_workers: int | None, threads_per_worker: int, device: str, 
 
         n = n_workers or max(1, min(8, os.cpu_count() or 1))
         return LocalCluster(n_workers=n, threads_per_worker=threads_per_worker, processes=True,
-                            dashboard_address=None, memory_limit=memory_limit, silence_logs=logging.ERROR,
+                            dashboard_address=None, scheduler_kwargs=SCHEDULER_HTTP, memory_limit=memory_limit,
+                            silence_logs=logging.ERROR,
                             env=thread_env(n, threads_per_worker))
 
 
@@ -305,7 +311,8 @@ def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
     if n_workers <= len(devs):
         from dask_cuda import LocalCUDACluster
 
-        return LocalCUDACluster(n_workers=n_workers, threads_per_worker=threads_per_worker, dashboard_address=None)
+        return LocalCUDACluster(n_workers=n_workers, threads_per_worker=threads_per_worker, dashboard_address=None,
+                                scheduler_kwargs=SCHEDULER_HTTP)
     from distributed import Nanny, Scheduler, SpecCluster
     from distributed.system import MEMORY_LIMIT
 
@@ -328,7 +335,7 @@ def _gpu_cluster(n_workers: int | None, threads_per_worker: int):
                                 **thread_env(n_workers, threads_per_worker)},
                         **({"plugins": [_pin(near[devs[g]])]} if near[devs[g]] else {})}}
     return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
-        "host": "127.0.0.1", "dashboard": False, "dashboard_address": None}}, silence_logs=logging.ERROR)
+        "host": "127.0.0.1", "dashboard": False, **SCHEDULER_HTTP}}, silence_logs=logging.ERROR)
 
 
 def _cores_near(dev: str) -> list[int] | None:

@@ -150,6 +150,10 @@ def check_match(store: str, queries: list[str] | None, k: int, name: str) -> tup
 
     check_option("-k", k)
     st = open_store(store)
+    if st.catalog.find_index(name) is None and st.catalog.find_library(name) is not None:
+        # `match STORE` after `library build`: the library's index is not named like the library
+        raise InputError(f"{store}: no complete index {name!r}, but a model library {name!r}: match against "
+                         f"it with --library {name}")
     attrs = st.catalog.index_attrs(name)
     if queries is not None:
         have = set(st.scans())
@@ -257,3 +261,37 @@ def check_ingest(source: str, store: str, copc: dict | None = None) -> dict:
     # that would create the store must find scans, or it leaves nothing behind
     check_source(absolute_path(str(source)), allow_empty=ScanStore.exists(absolute_path(str(store))))
     return copc_settings(**(copc or {}))
+
+
+def check_archive_models(source: str | None, store: str, models: str) -> None:
+    """An archive whose models pattern picks no scan, refused before anything is ingested: the
+    ids the source's files will get (a folder or a glob; archives and E57 files, whose ids are
+    known once they are opened, are left to the check after the ingest) and the store's scans.
+    It used to ingest the whole source, creating the store, and then say no scan matched."""
+    import fnmatch
+    import tempfile
+
+    from scanforest.kernels.errors import InputError
+    from scanforest.tasks.ingest import discover, is_archive, is_glob
+    from scanforest.tasks.store import ScanStore
+
+    if source is None:
+        return
+    src, dst = absolute_path(str(source)), absolute_path(str(store))
+    if not (os.path.isdir(src) or is_glob(src)):
+        return
+    with tempfile.TemporaryDirectory() as staging:
+        if os.path.isdir(src):
+            for _, _, files in os.walk(src):
+                if any(is_archive(f) for f in files):
+                    return
+        sources, _ = discover(src, staging)
+    if any(is_archive(s.path) or s.path.lower().endswith(".e57") for s in sources):
+        return
+    ids = [s.scan_id for s in sources]
+    if ScanStore.exists(dst):
+        ids += ScanStore(dst, mode="r").scans()
+    if ids and not any(fnmatch.fnmatchcase(i, models) for i in ids):
+        raise InputError(f"no file of {source} becomes a model scan: the models pattern {models!r} matches none of "
+                         f"the scan ids ({', '.join(ids[:3])}{', ...' if len(ids) > 3 else ''}); put the models "
+                         "under SOURCE/models/ (ids models__NAME) or give --models")

@@ -1,8 +1,9 @@
 """A stage with nothing to do answers from the store, before Prefect or Dask start.
 
 ``describe STORE`` on a store whose every scan is described (with these parameters), ``match``
-with every query scan matched against the current index, or ``ingest`` of an empty drop folder
-into an existing store, used to spend 7-8 s on 2 cores starting
+with every query scan matched against the current index, ``recognize`` with every scene's
+detections current, or ``ingest`` of an empty drop folder into an existing store, used to spend
+7-10 s on 2 cores starting
 Prefect's local API, a Dask cluster and Prefect's flow engine to find that out, and added a run
 record each time. These checks read stage records only (the same tests the stages' units of work
 make before they skip a scan), import neither Prefect nor the kernels, and return the summary a
@@ -111,6 +112,45 @@ def ingest_noop(source: str, store: str) -> dict[str, Any] | None:
     return summary
 
 
+def recognize_noop(store: str, models: list[str], scenes: list[str] | None, library: str,
+                   library_params: dict | None, params: dict) -> dict[str, Any] | None:
+    """The recognize summary when the library is what ``recognize`` would build and every scene
+    (default: every scan but the models) holds detections that are current for it, its
+    parameters and its stored description and matches (the test each scene's unit of work makes:
+    :func:`~scanforest.tasks.recognize.recognize_scan`); else None. It started Prefect's API and
+    a cluster for 10 s to skip every scene."""
+    from scanforest.tasks.recognize import library_current, recognition_key, stored_inputs
+    from scanforest.tasks.store import stage_matches
+
+    from .summaries import summarize
+
+    t0 = time.perf_counter()
+    try:
+        st = _store(store)
+        if not library_current(st.path, list(models), library, library_params or {}):
+            return None
+        lib_attrs = st.catalog.library_attrs(library)
+        have = st.scans()
+        ids = list(scenes) if scenes is not None else [s for s in have if s not in set(models)]
+        if not ids or not set(ids) <= set(have):
+            return None
+        recs = []
+        for sid in ids:
+            meta = st.attrs(sid)
+            plan = stored_inputs(st, sid, library, lib_attrs, params, scan_attrs=meta)
+            rec = meta.get("stages", {}).get("recognize")
+            if not stage_matches(rec, **recognition_key(library, lib_attrs["content_hash"], params, plan)):
+                return None
+            recs.append({"scan_id": sid, "status": "skipped", "detections": len(rec.get("detections", [])),
+                         "evaluation": rec.get("evaluation"), "source": rec.get("source"), "seconds": 0.0})
+    except Exception:
+        return None
+    summary = summarize(recs)
+    summary.update(scenes=len(ids), workers=0, library="unchanged", seconds=time.perf_counter() - t0,
+                   scenes_seconds=0.0, task_seconds=0.0)
+    return summary
+
+
 def _answer(flow: str, store: str, summary: dict[str, Any] | None) -> dict[str, Any] | None:
     """A command's no-op answer, counted in the store (:func:`~scanforest.flows.records.count_noop`);
     with work to do (None), Prefect's local API starts now, in the background, to boot while the
@@ -139,3 +179,9 @@ def quick_ingest(source: str, store: str) -> dict[str, Any] | None:
 def quick_match(store: str, queries: list[str] | None, k: int, name: str) -> dict[str, Any] | None:
     """``match`` on the command line: :func:`match_noop`'s answer, or None (the API started)."""
     return _answer("match", store, match_noop(store, queries, k, name))
+
+
+def quick_recognize(store: str, models: list[str], scenes: list[str] | None, library: str,
+                    library_params: dict | None, params: dict) -> dict[str, Any] | None:
+    """``recognize`` on the command line: :func:`recognize_noop`'s answer, or None (the API started)."""
+    return _answer("recognize", store, recognize_noop(store, models, scenes, library, library_params, params))

@@ -299,6 +299,10 @@ def quiet_prefect_logs() -> None:
     warnings.filterwarnings("ignore", message=".*Sending large graph.*")
     for name in ("prefect.task_runs", "prefect.flow_runs", "prefect.engine", "httpx"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # Prefect's event and log senders say "Still processing items: N items remaining..." while a
+    # command exits and they drain their queues (progress, not a problem)
+    for name in ("EventsWorker", "APILogWorker"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     for name in ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
                  "distributed.worker", "distributed.batched", "distributed.http.proxy"):
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -18,7 +18,9 @@ from .cluster import check_scheduler, dask_client, n_workers
 from .inputs import absolute_path, check_recognize
 from .prefect_api import ensure_prefect_api
 from .prefect_tasks import recognize_batch_task
-from .records import RUN_HOOKS, box_origin, count_redone, failures, record_run
+from .records import RUN_HOOKS, count_redone, record_run
+from .summaries import (RECOMPUTED_LISTED, no_detections_note, other_libraries,  # noqa: F401 - theirs
+                        replaced_note, summarize)
 
 
 @flow(name="scanforest-recognize", task_runner=ThreadPoolTaskRunner(max_workers=TASKS_IN_FLIGHT), **RUN_HOOKS)
@@ -36,6 +38,7 @@ def recognize_flow(store: str, models: list[str], scenes: list[str] | None = Non
     lib_res = build_library(store, models, name=library, params=library_params or {}, device=device)
     ids = list(scenes) if scenes is not None else [s for s in st.scans() if s not in set(models)]
     params = dict(params or {})
+    replaced = other_libraries(st, ids, library)
     with dask_client(scheduler, n_workers=workers, device=device) as client:
         nw = n_workers(client)
         t1 = time.perf_counter()
@@ -48,94 +51,14 @@ def recognize_flow(store: str, models: list[str], scenes: list[str] | None = Non
     summary = summarize(recs)
     summary.update(scenes=len(ids), workers=nw, library=lib_res["status"], seconds=time.perf_counter() - t0,
                    scenes_seconds=t_scenes, task_seconds=float(sum(r["seconds"] for r in recs)))
+    if replaced:
+        summary["replaced_note"] = replaced_note(replaced, library)
     if export:
         summary["exports"] = export_results(store, ids, Path(export), render=render, library=library)
     record_run(st, "recognize", {"models": models, "library": library, "params": params, "device": device},
                {k: v for k, v in summary.items() if k != "exports"}, recs)
     _detections_artifact(store, ids)
     return summary
-
-
-def no_detections_note(summary: dict[str, Any], params: dict[str, Any] | None) -> str | None:
-    """Where recognised scenes gave no detection at all, the stage that lost them, in one line
-    (a silent 0 sent users looking everywhere): no correspondence (the descriptors of the scenes
-    and of the library do not match: another scale or unit, or radii unfit for the data), no
-    hypothesis (no group of ``cg_thresh`` consistent correspondences), or hypotheses that all
-    fail verification. None when there are detections or nothing was recognised."""
-    from scanforest.kernels.recognition import RecognizeParams
-
-    f = summary.get("funnel")
-    n = summary.get("recognized", 0)
-    if not f or not n or summary.get("detections"):
-        return None
-    p = RecognizeParams().replace(**(params or {}))
-    scenes = f"{n} scene{'s' if n != 1 else ''}"
-    if not f["correspondences"]:
-        return (f"no detections in {scenes}: none of their {f['keypoints']:,} keypoints matched a library "
-                "descriptor; are the scenes in the models' unit and scale, and the radii (--descr-rad, "
-                "--scene-ss) fit for them?")
-    if not f["hypotheses"]:
-        return (f"no detections in {scenes}: {f['correspondences']:,} correspondences formed no group of "
-                f"{p.cg_thresh:g} consistent ones (--cg-size {p.cg_size:g}, --cg-thresh {p.cg_thresh:g})")
-    best = f.get("best_score")
-    return (f"no detections in {scenes}: {f['hypotheses']:,} hypotheses, none verified (the best explains "
-            f"{'?' if best is None else f'{best:.2f}'} of a model's visible points; min_inlier_fraction "
-            f"{p.min_inlier_fraction:g})")
-
-
-#: recomputed scenes a summary names one by one, with the reason (the run's records name them all)
-RECOMPUTED_LISTED = 100
-
-
-def summarize(recs: list[dict]) -> dict[str, Any]:
-    out: dict[str, Any] = {"recognized": sum(r["status"] == "recognized" for r in recs),
-                           "skipped": sum(r["status"] == "skipped" for r in recs),
-                           # scenes a concurrent run held (and recognises): left to it
-                           "held": sum(r["status"] == "held" for r in recs),
-                           "failed": sum(r["status"] == "failed" for r in recs), "failures": failures(recs),
-                           "detections": int(sum(r.get("detections", 0) for r in recs))}
-    # where the recognised scenes' descriptions and matches came from: the describe and match
-    # stages ("stored") or a description and brute-force match of their own ("recomputed", why)
-    done = [r for r in recs if r["status"] == "recognized"]
-    out["from_stored"] = sum(r.get("source") == "stored" for r in done)
-    out["recomputed"] = sum(r.get("source") == "recomputed" for r in done)
-    reasons: dict[str, int] = {}
-    per_scene: dict[str, str] = {}
-    for r in done:
-        if r.get("source") == "recomputed":
-            why = r.get("reason") or "?"
-            reasons[why] = reasons.get(why, 0) + 1
-            if len(per_scene) < RECOMPUTED_LISTED:
-                per_scene[str(r.get("scan_id"))] = why
-    if reasons:
-        out["recompute_reasons"] = reasons
-        # each recomputed scene and why (the first RECOMPUTED_LISTED; the run record has them all)
-        out["recomputed_scenes"] = per_scene
-    out.update(box_origin(done, RECOMPUTED_LISTED))  # georeferenced scenes without a file offset
-    funnels = [r["funnel"] for r in done if r.get("funnel")]
-    if funnels:  # how far the recognised scenes got, summed (best_score: the best of all)
-        out["funnel"] = {k: int(sum(f[k] for f in funnels))
-                         for k in ("keypoints", "correspondences", "hypotheses", "detections")}
-        scores = [f["best_score"] for f in funnels if f.get("best_score") is not None]
-        out["funnel"]["best_score"] = max(scores) if scores else None
-    phases: dict[str, float] = {}  # seconds per recognition phase, summed over the recognised scenes
-    for r in recs:
-        for k, v in (r.get("timings") or {}).items():
-            phases[k] = phases.get(k, 0.0) + float(v)
-    if phases:
-        out["phase_seconds"] = phases
-    evs = [r["evaluation"] for r in recs if r.get("evaluation")]
-    if evs:
-        tp, fp, fn = (sum(e[k] for e in evs) for k in ("tp", "fp", "fn"))
-        rot = [x for e in evs for x in e["rotation_errors"]]
-        tra = [x / e["resolution"] for e in evs for x in e["translation_errors"]]
-        # precision of no detections and recall of no true instances are undefined (None), not 0
-        out.update(tp=tp, fp=fp, fn=fn, precision=tp / (tp + fp) if tp + fp else None,
-                   recall=tp / (tp + fn) if tp + fn else None,
-                   rotation_error_deg_median=float(np.median(rot)) if rot else None,
-                   rotation_error_deg_max=float(np.max(rot)) if rot else None,
-                   translation_error_res_median=float(np.median(tra)) if tra else None)
-    return out
 
 
 def export_results(store: str, scenes: list[str], out: Path, *, render: bool, library: str) -> dict[str, str]:

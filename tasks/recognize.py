@@ -272,6 +272,14 @@ def load_library(store_path: str, name: str):
     return _load_library_cached(st, name, st.catalog.library_attrs(name)["content_hash"])
 
 
+def recognition_key(library: str, digest: str, params: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """What a scene's ``recognize`` record must hold for its detections to be current: the
+    library and its content hash, the parameters, and (from the stored description and matches:
+    ``plan`` of :func:`stored_inputs`) their digests."""
+    return {"library": library, "content_hash": digest, "params": _jsonable(params),
+            "inputs": {"describe": plan["describe"], "match": plan["match"]} if plan["fits"] else None}
+
+
 def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str, Any], *,
                    device: str = "auto", force: bool = False, run: str | None = None) -> dict[str, Any]:
     """Recognise the library's models in one stored scene; writes the detections (skips when done).
@@ -291,8 +299,7 @@ def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str
     digest = lib_attrs["content_hash"]
     meta = st.attrs(scan_id)  # read once: the stage records below all come from it
     plan = stored_inputs(st, scan_id, library, lib_attrs, params, scan_attrs=meta)
-    key = {"library": library, "content_hash": digest, "params": _jsonable(params),
-           "inputs": {"describe": plan["describe"], "match": plan["match"]} if plan["fits"] else None}
+    key = recognition_key(library, digest, params, plan)
     rec = meta.get("stages", {}).get("recognize")
 
     def skipped(rec: dict[str, Any]) -> dict[str, Any]:

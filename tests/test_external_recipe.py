@@ -73,8 +73,8 @@ def _matched_stores(tmp_path):
     st = ScanStore(tmp_path / "s.zarr", create=True)
     for sid in ("models__m", "scene_0", "scene_1"):
         st.write_scan(sid, {"points": rng.random((50, 3), dtype=np.float32)}, {"source": sid})
-    g = st.catalog.new_index("default")
-    g.attrs.update({"scans": ["models__m"], "complete": True})
+    with st.catalog.new_index("default") as g:
+        g.attrs.update({"scans": ["models__m"], "complete": True})
     paths = {}
     for name in ("a", "b"):
         paths[name] = str(tmp_path / f"{name}.zarr")

@@ -155,3 +155,20 @@ def test_no_detections_say_which_stage_lost_them():
     assert "4 hypotheses, none verified" in note and "0.31" in note and "0.7" in note
     assert no_detections_note(summarize([rec(100, 40, 3, 0.9, det=1)]), {}) is None
     assert no_detections_note(summarize([{"status": "skipped", "detections": 0}]), {}) is None
+
+
+def test_a_run_with_another_library_says_whose_detections_it_replaces(tmp_path):
+    """A scene keeps one recognition: recognising it with library B replaced library A's
+    detections without a word. The run counts them per library and says so in one line."""
+    from scanforest.flows.recognize import other_libraries, replaced_note
+
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    rng = np.random.default_rng(0)
+    for sid, lib in (("a", "boxes"), ("b", "boxes"), ("c", "default"), ("d", None)):
+        st.write_scan(sid, {"points": rng.random((50, 3)).astype(np.float32)}, {"n_points": 50})
+        if lib is not None:
+            st.write_stage(sid, "recognize", {"det_model": np.zeros(0, np.int32)}, {"library": lib})
+    assert other_libraries(st, ["a", "b", "c", "d"], "default") == {"boxes": 2}
+    assert other_libraries(st, ["c", "d"], "default") == {}
+    note = replaced_note({"boxes": 2}, "default")
+    assert "library 'boxes''s in 2 scenes by library 'default''s" in note and len(note.splitlines()) == 1

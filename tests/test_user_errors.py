@@ -70,10 +70,11 @@ def _tree(path: Path) -> set[str]:
     # outputs refused before the work (a traceback after it; -o STORE/zarr.json made the store unreadable)
     (("report", "{store}", "-o", "{store}/zarr.json"), ("--out", "inside the scan store")),
     (("recognize", "{store}", "-m", "s0.pcd", "--export", "{store}/zarr.json"), ("--export", "not a folder")),
+    (("align-store", "{store}", "--pair", "s0.pcd"), ("--pair takes OBSERVED:REFERENCE", "'s0.pcd'")),  # was a box
 ], ids=["shot-radius", "normal-k", "scan", "k", "queries", "index", "reference", "shards", "recall-and-budget",
         "recall-range", "graph-degree", "cg-size", "models", "voxel", "voxel-views", "library-normal-k", "workers",
         "workers-many", "archive-method",
-        "library-empty-name", "index-name-up", "report-into-store", "export-to-a-file"])
+        "library-empty-name", "index-name-up", "report-into-store", "export-to-a-file", "align-pair-form"])
 def test_bad_parameters_fail_in_one_line_at_once(small_store, user_env, tmp_path, args, needles):
     """A deterministic user error is never retried and prints one line: no traceback, no 12-18 s
     of retries, nothing written into the store."""
@@ -86,6 +87,30 @@ def test_bad_parameters_fail_in_one_line_at_once(small_store, user_env, tmp_path
     assert time.perf_counter() - t0 < 15  # refused before any cluster or server starts
     assert _tree(small_store) == before
     assert not Path(f"{small_store}.new").exists()  # no store created by a refused archive
+
+
+def test_an_archive_without_models_is_refused_before_anything_is_ingested(user_env, tmp_path):
+    """A folder with no models/ (or a --models pattern that picks nothing) ingested the whole
+    folder, creating the store, and then said no scan matched: now one line at once, no store;
+    a store that already holds the models, or a source with them, passes the check."""
+    from scanforest.flows.inputs import check_archive_models
+    from scanforest.kernels.errors import InputError
+    from scanforest.tasks.store import ScanStore
+
+    rng = np.random.default_rng(0)
+    src = tmp_path / "survey"
+    (src / "day1").mkdir(parents=True)
+    for name in ("day1/a.npy", "b.npy"):
+        np.save(src / name, rng.random((300, 3)).astype(np.float32))
+    proc = sf("archive", str(src), str(tmp_path / "new.zarr"), env=user_env, cwd=tmp_path, timeout=120)
+    _one_line_error(proc, "models pattern 'models__*'", "day1__a.npy", "--models")
+    assert not (tmp_path / "new.zarr").exists()
+    check_archive_models(str(src), str(tmp_path / "new.zarr"), "b.*")  # a pattern that picks one
+    with pytest.raises(InputError, match="'models__x'"):
+        check_archive_models(str(src / "*.npy"), str(tmp_path / "new.zarr"), "models__x")  # a glob
+    st = ScanStore(tmp_path / "old.zarr", create=True)
+    st.write_scan("models__milk.pcd", {"points": rng.random((300, 3)).astype(np.float32)}, {"n_points": 300})
+    check_archive_models(str(src), str(tmp_path / "old.zarr"), "models__*")  # the store has them
 
 
 @pytest.mark.parametrize("args", [

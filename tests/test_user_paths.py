@@ -88,12 +88,16 @@ def test_pcl_clouds_through_every_stage_and_the_report(user_env, tmp_path, pcl_d
     again = json.loads(_ok(sf("library", "build", store, "-m", "milk.pcd", "--json", env=user_env, cwd=tmp_path)))
     assert again["status"] == "unchanged" and again["index_status"] == "unchanged", again  # a no-op
     one_line_error(sf("match", store, "--library", "nope", env=user_env, cwd=tmp_path), "nope", "library build")
+    one_line_error(sf("match", store, env=user_env, cwd=tmp_path), "--library default")  # no index named so
     mt = json.loads(_ok(sf("match", store, "--library", "default", "-q", scene, "--json", env=user_env,
                            cwd=tmp_path)))
     assert mt["matched"] == 1 and mt["queries"] > 100, mt
     rc = json.loads(_ok(sf("recognize", store, "-s", scene, "--json", env=user_env, cwd=tmp_path)))
     assert rc["recognized"] == 1 and rc["failed"] == 0 and rc["detections"] == 1, rc
     assert rc["from_stored"] == 1 and rc["recomputed"] == 0, rc  # one path: nothing described or matched again
+    again = json.loads(_ok(sf("recognize", store, "-s", scene, "--json", env=user_env, cwd=tmp_path)))
+    assert (again["recognized"], again["skipped"], again["detections"], again["workers"]) == (0, 1, 1, 0), again
+    assert set(again) <= set(rc), sorted(set(again) - set(rc))  # a no-op, answered from the store: no cluster
     from scanforest.tasks.store import ScanStore
 
     det = ScanStore(store, mode="r").attrs(scene)["stages"]["recognize"]["detections"]

@@ -143,9 +143,15 @@ def exit_if_failed(summary: dict) -> None:
         raise typer.Exit(1)
 
 
+def note_replaced(summary: dict) -> None:
+    """One line where a recognition replaced another library's detections (``replaced_note``)."""
+    if summary.get("replaced_note"):
+        typer.secho(f"note: {summary['replaced_note']}", fg=typer.colors.YELLOW)
+
+
 def note_no_detections(summary: dict, params: dict | None) -> None:
     """One line where recognised scenes gave no detection: the stage that lost them."""
-    from scanforest.flows.recognize import no_detections_note
+    from scanforest.flows.summaries import no_detections_note
 
     line = no_detections_note(summary, params)
     if line:

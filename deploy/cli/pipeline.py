@@ -15,6 +15,7 @@ from .core import (
     WorkersOpt,
     choose_device,
     exit_if_failed,
+    note_replaced,
     note_no_detections,
     number,
     print_summary,
@@ -228,7 +229,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         pairs = []
         for p in pair:
             if ":" not in p:
-                raise typer.BadParameter(f"--pair takes OBSERVED:REFERENCE, got {p!r}")
+                from scanforest.kernels.errors import InputError
+
+                raise InputError(f"--pair takes OBSERVED:REFERENCE (two scan ids), got {p!r}")
             pairs.append(p.split(":", 1))
         check_align(store, pairs)
         from scanforest.flows.align import run_align
@@ -272,13 +275,14 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         it, then one pass over the scenes (describe + match + recognize each). Georeferenced scans (LAS/LAZ,
         E57) are computed in a local frame and their poses stored and exported in the file's coordinates.
         A rerun resumes: what is done is skipped."""
-        from scanforest.flows.inputs import check_recognize_params
+        from scanforest.flows.inputs import check_archive_models, check_recognize_params
 
         library_params = {k: v for k, v in {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad}.items()
                           if v is not None}
         params = {"scene_ss": scene_ss, "method": method, "cg_size": cg_size, "cg_thresh": cg_thresh}
         check_recognize_params(library_params, params)  # before Prefect's API or any ingest starts
         _check_export(export)
+        check_archive_models(source, store, models)
         from scanforest.flows.archive import run_archive
         from scanforest.flows.recognize import export_results
 
@@ -307,6 +311,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         if not as_json:
             warn_box_origin(res, "scene")
             note_no_detections(p, params)
+            note_replaced(p)
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
         exit_if_failed(p)
@@ -359,17 +364,23 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             params["scene_voxel"] = library_params["voxel"]
         check_recognize(store, model_ids, scene_ids, library_params, params)
         _check_export(export)
-        from scanforest.flows.recognize import run_recognize
+        from scanforest.flows.noop import quick_recognize
 
-        dev = choose_device(device)
-        res = run_recognize(store, model_ids, scenes=scene_ids, library=library, library_params=library_params,
-                            params=params, device=dev, scheduler=scheduler, workers=workers, export=export,
-                            progress=not as_json)
+        # nothing to do (every scene's detections current): answered before Prefect or Dask start
+        res = None if export else quick_recognize(store, model_ids, scene_ids, library, library_params, params)
+        if res is None:
+            from scanforest.flows.recognize import run_recognize
+
+            dev = choose_device(device)
+            res = run_recognize(store, model_ids, scenes=scene_ids, library=library, library_params=library_params,
+                                params=params, device=dev, scheduler=scheduler, workers=workers, export=export,
+                                progress=not as_json)
         print_summary(f"recognize in {store}", res, as_json=as_json,
                       keys=("scenes", "recognized", "skipped", "failed", "detections", "from_stored", "recomputed",
                             "precision", "recall", "seconds", "workers"))
         if not as_json:
             note_no_detections(res, params)
+            note_replaced(res)
             for reason, n in res.get("recompute_reasons", {}).items():
                 typer.echo(f"described and matched again ({n} scene{'s' if n != 1 else ''}): {reason}")
             listed = res.get("recomputed_scenes", {})
