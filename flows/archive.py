@@ -21,7 +21,6 @@ written, an unchanged index or library is kept), so a rerun after a crash, or th
 run after new scans arrived, does only the work that is missing."""
 from __future__ import annotations
 
-import fnmatch
 import time
 from typing import Any
 
@@ -37,7 +36,8 @@ from .batching import TASKS_IN_FLIGHT, auto_batch, map_batches
 from .cluster import cluster_scope, cluster_with_api, dask_client, n_workers, warm_gpu_workers
 from .describe import describe_flow
 from .ingest import ingest_flow
-from .inputs import absolute_path, check_archive_models, check_recognize, check_recognize_params
+from .inputs import (DEFAULT_MODELS, absolute_path, check_archive_models, check_recognize, check_recognize_params,
+                     is_model)
 from .match import index_build_flow, match_flow
 from .recognize import other_libraries, recognize_flow, replaced_note, summarize
 from .records import RUN_HOOKS, count_redone, record_run
@@ -59,7 +59,7 @@ def run_archive(*, source: str | None = None, device: str = "auto", scheduler: s
 
 
 @flow(name="scanforest-archive")
-def archive_flow(store: str, source: str | None = None, models: str = "models__*", index: str = "models",
+def archive_flow(store: str, source: str | None = None, models: str = DEFAULT_MODELS, index: str = "models",
                  library: str = "default", describe: dict | None = None, index_params: dict | None = None,
                  shards: int | str = 1, k: int = 4, library_params: dict | None = None,
                  recognize: dict | None = None, device: str = "auto", scheduler: str | None = None,
@@ -87,7 +87,7 @@ def archive_flow(store: str, source: str | None = None, models: str = "models__*
             check_archive_models(source, store, models)  # before the store is made or anything ingested
             out["ingest"] = ingest_flow(source=source, store=store, **cluster)
         ids = ScanStore(store, mode="r").scans()
-        model_ids = [s for s in ids if fnmatch.fnmatchcase(s, models)]
+        model_ids = [s for s in ids if is_model(s, models)]
         if not model_ids:  # the library needs the models: say so before describing anything
             raise InputError(f"no scan of {store} matches the models pattern {models!r} "
                              f"(scan ids look like {ids[:3]})")

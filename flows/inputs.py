@@ -263,12 +263,26 @@ def check_ingest(source: str, store: str, copc: dict | None = None) -> dict:
     return copc_settings(**(copc or {}))
 
 
+#: the archive's models pattern by default: scans under a ``models/`` folder, at the top of the source
+#: (``models__NAME``) or inside an archive or folder given as the source (``odd.zip`` holds
+#: ``odd__models__NAME``: with ``models__*`` alone, a zip of the README's layout found no model)
+DEFAULT_MODELS = "models__*"
+
+
+def is_model(scan_id: str, models: str) -> bool:
+    """Whether ``scan_id`` is a model scan of an archive run with the models pattern ``models``
+    (a glob on scan ids; :data:`DEFAULT_MODELS` also takes ``*__models__*``)."""
+    import fnmatch
+
+    return fnmatch.fnmatchcase(scan_id, models) or (models == DEFAULT_MODELS
+                                                    and fnmatch.fnmatchcase(scan_id, "*__models__*"))
+
+
 def check_archive_models(source: str | None, store: str, models: str) -> None:
     """An archive whose models pattern picks no scan, refused before anything is ingested: the
     ids the source's files will get (a folder or a glob; archives and E57 files, whose ids are
     known once they are opened, are left to the check after the ingest) and the store's scans.
     It used to ingest the whole source, creating the store, and then say no scan matched."""
-    import fnmatch
     import tempfile
 
     from scanforest.kernels.errors import InputError
@@ -291,7 +305,7 @@ def check_archive_models(source: str | None, store: str, models: str) -> None:
     ids = [s.scan_id for s in sources]
     if ScanStore.exists(dst):
         ids += ScanStore(dst, mode="r").scans()
-    if ids and not any(fnmatch.fnmatchcase(i, models) for i in ids):
+    if ids and not any(is_model(i, models) for i in ids):
         raise InputError(f"no file of {source} becomes a model scan: the models pattern {models!r} matches none of "
                          f"the scan ids ({', '.join(ids[:3])}{', ...' if len(ids) > 3 else ''}); put the models "
                          "under SOURCE/models/ (ids models__NAME) or give --models")

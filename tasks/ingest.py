@@ -659,6 +659,19 @@ def _expand_archive(path: Path, staging: Path, ignored: list[dict[str, str]],
     return items, problems + probs
 
 
+def _zip_name(info: zipfile.ZipInfo) -> str:
+    """A zip member's name as its writer meant it: UTF-8 where the bytes are UTF-8 though the
+    archive does not say so (Info-ZIP's zip on Linux writes them so; Python's zipfile reads them
+    as cp437, which gave ``├╝n├»`` for ``ünï``, and another id than the same file in a tar)."""
+    name = info.filename
+    if not info.flag_bits & 0x800:
+        try:
+            return name.encode("cp437").decode("utf-8")
+        except UnicodeError:
+            pass
+    return name
+
+
 def _members(path: Path):
     """(name, open binary stream) of every file in a zip or tar archive, streaming; a tar's hard
     link gives its target's bytes, and its other members that are not files (symbolic links,
@@ -669,7 +682,7 @@ def _members(path: Path):
         with zipfile.ZipFile(path) as zf:
             for info in zf.infolist():
                 if not info.is_dir():
-                    yield info.filename, zf.open(info)
+                    yield _zip_name(info), zf.open(info)
     else:
         with tarfile.open(path, "r:*") as tf:
             n = 0

@@ -480,18 +480,25 @@ def _evaluate(dets, gt, lib) -> dict[str, Any] | None:
 
 
 def detections_table(store_path: str, scans: list[str] | None = None):
-    """All stored detections as a pandas DataFrame (one row per detection)."""
+    """All stored detections as a pandas DataFrame (one row per detection), each with the file
+    it came from (``source``) and its pose (``pose_RC``) in that file's coordinates: for a scan of
+    a multi-scan E57 file, in the file's common frame (the scan's stored ``pose`` applied: the
+    two stations' detections of one object were exported at one and the same pose, each in its
+    own scan's frame)."""
     import pandas as pd
 
     st = ScanStore(store_path, mode="r")
     rows = []
     for sid in scans or st.scans():
-        rec = st.attrs(sid).get("stages", {}).get("recognize")
+        meta = st.attrs(sid)
+        rec = meta.get("stages", {}).get("recognize")
         if rec is None:
             continue
+        scan_pose = np.asarray(meta.get("pose", np.eye(4)), np.float64)  # the scan's frame -> the file's
         for j, d in enumerate(rec.get("detections", [])):
-            pose = np.asarray(d["pose"], np.float64)
-            rows.append({"scan_id": sid, "detection": j, "model_id": d["model_id"], "model": d.get("model_name", d["model"]),
+            pose = scan_pose @ np.asarray(d["pose"], np.float64)
+            rows.append({"scan_id": sid, "source": meta.get("source"), "detection": j, "model_id": d["model_id"],
+                         "model": d.get("model_name", d["model"]),
                          "score": d["score"], "inliers": d["inliers"], "correspondences": d.get("correspondences"),
                          **{f"pose_{r}{c}": pose[r, c] for r in range(3) for c in range(4)},
                          "scene_seconds": rec.get("seconds"), "library": rec.get("library")})

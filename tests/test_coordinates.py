@@ -10,6 +10,7 @@ the header) and as a float64 array.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -206,6 +207,12 @@ def test_coordinates_too_coarse_for_the_radii(prefect_api, tmp_path, tmp_path_fa
     ScanStore(store, create=True)
     assert ingest_file(store, Source(str(scans / "wide.npy"), "wide.npy"))["status"] == "ingested"
     one_line_error(sf("describe", store, env=env, cwd=tmp_path), "wide.npy", "float32 spacing")
+    # beside scans that are fine, it fails alone (a stray point stopped a whole archive, unrecorded)
+    np.save(scans / "fine.npy", rng.uniform(-1, 1, (400, 3)))
+    assert ingest_file(store, Source(str(scans / "fine.npy"), "fine.npy"))["status"] == "ingested"
+    out = ok(sf("describe", store, env=env, cwd=tmp_path), code=1)
+    assert re.search(r"failed: wide\.npy: .*float32 spacing", out) and re.search(r"described\s*│\s*1", out), out
+    assert ScanStore(store, mode="r").has_stage("fine.npy", "describe")
 
 
 def test_recognize_says_when_a_georeferenced_scene_has_no_file_offset(prefect_api, geo, pcl_dir, tmp_path,
@@ -266,3 +273,31 @@ def test_which_scans_are_said_to_have_a_box_origin():
     assert not box_origin({"format": "laz", "origin": utm}, {})  # its header's offset, most likely
     assert not box_origin({"format": "pcd", "origin": [0.0, 0.0, 0.0]}, {})
     assert not box_origin({"format": "pcd"}, {})  # before origins existed
+
+
+def test_shot_of_a_georeferenced_file_is_computed_in_its_local_frame(geo, tmp_path):
+    """``scanforest shot`` on the LAS file gives the keypoints and descriptors of the same scene in
+    small coordinates (its header offset is the local origin, as ingest takes it): it cast the
+    UTM coordinates to float32 (a 0.25-0.5 m grid) and its neighbour search ran for good. A float32
+    file of such coordinates is one line naming it."""
+    from typer.testing import CliRunner
+
+    from scanforest.deploy.cli import app
+
+    out = {}
+    np.save(tmp_path / "local.npy", _local(geo["geo64"]))  # the LAS's points less its offset, as ingest stores them
+    for name, path in (("utm", geo["las"]), ("local", tmp_path / "local.npy"), ("ref", geo["folder"] / "scene_ref.npy")):
+        res = CliRunner().invoke(app, ["shot", str(path), "-o", str(tmp_path / name), "--radius", "0.02",
+                                       "--keypoint-radius", "0.03", "--device", "cpu"])
+        assert res.exit_code == 0, res.output
+        out[name] = [np.load(tmp_path / f"{name}{s}.npy") for s in ("", ".keypoints")]
+    (d_utm, k_utm), (d_loc, k_loc), (d_ref, k_ref) = out["utm"], out["local"], out["ref"]
+    assert np.array_equal(k_utm, k_loc) and np.array_equal(d_utm, d_loc, equal_nan=True)  # the same frame, exactly
+    assert len(k_ref) > 100 and np.array_equal(k_utm, k_ref)
+    ok_rows = np.isfinite(d_ref[:, 0])
+    assert np.array_equal(np.isfinite(d_utm[:, 0]), ok_rows) and ok_rows.mean() > 0.9
+    # and the small-coordinates scene's within float32 noise (a ulp off moves a few near-degenerate ones)
+    assert (np.abs(d_utm[ok_rows] - d_ref[ok_rows]).max(axis=1) > 1e-3).mean() < 0.05
+    np.save(tmp_path / "coarse.npy", (geo["ref"] + OFFSET).astype(np.float32))
+    res = CliRunner().invoke(app, ["shot", str(tmp_path / "coarse.npy"), "-o", str(tmp_path / "c"), "--device", "cpu"])
+    assert res.exit_code != 0 and "float32 spacing" in str(res.exception or res.output)

@@ -206,6 +206,19 @@ def test_ingest_one_store_scan_per_e57_scan_and_a_truncated_file(tmp_path, rng):
         common.append(st.read(sid) @ pose[:3, :3].T + pose[:3, 3])
     assert not np.allclose(st.read("site.e57__scan000"), st.read("site.e57__scan001"), atol=1e-3)
     assert np.abs(common[0] - common[1]).max() < 1e-9 and np.abs(common[0] - world).max() < 1e-9
+    # an object's detection in each station's scan (in that scan's frame) is exported at one pose:
+    # the file's common frame (both were exported in their own scan's frame)
+    from scanforest.tasks.recognize import detections_table
+
+    W = _matrix(Rotation.from_euler("z", 40, degrees=True), np.array([3.0, -2.0, 0.5]))
+    rw = ScanStore(store)
+    for sid in ("site.e57__scan000", "site.e57__scan001"):
+        in_scan = np.linalg.inv(np.array(st.attrs(sid)["pose"])) @ W
+        rw.write_stage(sid, "recognize", {"det_model": np.zeros(1, np.int32)},
+                       {"detections": [{"model_id": 0, "model": "m", "score": 1.0, "inliers": 9, "pose": in_scan.tolist()}]})
+    df = detections_table(str(store), ["site.e57__scan000", "site.e57__scan001"])
+    poses = df[[f"pose_{r}{c}" for r in range(3) for c in range(4)]].to_numpy().reshape(2, 3, 4)
+    assert np.abs(poses - W[:3]).max() < 1e-9 and set(df["source"]) == {str(src / "site.e57")}
 
     again = ingest_files(str(store), sources, run="r2")
     assert [r["status"] for r in again] == ["quarantined", "skipped", "skipped"]

@@ -273,3 +273,29 @@ def test_the_ignored_files_note_is_said_once(capsys):
     print_summary("ingest", {"files": 2, "ignored": 1, "ignored_note": "ignored 1 file(s) (not a scan format): a.doc"})
     out = capsys.readouterr().out
     assert "a.doc" not in out and "ignored" in out
+
+
+def test_a_zip_with_utf8_names_it_does_not_flag_gives_the_names_and_ids_of_its_tar(tmp_path):
+    """Info-ZIP's zip (Linux) writes UTF-8 names without the archive's UTF-8 flag; Python's
+    zipfile then reads them as cp437 (``ünï`` came out ``├╝n├»``) and the same file got another
+    scan id from the zip than from a tar of it."""
+    from scanforest.tasks.ingest import discover
+
+    pts = np.random.default_rng(0).random((200, 3)).astype(np.float32)
+    np.save(tmp_path / "x.npy", pts)
+    placeholder, real = "scenes/XXnXX/scene.npy", "scenes/ünï/scene.npy"
+    assert len(placeholder.encode()) == len(real.encode())
+    with zipfile.ZipFile(tmp_path / "a.zip", "w") as zf:
+        zf.write(tmp_path / "x.npy", placeholder)  # ASCII: no UTF-8 flag; its bytes made UTF-8 below
+    data = (tmp_path / "a.zip").read_bytes().replace(placeholder.encode(), real.encode())
+    (tmp_path / "a.zip").write_bytes(data)
+    with zipfile.ZipFile(tmp_path / "a.zip") as zf:
+        assert zf.namelist() != [real]  # what zipfile makes of it
+    with tarfile.open(tmp_path / "a.tar", "w") as tf:
+        tf.add(tmp_path / "x.npy", real)
+    (tmp_path / "s1").mkdir()
+    (tmp_path / "s2").mkdir()
+    from_zip, _ = discover(tmp_path / "a.zip", tmp_path / "s1")
+    from_tar, _ = discover(tmp_path / "a.tar", tmp_path / "s2")
+    assert [s.origin.split("::")[1] for s in from_zip] == [real]
+    assert [s.scan_id for s in from_zip] == [s.scan_id for s in from_tar]

@@ -175,9 +175,16 @@ def test_a_chunk_cut_short_or_altered_is_found_read_as_one_error_and_repaired(tm
     assert isinstance(err.value, InputError)  # a user error: a scan's one-line failure, not retried
     np.testing.assert_array_equal(st.read("c"), pts["c"])
 
+    # an array's metadata file cut short: check, info and repair still run (a JSON traceback before)
+    meta = tmp_path / "s.zarr" / "scans" / "c" / "intensity" / "zarr.json"
+    meta.write_bytes(meta.read_bytes()[:40])
+    found = {p["scan_id"]: p for p in st.verify()}
+    assert found["c"]["problem"] == "damaged" and "metadata does not read back" in found["c"]["detail"]
+    assert st.info()["damaged"] == ["c"]  # info checks the metadata only (a chunk cut short: check)
+
     done = {p["scan_id"]: p["action"] for p in st.repair()}
-    assert set(done) == {"a", "b"} and "removed" in done["a"] and "dropped" in done["b"]
-    assert st.verify() == [] and st.scans() == ["b", "c"] and not st.has_stage("b", "describe")
+    assert set(done) == {"a", "b", "c"} and "removed" in done["a"] and "dropped" in done["b"]
+    assert st.verify() == [] and st.scans() == ["b"] and not st.has_stage("b", "describe")
     np.testing.assert_array_equal(st.read("b"), pts["b"])
 
 

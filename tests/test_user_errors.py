@@ -111,6 +111,11 @@ def test_an_archive_without_models_is_refused_before_anything_is_ingested(user_e
     st = ScanStore(tmp_path / "old.zarr", create=True)
     st.write_scan("models__milk.pcd", {"points": rng.random((300, 3)).astype(np.float32)}, {"n_points": 300})
     check_archive_models(str(src), str(tmp_path / "old.zarr"), "models__*")  # the store has them
+    # the default pattern takes models/ inside an archive given as the source (odd.zip: odd__models__NAME)
+    from scanforest.flows.inputs import DEFAULT_MODELS, is_model
+
+    assert is_model("models__milk.pcd", DEFAULT_MODELS) and is_model("odd__models__milk.pcd", DEFAULT_MODELS)
+    assert not is_model("scenes__mymodels__a.pcd", DEFAULT_MODELS) and not is_model("odd__models__m", "models__*x")
 
 
 @pytest.mark.parametrize("args", [

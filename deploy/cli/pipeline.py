@@ -254,7 +254,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         store: str = typer.Argument(..., callback=new_store, help="The Zarr scan store (created if missing; "
                                     "its folder must exist)."),
         models: str = typer.Option("models__*", "--models", "-m",
-                                   help="Glob of the model scans' ids (a file models/milk.pcd is models__milk.pcd)."),
+                                   help="Glob of the model scans' ids (a file models/milk.pcd is models__milk.pcd; "
+                                   "by default also models/ inside an archive or folder: ARCHIVE__models__NAME)."),
         library: str = typer.Option("default", help="Library name in the store."),
         model_ss: Optional[float] = typer.Option(None, callback=number,
                                                  help="Model keypoint sampling (the PCL tutorial's 0.01)."),
@@ -300,12 +301,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         if as_json:
             res["ingest"] = out["ingest"]
         if export:
-            import fnmatch
             from pathlib import Path
 
+            from scanforest.flows.inputs import is_model
             from scanforest.tasks.store import ScanStore
 
-            scenes = [s for s in ScanStore(store, mode="r").scans() if not fnmatch.fnmatchcase(s, models)]
+            scenes = [s for s in ScanStore(store, mode="r").scans() if not is_model(s, models)]
             res["exports"] = export_results(store, scenes, Path(export), render=False, library=library)
         print_summary(f"one pass over the scenes of {store}", res, as_json=as_json)
         if not as_json:

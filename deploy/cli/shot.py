@@ -56,7 +56,8 @@ def shot_command(
     check_output_file(desc_path, "-o")  # a folder, a path inside a store, one that cannot be written: before the work
     cloud = read_cloud(file)
     dev = resolve_device(device)
-    pts = to_device(np.asarray(cloud.points, dtype=np.float32), dev)
+    pts = to_device(_local(cloud, file, {"--radius": radius, "--normal-radius": normal_radius,
+                                         "--keypoint-radius": keypoint_radius or None}), dev)
     t0 = time.perf_counter()
     if normal_radius is not None:
         nrm, _ = normals(pts, radius=normal_radius, device=dev)
@@ -74,3 +75,25 @@ def shot_command(
     valid = int(np.isfinite(desc[:, 0]).sum())
     typer.echo(f"{file}: {len(cloud.points)} points, {len(kp)} keypoints ({valid} valid) "
                f"on {dev} in {dt:.3f} s -> {desc_path} (frames: {frames_path}, keypoints: {kp_path})")
+
+
+def _local(cloud, file: str, radii: dict) -> np.ndarray:
+    """The cloud's points as float32 in the frame ``describe`` computes its scan in: less the
+    origin ingest would choose (none below 1024 m; else the file's own offset where it lies near
+    the points, e.g. a LAS header's; else the box's centre), subtracted in float64, with the
+    viewpoint at that origin. Cast to float32 as read, UTM-sized coordinates fell on a 0.25-0.5 m
+    grid and the neighbour search ran for good. Coordinates still too coarse for the radii (a
+    float32 file of georeferenced points) are one line, exit 2."""
+    from scanforest.kernels.coordinates import check_spacing, choose_origin, to_local
+
+    pts = np.asarray(cloud.points)
+    finite = pts[np.isfinite(pts).all(axis=1)] if pts.ndim == 2 and len(pts) else pts
+    origin = np.zeros(3)
+    if pts.dtype == np.float64 and len(finite):
+        origin = choose_origin(finite.min(axis=0), finite.max(axis=0), cloud.meta.get("offsets"))
+    local = to_local(pts, origin)
+    if len(finite):
+        check_spacing(float(np.abs(finite - origin).max()), radii, file,
+                      span=lambda: float((finite.max(axis=0) - finite.min(axis=0)).max()) / 2)
+    return local
+

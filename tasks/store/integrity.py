@@ -86,6 +86,14 @@ class Integrity:
         return out
 
     def _problems_of(self, scan_id: str, *, read: bool = False) -> list[dict[str, str]]:
+        try:
+            return self._judge(scan_id, read)
+        except (ValueError, KeyError, TypeError, OSError) as exc:  # a metadata file cut short or not JSON
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            return [{"scan_id": scan_id, "problem": "damaged", "detail": f"its metadata does not read back ({why})"}]
+
+    def _judge(self, scan_id: str, read: bool) -> list[dict[str, str]]:
+        """:meth:`_problems_of`, where a metadata file that does not parse raises."""
         def rec(problem: str, detail: str) -> dict[str, str]:
             return {"scan_id": scan_id, "problem": problem, "detail": detail}
 

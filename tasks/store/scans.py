@@ -572,14 +572,25 @@ class ScanStore(Claims, Integrity):
         return {name: extent for name, (complete, extent) in self._scan_summaries().items()
                 if complete and extent is not None and (want is None or name in want)}
 
-    def check_coordinates(self, scan_ids: Iterable[str] | None, radii: dict[str, float | None]) -> None:
-        """Refuse, before any work, scans whose local coordinates are too coarse in float32 for
-        ``radii`` (name -> length): :class:`InputError` naming the first such scan and the
-        numbers (:func:`scanforest.kernels.coordinates.check_spacing`)."""
+    def check_coordinates(self, scan_ids: Iterable[str] | None, radii: dict[str, float | None]) -> list[str]:
+        """Refuse, before any work, a run whose every scan (of ``scan_ids``; None: all) has local
+        coordinates too coarse in float32 for ``radii`` (name -> length): :class:`InputError`
+        naming the first and the numbers (:func:`scanforest.kernels.coordinates.check_spacing`).
+        Where only some are, the others go on: those are returned, and each fails alone with the
+        same line when its unit of work checks it (one scan with a stray point 500 km up stopped
+        a whole archive, with no trace of why in the store's records)."""
         from scanforest.kernels.coordinates import check_spacing
 
-        for sid, extent in sorted(self.local_extents(scan_ids).items()):
-            check_spacing(extent, radii, f"{self.path}: scan {sid}")
+        extents = sorted(self.local_extents(scan_ids).items())
+        bad: list[tuple[str, InputError]] = []
+        for sid, extent in extents:
+            try:
+                check_spacing(extent, radii, f"{self.path}: scan {sid}")
+            except InputError as exc:
+                bad.append((sid, exc))
+        if bad and len(bad) == len(extents):
+            raise bad[0][1]
+        return [sid for sid, _ in bad]
 
     def arrays(self, scan_id: str) -> list[str]:
         return sorted(self._scan(scan_id).array_keys())
