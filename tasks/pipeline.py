@@ -377,6 +377,10 @@ def _prepare_scan(ctx: OnePass, sid: str) -> dict[str, Any]:
     mrec = stages.get("match")
     have_match = have_desc and stage_matches(mrec, index=ctx.index, content_hash=ctx.index_hash,
                                              k=ctx.k, describe=d_digest)
+    if not have_desc:  # a scan too coarse for the radii among fine ones fails alone, here
+        from .describe import check_scan_spacing
+
+        check_scan_spacing(st, sid, dparams)
     names = ["points"] + (list(DESCRIBE_ARRAYS) if have_desc else []) + (
         ["match_ids", "match_dist"] if have_match else [])
     a = st.read_many(sid, names)

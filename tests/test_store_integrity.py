@@ -493,3 +493,28 @@ def test_a_failed_or_killed_rebuild_keeps_the_index_and_the_library_it_replaces(
     again = build_index(str(st.path), "default", rows[:400], params={"n_trees": 2, "leaf_size": 16})
     assert again["status"] == "built" and st.catalog.find_index("default")["n"] == 400
     assert sorted(os.listdir(folder)) == ["default", "zarr.json"] and st.catalog.indexes() == ["default"]
+
+
+def test_float32_points_in_georeferenced_coordinates_are_too_coarse_alone_or_in_a_run(tmp_path, rng):
+    """Points stored as float32 in UTM-sized file coordinates (pye57 writes single precision)
+    are 0.25-0.5 m apart whatever origin the stages take: they gave zero detections and no word.
+    A run of only such scans is refused in one line; beside fine ones, each fails alone."""
+    from scanforest.tasks.describe import DescribeParams, check_scan_spacing
+    from scanforest.tasks.store.scans import scan_extent
+
+    st = ScanStore(tmp_path / "s.zarr", create=True)
+    local = rng.uniform(-1, 1, (300, 3))
+    utm = (local + [512345.0, 4123456.0, 87.0]).astype(np.float32)
+    for sid, pts in (("utm32", utm), ("utm64", utm.astype(np.float64)), ("fine", local.astype(np.float32))):
+        lo, hi = pts.min(0).astype(np.float64), pts.max(0).astype(np.float64)
+        origin = [0.0, 0.0, 0.0] if sid == "fine" else np.round((lo + hi) / 2).tolist()
+        st.write_scan(sid, {"points": pts}, {"n_points": len(pts), "bbox": {"min": lo.tolist(), "max": hi.tolist()},
+                                             "origin": origin})
+    assert scan_extent(st.attrs("utm32")) > 4e6 and scan_extent(st.attrs("utm64")) < 3
+    radii = {"shot_radius": 0.02}
+    with pytest.raises(InputError, match="scan utm32: .*float32 spacing"):
+        st.check_coordinates(["utm32"], radii)
+    assert st.check_coordinates(None, radii) == ["utm32"]  # the others go on
+    with pytest.raises(InputError, match="scan utm32"):
+        check_scan_spacing(st, "utm32", DescribeParams(shot_radius=0.02))
+    check_scan_spacing(st, "utm64", DescribeParams(shot_radius=0.02))  # float64 in the file: its local frame is fine

@@ -180,13 +180,24 @@ def _summary(path: str, store: str, name: str) -> tuple[bool, float | None] | No
     if not isinstance(meta, dict) or meta.get("node_type") != "group":
         return None
     a = meta.get("attributes") or {}
-    box = a.get("bbox") or {}
-    extent = None
-    if box.get("min") is not None and box.get("max") is not None:
-        o = scan_origin(a)
-        extent = float(max(np.abs(np.asarray(box["min"], np.float64) - o).max(),
-                           np.abs(np.asarray(box["max"], np.float64) - o).max()))
-    return bool(a.get("complete", False)), extent
+    return bool(a.get("complete", False)), scan_extent(a)
+
+
+def scan_extent(attrs: dict[str, Any]) -> float | None:
+    """The largest coordinate magnitude whose float32 spacing the scan's stages see (from its
+    attributes ``bbox``, ``origin`` and ``arrays``; None without a ``bbox``): its extent about its
+    local origin, or, for points stored as float32 in the file's own coordinates, those
+    coordinates' magnitude, whose precision they carry whatever origin the stages take (a
+    float32 E57 in UTM coordinates: points 0.25-0.5 m apart, zero detections and no word)."""
+    box = attrs.get("bbox") or {}
+    if box.get("min") is None or box.get("max") is None:
+        return None
+    lo, hi = np.asarray(box["min"], np.float64), np.asarray(box["max"], np.float64)
+    o = scan_origin(attrs)
+    extent = float(max(np.abs(lo - o).max(), np.abs(hi - o).max()))
+    if ((attrs.get("arrays") or {}).get("points") or {}).get("dtype") == "float32":
+        extent = max(extent, float(max(np.abs(lo).max(), np.abs(hi).max())))
+    return extent
 
 
 def _is_store_meta(meta: dict | None) -> bool:
