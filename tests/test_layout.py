@@ -241,10 +241,11 @@ def test_no_module_over_max_lines_and_cuda_sources_are_package_resources():
 #: what ``flows/`` holds besides the flows themselves: the runner (Prefect's API, the Dask cluster
 #: and its workers' setup, batching, the stages' inputs and the run records), the deployment table
 #: and the helpers the flows use (distributed matching for the match flow, the report of their
-#: runs, the runs' watchdog, the checks that answer a run with nothing to do before it starts) and
+#: runs, the runs' watchdog, the checks that answer a run with nothing to do before it starts, the
+#: runs' summaries) and
 #: the Prefect tasks around the units of work (tasks import no Prefect)
 FLOW_HELPERS = {"__init__", "_watchdog", "batching", "cluster", "deployments", "distributed", "inputs", "noop",
-                "prefect_api", "prefect_tasks", "records", "report", "worker_setup"}
+                "prefect_api", "prefect_tasks", "records", "report", "summaries", "worker_setup"}
 
 
 def _defines_flow(path: Path) -> bool:

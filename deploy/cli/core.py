@@ -131,8 +131,8 @@ def warn_box_origin(summary: dict, noun: str) -> None:
     n = summary.get("box_origin")
     if n:
         typer.echo(f"warning: {n} {noun}{'s' if n != 1 else ''} in georeferenced coordinates without a file offset near "
-                   f"the points (first: {summary['box_origin_scans'][0]}; a LAS header's offset is used where it lies "
-                   "within 1024 m of every point): computed about the bounding box's centre (rounded to 1 m), which the "
+                   f"the points (first: {summary['box_origin_scans'][0]}): computed about the bounding box's centre "
+                   "(rounded to 1 m; a LAS header's offset is taken only within 1024 m of every point), which the "
                    "normals face instead of the scanner, so detections may be missed; give the scanner's "
                    "position as \"origin\" in the scan's sidecar (NAME.gt.json beside the file) and ingest it again")
 
