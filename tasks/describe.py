@@ -125,15 +125,16 @@ def describe_cloud(points, params: DescribeParams, *, origin=None, name: str = "
     return res
 
 
-def check_scan_spacing(store: ScanStore, scan_id: str, params: DescribeParams) -> None:
+def check_scan_spacing(store: ScanStore, scan_id: str, attrs: dict[str, Any], params: DescribeParams) -> None:
     """This scan's coordinates fine in float32 for the description's radii, a float32 file's own
     precision included (:func:`~.store.scans.scan_extent`): a run of many refuses only when all
-    are not (:meth:`ScanStore.check_coordinates`), and each such scan fails here alone."""
+    are not (:meth:`ScanStore.check_coordinates`), and each such scan fails here alone. ``attrs``:
+    the scan's attributes, as the caller read them."""
     from scanforest.kernels.coordinates import check_spacing
 
     from .store.scans import scan_extent
 
-    extent = scan_extent(store.attrs(scan_id))
+    extent = scan_extent(attrs)
     if extent is not None:
         check_spacing(extent, {"normal_radius": params.normal_radius, "keypoint_radius": params.keypoint_radius,
                                "shot_radius": params.shot_radius}, f"{store.path}: scan {scan_id}")
@@ -165,9 +166,10 @@ def describe_scan(store_path: str, scan_id: str, params: DescribeParams, *, devi
         if not force and stage_matches(rec, **params.as_dict()):
             return skipped()
         after_claim("describe", scan_id, run)
-        check_scan_spacing(store, scan_id, params)
+        meta = store.attrs(scan_id)
+        check_scan_spacing(store, scan_id, meta, params)
         pts = store.read(scan_id, "points")
-        res = describe_cloud(pts, params, origin=scan_origin(store.attrs(scan_id)), name=f"scan {scan_id}",
+        res = describe_cloud(pts, params, origin=scan_origin(meta), name=f"scan {scan_id}",
                              device=device)
         arrays = res["arrays"]
         n_valid = int(np.isfinite(arrays["kp_shot"][:, 0]).sum()) if len(arrays["kp_shot"]) else 0

@@ -380,7 +380,7 @@ def _prepare_scan(ctx: OnePass, sid: str) -> dict[str, Any]:
     if not have_desc:  # a scan too coarse for the radii among fine ones fails alone, here
         from .describe import check_scan_spacing
 
-        check_scan_spacing(st, sid, dparams)
+        check_scan_spacing(st, sid, meta, dparams)
     names = ["points"] + (list(DESCRIBE_ARRAYS) if have_desc else []) + (
         ["match_ids", "match_dist"] if have_match else [])
     a = st.read_many(sid, names)

@@ -516,5 +516,5 @@ def test_float32_points_in_georeferenced_coordinates_are_too_coarse_alone_or_in_
         st.check_coordinates(["utm32"], radii)
     assert st.check_coordinates(None, radii) == ["utm32"]  # the others go on
     with pytest.raises(InputError, match="scan utm32"):
-        check_scan_spacing(st, "utm32", DescribeParams(shot_radius=0.02))
-    check_scan_spacing(st, "utm64", DescribeParams(shot_radius=0.02))  # float64 in the file: its local frame is fine
+        check_scan_spacing(st, "utm32", st.attrs("utm32"), DescribeParams(shot_radius=0.02))
+    check_scan_spacing(st, "utm64", st.attrs("utm64"), DescribeParams(shot_radius=0.02))  # float64 in the file: its local frame is fine

@@ -46,7 +46,7 @@ def check_name(kind: str, name) -> str:
     """``name`` of a library, an index or a sequence, refused unless it is one node of the store:
     an empty name named the ``libraries`` (``indexes``) group itself, and writing it removed every
     library (index) of the store; ``a/b`` nests one inside another, ``..`` leaves the store, and
-    a leading ``.`` is the store's own (:meth:`Catalog.replacing`'s groups being written)."""
+    a leading ``.`` is the store's own (:meth:`Catalog._new`'s groups being written)."""
     if not plain_name(name):
         raise InputError(f"{kind} name {name!r} cannot name {'an' if kind[0] in 'aeiou' else 'a'} {kind} of the "
                          "store: give a non-empty name without '/' that does not start with '.'")
@@ -73,12 +73,13 @@ def _drop_dead_partials(folder: str, name: str) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (another user's counts: signal 0 is refused)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 

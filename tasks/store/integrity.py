@@ -170,16 +170,15 @@ def _array_problems(grp, promised: dict[str, Any], *, read: bool = False) -> lis
 def _unreadable(name: str, z) -> str | None:
     """Whether every chunk of the array ``z`` decodes, read one row of chunks at a time (a scan
     of any size in bounded memory): the first that does not, or None."""
+    from .errors import StoreReadError, _decoded  # the reads' own rule of what a damaged chunk raises
+
     rows = z.chunks[0] if z.ndim else 1
     n = z.shape[0] if z.ndim else 1
     for start in range(0, n, max(1, rows)):
         try:
-            z[start:start + rows] if z.ndim else z[...]
-        except MemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - what a damaged chunk raises depends on its codec
-            why = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            return f"array {name!r} rows {start}-{min(n, start + rows) - 1} do not read back ({why})"
+            _decoded("", "", name, lambda s=start: z[s:s + rows] if z.ndim else z[...])
+        except StoreReadError as exc:
+            return f"array {name!r} rows {start}-{min(n, start + rows) - 1} do not read back ({exc.reason})"
     return None
 
 
