@@ -17,7 +17,8 @@ rows, centre and weights, so each keeps its arithmetic bit for bit.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from .jit import njit
 
 
 @njit(cache=True, inline="always")

@@ -1,8 +1,11 @@
 """Backend selection and its environment knobs."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -153,3 +156,60 @@ def test_small_gemms_run_blas_on_one_thread():
     assert blas_threads() == before
     with blas_one_thread(SMALL_GEMM):
         assert blas_threads() == before
+
+
+_KERNEL = '''
+import numpy as np
+from scanforest.kernels.jit import njit
+
+
+@njit(cache=True)
+def inner(x, i):
+    s = 0.0
+    for j in range(x.shape[1]):
+        s += np.sin(x[i, j]) * np.cos(x[i, j]) + np.sqrt(abs(x[i, j]))
+    return s
+
+
+@njit(cache=True)
+def outer(x):
+    out = np.empty(x.shape[0])
+    for i in range(x.shape[0]):
+        out[i] = inner(x, i)
+    return out[np.argsort(out)]
+'''
+
+_CALLER = '''
+import json, os, sys, time
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import kern
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.002)
+got = kern.outer(np.arange(12.0).reshape(3, 4))
+print(json.dumps({"misses": sum(kern.outer.stats.cache_misses.values()),
+                  "hits": sum(kern.outer.stats.cache_hits.values()), "sum": float(got.sum())}))
+'''
+
+
+def test_processes_compile_a_cached_kernel_once_between_them(tmp_path):
+    """Two processes that reach the same uncompiled kernel at the same moment (the archive's
+    workers on a fresh machine): one compiles it, the other waits and loads what it wrote
+    (numba alone compiles it in both, 28 s of CPU each for the demo's workers on 2 cores)."""
+    (tmp_path / "kern.py").write_text(_KERNEL)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "caller.py").write_text(_CALLER)
+    go = tmp_path / "go"
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "caller.py"), str(tmp_path), str(go)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    time.sleep(1.5)  # both have imported numba and wait at the start line
+    go.touch()
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted((o["misses"], o["hits"]) for o in outs) == [(0, 1), (1, 0)], outs
+    assert outs[0]["sum"] == outs[1]["sum"]
+    assert list((tmp_path / "cache").rglob("kern.outer-*.nbi.lock"))  # the lock beside the function's index

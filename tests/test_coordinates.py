@@ -275,7 +275,8 @@ def test_which_scans_are_said_to_have_a_box_origin():
     assert not box_origin({"format": "pcd"}, {})  # before origins existed
 
 
-def test_shot_of_a_georeferenced_file_is_computed_in_its_local_frame(geo, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_shot_of_a_georeferenced_file_is_computed_in_its_local_frame(geo, tmp_path, device):
     """``scanforest shot`` on the LAS file gives the keypoints and descriptors of the same scene in
     small coordinates (its header offset is the local origin, as ingest takes it): it cast the
     UTM coordinates to float32 (a 0.25-0.5 m grid) and its neighbour search ran for good. A float32
@@ -288,7 +289,7 @@ def test_shot_of_a_georeferenced_file_is_computed_in_its_local_frame(geo, tmp_pa
     np.save(tmp_path / "local.npy", _local(geo["geo64"]))  # the LAS's points less its offset, as ingest stores them
     for name, path in (("utm", geo["las"]), ("local", tmp_path / "local.npy"), ("ref", geo["folder"] / "scene_ref.npy")):
         res = CliRunner().invoke(app, ["shot", str(path), "-o", str(tmp_path / name), "--radius", "0.02",
-                                       "--keypoint-radius", "0.03", "--device", "cpu"])
+                                       "--keypoint-radius", "0.03", "--device", device])
         assert res.exit_code == 0, res.output
         out[name] = [np.load(tmp_path / f"{name}{s}.npy") for s in ("", ".keypoints")]
     (d_utm, k_utm), (d_loc, k_loc), (d_ref, k_ref) = out["utm"], out["local"], out["ref"]
@@ -299,5 +300,5 @@ def test_shot_of_a_georeferenced_file_is_computed_in_its_local_frame(geo, tmp_pa
     # and the small-coordinates scene's within float32 noise (a ulp off moves a few near-degenerate ones)
     assert (np.abs(d_utm[ok_rows] - d_ref[ok_rows]).max(axis=1) > 1e-3).mean() < 0.05
     np.save(tmp_path / "coarse.npy", (geo["ref"] + OFFSET).astype(np.float32))
-    res = CliRunner().invoke(app, ["shot", str(tmp_path / "coarse.npy"), "-o", str(tmp_path / "c"), "--device", "cpu"])
+    res = CliRunner().invoke(app, ["shot", str(tmp_path / "coarse.npy"), "-o", str(tmp_path / "c"), "--device", device])
     assert res.exit_code != 0 and "float32 spacing" in str(res.exception or res.output)

@@ -17,7 +17,6 @@ import numpy as np
 from scanforest.flows.cluster import dask_client
 from scanforest.kernels.backend import describe_device, resolve_device
 from scanforest.kernels.errors import InputError
-from scanforest.kernels.knn.bruteforce import recall
 
 from ._common import BenchReport, read_record
 from ._data import id_recall
@@ -360,7 +359,7 @@ def _faiss_ivf_rows(rep, X, Q, k, mb, ref, qps, *, nlist: int, nprobes, where: s
     if not hasattr(faiss, "GpuIndexIVFFlat") or faiss.get_num_gpus() < 1:
         rep.note(f"FAISS GPU rows skipped: this faiss {faiss.__version__} has no GPU support (faiss-gpu)")
         return
-    from scanforest.kernels.knn.bruteforce import pair_distances
+    from scanforest.kernels.knn.bruteforce import pair_distances, recall
 
     from ._data import _best_at, _ivf_lists, _ivf_train_rows
 

@@ -155,6 +155,9 @@ class AlignResult:
 def _numba():
     import numba
 
+    from ..jit import install_compile_lock
+
+    install_compile_lock()  # one compilation across processes (the jit module's doc)
     return numba
 
 

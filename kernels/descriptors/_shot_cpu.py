@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
 
+from ..jit import njit, prange
 from ..geom_cpu import cov_eig3
 from ..neighbors.search_cpu import argsort_key_index
 

@@ -16,8 +16,8 @@ results agree with PCL to ~1e-5, and CPU and GPU agree to float32 rounding.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
 
+from ..jit import njit, prange
 from .. import validation
 from ..backend import resolve_device, to_device, to_numpy
 from ..coordinates import localize

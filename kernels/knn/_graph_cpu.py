@@ -8,8 +8,8 @@ keeps the ``kk`` smallest ``(distance, id)`` pairs, a row once: the answer of
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
 
+from ..jit import njit, prange
 from .bruteforce import _sqdist, _sqdist4
 
 

@@ -8,8 +8,8 @@ same answers. :mod:`.kdtree` validates the arguments and dispatches here.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
 
+from ..jit import njit, prange
 from ._kdtree_common import RULE_IDS
 from .bruteforce import _sqdist, _sqdist4
 

@@ -24,8 +24,8 @@ import functools
 import threading
 
 import numpy as np
-from numba import njit, prange
 
+from ..jit import njit, prange
 from .. import validation
 from ..backend import blas_one_thread, free_memory, is_cupy, resolve_device, to_numpy, xp_for
 from ..errors import InputError

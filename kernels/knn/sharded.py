@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, prange
 
+from ..jit import njit, prange
 from ..backend import is_cupy, xp_for
 from ..errors import InputError
 from .topk import merge_topk, pad_topk

@@ -9,7 +9,8 @@ with ``sx = sqrt(log2(e) / 2) / sigma_x`` and ``sc`` likewise, so that a feature
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+
+from ..jit import njit, prange
 
 
 @njit(cache=True, inline="always")

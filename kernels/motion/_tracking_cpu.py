@@ -22,7 +22,8 @@ the derivatives as zero (OpenCV pads ``derivI`` with ``BORDER_CONSTANT``).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+
+from ..jit import njit, prange
 
 W_BITS = 14
 FLT_SCALE = np.float32(1.0 / (1 << 20))

@@ -6,7 +6,8 @@ verification scans the scene's cell list with :func:`verify_points`.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+
+from ..jit import njit, prange
 
 
 @njit(cache=True, inline="always")

@@ -12,8 +12,8 @@ summation order.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
 
+from ..jit import njit, prange
 from ..neighbors.search_cpu import grid_nearest
 
 

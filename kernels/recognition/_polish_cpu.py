@@ -6,8 +6,8 @@ an SVD: 0.4-0.5 ms on a few thousand points)."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
 
+from ..jit import njit, prange
 from ..geom_cpu import centroid3, scatter3
 from ..neighbors.search_cpu import grid_nearest
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit, prange
 
+from ..jit import njit, prange
 from ..backend import resolve_device, to_numpy
 from ._groups import GroupList  # noqa: F401 - part of this module's API (Hypotheses.groups)
 from .correspondences import Correspondences

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
+from ..jit import njit
 from ..errors import InputError
 from ..geom_cpu import centroid3, jacobi_eigh, scatter3
 
