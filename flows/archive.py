@@ -63,7 +63,8 @@ def archive_flow(store: str, source: str | None = None, models: str = DEFAULT_MO
                  library: str = "default", describe: dict | None = None, index_params: dict | None = None,
                  shards: int | str = 1, k: int = 4, library_params: dict | None = None,
                  recognize: dict | None = None, device: str = "auto", scheduler: str | None = None,
-                 workers: int | None = None, progress: bool = True, pipeline: str = "one-pass") -> dict[str, Any]:
+                 workers: int | None = None, progress: bool = True, pipeline: str = "one-pass",
+                 copc: dict | None = None) -> dict[str, Any]:
     """Ingest ``source`` (when given) into ``store``, build the model library ``library`` from the
     model scans (scan ids matching the glob ``models``), describe the other scans as recognition
     describes a scene, build the index ``index`` over the library, match the scenes against it
@@ -73,7 +74,7 @@ def archive_flow(store: str, source: str | None = None, models: str = DEFAULT_MO
     scenes' :class:`DescribeParams` follow from them. ``describe`` may only repeat them (e.g.
     ``{"normal_k": 10}``): a description recognition would not use is refused. Returns each
     stage's summary under its name (``process`` for the one-pass pipeline's describe + match +
-    recognize)."""
+    recognize). ``copc``: ingest's COPC query (:func:`~.ingest.ingest_flow`)."""
     if pipeline not in PIPELINES:
         raise InputError(f"pipeline must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
     check_recognize_params(library_params, recognize)  # a bad value refused before anything is ingested
@@ -85,7 +86,7 @@ def archive_flow(store: str, source: str | None = None, models: str = DEFAULT_MO
         cluster = dict(scheduler=scheduler, workers=workers, progress=progress)
         if source is not None:
             check_archive_models(source, store, models)  # before the store is made or anything ingested
-            out["ingest"] = ingest_flow(source=source, store=store, **cluster)
+            out["ingest"] = ingest_flow(source=source, store=store, copc=copc, **cluster)
         ids = ScanStore(store, mode="r").scans()
         model_ids = [s for s in ids if is_model(s, models)]
         if not model_ids:  # the library needs the models: say so before describing anything

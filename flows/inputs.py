@@ -271,11 +271,15 @@ DEFAULT_MODELS = "models__*"
 
 def is_model(scan_id: str, models: str) -> bool:
     """Whether ``scan_id`` is a model scan of an archive run with the models pattern ``models``
-    (a glob on scan ids; :data:`DEFAULT_MODELS` also takes ``*__models__*``)."""
+    (a glob on scan ids). A pattern that starts with a folder (``models__*``, the default, or
+    ``objects__*.pcd``) also takes that folder inside an archive or a folder given as the source
+    (``site__objects__a.pcd`` from ``site.zip``); another (``milk*``) is matched as it is."""
     import fnmatch
+    import re
 
-    return fnmatch.fnmatchcase(scan_id, models) or (models == DEFAULT_MODELS
-                                                    and fnmatch.fnmatchcase(scan_id, "*__models__*"))
+    if fnmatch.fnmatchcase(scan_id, models):
+        return True
+    return bool(re.match(r"[^*?\[\]]+__", models)) and fnmatch.fnmatchcase(scan_id, "*__" + models)
 
 
 def check_archive_models(source: str | None, store: str, models: str) -> None:

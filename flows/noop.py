@@ -119,8 +119,7 @@ def recognize_noop(store: str, models: list[str], scenes: list[str] | None, libr
     parameters and its stored description and matches (the test each scene's unit of work makes:
     :func:`~scanforest.tasks.recognize.recognize_scan`); else None. It started Prefect's API and
     a cluster for 10 s to skip every scene."""
-    from scanforest.tasks.recognize import library_current, recognition_key, stored_inputs
-    from scanforest.tasks.store import stage_matches
+    from scanforest.tasks.recognize import library_current, recognition_current, recognition_key, stored_inputs
 
     from .summaries import summarize
 
@@ -139,7 +138,7 @@ def recognize_noop(store: str, models: list[str], scenes: list[str] | None, libr
             meta = st.attrs(sid)
             plan = stored_inputs(st, sid, library, lib_attrs, params, scan_attrs=meta)
             rec = meta.get("stages", {}).get("recognize")
-            if not stage_matches(rec, **recognition_key(library, lib_attrs["content_hash"], params, plan)):
+            if not recognition_current(rec, recognition_key(library, lib_attrs["content_hash"], params, plan)):
                 return None
             recs.append({"scan_id": sid, "status": "skipped", "detections": len(rec.get("detections", [])),
                          "evaluation": rec.get("evaluation"), "source": rec.get("source"), "seconds": 0.0})

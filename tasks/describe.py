@@ -127,17 +127,18 @@ def describe_cloud(points, params: DescribeParams, *, origin=None, name: str = "
 
 def check_scan_spacing(store: ScanStore, scan_id: str, attrs: dict[str, Any], params: DescribeParams) -> None:
     """This scan's coordinates fine in float32 for the description's radii, a float32 file's own
-    precision included (:func:`~.store.scans.scan_extent`): a run of many refuses only when all
+    precision and a LAS file's grid included (:func:`~.store.scans.scan_extent`, ``scan_grid``): a run of many refuses only when all
     are not (:meth:`ScanStore.check_coordinates`), and each such scan fails here alone. ``attrs``:
     the scan's attributes, as the caller read them."""
     from scanforest.kernels.coordinates import check_spacing
 
-    from .store.scans import scan_extent
+    from .store.scans import scan_extent, scan_grid
 
     extent = scan_extent(attrs)
     if extent is not None:
         check_spacing(extent, {"normal_radius": params.normal_radius, "keypoint_radius": params.keypoint_radius,
-                               "shot_radius": params.shot_radius}, f"{store.path}: scan {scan_id}")
+                               "shot_radius": params.shot_radius}, f"{store.path}: scan {scan_id}",
+                      grid=scan_grid(attrs))
 
 
 def describe_scan(store_path: str, scan_id: str, params: DescribeParams, *, device: str = "auto",

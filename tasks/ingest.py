@@ -29,7 +29,7 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError, ScanReadError
 
-from .las import copc_settings, is_copc
+from .las import EmptyQuery, copc_settings, is_copc
 from .readers import FORMATS, MULTI_SCAN_FORMATS, open_blocks, read_cloud, scan_parts
 from .store import MAX_ID_BYTES, ScanStore, file_lock, legacy_scan_id, scan_id_for, sha256_bytes, sha256_file
 
@@ -214,6 +214,8 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
         try:
             scan = open_blocks(source.path, copc=expect.get("copc"), part=part) if blockwise else None
             cloud = read_cloud(source.path, data, part=part) if scan is None else None
+        except EmptyQuery as exc:  # a tile outside the region asked for: nothing written, nothing quarantined
+            return done("outside", reason=exc.reason)
         except ScanReadError as exc:
             store.quarantine(source.named, exc.reason, digest, key=source.scan_id)
             return done("quarantined", reason=exc.reason)
@@ -234,6 +236,9 @@ def _ingest_one(store: ScanStore, source: Source, *, units: str, run: str | None
                     scan.n_points, scan.columns,
                     lambda: attrs_of(scan.meta, scan.n_kept, scan.bbox, str(np.dtype(scan.columns["points"][0]))),
                     at_most=not scan.exact, optional=scan.optional)
+            except EmptyQuery as exc:  # the bounds crop every point away (found midway): nothing kept
+                store.discard_incomplete(source.scan_id)
+                return done("outside", reason=exc.reason)
             except ScanReadError as exc:  # found midway: its partial arrays removed, the file quarantined
                 store.discard_incomplete(source.scan_id)
                 store.quarantine(source.named, exc.reason, digest, key=source.scan_id)
@@ -276,6 +281,8 @@ def _scan_attrs(source: Source, digest: str, meta: dict[str, Any], n_points: int
     for key in ("width", "height", "viewpoint", "organized", "pose", "pose_maps", "crs", "e57", "copc"):
         if key in meta:
             attrs[key] = meta[key]
+    if meta.get("scales"):  # LAS/LAZ/COPC: the points are integers times the scale (scan_grid)
+        attrs["coordinate_grid"] = float(max(meta["scales"]))
     if "origin" in sidecar:
         attrs["origin_from"] = "sidecar"
     elif any(origin) and origin != [float(v) for v in meta.get("offsets") or ()]:

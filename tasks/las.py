@@ -18,6 +18,11 @@ from scanforest.kernels.errors import ScanReadError
 from .blocks import BlockScan
 
 
+class EmptyQuery(ScanReadError):
+    """A COPC query (its bounds) that selects no point of the file: the file is not bad, it lies
+    outside the region asked for (ingest counts it ``outside``, it quarantines nothing)."""
+
+
 def las_meta(path, header) -> dict[str, Any]:
     return {"encoding": "laz" if Path(path).suffix.lower() == ".laz" else "las",
             "las_version": str(header.version), "point_format": int(header.point_format.id),
@@ -171,8 +176,9 @@ def _las_blocks(path, scan: BlockScan, records, dims: set[str], crop=None):
     if scan.exact and seen != scan.n_points:
         raise ScanReadError(path, f"LAS header declares {scan.n_points} points, data has {seen}")
     if row == 0:
-        raise ScanReadError(path, "zero-point cloud (the query selects no point)" if crop is not None
-                            else "zero-point cloud (the file declares no points)")
+        if crop is not None:
+            raise EmptyQuery(path, "no point inside the COPC query's bounds")
+        raise ScanReadError(path, "zero-point cloud (the file declares no points)")
     scan.n_kept, scan.bbox = row, (lo.tolist(), hi.tolist())
 
 
@@ -241,6 +247,8 @@ def copc_blocks(path, settings: dict[str, Any], block: int | None = None, data: 
     total = sum(int(nd.point_count) for nd in nodes)
     if total == 0:
         reader.source.close()
+        if settings.get("bounds") is not None:
+            raise EmptyQuery(path, "no point inside the COPC query's bounds")
         raise ScanReadError(path, "zero-point cloud (the COPC query selects no point)")
     header = reader.header
     dims = set(header.point_format.dimension_names)

@@ -355,7 +355,7 @@ def _raise(exc: BaseException):
 def _prepare_scan(ctx: OnePass, sid: str) -> dict[str, Any]:
     """A scan read, described and matched (what is current is read, not recomputed), or its
     ``skipped`` record when its recognition is current."""
-    from .recognize import scene_from_matches, stored_inputs
+    from .recognize import recognition_current, scene_from_matches, stored_inputs
 
     t0 = time.perf_counter()
     st, dev, params, dparams = ctx.st, ctx.dev, ctx.params, ctx.dparams
@@ -367,7 +367,7 @@ def _prepare_scan(ctx: OnePass, sid: str) -> dict[str, Any]:
     if plan["fits"]:
         key["inputs"] = {"describe": plan["describe"], "match": plan["match"]}
         rec = stages.get("recognize")
-        if stage_matches(rec, **key):
+        if recognition_current(rec, key):
             return {"scan_id": sid, "status": "skipped", "detections": len(rec.get("detections", [])),
                     "evaluation": rec.get("evaluation"), "seconds": time.perf_counter() - t0}
     # what is current stays: the description, and the matches made from it with this index

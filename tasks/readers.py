@@ -463,9 +463,29 @@ _XYZ_NAMES = {
 }
 
 
+def _bad_text_line(numbered: list[tuple[int, str]], delim: str | None, exc: ValueError) -> str:
+    """The first of the (line number, text) rows that is not as many numbers as the first row,
+    named by its line in the file (numpy's message counts rows after the header and comments,
+    from 0 or 1 as the case may be)."""
+    want = None
+    for no, ln in numbered:
+        fields = ln.split(delim)
+        try:
+            [float(t) for t in fields]
+        except ValueError:
+            return f"malformed text row on line {no}: {ln.strip()[:80]!r} is not {want or 'all'} numbers"
+        if want is None:
+            want = len(fields)
+        elif len(fields) != want:
+            return f"malformed text row on line {no}: {len(fields)} columns where the rows before have {want}"
+    return f"malformed text rows: {exc}"
+
+
 def _read_xyz(path, data: bytes) -> PointCloud:
     text = data.decode("utf-8-sig", "replace")  # a byte-order mark (Excel's CSV) is not a column name
-    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith(("#", "//"))]
+    numbered = [(i, ln) for i, ln in enumerate(text.splitlines(), 1)
+                if ln.strip() and not ln.lstrip().startswith(("#", "//"))]
+    lines = [ln for _, ln in numbered]
     pts_file = Path(path).suffix.lower() == ".pts"
     declared = None
     if len(lines) > 1 and re.fullmatch(r"\s*\d+\s*", lines[0]) and len(lines[1].replace(",", " ").split()) >= 3:
@@ -485,7 +505,7 @@ def _read_xyz(path, data: bytes) -> PointCloud:
     try:
         table = np.loadtxt(lines, delimiter=delim, dtype=np.float64, ndmin=2)
     except ValueError as exc:
-        raise ScanReadError(path, f"malformed text row: {exc}") from exc
+        raise ScanReadError(path, _bad_text_line(numbered[len(numbered) - len(lines):], delim, exc)) from exc
     ncol = table.shape[1]
     if ncol < 3:
         raise ScanReadError(path, f"text rows need at least 3 columns (x y z), got {ncol}")

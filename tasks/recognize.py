@@ -42,7 +42,7 @@ import numpy as np
 
 from scanforest.kernels.errors import InputError
 
-from .store import ScanStore, _jsonable, local_points, scan_origin, stage_digest, stage_matches
+from .store import ScanStore, _jsonable, local_points, scan_grid, scan_origin, stage_digest, stage_matches
 from .store.catalog import warm
 
 LIBRARY_KEYS = ("model_ss", "descr_rad", "rf_rad", "normal_k", "normal_radius", "verify_leaf", "views", "voxel")
@@ -132,8 +132,11 @@ def build_library(store_path: str, model_scans: list[str], *, name: str = "defau
         cloud = st.read_cloud(s)
         pts.append(local_points(cloud.points, cloud.meta))
         if len(pts[-1]):
-            check_spacing(float(np.abs(pts[-1]).max()), {k: params.get(k) for k in ("model_ss", "descr_rad", "rf_rad")},
-                          f"model scan {s}", span=lambda p=pts[-1]: float((p.max(axis=0) - p.min(axis=0)).max()) / 2)
+            radii = {**LIBRARY_DEFAULTS, **params}  # the radii it will use
+            check_spacing(float(np.abs(pts[-1]).max()), {k: radii.get(k) for k in ("model_ss", "descr_rad", "rf_rad",
+                                                                                 "normal_radius")},
+                          f"model scan {s}", span=lambda p=pts[-1]: float((p.max(axis=0) - p.min(axis=0)).max()) / 2,
+                          grid=scan_grid(cloud.meta))
         nrm.append(cloud.normals)
     lib = ModelLibrary.build(pts, names=list(model_scans),
                              models_normals=nrm if all(n is not None for n in nrm) else None,
@@ -272,6 +275,25 @@ def load_library(store_path: str, name: str):
     return _load_library_cached(st, name, st.catalog.library_attrs(name)["content_hash"])
 
 
+def _nondefault(params: dict[str, Any] | None) -> dict[str, Any]:
+    """Recognition parameters less those that equal :class:`RecognizeParams`' defaults (and
+    None): the same recognition whether a default is left out (the API) or given (the command
+    line passes its options' defaults), so one does not redo the other's scenes."""
+    from dataclasses import fields
+
+    from scanforest.kernels.recognition import RecognizeParams
+
+    default = {f.name: _jsonable(getattr(RecognizeParams(), f.name)) for f in fields(RecognizeParams)}
+    return {k: v for k, v in _jsonable(dict(params or {})).items() if v is not None and default.get(k, object()) != v}
+
+
+def recognition_current(record: dict[str, Any] | None, key: dict[str, Any]) -> bool:
+    """Whether a scene's ``recognize`` record holds :func:`recognition_key`'s ``key``, the
+    parameters compared less their defaults (:func:`_nondefault`)."""
+    return (record is not None and _nondefault(record.get("params")) == _nondefault(key["params"])
+            and stage_matches(record, **{k: v for k, v in key.items() if k != "params"}))
+
+
 def recognition_key(library: str, digest: str, params: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
     """What a scene's ``recognize`` record must hold for its detections to be current: the
     library and its content hash, the parameters, and (from the stored description and matches:
@@ -307,13 +329,13 @@ def recognize_scan(store_path: str, scan_id: str, library: str, params: dict[str
                 "evaluation": rec.get("evaluation"), "source": rec.get("source"),
                 "seconds": time.perf_counter() - t0}
 
-    if not force and stage_matches(rec, **key):
+    if not force and recognition_current(rec, key):
         return skipped(rec)
     with st.claim_stage(scan_id, "recognize") as mine:
         if not mine:
             return held(scan_id, t0, detections=0)
         rec = st.stage(scan_id, "recognize")  # another run may have written it meanwhile
-        if not force and stage_matches(rec, **key):
+        if not force and recognition_current(rec, key):
             return skipped(rec)
         after_claim("recognize", scan_id, run)
         return _recognize_claimed(st, scan_id, library, params, digest, meta, plan, key,

@@ -215,6 +215,47 @@ def test_coordinates_too_coarse_for_the_radii(prefect_api, tmp_path, tmp_path_fa
     assert ScanStore(store, mode="r").has_stage("fine.npy", "describe")
 
 
+def test_a_las_grid_as_coarse_as_the_radii_is_refused(geo, tmp_path):
+    """A LAS file written with a 1 cm scale holds PCL's scene on a 1 cm grid: with 2 cm radii it
+    gave zero detections and no word. Ingest keeps the grid in the scan's attributes; the run's
+    check, the scan's own (describe), the library's and ``shot`` refuse it in one line naming the
+    grid and the radius; sampling leaves (keypoint radius) are not measured against it; the
+    scene's own 1e-4 m grid passes."""
+    import laspy
+    from typer.testing import CliRunner
+
+    from scanforest.deploy.cli import app
+    from scanforest.kernels.coordinates import check_spacing
+    from scanforest.kernels.errors import InputError
+    from scanforest.tasks.describe import DescribeParams, describe_scan
+    from scanforest.tasks.ingest import Source, ingest_file
+    from scanforest.tasks.recognize import build_library
+    from scanforest.tasks.store import ScanStore
+
+    header = laspy.LasHeader(point_format=0, version="1.2")
+    header.offsets, header.scales = OFFSET, np.full(3, 0.01)
+    las = laspy.LasData(header)
+    las.x, las.y, las.z = (geo["geo64"][:, i] for i in range(3))
+    las.write(tmp_path / "cm.las")
+    store = str(tmp_path / "g.zarr")
+    st = ScanStore(store, create=True)
+    for name in ("cm.las", "scene_utm.las"):
+        path = tmp_path / "cm.las" if name == "cm.las" else geo["las"]
+        assert ingest_file(store, Source(str(path), name))["status"] == "ingested"
+    assert st.attrs("cm.las")["coordinate_grid"] == 0.01 and st.attrs("scene_utm.las")["coordinate_grid"] == 1e-4
+    radii = {"keypoint_radius": 0.03, "shot_radius": 0.02, "normal_radius": None}
+    with pytest.raises(InputError, match=r"scan cm\.las: its coordinates are stored on a 0\.01 m grid .*shot_radius 0\.02"):
+        st.check_coordinates(["cm.las"], radii)
+    assert st.check_coordinates(None, radii) == ["cm.las"]  # beside a fine scan: it fails alone
+    with pytest.raises(InputError, match="0.01 m grid"):  # the scan's own check: the flow records it as failed
+        describe_scan(store, "cm.las", DescribeParams(), device="cpu")
+    with pytest.raises(InputError, match="0.01 m grid"):
+        build_library(store, ["cm.las"], name="cm")
+    check_spacing(1.0, {"keypoint_radius": 0.05, "shot_radius": 0.2}, "x", grid=0.01)  # 1/20 of 0.2: fine
+    res = CliRunner().invoke(app, ["shot", str(tmp_path / "cm.las"), "-o", str(tmp_path / "d"), "--device", "cpu"])
+    assert res.exit_code != 0 and "0.01 m grid" in str(res.exception or res.output)
+
+
 def test_recognize_says_when_a_georeferenced_scene_has_no_file_offset(prefect_api, geo, pcl_dir, tmp_path,
                                                                       tmp_path_factory):
     """A float64 NPY in UTM-sized coordinates holds no offset: ingest centres it on its bounding

@@ -4,6 +4,8 @@ write left invisible and replaced by the next ingest, COPC queries against laspy
 ``CopcReader.query``, and the query's place in the up-to-date check."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -207,8 +209,9 @@ def test_copc_ingest_records_its_query_in_the_up_to_date_check(tmp_path, copc_fi
     assert rec["status"] == "ingested" and st.attrs(sid)["n_points"] == rec["points"] == st.read(sid).shape[0]
     assert st.attrs(sid)["copc"]["bounds"] == [100, 200, 5, 104, 205, 9] and st.verify() == []
     assert _ingest(store, copc_file)["status"] == "ingested"  # back to the full cloud
-    rec = _ingest(store, copc_file, copc={"bounds": "0,0,0,1,1,1"})
-    assert rec["status"] == "quarantined" and "selects no point" in rec["reason"]
+    rec = _ingest(store, copc_file, copc={"bounds": "0,0,0,1,1,1"})  # a tile outside the region: not a bad file
+    assert rec["status"] == "outside" and "no point inside the COPC query's bounds" in rec["reason"], rec
+    assert ScanStore(store).quarantined() == [] and st.read(sid).shape[0] == len(_query(copc_file)[0])
 
 
 def test_copc_settings_are_checked():
@@ -306,3 +309,33 @@ def test_ingest_command_and_task_pass_the_copc_query_on(tmp_path, copc_file, mon
     ScanStore(store, create=True)
     (rec,) = ingest_scan.fn(str(store), [Source(str(copc_file), copc_file.name)], copc=seen["copc"])
     assert rec["status"] == "ingested" and ScanStore(store).attrs(copc_file.name)["copc"] == seen["copc"]
+
+
+def test_the_archive_command_takes_the_copc_query_to_its_ingest(tmp_path, copc_file, monkeypatch):
+    """``scanforest archive --copc-level/--bounds`` (as ``ingest`` takes them) -> run_archive ->
+    the archive flow -> its ingest: the checked query arrives; a bad one is one line before anything."""
+    from typer.testing import CliRunner
+
+    import scanforest.flows.archive as flow_archive
+    from scanforest.deploy.cli import app
+
+    src = tmp_path / "src"
+    (src / "models").mkdir(parents=True)
+    shutil.copy(copc_file, src / "models" / "m.copc.laz")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def ingest_flow(**kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(flow_archive, "ingest_flow", ingest_flow)
+    monkeypatch.setattr(flow_archive, "run_archive", lambda **kw: flow_archive.archive_flow.fn(**kw))
+    res = CliRunner().invoke(app, ["archive", str(src), str(tmp_path / "s.zarr"), "--copc-level", "1",
+                                   "--bounds", "100,200,5,104,205,9"])
+    assert isinstance(res.exception, Stop), res.output
+    assert seen["copc"] == {"level": 1, "resolution": None, "bounds": [100, 200, 5, 104, 205, 9]}
+    res = CliRunner().invoke(app, ["archive", str(src), str(tmp_path / "s.zarr"), "--bounds", "1,2,3"])
+    assert isinstance(res.exception, InputError) and "bounds must be 6" in str(res.exception)

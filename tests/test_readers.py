@@ -142,6 +142,13 @@ def test_xyz_and_csv_text(tmp_path, rng):
     c = read_cloud(tmp_path / "b.csv")
     np.testing.assert_allclose(c.points, pts)
     np.testing.assert_array_equal(c.colors, col)
+    # a bad row is named by its line in the file (numpy counted rows after the header, from 0)
+    (tmp_path / "bad.csv").write_text("# survey export\nx,y,z\n1,2,3\n\n4,5,oops\n")
+    with pytest.raises(ScanReadError, match=r"bad\.csv: malformed text row on line 5: '4,5,oops' is not 3 numbers"):
+        read_cloud(tmp_path / "bad.csv")
+    (tmp_path / "short.xyz").write_text("1 2 3\n4 5 6\n7 8\n")
+    with pytest.raises(ScanReadError, match=r"line 3: 2 columns where the rows before have 3"):
+        read_cloud(tmp_path / "short.xyz")
 
 
 def test_las_and_laz(tmp_path, rng):

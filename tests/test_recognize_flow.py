@@ -1,6 +1,8 @@
 """The recognize flow over the store: PCL's correspondence-grouping scene, exports, resume."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 
@@ -33,6 +35,18 @@ def test_recognize_flow_finds_the_milk_carton(tmp_path, pcl_dir):
     assert (out / "renders" / f"{sid}.png").stat().st_size > 1000
     again = run_recognize(store, ["milk.pcd"], workers=1, device="cpu", progress=False)
     assert again["skipped"] == 1 and again["library"] == "unchanged"
+    # `recognize --export` with every scene current: exported from the store, no cluster (it started one, 21 s)
+    from typer.testing import CliRunner
+
+    from scanforest.deploy.cli import app
+
+    res = CliRunner().invoke(app, ["recognize", store, "-m", "milk.pcd", "--export", str(tmp_path / "again"), "--json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    assert (got["workers"], got["skipped"], got["detections"]) == (0, 1, 1), got
+    assert pd.read_csv(tmp_path / "again" / "detections.csv").equals(pd.read_csv(out / "detections.csv"))
+    assert (tmp_path / "again" / "renders" / f"{sid}.png").is_file() and set(got["exports"]) == {"csv", "parquet",
+                                                                                                  "renders"}
     # thinned (`recognize --voxel 0.015`): a library of thinned models, the scene thinned as they
     # are, the pose polished on the scene's own points; the stored full description is not used
     thin = run_recognize(store, ["milk.pcd"], library="thin", workers=1, device="cpu", progress=False,

@@ -248,7 +248,7 @@ def test_summaries_handed_by_the_writer_spare_the_listing_and_follow_rewrites(tm
         st.write_scan(name, {"points": pts}, {"n_points": 4, "bbox": {"min": [0, 0, 0], "max": [1, 2, 3 + i]}})
     st.root["scans"].create_group("d", attributes={"complete": False})
     handed = {n: ScanStore(path, mode="r").group_summary(n) for n in ("a", "b", "c", "d", "missing")}
-    assert handed["missing"] is None and handed["d"][3] is False and handed["a"][3:] == [True, 3.0]
+    assert handed["missing"] is None and handed["d"][3] is False and handed["a"][3:] == [True, 3.0, None]
     S._SUMMARIES.clear()
     ScanStore.remember_summaries(path, handed)
     reads = []

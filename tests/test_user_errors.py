@@ -116,6 +116,9 @@ def test_an_archive_without_models_is_refused_before_anything_is_ingested(user_e
 
     assert is_model("models__milk.pcd", DEFAULT_MODELS) and is_model("odd__models__milk.pcd", DEFAULT_MODELS)
     assert not is_model("scenes__mymodels__a.pcd", DEFAULT_MODELS) and not is_model("odd__models__m", "models__*x")
+    # another folder given as the pattern is looked for inside archives too; a pattern without one is exact
+    assert is_model("site__objects__a.pcd", "objects__*") and is_model("objects__a.pcd", "objects__*")
+    assert not is_model("scenes__milk_x.pcd", "milk*") and is_model("milk_x.pcd", "milk*")
 
 
 @pytest.mark.parametrize("args", [

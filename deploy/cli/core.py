@@ -72,6 +72,13 @@ def choose_device(device: str) -> str:
 
 
 JsonOpt = typer.Option(False, "--json", help="Print the result as JSON (for machines) instead of a table.")
+#: the COPC query of ``ingest`` and ``archive`` (:func:`scanforest.tasks.las.copc_settings`)
+CopcLevelOpt = typer.Option(None, "--copc-level", callback=number,
+                            help="COPC files: keep the octree's levels 0..L (a decimated cloud); default all.")
+CopcResolutionOpt = typer.Option(None, "--copc-resolution", callback=number,
+                                 help="COPC files: keep the levels that give this point spacing (laspy's rule).")
+BoundsOpt = typer.Option(None, "--bounds", help="COPC files: keep the points in xmin,ymin,zmin,xmax,ymax,zmax "
+                         "(a file with none there is counted 'outside', not quarantined).")
 
 
 def _cell(key: str, value) -> str:
@@ -122,7 +129,8 @@ def print_summary(title: str, summary: dict, *, as_json: bool = False, keys: tup
         typer.secho(f"failed: {f['scan_id']}: {f['reason']}", fg=typer.colors.YELLOW)
 
 
-INGEST_KEYS = ("files", "ingested", "skipped", "quarantined", "ignored", "points", "bytes", "seconds", "workers")
+INGEST_KEYS = ("files", "ingested", "skipped", "quarantined", "outside", "ignored", "points", "bytes", "seconds",
+               "workers")
 
 
 def warn_box_origin(summary: dict, noun: str) -> None:
@@ -166,14 +174,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         store: str = typer.Argument(..., callback=new_store, help="The Zarr scan store (created if missing; "
                                     "its folder must exist)."),
         units: str = typer.Option("m", help="Length unit recorded for the scans."),
-        copc_level: Optional[int] = typer.Option(None, "--copc-level", callback=number,
-                                                 help="COPC files: keep the octree's "
-                                                 "levels 0..L (a decimated cloud); default all."),
-        copc_resolution: Optional[float] = typer.Option(None, "--copc-resolution", callback=number,
-                                                        help="COPC files: keep the "
-                                                        "levels that give this point spacing (laspy's rule)."),
-        bounds: Optional[str] = typer.Option(None, "--bounds", help="COPC files: keep the points in "
-                                             "xmin,ymin,zmin,xmax,ymax,zmax."),
+        copc_level: Optional[int] = CopcLevelOpt,
+        copc_resolution: Optional[float] = CopcResolutionOpt,
+        bounds: Optional[str] = BoundsOpt,
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,
         as_json: bool = JsonOpt,

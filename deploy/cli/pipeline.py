@@ -8,6 +8,9 @@ import typer
 from ._store import new_store
 from .core import (
     INGEST_KEYS,
+    BoundsOpt,
+    CopcLevelOpt,
+    CopcResolutionOpt,
     DeviceOpt,
     JsonOpt,
     SchedulerOpt,
@@ -255,7 +258,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                     "its folder must exist)."),
         models: str = typer.Option("models__*", "--models", "-m",
                                    help="Glob of the model scans' ids (a file models/milk.pcd is models__milk.pcd; "
-                                   "by default also models/ inside an archive or folder: ARCHIVE__models__NAME)."),
+                                   "a pattern that starts with a folder also takes it inside an archive or folder: "
+                                   "ARCHIVE__models__NAME)."),
         library: str = typer.Option("default", help="Library name in the store."),
         model_ss: Optional[float] = typer.Option(None, callback=number,
                                                  help="Model keypoint sampling (the PCL tutorial's 0.01)."),
@@ -266,6 +270,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         cg_size: float = CgSizeOpt,
         cg_thresh: float = CgThreshOpt,
         export: Optional[str] = typer.Option(None, help="Folder for detections.csv/.parquet (file coordinates)."),
+        copc_level: Optional[int] = CopcLevelOpt,
+        copc_resolution: Optional[float] = CopcResolutionOpt,
+        bounds: Optional[str] = BoundsOpt,
         device: str = DeviceOpt,
         scheduler: Optional[str] = SchedulerOpt,
         workers: Optional[int] = WorkersOpt,
@@ -277,12 +284,14 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         E57) are computed in a local frame and their poses stored and exported in the file's coordinates.
         A rerun resumes: what is done is skipped."""
         from scanforest.flows.inputs import check_archive_models, check_recognize_params
+        from scanforest.tasks.las import copc_settings
 
         library_params = {k: v for k, v in {"model_ss": model_ss, "descr_rad": descr_rad, "rf_rad": rf_rad}.items()
                           if v is not None}
         params = {"scene_ss": scene_ss, "method": method, "cg_size": cg_size, "cg_thresh": cg_thresh}
         check_recognize_params(library_params, params)  # before Prefect's API or any ingest starts
         _check_export(export)
+        copc = copc_settings(level=copc_level, resolution=copc_resolution, bounds=bounds)
         check_archive_models(source, store, models)
         from scanforest.flows.archive import run_archive
         from scanforest.flows.recognize import export_results
@@ -290,7 +299,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         dev = choose_device(device)
         out = run_archive(store=store, source=source, models=models, library=library, index="models",
                           library_params=library_params, recognize=params, device=dev, scheduler=scheduler,
-                          workers=workers, progress=not as_json, pipeline="one-pass")
+                          workers=workers, progress=not as_json, pipeline="one-pass",
+                          copc=copc if any(v is not None for v in copc.values()) else None)
         p = out["process"]
         if not as_json:  # each quarantined file with its reason, as ingest prints them
             print_summary(f"ingest {source} -> {store}", out["ingest"], keys=INGEST_KEYS)
@@ -367,8 +377,18 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         _check_export(export)
         from scanforest.flows.noop import quick_recognize
 
-        # nothing to do (every scene's detections current): answered before Prefect or Dask start
-        res = None if export else quick_recognize(store, model_ids, scene_ids, library, library_params, params)
+        # nothing to do (every scene's detections current): answered before Prefect's API or Dask start,
+        # and exported from the store (it started both for 21 s)
+        res = quick_recognize(store, model_ids, scene_ids, library, library_params, params)
+        if res is not None and export:
+            from pathlib import Path
+
+            from scanforest.flows.recognize import export_results
+            from scanforest.tasks.store import ScanStore
+
+            ids = scene_ids if scene_ids is not None else [s for s in ScanStore(store, mode="r").scans()
+                                                           if s not in set(model_ids)]
+            res["exports"] = export_results(store, ids, Path(export), render=True, library=library)
         if res is None:
             from scanforest.flows.recognize import run_recognize
 

@@ -83,7 +83,7 @@ def _local(cloud, file: str, radii: dict) -> np.ndarray:
     the points, e.g. a LAS header's; else the box's centre), subtracted in float64, with the
     viewpoint at that origin. Cast to float32 as read, UTM-sized coordinates fell on a 0.25-0.5 m
     grid and the neighbour search ran for good. Coordinates still too coarse for the radii (a
-    float32 file of georeferenced points) are one line, exit 2."""
+    float32 file of georeferenced points, a LAS file's scale) are one line, exit 2."""
     from scanforest.kernels.coordinates import check_spacing, choose_origin, to_local
 
     pts = np.asarray(cloud.points)
@@ -93,7 +93,9 @@ def _local(cloud, file: str, radii: dict) -> np.ndarray:
         origin = choose_origin(finite.min(axis=0), finite.max(axis=0), cloud.meta.get("offsets"))
     local = to_local(pts, origin)
     if len(finite):
+        scales = cloud.meta.get("scales")  # a LAS file's grid
         check_spacing(float(np.abs(finite - origin).max()), radii, file,
-                      span=lambda: float((finite.max(axis=0) - finite.min(axis=0)).max()) / 2)
+                      span=lambda: float((finite.max(axis=0) - finite.min(axis=0)).max()) / 2,
+                      grid=float(max(scales)) if scales else None)
     return local
 

@@ -45,9 +45,9 @@ from .catalog import Catalog
 from .locks import LOCKS, file_lock
 from .scans import (CHUNK_ROWS, ID_HASH_HEX, ID_HASH_MARK, LAYOUT_VERSION, MAX_ID_BYTES, WHERE_ERRNOS, ScanStore,
                     StoreReadError, StoreWriteError, _jsonable, iter_chunks, legacy_scan_id, local_points, scan_id_for,
-                    scan_origin, sha256_bytes, sha256_file, stage_digest, stage_matches, utc_now)
+                    scan_grid, scan_origin, sha256_bytes, sha256_file, stage_digest, stage_matches, utc_now)
 
 __all__ = ["CHUNK_ROWS", "ID_HASH_HEX", "ID_HASH_MARK", "LAYOUT_VERSION", "LOCKS", "MAX_ID_BYTES", "WHERE_ERRNOS",
            "Catalog", "ScanStore", "StoreReadError", "StoreWriteError", "_jsonable", "file_lock", "iter_chunks",
-           "legacy_scan_id", "local_points", "scan_id_for", "scan_origin", "sha256_bytes", "sha256_file",
+           "legacy_scan_id", "local_points", "scan_grid", "scan_id_for", "scan_origin", "sha256_bytes", "sha256_file",
            "stage_digest", "stage_matches", "utc_now"]

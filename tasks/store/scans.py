@@ -169,9 +169,9 @@ def _new_scan_id(scan_id) -> str:
     return scan_id
 
 
-def _summary(path: str, store: str, name: str) -> tuple[bool, float | None] | None:
-    """(complete, local extent) of the scan group whose ``zarr.json`` is ``path``; None when it
-    is not a group."""
+def _summary(path: str, store: str, name: str) -> tuple[bool, float | None, float | None] | None:
+    """(complete, local extent, coordinate grid) of the scan group whose ``zarr.json`` is
+    ``path`` (:func:`scan_extent`, :func:`scan_grid`); None when it is not a group."""
     try:
         with open(path, "rb") as fh:
             meta = json.loads(fh.read())
@@ -180,7 +180,7 @@ def _summary(path: str, store: str, name: str) -> tuple[bool, float | None] | No
     if not isinstance(meta, dict) or meta.get("node_type") != "group":
         return None
     a = meta.get("attributes") or {}
-    return bool(a.get("complete", False)), scan_extent(a)
+    return bool(a.get("complete", False)), scan_extent(a), scan_grid(a)
 
 
 def scan_extent(attrs: dict[str, Any]) -> float | None:
@@ -198,6 +198,13 @@ def scan_extent(attrs: dict[str, Any]) -> float | None:
     if ((attrs.get("arrays") or {}).get("points") or {}).get("dtype") == "float32":
         extent = max(extent, float(max(np.abs(lo).max(), np.abs(hi).max())))
     return extent
+
+
+def scan_grid(attrs: dict[str, Any]) -> float | None:
+    """The grid the scan's file stored its coordinates on (attribute ``coordinate_grid``: a
+    LAS/LAZ/COPC scale, the largest of the three axes'), or None (float coordinates)."""
+    g = attrs.get("coordinate_grid")
+    return None if g is None else float(g)
 
 
 def _is_store_meta(meta: dict | None) -> bool:
@@ -306,11 +313,12 @@ class ScanStore(Claims, Integrity):
 
     def scans(self, *, include_incomplete: bool = False) -> list[str]:
         """Ids of the scans in the store, sorted; only completely written ones by default."""
-        return sorted(name for name, (complete, _) in self._scan_summaries().items()
+        return sorted(name for name, (complete, *_) in self._scan_summaries().items()
                       if complete or include_incomplete)
 
-    def _scan_summaries(self) -> dict[str, tuple[bool, float | None]]:
-        """Each scan group's (complete, local extent: :meth:`local_extents`'s figure or None),
+    def _scan_summaries(self) -> dict[str, tuple[bool, float | None, float | None]]:
+        """Each scan group's (complete, local extent: :meth:`local_extents`'s figure or None,
+        coordinate grid: :func:`scan_grid`),
         from its ``zarr.json`` (Zarr writes it whole, by an atomic rename), parsed once per
         version of the file in this process (:data:`_SUMMARIES`). Through Zarr's group listing,
         which builds a group object for each child, 2,000 scans took 1.0 s on a GPU host and
@@ -321,7 +329,7 @@ class ScanStore(Claims, Integrity):
             entries = [e for e in os.scandir(folder) if e.is_dir() and not e.name.startswith(".")]
         except FileNotFoundError:
             return {}
-        out: dict[str, tuple[bool, float | None]] = {}
+        out: dict[str, tuple[bool, float | None, float | None]] = {}
         key = os.path.realpath(self.path)
         old, kept = _SUMMARIES.pop(key, {}), {}
         for entry in entries:
@@ -343,7 +351,7 @@ class ScanStore(Claims, Integrity):
         return out
 
     def group_summary(self, scan_id: str) -> list | None:
-        """``[inode, mtime_ns, size, complete, local extent]`` of a scan group's ``zarr.json`` as
+        """``[inode, mtime_ns, size, complete, local extent, grid]`` of a scan group's ``zarr.json`` as
         it is now, or None (not a group, or rewritten while read): what a worker that wrote the
         scan hands the flow (:meth:`remember_summaries`), so that the flow's next listing reads
         no ``zarr.json`` again (8,000 scans: 0.8 s on a four-GPU host, 2026-11-28)."""
@@ -367,8 +375,9 @@ class ScanStore(Claims, Integrity):
         key = os.path.realpath(os.fspath(path))
         kept = _SUMMARIES.setdefault(key, {})
         for name, g in groups.items():
-            if g and len(g) == 5:
-                kept[name] = ((int(g[0]), int(g[1]), int(g[2])), (bool(g[3]), None if g[4] is None else float(g[4])))
+            if g and len(g) == 6:
+                kept[name] = ((int(g[0]), int(g[1]), int(g[2])),
+                              (bool(g[3]), *(None if v is None else float(v) for v in g[4:])))
 
     def __contains__(self, scan_id: str) -> bool:
         if not self._node_file("scans", scan_id):
@@ -580,23 +589,26 @@ class ScanStore(Claims, Integrity):
         local frame, from its attributes (``bbox`` less ``origin``: :func:`scan_origin`), read in
         one pass over the scans' groups; scans without a ``bbox`` are left out."""
         want = None if scan_ids is None else set(scan_ids)
-        return {name: extent for name, (complete, extent) in self._scan_summaries().items()
+        return {name: extent for name, (complete, extent, _) in self._scan_summaries().items()
                 if complete and extent is not None and (want is None or name in want)}
 
     def check_coordinates(self, scan_ids: Iterable[str] | None, radii: dict[str, float | None]) -> list[str]:
         """Refuse, before any work, a run whose every scan (of ``scan_ids``; None: all) has local
-        coordinates too coarse in float32 for ``radii`` (name -> length): :class:`InputError`
+        coordinates too coarse in float32, or a file grid too coarse, for ``radii`` (name ->
+        length): :class:`InputError`
         naming the first and the numbers (:func:`scanforest.kernels.coordinates.check_spacing`).
         Where only some are, the others go on: those are returned, and each fails alone with the
         same line when its unit of work checks it (one scan with a stray point 500 km up stopped
         a whole archive, with no trace of why in the store's records)."""
         from scanforest.kernels.coordinates import check_spacing
 
-        extents = sorted(self.local_extents(scan_ids).items())
+        want = None if scan_ids is None else set(scan_ids)
+        extents = sorted((name, (extent, grid)) for name, (complete, extent, grid) in self._scan_summaries().items()
+                         if complete and extent is not None and (want is None or name in want))
         bad: list[tuple[str, InputError]] = []
-        for sid, extent in extents:
+        for sid, (extent, grid) in extents:
             try:
-                check_spacing(extent, radii, f"{self.path}: scan {sid}")
+                check_spacing(extent, radii, f"{self.path}: scan {sid}", grid=grid)
             except InputError as exc:
                 bad.append((sid, exc))
         if bad and len(bad) == len(extents):
