@@ -210,6 +210,40 @@ def _check_still_polled(spec: DeploymentSpec, dep) -> None:
                      f"start `scanforest serve --only {spec.name}` or a worker of its work pool")
 
 
+def await_run(spec: DeploymentSpec, flow_run_id, timeout: float):
+    """Wait for a run of ``spec`` that ``scanforest run`` triggered to end, at most ``timeout``
+    seconds; the flow run as last read. While the run waits to be picked up (Scheduled), a
+    deployment that Prefect marks not ready (nothing polled it for a minute: its ``serve`` process
+    was killed, or stopped mid-run without pausing it) ends the wait: the run is cancelled (it
+    would otherwise start whenever a serve comes back) and :class:`InputError` says so. Before,
+    ``run`` waited its whole ``--timeout`` (an hour by default) and printed "SCHEDULED"."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import DeploymentStatus
+    from prefect.states import Cancelled
+
+    t0 = time.monotonic()
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            state = run.state
+            if state is not None and state.is_final():
+                return run
+            if state is not None and state.is_scheduled() and run.deployment_id is not None:
+                dep = client.read_deployment(run.deployment_id)
+                if dep.status != DeploymentStatus.READY:
+                    client.set_flow_run_state(flow_run_id, Cancelled(message="no process serves its deployment"),
+                                              force=True)
+                    polled = dep.last_polled.isoformat(timespec="seconds") if dep.last_polled else "never"
+                    raise InputError(f"no process serves deployment {spec.full_name}: nothing picked up run "
+                                     f"{run.name} in {time.monotonic() - t0:.0f} s and Prefect marks the deployment "
+                                     f"not ready (last polled {polled}); the run is cancelled: start "
+                                     f"`scanforest serve --only {spec.name}` or a worker of its work pool")
+            waited = time.monotonic() - t0
+            if waited >= timeout:
+                return run
+            time.sleep(min(1.0 if waited < 10 else 2.0, max(0.05, timeout - waited)))
+
+
 #: the head of ``deploy/prefect.yaml``: how to deploy it, the work pool and the Dask scheduler
 _YAML_HEAD = """\
 # Prefect deployments of scanforest (Prefect 3), generated from the table in flows/deployments.py:

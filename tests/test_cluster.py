@@ -356,7 +356,8 @@ def test_a_task_run_retried_after_a_transient_error_counts_each_scan_once(tmp_pa
     marks = tmp_path / "calls"
     monkeypatch.setattr(prefect_tasks, "ingest_files", fails_once(ingest_files, marks))  # the second Dask task
     store = str(tmp_path / "s.zarr")
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as lc:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None,
+                      scheduler_kwargs={"dashboard_address": ":0"}) as lc:
         summary = ingest_flow(source=str(src), store=store, scheduler=lc.scheduler_address, batch=1, progress=False)
     assert len(list(marks.iterdir())) > 40  # a task run's batches ran again
     assert summary["ingested"] == 40 and summary["skipped"] == 0 and summary["files"] == 40, summary

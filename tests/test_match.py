@@ -795,7 +795,8 @@ def test_one_two_four_workers_give_the_same_answer(tmp_path, rng, shards):
     bd, bi = knn_bruteforce(X, Q, 4, device="cpu")
     answers = []
     for workers in (1, 2, 4):
-        with LocalCluster(n_workers=workers, threads_per_worker=1, processes=False, dashboard_address=None) as cl, \
+        with LocalCluster(n_workers=workers, threads_per_worker=1, processes=False, dashboard_address=None,
+                          scheduler_kwargs={"dashboard_address": ":0"}) as cl, \
                 Client(cl) as client:
             di = DistributedIndex(client, store, "t", device="cpu")
             expect = max(1, workers // shards)

@@ -73,7 +73,10 @@ def prefect_server(tmp_path_factory):
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_API_URL=api,
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false",
                PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}",
-               PYTHONUNBUFFERED="1", PREFECT_RUNNER_POLL_FREQUENCY="3", PREFECT_WORKER_QUERY_SECONDS="3")
+               PYTHONUNBUFFERED="1", PREFECT_RUNNER_POLL_FREQUENCY="3", PREFECT_WORKER_QUERY_SECONDS="3",
+               # a deployment nothing polled for 15 s (a minute by default) is marked not ready
+               PREFECT_SERVER_SERVICES_FOREMAN_LOOP_SECONDS="3",
+               PREFECT_SERVER_SERVICES_FOREMAN_DEPLOYMENT_LAST_POLLED_TIMEOUT_SECONDS="15")
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                              "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -144,11 +147,39 @@ def test_cron_schedule_fires_on_a_real_server(tmp_path, prefect_server):
     finally:
         _stop(serve)
     # a stopped serve pauses its deployment, still READY for a minute: `run` says nothing serves it
-    # (it waited its whole --timeout)
-    _one_line_error(cli("run", "ingest", "--timeout", "240"), "no process serves", "paused")
+    # (it waited its whole --timeout). Stopped while a scheduled run had just started (the minute's
+    # boundary) it may be killed before it pauses it: `run` then says so once Prefect marks the
+    # deployment not ready (test_run_of_a_deployment_whose_serve_died_is_said_and_cancelled)
+    res = cli("run", "ingest", "--timeout", "240")
+    _one_line_error(res, "no process serves")
+    assert "paused" in res.stderr or "the run is cancelled" in res.stderr, res.stderr
     # the hand-triggered run is not the scheduled one, and both did their work in the store
     assert _api(api + f"/flow_runs/{manual['flow_run_id']}")["auto_scheduled"] is False
     assert ScanStore(store, mode="r").scans() == ["a0.npy", "a1.npy", "a2.npy", "b0.npy"]
+
+
+def test_run_of_a_deployment_whose_serve_died_is_said_and_cancelled(tmp_path, prefect_server):
+    """A deployment polled a moment ago (as its ``serve`` polls it) whose serve then died without
+    pausing it (SIGKILL, a lost machine): ``run`` finds it ready and triggers a run that nothing
+    picks up. Once Prefect marks the deployment not ready (15 s after the last poll on this
+    server, a minute by default) ``run`` says so in one line and cancels the run, which would
+    otherwise start whenever a serve came back; it waited its whole --timeout (an hour by
+    default) and printed SCHEDULED."""
+    api, env = prefect_server
+    store = tmp_path / "s.zarr"
+    subprocess.run([sys.executable, "-c", "from scanforest.flows.deployments import runner_deployments; "
+                    f"runner_deployments(['describe'], parameters={{'store': {str(store)!r}}}, "
+                    "schedules=False)[0].apply()"], env=env, check=True, timeout=120)
+    dep = _api(api + "/deployments/name/scanforest-describe/describe")
+    assert _api(api + "/deployments/get_scheduled_flow_runs", {"deployment_ids": [dep["id"]]}) == []  # a serve's poll
+    _wait(lambda: (_api(api + f"/deployments/{dep['id']}") or {}).get("status") == "READY", 30, "the poll's mark")
+    t0 = time.time()
+    res = subprocess.run(CLI + ["run", "describe", "--timeout", "240"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    _one_line_error(res, "no process serves deployment scanforest-describe/describe", "the run is cancelled")
+    assert time.time() - t0 < 90, time.time() - t0
+    runs = _api(api + "/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}})
+    assert [r["state_type"] for r in runs] == ["CANCELLED"], runs
 
 
 def test_a_killed_run_is_marked_interrupted_and_crashed(tmp_path):

@@ -137,12 +137,14 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         registered or no process serves it, or the run would lack a required parameter."""
         from prefect.deployments import run_deployment
 
-        from scanforest.flows.deployments import check_run, get
+        from scanforest.flows.deployments import await_run, check_run, get
 
         spec = get(deployment)
         parameters = _parse_params(param)
         check_run(spec, parameters)
-        run = run_deployment(spec.full_name, parameters=parameters, timeout=timeout if wait else 0)
+        run = run_deployment(spec.full_name, parameters=parameters, timeout=0)
+        if wait:  # a serve that died after the check is said within a minute, not after --timeout
+            run = await_run(spec, run.id, timeout)
         state = run.state
         typer.echo(json.dumps({"flow_run_id": str(run.id), "name": run.name,
                                "state": state.type.value if state else None}))
