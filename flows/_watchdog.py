@@ -53,15 +53,29 @@ def release(run_id: str) -> None:
         os.close(w)
 
 
-def interrupt(st, run: dict) -> None:
+def note_interrupt() -> None:
+    """This process was asked to stop (a Ctrl-C): each watchdog it holds hears so now (one byte on
+    its pipe), and says so if the process then ends before its run's record does (a Ctrl-C
+    during a long numba call ends the command by its grace timer, with no hook run): the run is
+    recorded as stopped by a Ctrl-C, not as killed."""
+    with _lock:
+        ends = list(_pipes.values())
+    for w in ends:
+        try:
+            os.write(w, b"i")
+        except OSError:
+            pass
+
+
+def interrupt(st, run: dict, why: str = "killed") -> None:
     """Record run ``run`` (its attributes, with ``id``) of store ``st``, whose process was killed,
     as ``interrupted``, and its Prefect flow run as Crashed when that API still has it running
-    (another API, or a run gone from it: the store says it)."""
+    (another API, or a run gone from it: the store says it). ``why``: how it ended, as far as
+    its watchdog knows (``killed``, or ``stopped by a Ctrl-C``)."""
     import contextlib
     import datetime
 
-    msg = (f"interrupted: its process ({run.get('host')}, pid {run.get('pid')}) ended without finishing "
-           "(killed)")
+    msg = f"interrupted: its process ({run.get('host')}, pid {run.get('pid')}) ended without finishing ({why})"
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     st.write_run(run["id"], {"status": "interrupted", "error": msg, "noticed": now})
     if run.get("flow_run_id"):
@@ -75,7 +89,7 @@ def interrupt(st, run: dict) -> None:
                     client.set_flow_run_state(fr.id, Crashed(message=msg), force=True)
 
 
-def _crashed(store: str, run_id: str, flow_run_id: str | None) -> bool:
+def _crashed(store: str, run_id: str, flow_run_id: str | None, why: str = "killed") -> bool:
     """Mark the run interrupted (and Crashed) if its record still says ``running``; whether it did."""
     from scanforest.tasks.store import ScanStore
 
@@ -83,21 +97,23 @@ def _crashed(store: str, run_id: str, flow_run_id: str | None) -> bool:
     run = st.catalog.run(run_id)
     if run is None or run.get("status") != "running":
         return False  # ended on its own, or a no-op whose record was summarised
-    interrupt(st, {**run, "id": run_id, "flow_run_id": flow_run_id})
+    interrupt(st, {**run, "id": run_id, "flow_run_id": flow_run_id}, why)
     return True
 
 
 def main(argv: list[str]) -> None:
     fd, store, run_id, flow_run_id, server_pid = int(argv[0]), argv[1], argv[2], argv[3] or None, int(argv[4])
+    why = "killed"
     while True:
         try:
-            os.read(fd, 1)  # returns b"" once the flow process closed its end or is gone
-            break
+            if os.read(fd, 1) == b"":  # once the flow process closed its end or is gone
+                break
+            why = "stopped by a Ctrl-C"  # note_interrupt
         except InterruptedError:
             continue
     killed = False
     try:
-        killed = _crashed(store, run_id, flow_run_id)
+        killed = _crashed(store, run_id, flow_run_id, why)
     except Exception:  # noqa: BLE001 - nobody to tell; the next flow on the store marks it
         pass
     if killed and server_pid:  # the killed command's temporary Prefect API: its exit would have stopped it

@@ -21,7 +21,9 @@ written, an unchanged index or library is kept), so a rerun after a crash, or th
 run after new scans arrived, does only the work that is missing."""
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow
@@ -43,6 +45,27 @@ from .recognize import other_libraries, recognize_flow, replaced_note, summarize
 from .records import RUN_HOOKS, count_redone, record_run
 
 PIPELINES = ("one-pass", "staged")
+
+
+#: callbacks ``(stage, summary)`` of the archive runs in this process (:func:`stage_reports`)
+_STAGE_REPORTS: list = []
+
+
+@contextlib.contextmanager
+def stage_reports(report) -> Iterator[None]:
+    """Within the block, :func:`archive_flow` hands each stage's summary to ``report(stage,
+    summary)`` as the stage ends (``scanforest archive`` prints ingest's table then, so a run
+    stopped later, by a Ctrl-C or a failed scene, still shows what ingest did and quarantined)."""
+    _STAGE_REPORTS.append(report)
+    try:
+        yield
+    finally:
+        _STAGE_REPORTS.remove(report)
+
+
+def _stage_done(stage: str, summary: dict[str, Any]) -> None:
+    for report in list(_STAGE_REPORTS):
+        report(stage, summary)
 
 
 def run_archive(*, source: str | None = None, device: str = "auto", scheduler: str | None = None,
@@ -87,6 +110,7 @@ def archive_flow(store: str, source: str | None = None, models: str = DEFAULT_MO
         if source is not None:
             check_archive_models(source, store, models)  # before the store is made or anything ingested
             out["ingest"] = ingest_flow(source=source, store=store, copc=copc, **cluster)
+            _stage_done("ingest", out["ingest"])
         ids = ScanStore(store, mode="r").scans()
         model_ids = [s for s in ids if is_model(s, models)]
         if not model_ids:  # the library needs the models: say so before describing anything

@@ -189,6 +189,9 @@ LOCAL_WORKER_CONFIG = {"distributed.worker.profile.enabled": False}
 def _local_cluster(n_workers: int | None, threads_per_worker: int, device: str, memory_limit):
     import dask
 
+    # the scratch folders of a killed or Ctrl-C'd command, purged as the next one starts: not news
+    logging.getLogger("distributed.diskutils").setLevel(logging.WARNING)
+
     with dask.config.set(LOCAL_WORKER_CONFIG):
         if _want_gpu_cluster(device):
             return _gpu_cluster(n_workers, threads_per_worker)

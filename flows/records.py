@@ -14,6 +14,9 @@ from . import _watchdog
 from .inputs import absolute_path
 from .prefect_api import local_api_pid
 
+#: tell this process's run watchdogs that a Ctrl-C is stopping it (:func:`._watchdog.note_interrupt`)
+note_interrupt = _watchdog.note_interrupt
+
 
 def count_redone(records: list[dict], st, stage: str, since: str, status: str, *, run: str | None = None,
                  fields: dict[str, str] | None = None) -> None:

@@ -73,6 +73,23 @@ def leave_the_worker_pool() -> None:
         pass
 
 
+def quiet_interrupt() -> bool:
+    """In a worker of the cluster a command started itself: a Ctrl-C (which the terminal sends to
+    the command's whole process group, its workers too) ends this process at once and quietly, as
+    the command stops (``scanforest.deploy.cli``: its run marked interrupted, a rerun resumes;
+    what a worker had half written is left as a killed worker leaves it, and the next run redoes
+    it). Python's handler printed a KeyboardInterrupt traceback in each worker, and waited for a
+    long numba loop to return first; the system's default action (``SIG_DFL``) ends the process
+    where it is. False (nothing done) outside the process's main thread."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return True
+
+
 def worker_plugin(env: dict[str, str], local: bool = False, preload: tuple[str, ...] = ()):
     """Worker plugin, run in every worker (present and future) before its first task: give it the
     flow's Prefect API URL, set its allocator's thresholds (:func:`tune_allocator`), settle numba's
@@ -96,6 +113,7 @@ def worker_plugin(env: dict[str, str], local: bool = False, preload: tuple[str, 
             tune_allocator()
             if self.local:
                 logging.getLogger("distributed.worker").addFilter(_LocalShutdownNoise())
+                quiet_interrupt()
             from scanforest.kernels.backend import settle_numba_threads
 
             settle_numba_threads()

@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from scanforest.flows.ingest import run_ingest
 from scanforest.flows.recognize import run_recognize
@@ -80,8 +81,8 @@ def test_flow_process_killed_midway_then_rerun(tmp_path, prefect_api):
             "--model-ss", "0.01", "--descr-rad", "0.04", "--rf-rad", "0.03", "--scene-ss", "0.02",
             "--cg-size", "0.02", "--device", "cpu", "--workers", "1"]
     env = {**os.environ, "PREFECT_API_URL": prefect_api}  # a user with a server (conftest)
-    proc = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    errfile = open(tmp_path / "stderr.txt", "w")  # a file, not a pipe: its progress output never blocks it
+    proc = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=errfile)
     try:
         deadline = time.time() + 240
         while time.time() < deadline and sum(st.has_stage(s, "recognize") for s in scenes) < 1:
@@ -89,7 +90,10 @@ def test_flow_process_killed_midway_then_rerun(tmp_path, prefect_api):
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGINT)
         t0 = time.time()
-        assert proc.wait(30) == 130
+        proc.wait(30)
+        errfile.close()
+        err = (tmp_path / "stderr.txt").read_text()
+        assert proc.returncode == 130, err
         assert time.time() - t0 < 15  # the grace is 6 s
     finally:
         if proc.poll() is None:
@@ -120,6 +124,29 @@ def test_flow_process_killed_midway_then_rerun(tmp_path, prefect_api):
     killed = [r for r in runs if r.get("status") == "interrupted"]
     assert len(killed) == 1 and killed[0]["pid"] == proc.pid and "interrupt" in killed[0]["error"]
     assert not [r for r in runs if r.get("status") == "running"]
+    # quietly: the workers end where they are (each printed a KeyboardInterrupt traceback)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+@pytest.mark.parametrize("ctrl_c", [True, False])
+def test_a_run_ended_by_the_grace_timer_after_a_ctrl_c_is_recorded_so(tmp_path, ctrl_c):
+    """A Ctrl-C while the command's main thread is in a long numba call: the grace timer ends the
+    process (os._exit: no hook runs) and its watchdog records the run. It recorded it as
+    killed; the handler now tells the watchdog first (records.note_interrupt)."""
+    import subprocess
+    import sys
+    import time
+
+    store = ScanStore(tmp_path / "s.zarr", create=True)
+    store.write_run("r1", {"flow": "process", "status": "running", "pid": 1, "host": "h"})
+    code = (f"import os; from scanforest.flows import records; records._watchdog.watch({str(store.path)!r}, 'r1', None)"
+            f"{'; records.note_interrupt()' if ctrl_c else ''}; os._exit(130)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 130
+    deadline = time.time() + 60
+    while (run := ScanStore(store.path, mode="r").catalog.run("r1"))["status"] == "running" and time.time() < deadline:
+        time.sleep(0.2)
+    assert run["status"] == "interrupted", run
+    assert run["error"].endswith("(stopped by a Ctrl-C)" if ctrl_c else "(killed)"), run["error"]
 
 
 def test_summary_sums_the_phase_timings_of_recognised_scenes():

@@ -110,8 +110,15 @@ def test_pcl_clouds_through_every_stage_and_the_report(user_env, tmp_path, pcl_d
     _render_in_chromium(html, tmp_path)
     # an index with a neighbour graph (index build --graph): stored beside its trees; a loaded shard
     # walks it (what match's workers load; the match command over a stored index runs above)
+    # (with the test run's numba cache: the KD-forest's kernels compiled cold here cost CI 25 s of its
+    # 2 cores, and the in-process forest tests compile them for that cache anyway)
+    import os
+
+    warm = {k: v for k, v in user_env.items() if k != "NUMBA_CACHE_DIR"}
+    if "NUMBA_CACHE_DIR" in os.environ:
+        warm["NUMBA_CACHE_DIR"] = os.environ["NUMBA_CACHE_DIR"]
     ix = json.loads(_ok(sf("index", "build", store, "-r", scene, "--name", "g", "--graph", "8", "--backtracks", "4",
-                           "--json", env=user_env, cwd=tmp_path)))
+                           "--json", env=warm, cwd=tmp_path)))
     assert ix["status"] == "built" and ix["n"] > 100, ix
     from scanforest.tasks.index import load_shard
 

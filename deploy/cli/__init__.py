@@ -79,6 +79,9 @@ def _stop_on_interrupt() -> None:
         handler.fired = True
         sys.stderr.write("interrupted: stopping (what is written stays, a rerun resumes; Ctrl-C again quits "
                          "at once)\n")
+        records = sys.modules.get("scanforest.flows.records")  # imported where a run is watched: nothing to import
+        if records is not None:
+            records.note_interrupt()  # its watchdog records a Ctrl-C, should the grace timer end the command
         timer = threading.Timer(INTERRUPT_GRACE, os._exit, args=(130,))
         timer.daemon = True
         timer.start()

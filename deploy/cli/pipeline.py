@@ -293,17 +293,20 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         _check_export(export)
         copc = copc_settings(level=copc_level, resolution=copc_resolution, bounds=bounds)
         check_archive_models(source, store, models)
-        from scanforest.flows.archive import run_archive
+        from scanforest.flows.archive import run_archive, stage_reports
         from scanforest.flows.recognize import export_results
 
+        def ingest_table(stage: str, summary: dict) -> None:  # as ingest ends: kept if a later stage stops the run
+            if stage == "ingest" and not as_json:
+                print_summary(f"ingest {source} -> {store}", summary, keys=INGEST_KEYS)
+
         dev = choose_device(device)
-        out = run_archive(store=store, source=source, models=models, library=library, index="models",
-                          library_params=library_params, recognize=params, device=dev, scheduler=scheduler,
-                          workers=workers, progress=not as_json, pipeline="one-pass",
-                          copc=copc if any(v is not None for v in copc.values()) else None)
+        with stage_reports(ingest_table):
+            out = run_archive(store=store, source=source, models=models, library=library, index="models",
+                              library_params=library_params, recognize=params, device=dev, scheduler=scheduler,
+                              workers=workers, progress=not as_json, pipeline="one-pass",
+                              copc=copc if any(v is not None for v in copc.values()) else None)
         p = out["process"]
-        if not as_json:  # each quarantined file with its reason, as ingest prints them
-            print_summary(f"ingest {source} -> {store}", out["ingest"], keys=INGEST_KEYS)
         res = {"library": out["library"].get("status"), **{k: p.get(k) for k in (
                    "scenes", "recognized", "skipped", "failed", "detections", "precision", "recall", "workers")},
                "seconds": p.get("seconds"), "failures": p.get("failures"),
