@@ -215,7 +215,7 @@ def test_coordinates_too_coarse_for_the_radii(prefect_api, tmp_path, tmp_path_fa
     assert ScanStore(store, mode="r").has_stage("fine.npy", "describe")
 
 
-def test_a_las_grid_as_coarse_as_the_radii_is_refused(geo, tmp_path):
+def test_a_las_grid_as_coarse_as_the_radii_is_refused(geo, tmp_path, capsys):
     """A LAS file written with a 1 cm scale holds PCL's scene on a 1 cm grid: with 2 cm radii it
     gave zero detections and no word. Ingest keeps the grid in the scan's attributes; the run's
     check, the scan's own (describe), the library's and ``shot`` refuse it in one line naming the
@@ -254,6 +254,20 @@ def test_a_las_grid_as_coarse_as_the_radii_is_refused(geo, tmp_path):
     check_spacing(1.0, {"keypoint_radius": 0.05, "shot_radius": 0.2}, "x", grid=0.01)  # 1/20 of 0.2: fine
     res = CliRunner().invoke(app, ["shot", str(tmp_path / "cm.las"), "-o", str(tmp_path / "d"), "--device", "cpu"])
     assert res.exit_code != 0 and "0.01 m grid" in str(res.exception or res.output)
+    # a grid under the refusal but as coarse as the points' spacing (PCL's scene lost its detection on a
+    # 1.2 mm grid, kept it on 1 mm) is named where recognition found nothing
+    from scanforest.deploy.cli.core import note_no_detections
+    from scanforest.kernels.coordinates import grid_hint
+
+    radii = {"descr_rad": 0.02, "rf_rad": 0.015, "scene_ss": 0.03}
+    assert grid_hint(0.0012, radii).startswith("their coordinates lie on a 0.0012 m grid (the file's scale), 1/12 ")
+    assert grid_hint(0.0005, radii) is None and grid_hint(None, radii) is None
+    assert st.coordinate_grids() == {"cm.las": 0.01, "scene_utm.las": 1e-4}
+    nothing = {"recognized": 1, "detections": 0, "funnel": {"keypoints": 900, "correspondences": 0}}
+    note_no_detections(nothing, {}, store, ["cm.las"])
+    note_no_detections(nothing, {}, store, ["scene_utm.las"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "0.01 m grid" in lines[0] and "grid" not in lines[1], lines
 
 
 def test_recognize_says_when_a_georeferenced_scene_has_no_file_offset(prefect_api, geo, pcl_dir, tmp_path,

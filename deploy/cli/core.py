@@ -158,11 +158,24 @@ def note_replaced(summary: dict) -> None:
         typer.secho(f"note: {summary['replaced_note']}", fg=typer.colors.YELLOW)
 
 
-def note_no_detections(summary: dict, params: dict | None) -> None:
-    """One line where recognised scenes gave no detection: the stage that lost them."""
+def note_no_detections(summary: dict, params: dict | None, store: str | None = None,
+                       scenes: list[str] | None = None, library_params: dict | None = None) -> None:
+    """One line where recognised scenes gave no detection: the stage that lost them, and the
+    scenes' file grid where it is coarse enough to be why (``store``'s ``scenes``: a LAS scale
+    :func:`~scanforest.kernels.coordinates.grid_hint` names)."""
     from scanforest.flows.summaries import no_detections_note
 
     line = no_detections_note(summary, params)
+    if line and store is not None:
+        from scanforest.kernels.coordinates import grid_hint
+        from scanforest.tasks.recognize import LIBRARY_DEFAULTS
+        from scanforest.tasks.store import ScanStore
+
+        grids = ScanStore(store, mode="r").coordinate_grids(scenes)
+        lp = {**LIBRARY_DEFAULTS, **{k: v for k, v in (library_params or {}).items() if v is not None}}
+        hint = grid_hint(max(grids.values()), {k: lp.get(k) for k in ("descr_rad", "rf_rad")}) if grids else None
+        if hint:
+            line += f"; {hint}"
     if line:
         typer.echo(f"note: {line}")
 

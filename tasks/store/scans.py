@@ -592,6 +592,14 @@ class ScanStore(Claims, Integrity):
         return {name: extent for name, (complete, extent, _) in self._scan_summaries().items()
                 if complete and extent is not None and (want is None or name in want)}
 
+    def coordinate_grids(self, scan_ids: Iterable[str] | None = None) -> dict[str, float]:
+        """The file grid (:func:`scan_grid`: a LAS scale) of each complete scan that has one
+        (``scan_ids``: these only), from the same one pass over the scans' groups as
+        :meth:`local_extents`."""
+        want = None if scan_ids is None else set(scan_ids)
+        return {name: grid for name, (complete, _, grid) in self._scan_summaries().items()
+                if complete and grid is not None and (want is None or name in want)}
+
     def check_coordinates(self, scan_ids: Iterable[str] | None, radii: dict[str, float | None]) -> list[str]:
         """Refuse, before any work, a run whose every scan (of ``scan_ids``; None: all) has local
         coordinates too coarse in float32, or a file grid too coarse, for ``radii`` (name ->
