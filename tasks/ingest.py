@@ -31,7 +31,8 @@ from scanforest.kernels.errors import InputError, ScanReadError
 
 from .las import EmptyQuery, copc_settings, is_copc
 from .readers import FORMATS, MULTI_SCAN_FORMATS, open_blocks, read_cloud, scan_parts
-from .store import MAX_ID_BYTES, ScanStore, file_lock, legacy_scan_id, scan_id_for, sha256_bytes, sha256_file
+from .store import (MAX_ID_BYTES, ScanStore, file_lock, legacy_scan_id, scan_grid, scan_id_for, sha256_bytes,
+                    sha256_file)
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".zip")
 SIDECAR_SUFFIX = ".gt.json"
@@ -281,8 +282,9 @@ def _scan_attrs(source: Source, digest: str, meta: dict[str, Any], n_points: int
     for key in ("width", "height", "viewpoint", "organized", "pose", "pose_maps", "crs", "e57", "copc"):
         if key in meta:
             attrs[key] = meta[key]
-    if meta.get("scales"):  # LAS/LAZ/COPC: the points are integers times the scale (scan_grid)
-        attrs["coordinate_grid"] = float(max(meta["scales"]))
+    grid = scan_grid(meta)  # LAS/LAZ/COPC: the points are integers times the scale
+    if grid is not None:
+        attrs["coordinate_grid"] = grid
     if "origin" in sidecar:
         attrs["origin_from"] = "sidecar"
     elif any(origin) and origin != [float(v) for v in meta.get("offsets") or ()]:

@@ -41,7 +41,7 @@ import numpy as np
 from scanforest.kernels.backend import gpu_cache_share, release_gpu_cache, trim_gpu_cache
 from scanforest.kernels.errors import InputError
 
-from .store import ScanStore, _jsonable, local_points, scan_origin, stage_digest, stage_matches
+from .store import ScanStore, local_points, scan_origin, stage_digest, stage_matches
 from .store.catalog import warm
 from .units import isolated
 
@@ -355,17 +355,15 @@ def _raise(exc: BaseException):
 def _prepare_scan(ctx: OnePass, sid: str) -> dict[str, Any]:
     """A scan read, described and matched (what is current is read, not recomputed), or its
     ``skipped`` record when its recognition is current."""
-    from .recognize import recognition_current, scene_from_matches, stored_inputs
+    from .recognize import recognition_current, recognition_key, scene_from_matches, stored_inputs
 
     t0 = time.perf_counter()
     st, dev, params, dparams = ctx.st, ctx.dev, ctx.params, ctx.dparams
     meta = st.attrs(sid)
     stages = meta.get("stages", {})
     plan = stored_inputs(st, sid, ctx.library, ctx.lib_attrs, params, scan_attrs=meta)
-    key = {"library": ctx.library, "content_hash": ctx.lib_attrs["content_hash"],
-           "params": _jsonable(params), "inputs": None}
+    key = recognition_key(ctx.library, ctx.lib_attrs["content_hash"], params, plan)
     if plan["fits"]:
-        key["inputs"] = {"describe": plan["describe"], "match": plan["match"]}
         rec = stages.get("recognize")
         if recognition_current(rec, key):
             return {"scan_id": sid, "status": "skipped", "detections": len(rec.get("detections", [])),

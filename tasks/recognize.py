@@ -33,6 +33,7 @@ georeferenced).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -128,13 +129,13 @@ def build_library(store_path: str, model_scans: list[str], *, name: str = "defau
         return {"name": name, "status": "unchanged", "content_hash": digest, "models": len(model_scans)}
     t0 = time.perf_counter()
     pts, nrm = [], []
+    used = {**LIBRARY_DEFAULTS, **params}  # the radii the library will use
+    radii = {k: used.get(k) for k in ("model_ss", "descr_rad", "rf_rad", "normal_radius")}
     for s in model_scans:
         cloud = st.read_cloud(s)
         pts.append(local_points(cloud.points, cloud.meta))
         if len(pts[-1]):
-            radii = {**LIBRARY_DEFAULTS, **params}  # the radii it will use
-            check_spacing(float(np.abs(pts[-1]).max()), {k: radii.get(k) for k in ("model_ss", "descr_rad", "rf_rad",
-                                                                                 "normal_radius")},
+            check_spacing(float(np.abs(pts[-1]).max()), radii,
                           f"model scan {s}", span=lambda p=pts[-1]: float((p.max(axis=0) - p.min(axis=0)).max()) / 2,
                           grid=scan_grid(cloud.meta))
         nrm.append(cloud.normals)
@@ -275,15 +276,21 @@ def load_library(store_path: str, name: str):
     return _load_library_cached(st, name, st.catalog.library_attrs(name)["content_hash"])
 
 
-def _nondefault(params: dict[str, Any] | None) -> dict[str, Any]:
-    """Recognition parameters less those that equal :class:`RecognizeParams`' defaults (and
-    None): the same recognition whether a default is left out (the API) or given (the command
-    line passes its options' defaults), so one does not redo the other's scenes."""
+@functools.lru_cache(maxsize=1)
+def _recognize_defaults() -> dict[str, Any]:
     from dataclasses import fields
 
     from scanforest.kernels.recognition import RecognizeParams
 
-    default = {f.name: _jsonable(getattr(RecognizeParams(), f.name)) for f in fields(RecognizeParams)}
+    default = RecognizeParams()
+    return {f.name: _jsonable(getattr(default, f.name)) for f in fields(RecognizeParams)}
+
+
+def _nondefault(params: dict[str, Any] | None) -> dict[str, Any]:
+    """Recognition parameters less those that equal :class:`RecognizeParams`' defaults (and
+    None): the same recognition whether a default is left out (the API) or given (the command
+    line passes its options' defaults), so one does not redo the other's scenes."""
+    default = _recognize_defaults()  # once per process: this runs for every scene of a pass
     return {k: v for k, v in _jsonable(dict(params or {})).items() if v is not None and default.get(k, object()) != v}
 
 

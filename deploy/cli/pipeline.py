@@ -304,8 +304,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         with stage_reports(ingest_table):
             out = run_archive(store=store, source=source, models=models, library=library, index="models",
                               library_params=library_params, recognize=params, device=dev, scheduler=scheduler,
-                              workers=workers, progress=not as_json, pipeline="one-pass",
-                              copc=copc if any(v is not None for v in copc.values()) else None)
+                              workers=workers, progress=not as_json, pipeline="one-pass", copc=copc)
         p = out["process"]
         res = {"library": out["library"].get("status"), **{k: p.get(k) for k in (
                    "scenes", "recognized", "skipped", "failed", "detections", "precision", "recall", "workers")},

@@ -85,6 +85,7 @@ def _local(cloud, file: str, radii: dict) -> np.ndarray:
     grid and the neighbour search ran for good. Coordinates still too coarse for the radii (a
     float32 file of georeferenced points, a LAS file's scale) are one line, exit 2."""
     from scanforest.kernels.coordinates import check_spacing, choose_origin, to_local
+    from scanforest.tasks.store import scan_grid
 
     pts = np.asarray(cloud.points)
     finite = pts[np.isfinite(pts).all(axis=1)] if pts.ndim == 2 and len(pts) else pts
@@ -93,9 +94,8 @@ def _local(cloud, file: str, radii: dict) -> np.ndarray:
         origin = choose_origin(finite.min(axis=0), finite.max(axis=0), cloud.meta.get("offsets"))
     local = to_local(pts, origin)
     if len(finite):
-        scales = cloud.meta.get("scales")  # a LAS file's grid
         check_spacing(float(np.abs(finite - origin).max()), radii, file,
                       span=lambda: float((finite.max(axis=0) - finite.min(axis=0)).max()) / 2,
-                      grid=float(max(scales)) if scales else None)
+                      grid=scan_grid(cloud.meta))  # a LAS file's scale
     return local
 

@@ -201,9 +201,10 @@ def scan_extent(attrs: dict[str, Any]) -> float | None:
 
 
 def scan_grid(attrs: dict[str, Any]) -> float | None:
-    """The grid the scan's file stored its coordinates on (attribute ``coordinate_grid``: a
-    LAS/LAZ/COPC scale, the largest of the three axes'), or None (float coordinates)."""
-    g = attrs.get("coordinate_grid")
+    """The grid the scan's file stored its coordinates on (a LAS/LAZ/COPC scale, the largest of
+    the three axes': a stored scan's attribute ``coordinate_grid``, or a reader's ``scales``), or
+    None (float coordinates)."""
+    g = attrs.get("coordinate_grid", max(attrs["scales"]) if attrs.get("scales") else None)
     return None if g is None else float(g)
 
 
@@ -584,21 +585,23 @@ class ScanStore(Claims, Integrity):
             raise
         raise InputError(f"{self.path}: scan {scan_id!r} has no array {missing[0]!r} (has: {have})")
 
+    def _complete_summaries(self, scan_ids: Iterable[str] | None) -> dict[str, tuple[float | None, float | None]]:
+        """(local extent, coordinate grid) of each complete scan (``scan_ids``: these only), from
+        one pass over the scans' groups (:meth:`_scan_summaries`)."""
+        want = None if scan_ids is None else set(scan_ids)
+        return {name: (extent, grid) for name, (complete, extent, grid) in self._scan_summaries().items()
+                if complete and (want is None or name in want)}
+
     def local_extents(self, scan_ids: Iterable[str] | None = None) -> dict[str, float]:
         """The largest coordinate magnitude of each complete scan (``scan_ids``: these only) in its
         local frame, from its attributes (``bbox`` less ``origin``: :func:`scan_origin`), read in
         one pass over the scans' groups; scans without a ``bbox`` are left out."""
-        want = None if scan_ids is None else set(scan_ids)
-        return {name: extent for name, (complete, extent, _) in self._scan_summaries().items()
-                if complete and extent is not None and (want is None or name in want)}
+        return {n: e for n, (e, _) in self._complete_summaries(scan_ids).items() if e is not None}
 
     def coordinate_grids(self, scan_ids: Iterable[str] | None = None) -> dict[str, float]:
         """The file grid (:func:`scan_grid`: a LAS scale) of each complete scan that has one
-        (``scan_ids``: these only), from the same one pass over the scans' groups as
-        :meth:`local_extents`."""
-        want = None if scan_ids is None else set(scan_ids)
-        return {name: grid for name, (complete, _, grid) in self._scan_summaries().items()
-                if complete and grid is not None and (want is None or name in want)}
+        (``scan_ids``: these only), from the one pass over the scans' groups."""
+        return {n: g for n, (_, g) in self._complete_summaries(scan_ids).items() if g is not None}
 
     def check_coordinates(self, scan_ids: Iterable[str] | None, radii: dict[str, float | None]) -> list[str]:
         """Refuse, before any work, a run whose every scan (of ``scan_ids``; None: all) has local
@@ -610,9 +613,7 @@ class ScanStore(Claims, Integrity):
         a whole archive, with no trace of why in the store's records)."""
         from scanforest.kernels.coordinates import check_spacing
 
-        want = None if scan_ids is None else set(scan_ids)
-        extents = sorted((name, (extent, grid)) for name, (complete, extent, grid) in self._scan_summaries().items()
-                         if complete and extent is not None and (want is None or name in want))
+        extents = sorted((n, eg) for n, eg in self._complete_summaries(scan_ids).items() if eg[0] is not None)
         bad: list[tuple[str, InputError]] = []
         for sid, (extent, grid) in extents:
             try:
