@@ -11,7 +11,9 @@ the command line.
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
+import re
 import sys
 
 import typer
@@ -47,7 +49,33 @@ def _register_all() -> None:
         importlib.import_module(name).register(app, bench)
 
 
+def _reflow(doc: str) -> str:
+    """A command's docstring as its help: the lines of each prose paragraph joined, so the
+    terminal wraps them at its own width (typer's rich help kept the docstring's breaks, and an
+    80-column terminal showed every wrapped line ragged); paragraphs with indented, bulleted or
+    numbered lines are kept as written."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    keep = re.compile(r"^(\s|[-*] |\d+[.)] )")
+    return "\n\n".join(p if any(keep.match(line) for line in p.splitlines()[1:]) or p.startswith("\x08")
+                       else " ".join(p.split()) for p in paragraphs)
+
+
+def _reflow_help(group: typer.Typer) -> None:
+    """Every command's help reflowed (:func:`_reflow`) and its one-line summary in the command
+    list: the first sentence of its first paragraph."""
+    for info in group.registered_commands:
+        doc = info.help or inspect.getdoc(info.callback) or ""
+        if doc:
+            info.help = _reflow(doc)
+            if info.short_help is None:
+                first = info.help.split("\n\n")[0]
+                info.short_help = re.split(r"(?<=[.;:])\s(?=[A-Z`])", first)[0]
+    for sub in group.registered_groups:
+        _reflow_help(sub.typer_instance)
+
+
 _register_all()
+_reflow_help(app)
 
 
 #: commands that run Prefect flows: their local Prefect API starts with the command, and boots
