@@ -117,6 +117,12 @@ def archive_flow(store: str, source: str | None = None, models: str = DEFAULT_MO
             raise InputError(f"no scan of {store} matches the models pattern {models!r} "
                              f"(scan ids look like {ids[:3]})")
         scene_ids = [s for s in ids if s not in set(model_ids)]
+        # every scan a model (all under models/, or --models '*'): the library is built, no scene is
+        # recognised, and the summary says why instead of a bare 0
+        no_scene = None if scene_ids else (
+            f"no scene to recognise: all {len(ids)} scan{'s' if len(ids) != 1 else ''} of {store} "
+            f"{'are models' if len(ids) != 1 else 'is a model'} (the models pattern {models!r}); scenes "
+            "added outside the models are recognised by the next run")
         rec_params = dict(recognize or {})
         check_recognize(store, model_ids, scene_ids, library_params, rec_params)
         need = int(rec_params.get("match_k", 1)) + (1 if rec_params.get("ratio") is not None else 0)
@@ -140,6 +146,8 @@ def archive_flow(store: str, source: str | None = None, models: str = DEFAULT_MO
                                                   params=index_params, k=k)
             out["process"] = process_flow(store=store, scenes=scene_ids, library=library, index=index, k=k,
                                           params=rec_params, device=device, **cluster)
+            if no_scene:
+                out["process"]["note"] = no_scene
             return out
         out["describe"] = describe_flow(store=store, scans=scene_ids, params=params, device=device, **cluster)
         out["index-build"] = index_build_flow(store=store, library=library, name=index, shards=shards,
@@ -148,6 +156,8 @@ def archive_flow(store: str, source: str | None = None, models: str = DEFAULT_MO
         out["recognize"] = recognize_flow(store=store, models=model_ids, library=library,
                                           library_params=library_params, params=rec_params, device=device,
                                           render=False, **cluster)
+        if no_scene:
+            out["recognize"]["note"] = no_scene
         return out
 
 

@@ -203,5 +203,12 @@ def test_archive_flow_runs_every_stage_and_resumes(tmp_path, monkeypatch):
         archive_flow(**{**kw, "k": 1})
     with pytest.raises(InputError, match="matches the models pattern"):
         archive_flow(**{**kw, "models": "nothing__*"})
+    # every scan a model (--models '*'): the library is built and the summary says why no scene ran
+    plain = {k: v for k, v in lib_params.items() if k != "views"}  # (the scenes have no given normals)
+    p = archive_flow(**{**kw, "store": one, "models": "*", "library": "all", "index": "all",
+                        "library_params": plain})["process"]
+    assert p["scenes"] == 0 and p["note"] == (f"no scene to recognise: all 4 scans of {one} are models (the models "
+                                              "pattern '*'); scenes added outside the models are recognised by "
+                                              "the next run")
     with pytest.raises(InputError, match="pipeline must be one of"):
         archive_flow(**{**kw, "pipeline": "fast"})

@@ -325,6 +325,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             warn_box_origin(res, "scene")
             note_no_detections(p, params, store, library_params=library_params)
             note_replaced(p)
+            if p.get("note"):
+                typer.echo(f"note: {p['note']}")
         if not as_json and res.get("exports"):
             typer.echo("exported: " + ", ".join(f"{k} {v}" for k, v in res["exports"].items()))
         exit_if_failed(p)
