@@ -143,6 +143,11 @@ def test_small_inputs_said_not_crashed(rng):
     n, _ = sf.normals(P, k=10)
     d, _ = sf.shot(P, n, np.arange(10), 1e-9)  # no neighbour within 1 nm: NaN rows (PCL's), not a crash
     assert d.shape == (10, 352) and np.isnan(d).all()
+    # a scan whose points are all at one place (a sensor's zero rows): said so, not "points is empty"
+    # after the points without a normal were left out (the archive's failed-scan line said that)
+    lib = sf.ModelLibrary.build([P], ["m"], model_ss=0.05, descr_rad=0.1)
+    with pytest.raises(InputError, match="none of the 500 points has a normal .normal_k=10: their neighbours"):
+        sf.recognize(np.zeros((500, 3), np.float32), lib, scene_ss=0.05, device="cpu")
 
 
 def test_a_point_cloud_holds_one_row_a_point():

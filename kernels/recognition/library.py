@@ -88,6 +88,11 @@ def describe(points, *, normals=None, normal_k: int = 10, normal_radius: float |
         # points without a normal (fewer than 3 neighbours) are left out of keypoints and SHOT
         # support (the CPU SHOT divides by zero when a support has no finite normal at all)
         sub = xp.flatnonzero(good)
+        if int(sub.shape[0]) == 0:  # said as it is, not as an empty cloud further on
+            how = f"normal_radius={normal_radius:g}" if normal_radius and normals is None else f"normal_k={normal_k}"
+            raise InputError(f"none of the {int(pts.shape[0]):,} points has a normal "
+                             + ("(the given normals are all NaN)" if normals is not None else
+                                f"({how}: their neighbours are all at one place or on one line, or too few)"))
         pts, nrm = xp.ascontiguousarray(pts[sub]), xp.ascontiguousarray(nrm[sub])
     kp = _keypoints(pts, radius=keypoint_radius, device=dev)
     timer.lap("keypoints")
