@@ -371,24 +371,42 @@ def _read_ply(path, data: bytes) -> PointCloud:
     ply = PlyData.read(io.BytesIO(data))
     if "vertex" not in ply:
         raise ScanReadError(path, "PLY file has no 'vertex' element")
-    v = ply["vertex"].data
-    names = v.dtype.names or ()
+    cloud = _from_records(path, ply["vertex"].data, "PLY vertex", "property")
+    cloud.meta.update(encoding="ascii" if ply.text else ("binary_" + ply.byte_order.replace("<", "little_endian")
+                                                         .replace(">", "big_endian").replace("=", "native")))
+    return cloud
+
+
+def _from_records(path, rec, what: str, member: str) -> PointCloud:
+    """A cloud from a record array (a PLY vertex element, a structured NPY): x/y/z, normals
+    (nx/ny/nz), colours (red/green/blue or r/g/b), intensity, and every other numeric field of
+    one value a point as ``extra_<name>`` (a PLY's alpha, quality or label, a structured NPY's
+    time or class: dropped before). ``what``/``member`` name them in errors."""
+    names = rec.dtype.names or ()
     for name in ("x", "y", "z"):
         if name not in names:
-            raise ScanReadError(path, f"PLY vertex has no {name!r} property (has: {' '.join(names)})")
-    dtype = np.result_type(v["x"].dtype, np.float32)
-    cloud = PointCloud(np.stack([v["x"], v["y"], v["z"]], axis=1).astype(dtype, copy=False))
+            raise ScanReadError(path, f"{what} has no {name!r} {member} (has: {' '.join(names)})")
+    dtype = np.result_type(rec["x"].dtype, np.float32)
+    cloud = PointCloud(np.stack([rec["x"], rec["y"], rec["z"]], axis=1).astype(dtype, copy=False))
+    used = {"x", "y", "z"}
     if all(n in names for n in ("nx", "ny", "nz")):
-        cloud.normals = np.stack([v["nx"], v["ny"], v["nz"]], axis=1).astype(np.float32)
+        cloud.normals = np.stack([rec["nx"], rec["ny"], rec["nz"]], axis=1).astype(np.float32)
+        used |= {"nx", "ny", "nz"}
     for trio in (("red", "green", "blue"), ("r", "g", "b")):
         if all(n in names for n in trio):
-            cloud.colors = _to_uint8(np.stack([v[n] for n in trio], axis=1))
+            cloud.colors = _to_uint8(np.stack([rec[n] for n in trio], axis=1))
+            used |= set(trio)
             break
     for iname in ("intensity", "scalar_intensity"):
         if iname in names:
-            cloud.intensity = np.asarray(v[iname], dtype=np.float32)
-    cloud.meta.update(encoding="ascii" if ply.text else ("binary_" + ply.byte_order.replace("<", "little_endian")
-                                                         .replace(">", "big_endian").replace("=", "native")))
+            cloud.intensity = np.asarray(rec[iname], dtype=np.float32)
+            used.add(iname)
+            break
+    for name in names:  # the other per-point numbers, by name (a list property or a text field is not one)
+        col = rec[name]
+        if (name not in used and re.fullmatch(r"[A-Za-z0-9_]+", name) and col.ndim == 1
+                and (np.issubdtype(col.dtype, np.number) or col.dtype == np.bool_)):
+            cloud.extra[name] = np.asarray(col)
     return cloud
 
 
@@ -555,15 +573,9 @@ def _read_xyz(path, data: bytes) -> PointCloud:
 def _read_npy(path, data: bytes) -> PointCloud:
     arr = np.load(io.BytesIO(data), allow_pickle=False)
     if arr.dtype.names:
-        names = arr.dtype.names
-        for name in ("x", "y", "z"):
-            if name not in names:
-                raise ScanReadError(path, f"structured NPY has no {name!r} field (fields: {names})")
-        dtype = np.result_type(arr["x"].dtype, np.float32)
-        cloud = PointCloud(np.stack([arr["x"], arr["y"], arr["z"]], axis=1).astype(dtype, copy=False))
-        if {"nx", "ny", "nz"} <= set(names):
-            cloud.normals = np.stack([arr["nx"], arr["ny"], arr["nz"]], axis=1).astype(np.float32)
-        return cloud
+        if arr.ndim != 1:
+            raise ScanReadError(path, f"structured NPY must be one record a point, got shape {arr.shape}")
+        return _from_records(path, arr, "structured NPY", "field")
     if arr.ndim != 2 or arr.shape[1] < 3:
         raise ScanReadError(path, f"NPY array must be (N, 3) or (N, >=3), got shape {arr.shape}")
     if not np.issubdtype(arr.dtype, np.number) or np.issubdtype(arr.dtype, np.complexfloating):

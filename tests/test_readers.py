@@ -288,3 +288,42 @@ def test_npy_extra_columns_kept_and_complex_refused(tmp_path):
     np.save(tmp_path / "z.npy", np.ones((4, 3)) + 1j)  # the imaginary part was thrown away
     with pytest.raises(ScanReadError, match="non-real dtype complex128"):
         read_cloud(tmp_path / "z.npy")
+
+
+def test_ply_and_structured_npy_keep_every_per_point_field(tmp_path, rng):
+    """A PLY vertex's other properties (alpha, a label, a quality) and a structured NPY's fields
+    (intensity, colours, time) are kept, as PCD's and XYZ's other fields are: both readers kept x/y/z
+    and normals only (a PLY its colours and intensity too). A face list is not a point's field."""
+    import struct
+
+    n = 50
+    v = np.zeros(n, dtype=[("x", "<f4"), ("y", "<f4"), ("z", "<f4"), ("red", "u1"), ("green", "u1"),
+                           ("blue", "u1"), ("alpha", "u1"), ("label", "<i4"), ("quality", "<f8")])
+    for f in ("x", "y", "z"):
+        v[f] = rng.random(n)
+    v["red"], v["alpha"], v["label"], v["quality"] = 7, rng.integers(0, 256, n), rng.integers(0, 9, n), rng.random(n)
+    props = "".join(f"property {t} {f}\n" for f, t in (("x", "float"), ("y", "float"), ("z", "float"),
+                    ("red", "uchar"), ("green", "uchar"), ("blue", "uchar"), ("alpha", "uchar"), ("label", "int"),
+                    ("quality", "double")))
+    head = (f"ply\nformat binary_little_endian 1.0\nelement vertex {n}\n{props}element face 1\n"
+            "property list uchar int vertex_indices\nend_header\n").encode()
+    (tmp_path / "m.ply").write_bytes(head + v.tobytes() + struct.pack("<Biii", 3, 0, 1, 2))
+    c = read_cloud(tmp_path / "m.ply")
+    np.testing.assert_array_equal(c.points, np.stack([v["x"], v["y"], v["z"]], axis=1))
+    assert (c.colors[:, 0] == 7).all() and set(c.extra) == {"alpha", "label", "quality"}
+    for f in ("alpha", "label", "quality"):
+        np.testing.assert_array_equal(c.extra[f], v[f])
+    s = np.zeros(n, dtype=[("x", "f8"), ("y", "f8"), ("z", "f8"), ("intensity", "u2"), ("r", "u1"), ("g", "u1"),
+                           ("b", "u1"), ("time", "f8"), ("note", "U3")])
+    s["x"], s["intensity"], s["r"], s["time"], s["note"] = rng.random(n), 300, 9, rng.random(n), "abc"
+    np.save(tmp_path / "s.npy", s)
+    c = read_cloud(tmp_path / "s.npy")
+    assert c.points.dtype == np.float64 and (c.intensity == 300).all() and (c.colors[:, 0] == 9).all()
+    assert set(c.extra) == {"time"}  # a text field is not a per-point number
+    np.testing.assert_array_equal(c.extra["time"], s["time"])
+    store = ScanStore(tmp_path / "s.zarr", create=True)
+    store.write_scan("s", c.arrays(), {})
+    np.testing.assert_array_equal(store.read("s", "extra_time"), s["time"])
+    np.save(tmp_path / "t.npy", s.reshape(5, 10))
+    with pytest.raises(ScanReadError, match="one record a point"):
+        read_cloud(tmp_path / "t.npy")
