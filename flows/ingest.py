@@ -14,7 +14,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
-from scanforest.tasks.ingest import Staging, check_source, discover, ignored_note
+from scanforest.tasks.ingest import Staging, check_source, discover, ignored_note, staging_note
 from scanforest.tasks.las import copc_settings
 from scanforest.tasks.store import ScanStore, scan_id_for
 
@@ -87,9 +87,13 @@ def _ingest(source: str, store: str, units: str, progress: bool, batch: int | No
         summary["ignored"] = len(ignored)
         if ignored:
             summary["ignored_note"] = ignored_note(ignored)
-        # extracted files are kept for the retry of quarantined ones, unless another ingest still reads them
-        if summary["quarantined"] == len(problems) or not staging.holds_files():
+        # the files extracted from archives are kept where an archive member was quarantined (a
+        # rerun retries it without extracting again), unless another ingest still reads them; said
+        members = sum(r["status"] == "quarantined" and "::" in r["source"] for r in records)
+        if not members or not staging.holds_files():
             staging.remove()
+        else:
+            summary["staging_note"] = staging_note(staging.path, members)
     params = {"source": str(source), "units": units}
     if copc and any(v is not None for v in copc.values()):
         params["copc"] = copc

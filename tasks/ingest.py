@@ -13,6 +13,7 @@ import errno
 import fcntl
 import glob as _glob
 import json
+import lzma
 import math
 import os
 import re
@@ -21,6 +22,7 @@ import stat
 import tarfile
 import time
 import zipfile
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -628,6 +630,8 @@ def _expand_archive(path: Path, staging: Path, ignored: list[dict[str, str]],
     with file_lock(staging / f".{dest.name}.lock"):
         if not done_marker.exists():
             dest.mkdir(parents=True, exist_ok=True)
+            partial = last = None  # the member being written; the last one written whole
+            is_zip = path.name.lower().endswith(".zip")
             try:
                 for member, fin in _members(path):
                     if isinstance(fin, str):  # a member that is not a file: said, not extracted
@@ -639,16 +643,39 @@ def _expand_archive(path: Path, staging: Path, ignored: list[dict[str, str]],
                     try:
                         target = dest / member
                         target.parent.mkdir(parents=True, exist_ok=True)
+                        partial = (member, target)
                         with fin, open(target, "wb") as fout:
                             while chunk := fin.read(1 << 22):
                                 fout.write(chunk)
-                    except OSError as exc:  # this member only (a name too long for the file system, ...)
+                        partial, last = None, (member, target)
+                    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+                        if is_zip and not (isinstance(exc, OSError) and _extract_side(exc)):
+                            # a zip's members are compressed and checked one by one: this one only
+                            target.unlink(missing_ok=True)
+                            partial = None
+                            problems.append({"source": f"{path}::{member}",
+                                             "reason": f"damaged archive member: {_error_name(exc)}: {exc}"})
+                            continue
+                        if not isinstance(exc, OSError) or not _extract_side(exc):
+                            raise  # the archive's stream is broken: every later member too
+                        partial = None  # this member only (a name too long for the file system, ...)
                         problems.append({"source": f"{path}::{member}",
                                          "reason": f"cannot extract: {exc.strerror or exc}"})
                 done_marker.write_text(str(path))
-            except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
+            except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, zlib.error, lzma.LZMAError) as exc:
+                at = ""
+                if partial is not None:  # its copy is cut short: not a scan of its own (it read as empty)
+                    partial[1].unlink(missing_ok=True)
+                    at = (f" ({'it ends' if isinstance(exc, EOFError) else 'its stream breaks'} inside {partial[0]}; "
+                          "the members before it are read)")
+                elif last is not None and not isinstance(exc, EOFError) and _compressed_tar(path):
+                    # a damaged gzip stream decompresses to garbage, unchecked (its CRC is at the
+                    # end), until a tar header fails: the member before that failure is garbage too
+                    last[1].unlink(missing_ok=True)
+                    at = (f" (its stream breaks after {last[0]}, whose copy is not read: it came out of the "
+                          "damage; the members before it are read)")
                 problems.append({"source": str(path),
-                                 "reason": f"corrupt or truncated archive: {type(exc).__name__}: {exc}"})
+                                 "reason": f"corrupt or truncated archive{at}: {_archive_error(path, exc)}"})
     regular: set[str] = set()
     pairs = ((full, f"{name or stem}/{rel}", f"{stem}/{rel}") for full, rel in _walk(dest, regular))
     seen = len(ignored)
@@ -666,6 +693,41 @@ def _expand_archive(path: Path, staging: Path, ignored: list[dict[str, str]],
     for item in probs + ignored[seen:]:
         item["source"] = member_of(item["source"])
     return items, problems + probs
+
+
+def _archive_error(path: Path, exc: BaseException) -> str:
+    """An archive's error in one line: ``tarfile``'s "could not be opened" lists every method it
+    tried on lines of their own (the first line alone ended in a colon); the one of the file's
+    suffix is said, else the plain tar's."""
+    text = str(exc)
+    if "\n- method " in text:
+        tried = dict(re.findall(r"- method (\w+): (.*)", text))
+        name = path.name.lower()
+        method = next((m for m, sfx in (("gz", ("gz", "tgz")), ("bz2", ("bz2", "tbz2", "tbz")), ("xz", ("xz", "txz")))
+                       if name.endswith(sfx)), "tar")
+        why = tried.get(method, text.splitlines()[0])
+        quoted = re.fullmatch(r"\w+\((['\"])(.*)\1\)", why)  # ReadError('not a bzip2 file')
+        text = (quoted.group(2) if quoted else why) + f" (read as {'/'.join(tried)})"
+    return f"{_error_name(exc)}: {text}"
+
+
+def _error_name(exc: BaseException) -> str:
+    """An exception's class as a reader knows it (zlib's is called ``error``)."""
+    return "zlib.error" if isinstance(exc, zlib.error) else type(exc).__name__
+
+
+def _compressed_tar(path: Path) -> bool:
+    """Whether a tar archive is compressed (its members' bytes come out of one stream)."""
+    name = path.name.lower()
+    return not name.endswith((".zip", ".tar"))
+
+
+def _extract_side(exc: OSError) -> bool:
+    """Whether an error while extracting a member is the extraction's, writing its copy (a name
+    too long, a full disk, permissions: an ``errno``), not the archive's stream (gzip's
+    ``BadGzipFile``, a bz2 stream's ``OSError``: no ``errno``; the member and every later one
+    are unreadable)."""
+    return exc.errno is not None
 
 
 def _zip_name(info: zipfile.ZipInfo) -> str:
@@ -724,6 +786,19 @@ def _suffix(path: str | os.PathLike) -> str:
     name = os.path.basename(os.fspath(path))
     i = name.rfind(".")
     return name[i:] if 0 < i < len(name) - 1 else ""
+
+
+def staging_note(path: str | os.PathLike, members: int) -> str:
+    """The line that says a staging folder stays beside the store, with what it holds."""
+    files, size = 0, 0
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            if not name.startswith("."):
+                files += 1
+                size += os.path.getsize(os.path.join(root, name))
+    return (f"{path} keeps the {files:,} files extracted from archives ({size / 1e6:,.1f} MB) so that a rerun "
+            f"retries the {members:,} quarantined archive member{'s' if members != 1 else ''} without extracting "
+            "again; delete it when you no longer need that")
 
 
 class Staging:

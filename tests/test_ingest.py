@@ -1,6 +1,7 @@
 """Ingest flow on a real local Dask cluster with Prefect's API: folders, archives, quarantine, resume."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -101,6 +102,88 @@ def test_truncated_archive_is_quarantined(tmp_path, archive):
     srcs, problems = discover(tmp_path / "cut.tar.gz", tmp_path / "staging")
     assert problems and "corrupt or truncated archive" in problems[0]["reason"]
 
+
+def _npy_members(rng, n=4, points=4000):
+    out = []
+    for i in range(n):
+        b = io.BytesIO()
+        np.save(b, rng.random((points, 3)).astype(np.float32))
+        out.append((f"s{i}.npy", b.getvalue()))
+    return out
+
+
+def test_a_damaged_archive_gives_no_member_made_of_its_damage(tmp_path, rng):
+    """A .tar.gz cut inside a member left that member's partial copy, quarantined as an "empty
+    file" beside the archive's own reason; a .tar.gz damaged inside a member decompressed to
+    garbage (gzip checks its CRC at the end only) until a header failed, and that member was
+    ingested with points of 1e38; a zip's damaged member stopped every later one. Now: the member
+    the archive ends or breaks in is named in the archive's reason and not read; a zip's damaged
+    member alone is quarantined; the members before the damage are ingested bit for bit."""
+    members = _npy_members(rng)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    whole = buf.getvalue()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "cut.tar.gz").write_bytes(whole[:len(whole) // 2])
+    flipped = bytearray(whole)
+    for k in range(len(flipped) // 2, len(flipped) // 2 + 200):
+        flipped[k] ^= 0x5A
+    (src / "flipped.tar.gz").write_bytes(bytes(flipped))
+    zbuf = io.BytesIO()
+    with zipfile.ZipFile(zbuf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members[:3]:
+            zf.writestr(name, data)
+    z = bytearray(zbuf.getvalue())
+    at = z.find(b"s1.npy") + 40  # inside the second member's compressed bytes
+    for k in range(at, at + 50):
+        z[k] ^= 0x33
+    (src / "damaged.zip").write_bytes(bytes(z))
+    srcs, problems = discover(src, tmp_path / "staging")
+    reasons = {p["source"].replace(str(src) + "/", ""): p["reason"] for p in problems}
+    assert "it ends inside s" in reasons["cut.tar.gz"], reasons
+    assert "its stream breaks" in reasons["flipped.tar.gz"] and "not read" in reasons["flipped.tar.gz"], reasons
+    assert reasons["damaged.zip::s1.npy"].startswith("damaged archive member: "), reasons
+    got = {s.origin.replace(str(src) + "/", ""): s for s in srcs}
+    assert {"damaged.zip::s0.npy", "damaged.zip::s2.npy"} <= set(got)
+    for name, s in got.items():  # every member read is the member written, none made of damage
+        want = dict(members)[name.split("::")[1]]
+        np.testing.assert_array_equal(read_cloud(s.path).points, np.load(io.BytesIO(want)))
+    broke = reasons["flipped.tar.gz"].split("after ")[1].split(",")[0]
+    assert f"flipped.tar.gz::{broke}" not in got and len([n for n in got if n.startswith("cut")]) >= 1
+    # the flow: the store holds the members before the damage, and no staging folder stays
+    summary = run_ingest(str(src), str(tmp_path / "s.zarr"), workers=1, progress=False)
+    assert summary["ingested"] == len(got) and summary["quarantined"] == 3
+    assert "staging_note" not in summary and not (tmp_path / "s.zarr.staging").exists()
+
+
+def test_the_staging_folder_kept_for_a_quarantined_member_is_said(tmp_path, rng):
+    """A member that fails its reader keeps the extracted files for a rerun: the summary says
+    where, how much, and why (a 200 MB folder stayed beside the store without a word); a loose
+    file that fails its reader keeps nothing (the whole folder stayed)."""
+    members = _npy_members(rng, 2)
+    src = tmp_path / "src"
+    src.mkdir()
+    with zipfile.ZipFile(src / "a.zip", "w") as zf:
+        for name, data in members:
+            zf.writestr(name, data)
+        zf.writestr("bad.npy", b"\x93NUMPY" + bytes(100))
+    summary = run_ingest(str(src), str(tmp_path / "s.zarr"), workers=1, progress=False)
+    assert summary["ingested"] == 2 and summary["quarantined"] == 1
+    staging = tmp_path / "s.zarr.staging"
+    assert staging.is_dir() and summary["staging_note"].startswith(f"{staging} keeps the 3 files extracted")
+    assert "retries the 1 quarantined archive member without" in summary["staging_note"]
+    (src / "a.zip").unlink()
+    for name, data in members:
+        (src / name).write_bytes(data)
+    (src / "bad.npy").write_bytes(b"\x93NUMPY" + bytes(100))
+    summary = run_ingest(str(src), str(tmp_path / "t.zarr"), workers=1, progress=False)
+    assert summary["quarantined"] == 1 and "staging_note" not in summary
+    assert not (tmp_path / "t.zarr.staging").exists()
 
 def test_tar_cut_at_a_member_header_hard_links_and_symlinks(tmp_path, archive):
     """A tar cut where a member's header begins read as a shorter, complete archive: its members

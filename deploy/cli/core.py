@@ -127,6 +127,8 @@ def print_summary(title: str, summary: dict, *, as_json: bool = False, keys: tup
         typer.secho(f"quarantined: {q['source']}: {q['reason']}", fg=typer.colors.YELLOW)
     for f in summary.get("failures", []):
         typer.secho(f"failed: {f['scan_id']}: {f['reason']}", fg=typer.colors.YELLOW)
+    if summary.get("staging_note"):
+        typer.echo(f"note: {summary['staging_note']}")
 
 
 INGEST_KEYS = ("files", "ingested", "skipped", "quarantined", "outside", "ignored", "points", "bytes", "seconds",
