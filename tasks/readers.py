@@ -499,8 +499,32 @@ def _bad_text_line(numbered: list[tuple[int, str]], delim: str | None, exc: Valu
     return f"malformed text rows: {exc}"
 
 
+#: a number written with a decimal comma (a European spreadsheet's export: ``1,25;3,5;0,75``)
+_DECIMAL_COMMA = re.compile(r"[-+]?\d+,\d+([eE][-+]?\d+)?")
+
+
+def _text_layout(lines: list[str]) -> tuple[str | None, bool]:
+    """The delimiter of text rows (``,`` ``;`` tab, or None for runs of spaces) and whether their
+    numbers have a decimal comma (then the rows are read with ``,`` as ``.``), from the last
+    row (a header row may differ)."""
+    row = lines[-1].strip()
+    if ";" in row:
+        delim = ";"
+    elif "\t" in row and "," in row:
+        delim = "\t"
+    elif "," in row and not (len(row.split()) >= 3 and all(_DECIMAL_COMMA.fullmatch(t) for t in row.split())):
+        return ",", False
+    else:
+        delim = None
+    fields = [t.strip().strip('"') for t in row.split(delim) if t.strip()]
+    return delim, any(_DECIMAL_COMMA.fullmatch(t) for t in fields)
+
+
 def _read_xyz(path, data: bytes) -> PointCloud:
-    text = data.decode("utf-8-sig", "replace")  # a byte-order mark (Excel's CSV) is not a column name
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):  # UTF-16 (PowerShell's and Notepad's "Unicode")
+        text = data.decode("utf-16", "replace")
+    else:
+        text = data.decode("utf-8-sig", "replace")  # a byte-order mark (Excel's CSV) is not a column name
     numbered = [(i, ln) for i, ln in enumerate(text.splitlines(), 1)
                 if ln.strip() and not ln.lstrip().startswith(("#", "//"))]
     lines = [ln for _, ln in numbered]
@@ -510,7 +534,16 @@ def _read_xyz(path, data: bytes) -> PointCloud:
         declared, lines = int(lines[0]), lines[1:]  # Leica PTS: the point count first
     if not lines:
         return PointCloud(np.zeros((0, 3)))
-    delim = "," if "," in lines[0] else (";" if ";" in lines[0] else None)
+    delim, decimal_comma = _text_layout(lines)
+    if '"' in lines[-1] or decimal_comma or (delim and lines[-1].rstrip().endswith(delim)):
+        # a spreadsheet's CSV: quoted numbers, decimal commas, a delimiter closing every row
+        table_rows = [ln.replace('"', "").rstrip() for ln in lines]
+        if delim and all(ln.endswith(delim) for ln in table_rows[1:] or table_rows):
+            table_rows = [ln[:-1] if ln.endswith(delim) else ln for ln in table_rows]
+        if decimal_comma:
+            table_rows = [ln.replace(",", ".") for ln in table_rows]
+        lines = table_rows
+        numbered = [(no, ln) for (no, _), ln in zip(numbered[len(numbered) - len(lines):], lines)]
     first = lines[0].split(delim)
     names = None
     try:

@@ -327,3 +327,30 @@ def test_ply_and_structured_npy_keep_every_per_point_field(tmp_path, rng):
     np.save(tmp_path / "t.npy", s.reshape(5, 10))
     with pytest.raises(ScanReadError, match="one record a point"):
         read_cloud(tmp_path / "t.npy")
+
+
+@pytest.mark.parametrize("name,write", [
+    ("euro.csv", lambda P: "x;y;z\n" + "".join(f"{a:.4f};{b:.4f};{c:.4f}\n".replace(".", ",") for a, b, c in P)),
+    ("euro_tab.txt", lambda P: "".join(f"{a:.4f}\t{b:.4f}\t{c:.4f}\n".replace(".", ",") for a, b, c in P)),
+    ("euro_space.xyz", lambda P: "".join(f"{a:.4f} {b:.4f} {c:.4f}\n".replace(".", ",") for a, b, c in P)),
+    ("quoted.csv", lambda P: '"x","y","z"\n' + "".join(f'"{a:.4f}","{b:.4f}","{c:.4f}"\n' for a, b, c in P)),
+    ("trailing.csv", lambda P: "x,y,z\n" + "".join(f"{a:.4f},{b:.4f},{c:.4f},\n" for a, b, c in P)),
+    ("utf16.xyz", lambda P: "".join(f"{a:.4f} {b:.4f} {c:.4f}\r\n" for a, b, c in P)),
+])
+def test_text_as_spreadsheets_and_windows_tools_write_it(tmp_path, rng, name, write):
+    """Decimal commas (a European spreadsheet's CSV, with ';', tabs or spaces between the
+    numbers), quoted numbers, a delimiter closing each row, and UTF-16 text (PowerShell's default,
+    Notepad's "Unicode") read as the numbers they are: each was quarantined as a malformed row."""
+    P = np.round(rng.random((40, 3)) * 100 - 50, 4)
+    text = write(P)
+    (tmp_path / name).write_bytes(text.encode("utf-16") if name.startswith("utf16") else text.encode())
+    np.testing.assert_array_equal(read_cloud(tmp_path / name).points, P)
+
+
+def test_text_with_a_decimal_comma_is_not_taken_for_commas_between_numbers(tmp_path):
+    """Comma-separated whole numbers stay three columns; a row that is neither is still said."""
+    (tmp_path / "ints.csv").write_text("1,2,3\n4,5,6\n")
+    np.testing.assert_array_equal(read_cloud(tmp_path / "ints.csv").points, [[1, 2, 3], [4, 5, 6]])
+    (tmp_path / "bad.csv").write_text("x;y;z\n1,5;2,5;3,5\n1,5;abc;3\n")
+    with pytest.raises(ScanReadError, match="line 3"):
+        read_cloud(tmp_path / "bad.csv")
