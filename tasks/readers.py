@@ -267,6 +267,11 @@ def _read_pcd(path, data: bytes) -> PointCloud:
     if "VIEWPOINT" not in header:
         lines.insert(next(i for i, ln in enumerate(lines) if ln.startswith("POINTS")),
                      "VIEWPOINT 0 0 0 1 0 0 0\n")
+    header_fields = header.get("FIELDS", "").split()
+    counts = [int(c) for c in header["COUNT"].split()] if "COUNT" in header else [1] * len(header_fields)
+    if "COUNT" not in header:  # optional (PCL reads one value a field): pypcd4 requires it
+        lines.insert(next(i for i, ln in enumerate(lines) if ln.startswith("WIDTH")),
+                     "COUNT " + " ".join("1" for _ in header_fields) + "\n")
     width = int(header.get("WIDTH", "0"))
     height = int(header.get("HEIGHT", "1"))
     npoints = int(header.get("POINTS", width * height))
@@ -295,10 +300,15 @@ def _read_pcd(path, data: bytes) -> PointCloud:
             break
     if "intensity" in fields:
         cloud.intensity = arr["intensity"].astype(np.float32)
-    used = {"x", "y", "z", "normal_x", "normal_y", "normal_z", "rgb", "rgba", "intensity", "_"}
-    for f in fields:
-        if f not in used and not f.startswith("_"):
-            cloud.extra[f] = np.asarray(arr[f])
+    used = {"x", "y", "z", "normal_x", "normal_y", "normal_z", "rgb", "rgba", "intensity"}
+    # the header's fields over pypcd4's columns: a field of COUNT c is c columns (FPFH's 33), kept
+    # as one (N, c) array; padding fields ("_", pypcd4 renames them at random) are not kept
+    at = 0
+    for f, c in zip(header_fields, counts) if len(counts) == len(header_fields) else ():
+        names, at = fields[at:at + c], at + c
+        if f in used or f.startswith("_") or len(names) != c:
+            continue
+        cloud.extra[f] = np.asarray(arr[names[0]]) if c == 1 else np.stack([arr[n] for n in names], axis=1)
     if height > 1:
         cloud.pixel_index = np.arange(npoints, dtype=np.int64)
     vp = [float(v) for v in header.get("VIEWPOINT", "0 0 0 1 0 0 0").split()]

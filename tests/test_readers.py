@@ -354,3 +354,37 @@ def test_text_with_a_decimal_comma_is_not_taken_for_commas_between_numbers(tmp_p
     (tmp_path / "bad.csv").write_text("x;y;z\n1,5;2,5;3,5\n1,5;abc;3\n")
     with pytest.raises(ScanReadError, match="line 3"):
         read_cloud(tmp_path / "bad.csv")
+
+
+def _pcd_bytes(fields, sizes, types, counts, n, data, body: bytes) -> bytes:
+    head = [f"FIELDS {' '.join(fields)}", f"SIZE {' '.join(map(str, sizes))}", f"TYPE {' '.join(types)}"]
+    if counts is not None:
+        head.append(f"COUNT {' '.join(map(str, counts))}")
+    return ("VERSION 0.7\n" + "\n".join(head) + f"\nWIDTH {n}\nHEIGHT 1\nPOINTS {n}\nDATA {data}\n").encode() + body
+
+
+def test_pcd_fields_of_several_values_padding_and_no_count_line(tmp_path, rng):
+    """A field of COUNT 33 (PCL's FPFH) is one (N, 33) array (it was 33 arrays fpfh__0000..),
+    padding fields ("_") are not kept (pypcd4 renamed them at random: 'extra_#$%&~~bYILzw__0000'
+    was stored), and a header without its optional COUNT line reads as one value a field, as PCL
+    reads it (a two-line pydantic error quarantined it)."""
+    n = 30
+    P = rng.random((n, 3)).astype(np.float32)
+    rec = np.zeros(n, dtype=[("x", "<f4"), ("y", "<f4"), ("z", "<f4"), ("_", "u1", (4,)), ("fpfh", "<f4", (33,)),
+                             ("label", "<u4")])
+    rec["x"], rec["y"], rec["z"] = P.T
+    rec["fpfh"] = rng.random((n, 33))
+    rec["label"] = np.arange(n)
+    (tmp_path / "f.pcd").write_bytes(_pcd_bytes(["x", "y", "z", "_", "fpfh", "label"], [4, 4, 4, 1, 4, 4],
+                                                ["F", "F", "F", "U", "F", "U"], [1, 1, 1, 4, 33, 1], n, "binary",
+                                                rec.tobytes()))
+    c = read_cloud(tmp_path / "f.pcd")
+    assert set(c.extra) == {"fpfh", "label"}
+    np.testing.assert_array_equal(c.extra["fpfh"], rec["fpfh"])
+    np.testing.assert_array_equal(c.extra["label"], rec["label"])
+    store = ScanStore(tmp_path / "s.zarr", create=True)
+    store.write_scan("f", c.arrays(), {})
+    np.testing.assert_array_equal(store.read("f", "extra_fpfh"), rec["fpfh"])
+    body = "".join(f"{a} {b} {d}\n" for a, b, d in P).encode()
+    (tmp_path / "nc.pcd").write_bytes(_pcd_bytes(["x", "y", "z"], [4, 4, 4], ["F", "F", "F"], None, n, "ascii", body))
+    np.testing.assert_array_equal(read_cloud(tmp_path / "nc.pcd").points, P)
