@@ -6,6 +6,8 @@ type; the concrete classes also derive from the matching built-in (``ValueError`
 """
 from __future__ import annotations
 
+import re
+
 
 class ScanforestError(Exception):
     """Base class of every error scanforest raises on purpose."""
@@ -16,11 +18,13 @@ class InputError(ScanforestError, ValueError):
 
 
 class ScanReadError(ScanforestError, ValueError):
-    """A scan file could not be read. ``path`` names the file, ``reason`` says why."""
+    """A scan file could not be read. ``path`` names the file, ``reason`` says why, on one line
+    (a library's message over several lines, pydantic's or tarfile's, is joined: the quarantine
+    line and the store's reason are one line each)."""
 
     def __init__(self, path, reason: str):
         self.path = str(path)
-        self.reason = reason
+        self.reason = reason = re.sub(r"\s*[\r\n]+\s*", " ", str(reason)).strip()
         super().__init__(f"{self.path}: {reason}")
 
 

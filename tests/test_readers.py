@@ -388,3 +388,13 @@ def test_pcd_fields_of_several_values_padding_and_no_count_line(tmp_path, rng):
     body = "".join(f"{a} {b} {d}\n" for a, b, d in P).encode()
     (tmp_path / "nc.pcd").write_bytes(_pcd_bytes(["x", "y", "z"], [4, 4, 4], ["F", "F", "F"], None, n, "ascii", body))
     np.testing.assert_array_equal(read_cloud(tmp_path / "nc.pcd").points, P)
+
+
+def test_a_reader_library_message_over_several_lines_is_one_line(tmp_path):
+    """pydantic's message for a header pypcd4 refuses is three lines; the quarantine line and
+    the store's reason are one line each."""
+    head = b"VERSION 0.7\nFIELDS x y z\nSIZE 4 4 4\nTYPE F F Q\nCOUNT 1 1 1\nWIDTH 1\nHEIGHT 1\nPOINTS 1\nDATA ascii\n"
+    (tmp_path / "q.pcd").write_bytes(head + b"1 2 3\n")
+    with pytest.raises(ScanReadError) as info:
+        read_cloud(tmp_path / "q.pcd")
+    assert "\n" not in info.value.reason and "Input should be 'F', 'U' or 'I'" in info.value.reason
