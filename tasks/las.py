@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,37 @@ def las_columns(record, dims: set[str]) -> dict[str, np.ndarray]:
         out["rgb"] = np.stack([record.red, record.green, record.blue], axis=1)
     if "classification" in dims:
         out["extra_classification"] = np.asarray(record.classification, dtype=np.uint8)
+    for name, key, dtype, _shape in extra_dims(record.point_format):
+        out[key] = np.asarray(record[name]).astype(dtype, copy=False)
+    return out
+
+
+def check_las_size(path, header, size: int) -> None:
+    """ScanReadError where an uncompressed LAS file ends before the points its header declares
+    (laspy's message was "buffer size must be a multiple of element size")."""
+    if getattr(header, "are_points_compressed", False):
+        return  # LAZ: its chunk table and the decompressor say where it ends
+    n, rec = int(header.point_count), int(header.point_format.size)
+    need = int(header.offset_to_point_data) + n * rec
+    if size < need:
+        raise ScanReadError(path, f"truncated LAS file: its header declares {n:,} points of {rec} bytes from byte "
+                                  f"{int(header.offset_to_point_data):,}, and the file ends {need - size:,} bytes "
+                                  f"short ({max(size - int(header.offset_to_point_data), 0) // rec:,} whole points)")
+
+
+def extra_dims(point_format) -> list[tuple[str, str, Any, tuple[int, ...]]]:
+    """The file's extra-bytes dimensions (a scanner's reflectance, amplitude or deviation, a
+    processing tool's own fields) as stored arrays: ``(laspy name, extra_<name>, dtype, shape
+    per point)``, the name in lower case with other characters than letters, digits and ``_``
+    as ``_``; scaled ones as float64 (laspy's scaled values), the others in their own type."""
+    out, taken = [], {"extra_classification"}
+    for d in point_format.extra_dimensions:
+        key = "extra_" + re.sub(r"[^0-9a-z_]+", "_", str(d.name).strip().lower()).strip("_")
+        if key == "extra_" or key in taken:
+            continue
+        taken.add(key)
+        base = np.float64 if d.scales is not None else np.dtype(d.dtype).base
+        out.append((d.name, key, base, () if int(d.num_elements) == 1 else (int(d.num_elements),)))
     return out
 
 
@@ -125,7 +157,8 @@ def _finite_las(header) -> bool:
     return bool(np.isfinite(s).all() and np.isfinite(o).all() and (np.abs(s) * 2.0**31 + np.abs(o) < 1e300).all())
 
 
-def _las_column_specs(dims: set[str]) -> dict[str, tuple[Any, tuple[int, ...]]]:
+def _las_column_specs(point_format) -> dict[str, tuple[Any, tuple[int, ...]]]:
+    dims = set(point_format.dimension_names)
     cols: dict[str, tuple[Any, tuple[int, ...]]] = {"points": (np.float64, (3,))}
     if "intensity" in dims:
         cols["intensity"] = (np.float32, ())
@@ -133,6 +166,8 @@ def _las_column_specs(dims: set[str]) -> dict[str, tuple[Any, tuple[int, ...]]]:
         cols["colors"] = (np.uint8, (3,))
     if "classification" in dims:
         cols["extra_classification"] = (np.uint8, ())
+    for _name, key, dtype, shape in extra_dims(point_format):
+        cols[key] = (dtype, shape)
     return cols
 
 
@@ -254,7 +289,7 @@ def copc_blocks(path, settings: dict[str, Any], block: int | None = None, data: 
     dims = set(header.point_format.dimension_names)
     meta = {"format": "copc", **las_meta(path, header), "encoding": "copc",
             "n_source_points": int(header.point_count), "copc": settings}
-    scan = BlockScan(total, _las_column_specs(dims), meta, exact=False)
+    scan = BlockScan(total, _las_column_specs(header.point_format), meta, exact=False)
 
     def records():
         with reader:
@@ -291,8 +326,13 @@ def open_las_blocks(path: str | os.PathLike, block_points: int | None = None) ->
     if n <= LAS_WHOLE_MAX_POINTS or not _finite_las(header):
         reader.close()
         return None
+    try:
+        check_las_size(path, header, os.path.getsize(path))
+    except ScanReadError:
+        reader.close()
+        raise
     dims = set(header.point_format.dimension_names)
-    scan = BlockScan(n, _las_column_specs(dims), {"format": fmt, **las_meta(path, header),
+    scan = BlockScan(n, _las_column_specs(header.point_format), {"format": fmt, **las_meta(path, header),
                                                   "n_source_points": n})
 
     def records():

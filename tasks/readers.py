@@ -32,7 +32,8 @@ import numpy as np
 from scanforest.kernels.errors import ScanReadError
 
 from .blocks import BlockScan, gather_blocks
-from .las import copc_blocks, copc_settings, is_copc, las_colors, las_columns, las_meta, open_las_blocks
+from .las import (check_las_size, copc_blocks, copc_settings, is_copc, las_colors, las_columns, las_meta,
+                  open_las_blocks)
 
 #: the format libraries, imported where a format is read (a missing optional one fails only its
 #: format); ingest's Dask workers import them as they start (``flows.worker_setup.INGEST_PRELOAD``)
@@ -436,11 +437,12 @@ def _to_uint8(c: np.ndarray) -> np.ndarray:
 def _read_las(path, data: bytes) -> PointCloud:
     import laspy
 
+    with laspy.open(io.BytesIO(data)) as head:
+        check_las_size(path, head.header, len(data))
     las = laspy.read(io.BytesIO(data))
     cols = las_columns(las.points, set(las.point_format.dimension_names))
     cloud = PointCloud(cols["points"], intensity=cols.get("intensity"), colors=las_colors(cols.get("rgb")))
-    if "extra_classification" in cols:
-        cloud.extra["classification"] = cols["extra_classification"]
+    cloud.extra.update({k[6:]: v for k, v in cols.items() if k.startswith("extra_")})
     if las.header.point_count != len(cloud.points):
         raise ScanReadError(path, f"LAS header declares {las.header.point_count} points, data has {len(cloud.points)}")
     cloud.meta.update(las_meta(path, las.header))
@@ -474,8 +476,7 @@ def _read_copc(path, data: bytes) -> PointCloud:
     scan = copc_blocks(path, copc_settings(), None, data)
     cols = gather_blocks(scan)
     cloud = PointCloud(cols["points"], intensity=cols.get("intensity"), colors=cols.get("colors"))
-    if "extra_classification" in cols:
-        cloud.extra["classification"] = cols["extra_classification"]
+    cloud.extra.update({k[6:]: v for k, v in cols.items() if k.startswith("extra_")})
     cloud.meta.update(scan.meta)
     return cloud
 

@@ -26,7 +26,13 @@ N = 2500  # over the budget of 1,000 below: blocks of 512 rows, chunks of 256
 def _write_las(path, rng, n=N, *, wide_colour_at=None):
     h = laspy.LasHeader(point_format=3, version="1.2")
     h.scales, h.offsets = [0.001] * 3, [600_000.0, 5_000_000.0, 20.0]
+    # extra bytes as scanners write them: a plain one and a scaled one of three values a point
+    h.add_extra_dims([laspy.ExtraBytesParams(name="Reflectance", type=np.float32),
+                      laspy.ExtraBytesParams(name="Deviation Amp", type="3u2", scales=np.full(3, 0.5),
+                                             offsets=np.zeros(3))])
     las = laspy.LasData(h)
+    las["Reflectance"] = rng.normal(size=n).astype(np.float32)
+    las["Deviation Amp"] = rng.integers(0, 100, (n, 3)) * 0.5
     las.x = 600_000 + rng.uniform(0, 50, n)
     las.y = 5_000_000 + rng.uniform(0, 50, n)
     las.z = 20 + rng.uniform(0, 5, n)
@@ -94,6 +100,10 @@ def test_las_over_the_budget_is_stored_in_blocks_as_the_whole_file_path_stores_i
     rgb = np.stack([las.red, las.green, las.blue], axis=1)
     expect = (rgb >> 8) if wide is not None else rgb
     assert np.array_equal(b.read("big.laz", "colors"), expect.astype(np.uint8))
+    # the extra bytes kept (they were dropped), scaled ones as laspy scales them
+    assert np.array_equal(b.read("big.laz", "extra_reflectance"), np.asarray(las["Reflectance"]))
+    dev = b.read("big.laz", "extra_deviation_amp")
+    assert dev.shape == (N, 3) and np.array_equal(dev, np.asarray(las["Deviation Amp"]))
     assert _ingest(tmp_path / "blocks.zarr", tmp_path / "big.laz")["status"] == "skipped"
 
 
@@ -339,3 +349,19 @@ def test_the_archive_command_takes_the_copc_query_to_its_ingest(tmp_path, copc_f
     assert seen["copc"] == {"level": 1, "resolution": None, "bounds": [100, 200, 5, 104, 205, 9]}
     res = CliRunner().invoke(app, ["archive", str(src), str(tmp_path / "s.zarr"), "--bounds", "1,2,3"])
     assert isinstance(res.exception, InputError) and "bounds must be 6" in str(res.exception)
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["read whole", "read in blocks"])
+def test_a_las_file_cut_short_is_said_so(tmp_path, rng, monkeypatch, blocks):
+    """A .las file that ends before the points its header declares was quarantined as laspy's
+    "buffer size must be a multiple of element size": the reason says it is cut short, by how
+    much, and how many whole points it holds."""
+    _write_las(tmp_path / "a.las", rng)
+    data = (tmp_path / "a.las").read_bytes()
+    (tmp_path / "cut.las").write_bytes(data[:-1000])
+    if blocks:
+        monkeypatch.setattr(las_mod, "LAS_WHOLE_MAX_POINTS", 1000)
+    rec = _ingest(tmp_path / "s.zarr", tmp_path / "cut.las")
+    assert rec["status"] == "quarantined", rec
+    assert "truncated LAS file: its header declares 2,500 points" in rec["reason"], rec["reason"]
+    assert "ends 1,000 bytes short" in rec["reason"]
