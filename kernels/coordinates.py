@@ -185,7 +185,8 @@ def check_spacing(max_abs: float, radii: dict, what: str, span=None, grid: float
                       f"across): give them an origin near them (recognize's origin=, a sidecar origin, a LAS offset) "
                       f"or float64 coordinates")
         else:
-            advice = "the scan is too large in extent for these radii (split it into tiles)"
+            advice = ("the scan is too large in extent for these radii (split it into tiles), or in another unit "
+                      "than the radii and the models (millimetres against metres?)")
         raise InputError(f"{what}: coordinates up to {max_abs:.6g} m from the local origin have float32 spacing "
                          f"{step:.3g} m, more than 1/{round(1 / SPACING_FRACTION)} of the smallest radius "
                          f"({name} {given[name]:g} m); {advice}")

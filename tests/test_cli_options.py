@@ -176,3 +176,25 @@ def test_help_wraps_at_the_terminal_width():
     assert "missing or short arrays, chunks that" in " ".join(help_.split())
     first = [line.strip() for line in help_.splitlines() if line.strip()][1:4]
     assert all(len(line) >= 60 for line in first), first
+
+
+def test_the_no_detections_note_names_models_of_another_unit():
+    """Models recorded in another unit than the scenes (``--units`` records and converts
+    nothing), or models larger than the scenes they are looked for in (a CAD model in millimetres
+    against scans in metres), are named in the note; models of the scenes' size are not."""
+    from types import SimpleNamespace
+
+    from scanforest.deploy.cli.core import scale_hint
+
+    def store(model_size, scene_size, model_unit="m", scene_unit="m"):
+        attrs = {"m1": {"bbox": [[0, 0, 0], [model_size, 1e-3, 1e-3]], "units": model_unit},
+                 "s1": {"bbox": [[5, 5, 5], [5 + scene_size, 6, 6]], "units": scene_unit},
+                 "s2": {"bbox": [[0, 0, 0], [scene_size, 1, 1]], "units": scene_unit}}
+        catalog = SimpleNamespace(library_attrs=lambda name: {"model_scans": ["m1"]})
+        return SimpleNamespace(catalog=catalog, attrs=attrs.__getitem__, scans=lambda: list(attrs))
+
+    assert scale_hint(store(0.2, 1.5), None, "default") is None
+    hint = scale_hint(store(200.0, 1.5), None, "default")
+    assert hint.startswith("the models (200 across) are 133 times the size of the scenes (1.5 across)"), hint
+    hint = scale_hint(store(0.2, 1.5, model_unit="mm"), ["s1"], "default")
+    assert "models were ingested in mm and the scenes in m" in hint and "converts nothing" in hint

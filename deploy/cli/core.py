@@ -161,10 +161,12 @@ def note_replaced(summary: dict) -> None:
 
 
 def note_no_detections(summary: dict, params: dict | None, store: str | None = None,
-                       scenes: list[str] | None = None, library_params: dict | None = None) -> None:
-    """One line where recognised scenes gave no detection: the stage that lost them, and the
+                       scenes: list[str] | None = None, library_params: dict | None = None,
+                       library: str | None = None) -> None:
+    """One line where recognised scenes gave no detection: the stage that lost them, the
     scenes' file grid where it is coarse enough to be why (``store``'s ``scenes``: a LAS scale
-    :func:`~scanforest.kernels.coordinates.grid_hint` names)."""
+    :func:`~scanforest.kernels.coordinates.grid_hint` names), and models of another unit than
+    the scenes (:func:`scale_hint`, ``library``'s models)."""
     from scanforest.flows.summaries import no_detections_note
 
     line = no_detections_note(summary, params)
@@ -173,13 +175,56 @@ def note_no_detections(summary: dict, params: dict | None, store: str | None = N
         from scanforest.tasks.recognize import LIBRARY_DEFAULTS
         from scanforest.tasks.store import ScanStore
 
-        grids = ScanStore(store, mode="r").coordinate_grids(scenes)
+        st = ScanStore(store, mode="r")
+        grids = st.coordinate_grids(scenes)
         lp = {**LIBRARY_DEFAULTS, **{k: v for k, v in (library_params or {}).items() if v is not None}}
         hint = grid_hint(max(grids.values()), {k: lp.get(k) for k in ("descr_rad", "rf_rad")}) if grids else None
-        if hint:
-            line += f"; {hint}"
+        for h in (hint, scale_hint(st, scenes, library)):
+            if h:
+                line += f"; {h}"
     if line:
         typer.echo(f"note: {line}")
+
+
+#: :func:`scale_hint` reads the sizes of at most this many scenes
+SCALE_HINT_SCENES = 200
+
+
+def scale_hint(st, scenes: list[str] | None, library: str | None) -> str | None:
+    """Where the library's models are of another unit than the scenes: their recorded units
+    differ (``ingest --units`` records a unit, it converts nothing), or the models are larger
+    than the scenes they are looked for in (a CAD model in millimetres against scans in metres:
+    0 correspondences, and the note asked only about radii). None otherwise, and where the
+    sizes are not known."""
+    import statistics
+
+    try:
+        models = list(st.catalog.library_attrs(library or "default").get("model_scans") or [])
+    except Exception:  # noqa: BLE001 - no library: nothing to compare
+        return None
+    if scenes is None:
+        scenes = [s for s in st.scans() if s not in set(models)]
+    scenes = list(scenes)[:SCALE_HINT_SCENES]
+
+    def sizes(ids):
+        out, units = [], set()
+        for sid in ids:
+            a = st.attrs(sid)
+            units.add(a.get("units"))
+            box = a.get("bbox")
+            if box:
+                out.append(max(float(h) - float(lo) for lo, h in zip(*box)))
+        return out, units - {None}
+
+    (m, mu), (s, su) = sizes(models), sizes(scenes)
+    if mu and su and mu != su:
+        return (f"the models were ingested in {', '.join(sorted(mu))} and the scenes in {', '.join(sorted(su))} "
+                "(--units records the unit and converts nothing: convert one of them)")
+    if m and s and statistics.median(m) > 3 * statistics.median(s):
+        mm, ss = statistics.median(m), statistics.median(s)
+        return (f"the models ({mm:.4g} across) are {mm / ss:.3g} times the size of the scenes ({ss:.4g} across): "
+                "are they in another unit (millimetres against metres)?")
+    return None
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:

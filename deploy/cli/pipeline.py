@@ -323,7 +323,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         print_summary(f"one pass over the scenes of {store}", res, as_json=as_json)
         if not as_json:
             warn_box_origin(res, "scene")
-            note_no_detections(p, params, store, library_params=library_params)
+            note_no_detections(p, params, store, library_params=library_params, library=library)
             note_replaced(p)
             if p.get("note"):
                 typer.echo(f"note: {p['note']}")
@@ -404,7 +404,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                       keys=("scenes", "recognized", "skipped", "failed", "detections", "from_stored", "recomputed",
                             "precision", "recall", "seconds", "workers"))
         if not as_json:
-            note_no_detections(res, params, store, scene_ids, library_params)
+            note_no_detections(res, params, store, scene_ids, library_params, library=library)
             note_replaced(res)
             for reason, n in res.get("recompute_reasons", {}).items():
                 typer.echo(f"described and matched again ({n} scene{'s' if n != 1 else ''}): {reason}")
