@@ -187,9 +187,9 @@ def test_the_no_detections_note_names_models_of_another_unit():
     from scanforest.deploy.cli.core import scale_hint
 
     def store(model_size, scene_size, model_unit="m", scene_unit="m"):
-        attrs = {"m1": {"bbox": [[0, 0, 0], [model_size, 1e-3, 1e-3]], "units": model_unit},
-                 "s1": {"bbox": [[5, 5, 5], [5 + scene_size, 6, 6]], "units": scene_unit},
-                 "s2": {"bbox": [[0, 0, 0], [scene_size, 1, 1]], "units": scene_unit}}
+        attrs = {"m1": {"bbox": {"min": [0, 0, 0], "max": [model_size, 1e-3, 1e-3]}, "units": model_unit},
+                 "s1": {"bbox": {"min": [5, 5, 5], "max": [5 + scene_size, 6, 6]}, "units": scene_unit},
+                 "s2": {"bbox": {"min": [0, 0, 0], "max": [scene_size, 1, 1]}, "units": scene_unit}}
         catalog = SimpleNamespace(library_attrs=lambda name: {"model_scans": ["m1"]})
         return SimpleNamespace(catalog=catalog, attrs=attrs.__getitem__, scans=lambda: list(attrs))
 

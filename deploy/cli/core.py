@@ -179,7 +179,11 @@ def note_no_detections(summary: dict, params: dict | None, store: str | None = N
         grids = st.coordinate_grids(scenes)
         lp = {**LIBRARY_DEFAULTS, **{k: v for k, v in (library_params or {}).items() if v is not None}}
         hint = grid_hint(max(grids.values()), {k: lp.get(k) for k in ("descr_rad", "rf_rad")}) if grids else None
-        for h in (hint, scale_hint(st, scenes, library)):
+        try:  # a hint never costs the command its result
+            scale = scale_hint(st, scenes, library)
+        except Exception:  # noqa: BLE001
+            scale = None
+        for h in (hint, scale):
             if h:
                 line += f"; {h}"
     if line:
@@ -211,9 +215,10 @@ def scale_hint(st, scenes: list[str] | None, library: str | None) -> str | None:
         for sid in ids:
             a = st.attrs(sid)
             units.add(a.get("units"))
-            box = a.get("bbox")
-            if box:
-                out.append(max(float(h) - float(lo) for lo, h in zip(*box)))
+            box = a.get("bbox") or {}
+            lo, hi = box.get("min"), box.get("max")
+            if lo is not None and hi is not None:
+                out.append(max(float(h) - float(v) for v, h in zip(lo, hi)))
         return out, units - {None}
 
     (m, mu), (s, su) = sizes(models), sizes(scenes)
