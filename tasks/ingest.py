@@ -664,7 +664,14 @@ def _expand_archive(path: Path, staging: Path, ignored: list[dict[str, str]],
                 done_marker.write_text(str(path))
             except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, zlib.error, lzma.LZMAError) as exc:
                 at = ""
-                if partial is not None:  # its copy is cut short: not a scan of its own (it read as empty)
+                if isinstance(exc, _ChecksumError):  # every member's copy is suspect: none is read
+                    for child in dest.iterdir():
+                        if child.is_dir():
+                            shutil.rmtree(child)
+                        else:
+                            child.unlink()
+                    at = " (none of its members is read: the damaged one is not known)"
+                elif partial is not None:  # its copy is cut short: not a scan of its own (it read as empty)
                     partial[1].unlink(missing_ok=True)
                     at = (f" ({'it ends' if isinstance(exc, EOFError) else 'its stream breaks'} inside {partial[0]}; "
                           "the members before it are read)")
@@ -770,6 +777,16 @@ def _members(path: Path):
             if len(end) < tarfile.BLOCKSIZE or end.count(0) != tarfile.BLOCKSIZE:
                 raise tarfile.ReadError(f"the archive ends without its end-of-archive block after {n} "
                                         "members: cut off")
+            try:  # a compressed stream read to its end: gzip checks its CRC there, and only there
+                while tf.fileobj.read(1 << 20):
+                    pass
+            except (OSError, EOFError, zlib.error, lzma.LZMAError) as exc:
+                raise _ChecksumError(f"its compressed stream fails at its end ({_error_name(exc)}: {exc})") from exc
+
+
+class _ChecksumError(tarfile.ReadError):
+    """A compressed tar whose members all read but whose stream fails its check at the end: the
+    damage is in one of them, which one is not known."""
 
 
 def _safe_member(name: str) -> bool:

@@ -161,6 +161,26 @@ def test_a_damaged_archive_gives_no_member_made_of_its_damage(tmp_path, rng):
     assert "staging_note" not in summary and not (tmp_path / "s.zarr.staging").exists()
 
 
+def test_a_tar_gz_whose_checksum_fails_gives_no_member(tmp_path, rng):
+    """gzip checks its CRC at the end of its stream only, and tarfile stops at the end-of-archive
+    block before it: an archive whose checksum fails (here its trailer, so every tar header reads)
+    had all its members ingested. Its stream is read to the end now; which member is damaged is
+    not known, so none is read and the archive says why."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name, data in _npy_members(rng, 3, 500):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    data = bytearray(buf.getvalue())
+    data[-8] ^= 0xFF  # the CRC-32 of the gzip trailer
+    (tmp_path / "crc.tar.gz").write_bytes(bytes(data))
+    srcs, problems = discover(tmp_path / "crc.tar.gz", tmp_path / "staging")
+    assert srcs == [] and len(problems) == 1, (srcs, problems)
+    assert "none of its members is read" in problems[0]["reason"] and "fails at its end" in problems[0]["reason"]
+    (tmp_path / "ok.tar.gz").write_bytes(buf.getvalue())  # the same archive intact: all three
+    assert len(discover(tmp_path / "ok.tar.gz", tmp_path / "staging2")[0]) == 3
+
 def test_the_staging_folder_kept_for_a_quarantined_member_is_said(tmp_path, rng):
     """A member that fails its reader keeps the extracted files for a rerun: the summary says
     where, how much, and why (a 200 MB folder stayed beside the store without a word); a loose
