@@ -178,23 +178,35 @@ def test_help_wraps_at_the_terminal_width():
     assert all(len(line) >= 60 for line in first), first
 
 
-def test_the_no_detections_note_names_models_of_another_unit():
+def test_the_no_detections_note_names_models_of_another_unit(tmp_path):
     """Models recorded in another unit than the scenes (``--units`` records and converts
     nothing), or models larger than the scenes they are looked for in (a CAD model in millimetres
-    against scans in metres), are named in the note; models of the scenes' size are not."""
+    against scans in metres), are named in the note; models of the scenes' size are not. The
+    scans are ingested as a user's are (a hint read their ``bbox`` in another form and crashed
+    ``recognize`` after its work)."""
     from types import SimpleNamespace
 
     from scanforest.deploy.cli.core import scale_hint
+    from scanforest.tasks.ingest import Source, ingest_file
+    from scanforest.tasks.store import ScanStore
 
-    def store(model_size, scene_size, model_unit="m", scene_unit="m"):
-        attrs = {"m1": {"bbox": {"min": [0, 0, 0], "max": [model_size, 1e-3, 1e-3]}, "units": model_unit},
-                 "s1": {"bbox": {"min": [5, 5, 5], "max": [5 + scene_size, 6, 6]}, "units": scene_unit},
-                 "s2": {"bbox": {"min": [0, 0, 0], "max": [scene_size, 1, 1]}, "units": scene_unit}}
-        catalog = SimpleNamespace(library_attrs=lambda name: {"model_scans": ["m1"]})
-        return SimpleNamespace(catalog=catalog, attrs=attrs.__getitem__, scans=lambda: list(attrs))
+    rng = np.random.default_rng(0)
+    store = tmp_path / "s.zarr"
+    ScanStore(store, create=True)
+    for name, size, units in (("m_mm.npy", 200.0, "m"), ("m_m.npy", 0.2, "m"), ("m_unit.npy", 0.2, "mm"),
+                              ("s1.npy", 1.5, "m"), ("s2.npy", 1.5, "m")):
+        np.save(tmp_path / name, (rng.random((300, 3)) * size).astype(np.float32))
+        assert ingest_file(str(store), Source(str(tmp_path / name), name), units=units)["status"] == "ingested"
+    st = ScanStore(store, mode="r")
 
-    assert scale_hint(store(0.2, 1.5), None, "default") is None
-    hint = scale_hint(store(200.0, 1.5), None, "default")
-    assert hint.startswith("the models (200 across) are 133 times the size of the scenes (1.5 across)"), hint
-    hint = scale_hint(store(0.2, 1.5, model_unit="mm"), ["s1"], "default")
+    def lib(model):  # the store as it is, its library's models as given
+        return SimpleNamespace(catalog=SimpleNamespace(library_attrs=lambda name: {"model_scans": [model]}),
+                               attrs=st.attrs, scans=st.scans)
+
+    scenes = ["s1.npy", "s2.npy"]
+    assert scale_hint(lib("m_m.npy"), scenes, "default") is None
+    hint = scale_hint(lib("m_mm.npy"), scenes, "default")
+    assert hint.startswith("the models (199.") and "times the size of the scenes (1.4" in hint, hint
+    assert "millimetres against metres" in hint
+    hint = scale_hint(lib("m_unit.npy"), scenes, "default")
     assert "models were ingested in mm and the scenes in m" in hint and "converts nothing" in hint
