@@ -334,32 +334,42 @@ def _from_records(path, rec, what: str, member: str) -> PointCloud:
     """A cloud from a record array (a PLY vertex element, a structured NPY): x/y/z, normals
     (nx/ny/nz), colours (red/green/blue or r/g/b), intensity, and every other numeric field of
     one value a point as ``extra_<name>`` (a PLY's alpha, quality or label, a structured NPY's
-    time or class: dropped before). ``what``/``member`` name them in errors."""
+    time or class: dropped before). The known names are matched in any case (``X Y Z``).
+    ``what``/``member`` name them in errors."""
     names = rec.dtype.names or ()
-    for name in ("x", "y", "z"):
-        if name not in names:
-            raise ScanReadError(path, f"{what} has no {name!r} {member} (has: {' '.join(names)})")
-    dtype = np.result_type(rec["x"].dtype, np.float32)
-    cloud = PointCloud(np.stack([rec["x"], rec["y"], rec["z"]], axis=1).astype(dtype, copy=False))
-    used = {"x", "y", "z"}
-    if all(n in names for n in ("nx", "ny", "nz")):
-        cloud.normals = np.stack([rec["nx"], rec["ny"], rec["nz"]], axis=1).astype(np.float32)
-        used |= {"nx", "ny", "nz"}
+    by_lower: dict[str, str] = {}
+    for n in names:
+        by_lower.setdefault(n.lower(), n)
+
+    def col(*want):  # the fields of these names (any case), or None where one is missing
+        got = [by_lower.get(w) for w in want]
+        return None if None in got else got
+
+    xyz = col("x", "y", "z")
+    if xyz is None:
+        missing = next(w for w in ("x", "y", "z") if w not in by_lower)
+        raise ScanReadError(path, f"{what} has no {missing!r} {member} (has: {' '.join(names)})")
+    dtype = np.result_type(rec[xyz[0]].dtype, np.float32)
+    cloud = PointCloud(np.stack([rec[n] for n in xyz], axis=1).astype(dtype, copy=False))
+    used = set(xyz)
+    if (nrm := col("nx", "ny", "nz")) is not None:
+        cloud.normals = np.stack([rec[n] for n in nrm], axis=1).astype(np.float32)
+        used |= set(nrm)
     for trio in (("red", "green", "blue"), ("r", "g", "b")):
-        if all(n in names for n in trio):
-            cloud.colors = to_uint8(np.stack([rec[n] for n in trio], axis=1))
-            used |= set(trio)
+        if (rgb := col(*trio)) is not None:
+            cloud.colors = to_uint8(np.stack([rec[n] for n in rgb], axis=1))
+            used |= set(rgb)
             break
     for iname in ("intensity", "scalar_intensity"):
-        if iname in names:
-            cloud.intensity = np.asarray(rec[iname], dtype=np.float32)
-            used.add(iname)
+        if (i := col(iname)) is not None:
+            cloud.intensity = np.asarray(rec[i[0]], dtype=np.float32)
+            used.add(i[0])
             break
     for name in names:  # the other per-point numbers, by name (a list property or a text field is not one)
-        col = rec[name]
-        if (name not in used and re.fullmatch(r"[A-Za-z0-9_]+", name) and col.ndim == 1
-                and (np.issubdtype(col.dtype, np.number) or col.dtype == np.bool_)):
-            cloud.extra[name] = np.asarray(col)
+        c = rec[name]
+        if (name not in used and re.fullmatch(r"[A-Za-z0-9_]+", name) and c.ndim == 1
+                and (np.issubdtype(c.dtype, np.number) or c.dtype == np.bool_)):
+            cloud.extra[name] = np.asarray(c)
     return cloud
 
 

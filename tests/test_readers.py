@@ -398,3 +398,15 @@ def test_a_reader_library_message_over_several_lines_is_one_line(tmp_path):
     with pytest.raises(ScanReadError) as info:
         read_cloud(tmp_path / "q.pcd")
     assert "\n" not in info.value.reason and "Input should be 'F', 'U' or 'I'" in info.value.reason
+
+
+def test_ply_coordinates_named_in_capitals(tmp_path):
+    """``X Y Z`` (and ``NX``, ``Red``) are the coordinates, normals and colour, as in lower case
+    (the file was quarantined: "PLY vertex has no 'x' property (has: X Y Z)")."""
+    (tmp_path / "c.ply").write_bytes(b"ply\nformat ascii 1.0\nelement vertex 2\nproperty double X\nproperty double Y\n"
+                                     b"property double Z\nproperty uchar Red\nproperty uchar Green\nproperty uchar Blue\n"
+                                     b"end_header\n0 0.5 1 1 2 3\n1 0 0 4 5 6\n")
+    c = read_cloud(tmp_path / "c.ply")
+    np.testing.assert_array_equal(c.points, [[0, 0.5, 1], [1, 0, 0]])
+    np.testing.assert_array_equal(c.colors, [[1, 2, 3], [4, 5, 6]])
+    assert c.extra == {}
