@@ -210,3 +210,18 @@ def test_the_no_detections_note_names_models_of_another_unit(tmp_path):
     assert "millimetres against metres" in hint
     hint = scale_hint(lib("m_unit.npy"), scenes, "default")
     assert "models were ingested in mm and the scenes in m" in hint and "converts nothing" in hint
+
+
+def test_run_says_which_path_parameters_this_host_lacks(tmp_path):
+    """``scanforest run ingest --param source=/typo`` started a run that failed on the serving
+    host: the command says which path parameters do not exist here (it may be another host, so
+    it is a note, not a refusal); globs, URLs and a new store in an existing folder pass."""
+    from scanforest.deploy.cli.ops import missing_paths
+
+    (tmp_path / "scans").mkdir()
+    assert missing_paths({"source": str(tmp_path / "scans"), "store": str(tmp_path / "new.zarr"),
+                          "workers": 2}) == []
+    assert missing_paths({"source": str(tmp_path / "scans" / "*.pcd"), "store": "s3://bucket/s.zarr"}) == []
+    lines = missing_paths({"source": str(tmp_path / "scnas"), "store": str(tmp_path / "no" / "s.zarr")})
+    assert len(lines) == 2 and lines[0].startswith(f"--param source={tmp_path / 'scnas'}: no such path on this host")
+    assert "no such folder" in lines[1]

@@ -63,6 +63,28 @@ def report_path(store: str) -> str:
     return os.path.join(cache, "scanforest", "reports", f"{stem}-report.html")
 
 
+#: the deployments' parameters that name a path on the host that serves them
+PATH_PARAMS = ("source", "store")
+
+
+def missing_paths(parameters: dict) -> list[str]:
+    """One line for each path parameter (:data:`PATH_PARAMS`) that does not exist on this host
+    (for a store: nor its folder): the run reads it where its deployment is served, which may be
+    another host, so it is said, not refused (a typo started a run that failed there)."""
+    import os
+
+    out = []
+    for key in PATH_PARAMS:
+        value = parameters.get(key)
+        if not isinstance(value, str) or "://" in value or any(c in value for c in "*?["):
+            continue
+        there = os.path.exists(value) or (key == "store" and os.path.isdir(os.path.dirname(os.path.abspath(value))))
+        if not there:
+            out.append(f"--param {key}={value}: no such {'folder' if key == 'store' else 'path'} on this host "
+                       "(the run reads it on the host that serves the deployment)")
+    return out
+
+
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command()
     def serve(
@@ -142,6 +164,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         spec = get(deployment)
         parameters = _parse_params(param)
         check_run(spec, parameters)
+        for line in missing_paths(parameters):
+            typer.echo(f"note: {line}", err=True)
         run = run_deployment(spec.full_name, parameters=parameters, timeout=0)
         if wait:  # a serve that died after the check is said within a minute, not after --timeout
             run = await_run(spec, run.id, timeout)
