@@ -380,9 +380,12 @@ def _from_records(path, rec, what: str, member: str) -> PointCloud:
 def _read_las(path, data: bytes) -> PointCloud:
     import laspy
 
-    with laspy.open(io.BytesIO(data)) as head:
-        check_las_size(path, head.header, len(data))
-    las = laspy.read(io.BytesIO(data))
+    try:
+        las = laspy.read(io.BytesIO(data))
+    except Exception:  # a file cut short is said as such; the header is read again only then
+        with laspy.open(io.BytesIO(data)) as head:
+            check_las_size(path, head.header, len(data))
+        raise
     cols = las_columns(las.points, set(las.point_format.dimension_names))
     cloud = PointCloud(cols["points"], intensity=cols.get("intensity"), colors=las_colors(cols.get("rgb")))
     cloud.extra.update({k[6:]: v for k, v in cols.items() if k.startswith("extra_")})

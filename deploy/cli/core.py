@@ -207,7 +207,8 @@ def scale_hint(st, scenes: list[str] | None, library: str | None) -> str | None:
     except Exception:  # noqa: BLE001 - no library: nothing to compare
         return None
     if scenes is None:
-        scenes = [s for s in st.scans() if s not in set(models)]
+        model_set = set(models)
+        scenes = [s for s in st.scans() if s not in model_set]
     scenes = list(scenes)[:SCALE_HINT_SCENES]
 
     def sizes(ids):
