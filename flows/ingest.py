@@ -14,7 +14,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from scanforest.kernels.errors import InputError
-from scanforest.tasks.ingest import Staging, check_source, discover, ignored_note, staging_note
+from scanforest.tasks.ingest import Staging, check_source, discover, ignored_note, staging_folder, staging_note
 from scanforest.tasks.las import copc_settings
 from scanforest.tasks.store import ScanStore, scan_id_for
 
@@ -60,9 +60,9 @@ def _ingest(source: str, store: str, units: str, progress: bool, batch: int | No
     """Discover, create the store (only now: a source without scans leaves nothing behind), ingest."""
     t0 = time.perf_counter()
     ignored: list[dict[str, str]] = []
-    with Staging(store.rstrip("/") + ".staging") as staging:
+    with Staging(staging_folder(store)) as staging:  # made when an archive comes
         try:
-            sources, problems = discover(source, staging.path, ignored=ignored)
+            sources, problems = discover(source, staging, ignored=ignored)
             t_found = time.perf_counter() - t0
             if not sources and not problems and not existing:
                 raise InputError(f"ingest source {source} holds no scan files ({len(ignored)} other files ignored)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import glob as _glob
+import hashlib
 import json
 import lzma
 import math
@@ -413,13 +414,13 @@ def ignored_note(ignored: list[dict[str, str]], show: int = 3) -> str:
     return f"ignored {len(ignored)} file(s) ({'; '.join(reasons)}): {names}{more}"
 
 
-def discover(source: str | os.PathLike, staging: str | os.PathLike, *,
+def discover(source: str | os.PathLike, staging: "str | os.PathLike | Staging", *,
              ignored: list[dict[str, str]] | None = None) -> tuple[list[Source], list[dict[str, str]]]:
     """Expand a folder, a glob, a single file or an archive into the files to ingest.
 
     Scan ids come from the paths relative to the folder or the glob's fixed part
     (:func:`~.store.scan_id_for`). Archives (.tar, .tar.gz, .tgz, .zip, ...) are extracted once,
-    streaming, into ``staging``; their members' paths are prefixed by the archive's name without
+    streaming, into ``staging`` (a folder, or a :class:`Staging` made only when an archive comes); their members' paths are prefixed by the archive's name without
     its suffix where the archive is the source, and by its path in the folder (suffix included)
     where it is found in one, so two archives never give one id. Each source also carries the id
     an older version gave it (``legacy_id``, see :func:`_offer_legacy_ids`). Returns the sources
@@ -434,18 +435,19 @@ def discover(source: str | os.PathLike, staging: str | os.PathLike, *,
     """
     src = str(source)
     ignored = [] if ignored is None else ignored
+    staging = staging if isinstance(staging, Staging) else Path(staging)
     if is_glob(src):
         root = _glob_root(src)
         paths = sorted(_glob.glob(src, recursive=True), key=lambda p: (p.count(os.sep), p))
-        items, problems = _collect(((p, os.path.relpath(p, root)) for p in paths), Path(staging), ignored)
+        items, problems = _collect(((p, os.path.relpath(p, root)) for p in paths), staging, ignored)
     else:
         check_source(src, allow_empty=True)  # the caller decides whether finding nothing is an error
         path = Path(src)
         if path.is_dir():
             regular: set[str] = set()
-            items, problems = _collect(_walk(path, regular), Path(staging), ignored, regular=regular)
+            items, problems = _collect(_walk(path, regular), staging, ignored, regular=regular)
         elif is_archive(path):
-            items, problems = _expand_archive(path, Path(staging), ignored)
+            items, problems = _expand_archive(path, staging, ignored)
         else:
             items, problems = [_source(os.path.realpath(path), path.name)], []
     return _offer_legacy_ids(items), problems
@@ -508,7 +510,7 @@ def _walk(root: Path, regular: set[str] | None = None):
     yield from walk(root, "")
 
 
-def _collect(pairs, staging: Path, ignored: list[dict[str, str]], *, archives: bool = True,
+def _collect(pairs, staging: "Path | Staging", ignored: list[dict[str, str]], *, archives: bool = True,
              regular: set[str] | None = None):
     """Sources from (path, relative path) pairs, each bad item a problem of its own. An archive's
     members come as (path, relative path, the relative path older versions named them from).
@@ -617,11 +619,12 @@ def _archive_stem(path: Path) -> str:
     return path.stem
 
 
-def _expand_archive(path: Path, staging: Path, ignored: list[dict[str, str]],
+def _expand_archive(path: Path, staging: "Path | Staging", ignored: list[dict[str, str]],
                     name: str | None = None) -> tuple[list[Source], list[dict[str, str]]]:
     """Extract an archive into ``staging`` once (under a lock: two ingests of one archive at once
     extract it once, and neither reads a member the other is still writing) and list its scans,
     their relative paths under ``name`` (default: the archive's name without its suffix)."""
+    staging = staging.acquire() if isinstance(staging, Staging) else staging
     problems: list[dict[str, str]] = []
     digest = sha256_file(path)[:12]
     stem = _archive_stem(path)
@@ -818,12 +821,30 @@ def staging_note(path: str | os.PathLike, members: int) -> str:
             "again; delete it when you no longer need that")
 
 
+#: a folder under which ingests extract archives when the store's own folder cannot hold its
+#: staging folder (read-only, or too small): each store gets ``NAME-HASH.staging`` in it
+STAGING_ENV = "SCANFOREST_STAGING"
+
+
+def staging_folder(store: str) -> Path:
+    """Where an ingest into ``store`` extracts archives: ``STORE.staging`` beside the store (on the
+    workers' shared file system where the store is), or under ``$SCANFOREST_STAGING``."""
+    store = os.path.abspath(str(store).rstrip("/"))
+    under = os.environ.get(STAGING_ENV)
+    if not under:
+        return Path(store + ".staging")
+    tag = hashlib.sha256(store.encode()).hexdigest()[:12]
+    return Path(os.path.abspath(under)) / f"{os.path.basename(store)}-{tag}.staging"
+
+
 class Staging:
     """The folder next to the store that archives are extracted into, shared by its ingests.
 
-    Each ingest holds a shared ``flock`` on ``STAGING/.in-use`` while it runs, and removes the
-    folder only when it can turn that into an exclusive lock, i.e. when no other ingest is still
-    reading extracted files. A lock obtained on a file that a remover unlinked meanwhile is
+    It is made when the first archive comes (:meth:`acquire`): a source without archives writes
+    nothing beside the store, so a store whose folder is read-only still ingests a folder of
+    scans. Each ingest holds a shared ``flock`` on ``STAGING/.in-use`` from then on, and removes
+    the folder only when it can turn that into an exclusive lock, i.e. when no other ingest is
+    still reading extracted files. A lock obtained on a file that a remover unlinked meanwhile is
     taken again on the new one (the inode check), so no ingest runs unprotected.
     """
 
@@ -832,30 +853,42 @@ class Staging:
         self._fd: int | None = None
 
     def __enter__(self) -> "Staging":
-        lock = self.path / ".in-use"
-        while self._fd is None:
-            self.path.mkdir(parents=True, exist_ok=True)
-            try:
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            except FileNotFoundError:  # removed between mkdir and open
-                continue
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            try:
-                same = os.stat(lock).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                self._fd = fd
-            else:
-                os.close(fd)
         return self
+
+    def acquire(self) -> Path:
+        """The folder, made and held (shared lock) from the first call on. A folder that cannot be
+        written is a user error naming :data:`STAGING_ENV` (every archive would fail alike)."""
+        lock = self.path / ".in-use"
+        try:
+            while self._fd is None:
+                self.path.mkdir(parents=True, exist_ok=True)
+                try:
+                    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+                except FileNotFoundError:  # removed between mkdir and open
+                    continue
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                try:
+                    same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    self._fd = fd
+                else:
+                    os.close(fd)
+        except OSError as exc:
+            raise InputError(f"cannot extract archives into {self.path}: {exc.strerror or exc}; set "
+                             f"{STAGING_ENV} to a folder that can be written (and that the workers can read)") from None
+        return self.path
 
     def holds_files(self) -> bool:
         """Whether anything was extracted here (lock files and markers are hidden)."""
-        return any(not name.startswith(".") for name in os.listdir(self.path))
+        return self._fd is not None and any(not name.startswith(".") for name in os.listdir(self.path))
 
     def remove(self) -> bool:
-        """Remove the folder unless another ingest is using it; returns whether it was removed."""
+        """Remove the folder unless another ingest is using it (or it was never made); returns
+        whether it is gone."""
+        if self._fd is None:
+            return True
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -864,5 +897,6 @@ class Staging:
         return True
 
     def __exit__(self, *exc) -> None:
-        os.close(self._fd)
-        self._fd = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

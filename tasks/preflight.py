@@ -47,12 +47,11 @@ def _folder_of(store: str, doing: str) -> str:
     return folder
 
 
-def check_store_location(store: str, *, create: bool = False, staging: bool = False) -> None:
+def check_store_location(store: str, *, create: bool = False) -> None:
     """A user error in one line when a command could not write the scan store ``store`` (an
     absolute path): the path is a file; with ``create``, the store is missing and its folder is
-    missing or cannot be written; the store exists and cannot be written; with ``staging``
-    (ingest, which extracts archives into ``STORE.staging`` beside the store), the store's
-    folder cannot be written.
+    missing or cannot be written; the store exists and cannot be written (an ingest's staging
+    folder for archives is checked when an archive comes: :class:`~.ingest.Staging`).
 
     A store that is missing (without ``create``) or a folder that holds no Zarr hierarchy is
     left to :class:`~scanforest.tasks.store.ScanStore`, whose line says which it is."""
@@ -62,10 +61,6 @@ def check_store_location(store: str, *, create: bool = False, staging: bool = Fa
     if create and not exists:
         folder = _folder_of(store, "create")
         _probe(folder, f"cannot create the scan store {store}: cannot write in {folder}")
-    elif staging:
-        folder = _folder_of(store, "use")
-        _probe(folder, f"cannot use the scan store {store}: cannot write in {folder}, where its "
-                       "staging folder goes")
     if exists and (create or os.path.isfile(os.path.join(store, "zarr.json"))):
         _probe(store, f"cannot write to the scan store {store}")
 

@@ -205,6 +205,38 @@ def test_the_staging_folder_kept_for_a_quarantined_member_is_said(tmp_path, rng)
     assert summary["quarantined"] == 1 and "staging_note" not in summary
     assert not (tmp_path / "t.zarr.staging").exists()
 
+def test_a_store_whose_folder_cannot_hold_its_staging_folder(tmp_path, rng, prefect_api, monkeypatch):
+    """The staging folder is made when an archive comes: a folder of scans ingests where
+    ``STORE.staging`` cannot be made (a read-only folder; here a file in its place), which
+    crashed with a traceback. An archive there is one line naming SCANFOREST_STAGING, exit 2,
+    and no store left behind; with it set, the archive is extracted under it and removed after."""
+    members = _npy_members(rng, 2)
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, data in members:
+        (src / name).write_bytes(data)
+    (tmp_path / "s.zarr.staging").write_text("in the way")
+    summary = run_ingest(str(src), str(tmp_path / "s.zarr"), workers=1, progress=False)
+    assert summary["ingested"] == 2 and summary["quarantined"] == 0
+    with zipfile.ZipFile(tmp_path / "a.zip", "w") as zf:
+        for name, data in members:
+            zf.writestr(name, data)
+    (tmp_path / "t.zarr.staging").write_text("in the way")
+    env = dict(os.environ, PREFECT_API_URL=prefect_api)
+    env.pop("SCANFOREST_STAGING", None)
+    res = subprocess.run([sys.executable, "-m", "scanforest.deploy.cli", "ingest", str(tmp_path / "a.zip"),
+                          str(tmp_path / "t.zarr"), "--workers", "1"], env=env, capture_output=True, text=True)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert len(lines) == 1 and "t.zarr.staging" in lines[0] and "SCANFOREST_STAGING" in lines[0], res.stderr
+    assert not (tmp_path / "t.zarr").exists()
+    monkeypatch.setenv("SCANFOREST_STAGING", str(tmp_path / "elsewhere"))
+    summary = run_ingest(str(tmp_path / "a.zip"), str(tmp_path / "t.zarr"), workers=1, progress=False)
+    assert summary["ingested"] == 2 and sorted(ScanStore(tmp_path / "t.zarr", mode="r").scans()) == ["a__s0.npy",
+                                                                                                   "a__s1.npy"]
+    assert list((tmp_path / "elsewhere").iterdir()) == []  # removed after a clean ingest
+
+
 def test_tar_cut_at_a_member_header_hard_links_and_symlinks(tmp_path, archive):
     """A tar cut where a member's header begins read as a shorter, complete archive: its members
     so far are listed and the archive is a problem ("cut off"), as a cut inside a member's data

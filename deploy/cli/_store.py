@@ -36,12 +36,12 @@ def existing_store(store: str) -> str:
 
 
 def new_store(store: str) -> str:
-    """``STORE`` callback of ingest, which creates the store when missing and extracts archives
-    into a staging folder beside it."""
+    """``STORE`` callback of ingest, which creates the store when missing (its staging folder for
+    archives is checked when an archive comes: :class:`~scanforest.tasks.ingest.Staging`)."""
     from scanforest.flows.inputs import absolute_path
     from scanforest.tasks.preflight import check_store_location
 
-    check_store_location(_keep(absolute_path(store)), create=True, staging=True)
+    check_store_location(_keep(absolute_path(store)), create=True)
     return store
 
 
