@@ -20,7 +20,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Iterator
+import threading
+from typing import Any, Callable, Iterator
+
+from scanforest.kernels.errors import ScanforestError
 
 from .prefect_api import quiet_prefect_logs
 from .worker_setup import worker_plugin
@@ -81,6 +84,79 @@ def _want_gpu_cluster(device: str) -> bool:
     return importlib.util.find_spec("dask_cuda") is not None
 
 
+class Interrupted(ScanforestError):
+    """The command was asked to stop (a Ctrl-C): work not yet sent to the cluster is not sent, and
+    a task waiting on the cluster stops waiting (never retried: a user's stop)."""
+
+
+_stopping = threading.Event()
+_waiting: set = set()  # the Dask futures this process's task threads wait on
+_waiting_lock = threading.Lock()
+
+
+def stop_waiting() -> None:
+    """A Ctrl-C (the command's signal handler): the flow's task threads blocked on Dask futures
+    are released (the futures cancelled, in a thread of its own: the handler must not block), and
+    no new work is sent. The flow then ends on its own, its cluster and API closed: the threads
+    it waited for held the command until its grace timer ended it, with no clean-up run (the
+    local cluster's semaphores said leaked)."""
+    _stopping.set()
+    with _waiting_lock:
+        futs = list(_waiting)
+    if futs:
+        threading.Thread(target=_cancel, args=(futs,), name="scanforest-stop", daemon=True).start()
+
+
+def _cancel(futs: list) -> None:
+    by_client: dict = {}
+    for f in futs:
+        by_client.setdefault(id(f.client), (f.client, []))[1].append(f)
+    for client, fs in by_client.values():
+        try:
+            client.cancel(fs, force=True)
+        except Exception:  # noqa: BLE001 - a closing client: its waiters are released by its close
+            pass
+
+
+def wait_for(client, futs: list, get: Callable) -> Any:
+    """``get()`` (a future's result, a gather) with ``futs`` registered for :func:`stop_waiting`:
+    after a Ctrl-C it raises :class:`Interrupted` instead of waiting."""
+    if _stopping.is_set():
+        client.cancel(futs, force=True)
+        raise Interrupted("stopped by a Ctrl-C")
+    with _waiting_lock:
+        _waiting.update(futs)
+    try:
+        return get()
+    except Exception:
+        if _stopping.is_set():
+            raise Interrupted("stopped by a Ctrl-C") from None
+        raise
+    finally:
+        with _waiting_lock:
+            _waiting.difference_update(futs)
+
+
+def stopping() -> bool:
+    """Whether this process was asked to stop (:func:`stop_waiting`)."""
+    return _stopping.is_set()
+
+
+def _end_workers(cluster) -> None:
+    """After a Ctrl-C: the local cluster's worker processes end now (their nannies told not to
+    start them again), so its close does not wait for the tasks they are in: a scan being written
+    is written whole or not at all, as when a worker is killed. Closing waited some 4 s for a
+    worker inside a numba call (the closing nannies' time-out)."""
+    import signal
+
+    for nanny in list(getattr(cluster, "workers", {}).values()):
+        pid = getattr(getattr(getattr(nanny, "process", None), "process", None), "pid", None)
+        if pid:
+            with contextlib.suppress(Exception):
+                nanny.auto_restart = False
+                os.kill(pid, signal.SIGTERM)
+
+
 #: the local cluster kept by an open :func:`cluster_scope` (None: no scope is open)
 _scope: dict | None = None
 
@@ -102,7 +178,9 @@ def cluster_scope(*, device: str = "auto", workers: int | None = None) -> Iterat
         yield
     finally:
         kept, _scope = _scope, None
-        if kept.get("cluster") is not None and _want_gpu_cluster(kept["device"]):
+        if kept.get("cluster") is not None and stopping():
+            _end_workers(kept["cluster"])
+        elif kept.get("cluster") is not None and _want_gpu_cluster(kept["device"]):
             release_worker_devices(kept["client"])
         for obj in (kept.get("client"), kept.get("cluster")):
             if obj is not None:
@@ -257,6 +335,8 @@ def dask_client(scheduler: str | None = None, *, n_workers: int | None = None,
                                name="scanforest-worker-setup")
         yield client
     finally:
+        if cluster is not None and stopping():
+            _end_workers(cluster)
         client.close()
         if cluster is not None:
             cluster.close()

@@ -260,13 +260,15 @@ def _stop_server() -> None:
         _server = None
 
 
-_USER_ERRORS = ("ScanforestError", "InputError", "ScanReadError", "DeviceError", "OutOfMemory")
+_USER_ERRORS = ("ScanforestError", "InputError", "ScanReadError", "DeviceError", "OutOfMemory", "Interrupted")
 
 
 class _UserErrorFilter(logging.Filter):
     """Drop Prefect's log lines about a run that failed with a user error (an ``InputError`` and
     the like): the command prints that error in one line and exits 2; a traceback and the
-    run's final-state line would bury it. Unexpected errors keep their tracebacks."""
+    run's final-state line would bury it. Unexpected errors keep their tracebacks. A Ctrl-C's
+    "Crash detected! Execution was aborted by an interrupt signal" is dropped too: the command
+    said it stops (the run is still marked crashed)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from scanforest.kernels.errors import ScanforestError
@@ -278,6 +280,8 @@ class _UserErrorFilter(logging.Filter):
             msg = record.getMessage()
         except Exception:
             return True
+        if "aborted by an interrupt signal" in msg:
+            return False
         return not (("Finished in state" in msg or "Retries are exhausted" in msg or "encountered an exception" in msg)
                     and any(name + ":" in msg or name + "(" in msg for name in _USER_ERRORS))
 

@@ -15,6 +15,8 @@ from scanforest.kernels.errors import ScanforestError
 from scanforest.tasks.ingest import Source, ingest_files
 from scanforest.tasks.units import isolated
 
+from .cluster import Interrupted, stopping, wait_for
+
 
 def current_run() -> str | None:
     """The id of the Prefect flow run this code runs in (from a task run's or a flow run's
@@ -61,9 +63,11 @@ def on_cluster(fn: Callable, *args, key: str | None = None, resources: dict | No
         client = default_client()
     except (ImportError, ValueError):
         return fn(*args, **kwargs)
+    if stopping():
+        raise Interrupted("stopped by a Ctrl-C")
     fut = client.submit(fn, *args, key=key, pure=False, resources=resources, **kwargs)
     try:
-        return fut.result()
+        return wait_for(client, [fut], fut.result)
     finally:
         fut.release()
 
@@ -78,10 +82,12 @@ def on_cluster_many(fn: Callable, calls: list[tuple[tuple, dict]], priorities: l
         client = default_client()
     except (ImportError, ValueError):
         return [fn(*a, **kw) for a, kw in calls]
+    if stopping():
+        raise Interrupted("stopped by a Ctrl-C")
     prio = priorities or [0] * len(calls)
     futs = [client.submit(fn, *a, pure=False, priority=p, **kw) for (a, kw), p in zip(calls, prio)]
     try:
-        return client.gather(futs)
+        return wait_for(client, futs, lambda: client.gather(futs))
     finally:
         for f in futs:
             f.release()

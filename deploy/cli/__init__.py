@@ -91,6 +91,16 @@ CHECK_FIRST = {"describe", "match"}
 INTERRUPT_GRACE = 6.0
 
 
+def _give_up() -> None:
+    """The grace after a Ctrl-C is over: exit now, said (its clean-up did not finish)."""
+    import os
+
+    sys.stderr.write(f"interrupted: not stopped within {INTERRUPT_GRACE:g} s; quitting without its clean-up "
+                     "(a rerun resumes)\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
 def _stop_on_interrupt() -> None:
     """Ctrl-C stops the command: the first one raises KeyboardInterrupt in it and exits after
     :data:`INTERRUPT_GRACE` seconds at the latest, a second one at once (exit 130 either way).
@@ -110,7 +120,10 @@ def _stop_on_interrupt() -> None:
         records = sys.modules.get("scanforest.flows.records")  # imported where a run is watched: nothing to import
         if records is not None:
             records.note_interrupt()  # its watchdog records a Ctrl-C, should the grace timer end the command
-        timer = threading.Timer(INTERRUPT_GRACE, os._exit, args=(130,))
+        cluster = sys.modules.get("scanforest.flows.cluster")
+        if cluster is not None:  # the flow's threads waiting on the cluster stop waiting: it ends on its own
+            cluster.stop_waiting()
+        timer = threading.Timer(INTERRUPT_GRACE, _give_up)
         timer.daemon = True
         timer.start()
         raise KeyboardInterrupt
@@ -138,6 +151,8 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except ScanforestError as exc:
+        if type(exc).__name__ == "Interrupted":  # a task's stop after a Ctrl-C (flows.cluster): not an error
+            sys.exit(130)
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(2)
     except OSError as exc:
