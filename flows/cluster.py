@@ -101,6 +101,12 @@ def stop_waiting() -> None:
     it waited for held the command until its grace timer ended it, with no clean-up run (the
     local cluster's semaphores said leaked)."""
     _stopping.set()
+    # what the cluster's libraries say as they are cut short (a broadcast to an ended worker, a
+    # worker that was starting: errors and asyncio tracebacks) is noise: the command said it stops
+    for name in list(logging.root.manager.loggerDict):
+        if name.split(".")[0] in ("distributed", "asyncio", "tornado"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     with _waiting_lock:
         futs = list(_waiting)
     if futs:

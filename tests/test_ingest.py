@@ -376,6 +376,48 @@ def test_ingest_killed_midway_and_rerun(tmp_path, prefect_api):
     assert st.info()["incomplete"] == []
 
 
+def test_ingest_stopped_with_ctrl_c_and_rerun(tmp_path, rng, prefect_api):
+    """Ctrl-C mid-ingest (SIGINT to the command's process group, as a terminal sends it, its
+    workers in a session of their own): exit 130 within seconds, one line said and nothing else
+    (no traceback, no library's error lines), its workers ended where they were; every scan the
+    store shows is whole and the rerun ingests the rest."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(160):
+        np.save(src / f"s{i:03d}.npy", rng.random((20_000, 3)).astype(np.float32))
+    store = tmp_path / "s.zarr"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PREFECT_API_URL=prefect_api)
+    errfile = open(tmp_path / "stderr.txt", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "scanforest.deploy.cli", "ingest", str(src), str(store),
+                             "--workers", "2"], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=errfile)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (store / "zarr.json").exists():
+            assert proc.poll() is None, "ingest finished before it could be stopped"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.time()
+        proc.wait(30)
+        stopped = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    errfile.close()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 130 and stopped < 6, (stopped, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines and all(ln.startswith("interrupted: stopping") for ln in lines), err
+    st = ScanStore(store, mode="r")
+    done = st.scans()
+    for sid in done:
+        np.testing.assert_array_equal(st.read(sid), np.load(src / sid))
+    summary = run_ingest(str(src), str(store), workers=2, progress=False)
+    assert summary["skipped"] == len(done) and summary["ingested"] == 160 - len(done)
+    assert ScanStore(store, mode="r").info()["incomplete"] == []
+
+
 def test_cli_info_and_bad_store(tmp_path):
     from typer.testing import CliRunner
 

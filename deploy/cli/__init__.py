@@ -95,10 +95,23 @@ def _give_up() -> None:
     """The grace after a Ctrl-C is over: exit now, said (its clean-up did not finish)."""
     import os
 
-    sys.stderr.write(f"interrupted: not stopped within {INTERRUPT_GRACE:g} s; quitting without its clean-up "
-                     "(a rerun resumes)\n")
-    sys.stderr.flush()
+    sys.__stderr__.write(f"interrupted: not stopped within {INTERRUPT_GRACE:g} s; quitting without its clean-up "
+                         "(a rerun resumes)\n")
+    sys.__stderr__.flush()
     os._exit(130)
+
+
+def _quiet_exit() -> None:
+    """Exit 130 after a Ctrl-C, saying nothing more: the command said it stops, and what its
+    libraries print as they are cut short is noise (a local cluster stopped while it started:
+    distributed's exit hooks printed four tracebacks)."""
+    import logging
+    import os
+
+    logging.disable(logging.CRITICAL)
+    sys.stderr.flush()
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the exit hooks, until the process ends
+    sys.exit(130)
 
 
 def _stop_on_interrupt() -> None:
@@ -126,6 +139,13 @@ def _stop_on_interrupt() -> None:
         timer = threading.Timer(INTERRUPT_GRACE, _give_up)
         timer.daemon = True
         timer.start()
+        shown = sys.unraisablehook
+
+        def unraisable(u):  # the interrupt raised inside a finaliser or a gc callback: swallowed there,
+            if not isinstance(u.exc_value, KeyboardInterrupt):  # and printed as a traceback; the stop
+                shown(u)  # goes on (the flow's tasks end it)
+
+        sys.unraisablehook = unraisable
         raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():
@@ -149,10 +169,14 @@ def main() -> None:
     try:
         app()
     except KeyboardInterrupt:
-        sys.exit(130)
+        _quiet_exit()
+    except SystemExit as exc:
+        if exc.code == 130:  # typer's answer to a KeyboardInterrupt
+            _quiet_exit()
+        raise
     except ScanforestError as exc:
         if type(exc).__name__ == "Interrupted":  # a task's stop after a Ctrl-C (flows.cluster): not an error
-            sys.exit(130)
+            _quiet_exit()
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(2)
     except OSError as exc:
