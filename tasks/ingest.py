@@ -831,10 +831,14 @@ def staging_folder(store: str) -> Path:
     workers' shared file system where the store is), or under ``$SCANFOREST_STAGING``."""
     store = os.path.abspath(str(store).rstrip("/"))
     under = os.environ.get(STAGING_ENV)
-    if not under:
+    name = os.path.basename(store) + ".staging"
+    if not under and len(os.fsencode(name)) <= 255:
         return Path(store + ".staging")
+    # under another folder, or a store name near the file system's 255 bytes: the name cut (on a
+    # character boundary) and told apart by its path's hash
     tag = hashlib.sha256(store.encode()).hexdigest()[:12]
-    return Path(os.path.abspath(under)) / f"{os.path.basename(store)}-{tag}.staging"
+    stem = os.fsencode(os.path.basename(store))[:255 - len(f"-{tag}.staging")].decode("utf-8", "ignore")
+    return Path(os.path.abspath(under) if under else os.path.dirname(store)) / f"{stem}-{tag}.staging"
 
 
 class Staging:

@@ -235,6 +235,19 @@ def test_a_store_whose_folder_cannot_hold_its_staging_folder(tmp_path, rng, pref
     assert summary["ingested"] == 2 and sorted(ScanStore(tmp_path / "t.zarr", mode="r").scans()) == ["a__s0.npy",
                                                                                                    "a__s1.npy"]
     assert list((tmp_path / "elsewhere").iterdir()) == []  # removed after a clean ingest
+    # a store name near the file system's 255 bytes (non-ASCII): its staging folder's name is cut to fit
+    from scanforest.tasks.ingest import staging_folder
+
+    long_store = tmp_path / ("é" * 120 + ".zarr")  # 246 bytes
+    for where in (None, str(tmp_path / "elsewhere")):
+        if where:
+            monkeypatch.setenv("SCANFOREST_STAGING", where)
+        else:
+            monkeypatch.delenv("SCANFOREST_STAGING")
+        folder = staging_folder(str(long_store))
+        assert len(os.fsencode(folder.name)) <= 255 and folder.name.startswith("é" * 100)
+    summary = run_ingest(str(tmp_path / "a.zip"), str(long_store), workers=1, progress=False)
+    assert summary["ingested"] == 2 and not staging_folder(str(long_store)).exists()
 
 
 def test_tar_cut_at_a_member_header_hard_links_and_symlinks(tmp_path, archive):
